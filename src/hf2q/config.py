@@ -1,0 +1,131 @@
+"""Frozen configuration objects, layered by consumer (model, cache, scheduler, server)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+SUPPORTED_ARCHITECTURES = ("qwen35", "qwen35moe")
+
+
+class ConfigError(ValueError):
+    """A GGUF's metadata does not describe a model this server can run."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Hyper-parameters of a Qwen3.5 / 3.6 hybrid decoder, as read from GGUF metadata."""
+
+    arch: str
+    hidden_size: int
+    num_layers: int  # decoder layers, MTP layers excluded
+    num_mtp_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    context_length: int
+    rope_theta: float
+    rotary_dim: int
+    rope_sections: tuple[int, ...]
+    full_attention_interval: int
+    linear_num_k_heads: int
+    linear_num_v_heads: int
+    linear_k_head_dim: int
+    linear_v_head_dim: int
+    conv_kernel: int
+    vocab_size: int
+    intermediate_size: int = 0  # dense FFN width (0 for MoE)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    name: str = ""
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_full_attention(self, layer: int) -> bool:
+        """Layer i is full attention iff (i + 1) % interval == 0; MTP layers are always full attention."""
+        return layer >= self.num_layers or (layer + 1) % self.full_attention_interval == 0
+
+    @property
+    def full_attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if self.is_full_attention(i))
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if not self.is_full_attention(i))
+
+    @property
+    def conv_channels(self) -> int:
+        return 2 * self.linear_num_k_heads * self.linear_k_head_dim + self.linear_num_v_heads * self.linear_v_head_dim
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers holding K/V: the full-attention decoder layers, then the MTP layers."""
+        return len(self.full_attention_layers) + self.num_mtp_layers
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: Mapping[str, Any]) -> "ModelConfig":
+        arch = meta.get("general.architecture")
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(f"unsupported architecture {arch!r}: hf2q runs {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+        def get(key: str, default: Any = ...) -> Any:
+            full = f"{arch}.{key}"
+            if full in meta:
+                return meta[full]
+            if default is ...:
+                raise ConfigError(f"GGUF metadata lacks required key {full!r}")
+            return default
+
+        n_mtp = int(get("nextn_predict_layers", 0))
+        block_count = int(get("block_count"))
+        key_len, value_len = int(get("attention.key_length")), int(get("attention.value_length"))
+        if key_len != value_len:
+            raise ConfigError(f"attention key_length {key_len} != value_length {value_len}")
+        n_v = int(get("ssm.time_step_rank"))
+        inner = int(get("ssm.inner_size"))
+        vocab = meta.get(f"{arch}.vocab_size")
+        if vocab is None:
+            vocab = len(meta.get("tokenizer.ggml.tokens", []))
+        common = dict(
+            arch=arch,
+            hidden_size=int(get("embedding_length")),
+            num_layers=block_count - n_mtp,
+            num_mtp_layers=n_mtp,
+            num_heads=int(get("attention.head_count")),
+            num_kv_heads=int(get("attention.head_count_kv")),
+            head_dim=key_len,
+            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+            context_length=int(get("context_length")),
+            rope_theta=float(get("rope.freq_base")),
+            rotary_dim=int(get("rope.dimension_count")),
+            rope_sections=tuple(int(x) for x in get("rope.dimension_sections", (0, 0, 0, 0))),
+            full_attention_interval=int(get("full_attention_interval", 4)),
+            linear_num_k_heads=int(get("ssm.group_count")),
+            linear_num_v_heads=n_v,
+            linear_k_head_dim=int(get("ssm.state_size")),
+            linear_v_head_dim=inner // n_v,
+            conv_kernel=int(get("ssm.conv_kernel")),
+            vocab_size=int(vocab),
+            name=str(meta.get("general.name", "")),
+        )
+        if arch == "qwen35moe":
+            return cls(**common, num_experts=int(get("expert_count")),
+                       num_experts_per_tok=int(get("expert_used_count")),
+                       moe_intermediate_size=int(get("expert_feed_forward_length")),
+                       shared_expert_intermediate_size=int(get("expert_shared_feed_forward_length", 0)))
+        return cls(**common, intermediate_size=int(get("feed_forward_length")))
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Sizes of the hybrid cache pools: paged K/V blocks and per-slot linear (DeltaNet) state."""
+
+    num_slots: int = 8
+    num_blocks: int = 512
+    block_size: int = 16
+    kv_dtype: str = "float32"
+    state_dtype: str = "float32"
