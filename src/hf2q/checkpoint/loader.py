@@ -1,0 +1,80 @@
+"""Build a `Qwen35Model` from a GGUF file; every tensor must land on exactly one parameter."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from hf2q.checkpoint.gguf_file import GGUFError, GGUFFile
+from hf2q.checkpoint.names import param_name
+from hf2q.config import ModelConfig
+from hf2q.layers.mlp import MLP
+from hf2q.layers.rotary import RotaryEmbedding
+from hf2q.models.qwen35 import DecoderLayer, Qwen35Model
+from hf2q.models.qwen35_mtp import MTPHead
+
+
+def build_model(gguf: GGUFFile, cfg: ModelConfig, device="cpu", dtype=torch.float32,
+                with_mtp: bool = True) -> Qwen35Model:
+    names = set(gguf.tensor_names)
+    embed_rows = gguf.info("token_embd.weight").shape[0] if "token_embd.weight" in names else None
+    if embed_rows is None:
+        raise GGUFError(f"{gguf.path}: no token_embd.weight tensor")
+    if embed_rows != cfg.vocab_size:
+        cfg = dataclasses.replace(cfg, vocab_size=embed_rows)
+    with torch.device("meta"):
+        model = Qwen35Model(cfg, tie_embeddings="output.weight" not in names)
+        if with_mtp and cfg.num_mtp_layers:
+            model.mtp = _make_mtp(cfg, names)
+    _fill(model, gguf, cfg, device, dtype, with_mtp)
+    return model.eval()
+
+
+def _make_mtp(cfg: ModelConfig, names: set[str]) -> MTPHead:
+    n = cfg.num_layers
+    head = MTPHead(cfg, DecoderLayer(cfg, n, rotary=None))
+    if cfg.is_moe and f"blk.{n}.ffn_gate.weight" in names:  # a dense MTP block inside a MoE model
+        head.layer.ffn = MLP(cfg.hidden_size, 1)
+    if f"blk.{n}.nextn.embed_tokens.weight" in names:
+        head.embed = nn.Parameter(torch.empty(0), requires_grad=False)
+    return head
+
+
+def _fill(model: Qwen35Model, gguf: GGUFFile, cfg: ModelConfig, device, dtype, with_mtp: bool) -> None:
+    params = dict(model.named_parameters())
+    filled: set[str] = set()
+    for name in gguf.tensor_names:
+        target = param_name(name, cfg.num_layers)
+        if target is None:
+            raise GGUFError(f"{gguf.path}: unexpected tensor {name!r} for architecture {cfg.arch}")
+        if target.startswith("mtp.") and model.mtp is None:
+            continue  # MTP weights present but not wanted
+        if target not in params:
+            raise GGUFError(f"{gguf.path}: tensor {name!r} has no place in this {cfg.arch} model ({target})")
+        value = gguf.tensor(name, dtype=torch.float32)
+        _assign(model, target, params[target], value, name, gguf, device, dtype)
+        filled.add(target)
+    missing = sorted(set(params) - filled)
+    if missing:
+        raise GGUFError(f"{gguf.path}: missing tensors for {', '.join(missing[:8])}"
+                        + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+    # Buffers were made on the meta device: build the rotary tables for real and share them.
+    model.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, cfg.rope_sections).to(device)
+    layers = list(model.layers) + ([model.mtp.layer] if model.mtp is not None else [])
+    for layer in layers:
+        if layer.is_full_attention:
+            layer.mixer.rotary = model.rotary
+
+
+def _assign(model: nn.Module, target: str, param: nn.Parameter, value: torch.Tensor, name: str,
+            gguf: GGUFFile, device, dtype) -> None:
+    flexible = param.shape == (0,) or (target.startswith("mtp.layer.ffn.") and param.shape != value.shape)
+    if not flexible and tuple(param.shape) != tuple(value.shape):
+        raise GGUFError(f"{gguf.path}: tensor {name!r} has shape {tuple(value.shape)}, "
+                        f"expected {tuple(param.shape)}")
+    keep_fp32 = value.dim() == 1 or name.endswith("ssm_conv1d.weight")
+    new = nn.Parameter(value.to(device=device, dtype=torch.float32 if keep_fp32 else dtype), requires_grad=False)
+    owner_path, _, attr = target.rpartition(".")
+    owner = model.get_submodule(owner_path) if owner_path else model
+    setattr(owner, attr, new)

@@ -1,0 +1,44 @@
+"""Gated DeltaNet kernels, reference versions: the exact CPU path and the oracle for fast kernels.
+
+Shapes are for one sequence: n tokens, h value heads (q/k already expanded to h heads).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def causal_conv1d_ref(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv + SiLU. x: [n, C]; state: [K-1, C] previous raw inputs; weight: [C, K].
+
+    Returns (y [n, C], new state [K-1, C]).
+    """
+    k = weight.shape[1]
+    xp = torch.cat((state.to(x.dtype), x), dim=0)  # [n + K - 1, C]
+    windows = xp.unfold(0, k, 1)  # [n, C, K]
+    y = (windows * weight.to(x.dtype)[None]).sum(-1)
+    return F.silu(y), xp[-(k - 1):].clone() if k > 1 else state
+
+
+def gated_delta_rule_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                         beta: torch.Tensor, state: torch.Tensor, capture: bool = False):
+    """Delta rule with decay, token by token (post-decay form, as llama.cpp and fla's recurrent kernel).
+
+    q, k: [n, h, dk] (q pre-scaled); v: [n, h, dv]; g: [n, h] log-decay; beta: [n, h];
+    state: [h, dk, dv] fp32. Returns (o [n, h, dv], final state, per-token states [n, h, dk, dv] or None).
+    """
+    s = state.float().clone()
+    qf, kf, vf = q.float(), k.float(), v.float()
+    decay, bf = g.float().exp(), beta.float()
+    out = torch.empty_like(vf)
+    states = torch.empty((q.shape[0],) + tuple(s.shape), dtype=s.dtype, device=s.device) if capture else None
+    for t in range(q.shape[0]):
+        s = s * decay[t][:, None, None]
+        kv_mem = torch.einsum("hkv,hk->hv", s, kf[t])
+        delta = (vf[t] - kv_mem) * bf[t][:, None]
+        s = s + kf[t][:, :, None] * delta[:, None, :]
+        out[t] = torch.einsum("hkv,hk->hv", s, qf[t])
+        if states is not None:
+            states[t] = s
+    return out.to(v.dtype), s, states

@@ -1,0 +1,67 @@
+"""Gated full attention of Qwen3.5: fused q+gate projection, per-head q/k RMSNorm, partial IMRoPE, GQA,
+sigmoid output gate. K/V live in the paged pool of the hybrid cache."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hf2q.config import ModelConfig
+from hf2q.forward import ForwardBatch
+from hf2q.layers.linear import Linear
+from hf2q.layers.norm import rms_norm
+from hf2q.layers.rotary import RotaryEmbedding
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.layer_id = layer_id
+        self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.eps = cfg.rms_norm_eps
+        self.q = Linear(cfg.hidden_size, 2 * self.nh * self.hd)  # per head: [q (hd), gate (hd)]
+        self.k = Linear(cfg.hidden_size, self.nkv * self.hd)
+        self.v = Linear(cfg.hidden_size, self.nkv * self.hd)
+        self.o = Linear(self.nh * self.hd, cfg.hidden_size)
+        self.q_norm = nn.Parameter(torch.ones(self.hd), requires_grad=False)
+        self.k_norm = nn.Parameter(torch.ones(self.hd), requires_grad=False)
+        self.rotary = rotary
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        qg = self.q(x).view(t, self.nh, 2 * self.hd)
+        q, gate = qg[..., : self.hd], qg[..., self.hd:].reshape(t, self.nh * self.hd)
+        q = self.rotary.apply(rms_norm(q, self.q_norm, self.eps), cos, sin)
+        k = self.rotary.apply(rms_norm(self.k(x).view(t, self.nkv, self.hd), self.k_norm, self.eps), cos, sin)
+        v = self.v(x).view(t, self.nkv, self.hd)
+        out = torch.empty(t, self.nh, self.hd, dtype=x.dtype, device=x.device)
+        cache = batch.cache
+        for i, row, n, start, slot in batch.segments():
+            rows = slice(row, row + n)
+            if cache is None:
+                keys, values = k[rows], v[rows]
+            else:
+                keys, values = self._update_cache(cache, slot, start, n, k[rows], v[rows])
+            out[rows] = self._attend(q[rows], keys, values, start)
+        return self.o((out.reshape(t, -1) * torch.sigmoid(gate)))
+
+    def _update_cache(self, cache, slot: int, start: int, n: int, k: torch.Tensor, v: torch.Tensor):
+        i = cache.kv_index(self.layer_id)
+        k_flat = cache.k_pool[i].view(-1, self.nkv, self.hd)
+        v_flat = cache.v_pool[i].view(-1, self.nkv, self.hd)
+        new = cache.token_indices(slot, start, start + n)
+        k_flat.index_copy_(0, new, k.to(k_flat.dtype))
+        v_flat.index_copy_(0, new, v.to(v_flat.dtype))
+        every = cache.token_indices(slot, 0, start + n)
+        return k_flat[every].to(k.dtype), v_flat[every].to(v.dtype)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+        """q: [n, nh, hd] at positions start.., k/v: [start + n, nkv, hd]. Causal, GQA."""
+        n, total = q.shape[0], k.shape[0]
+        rep = self.nh // self.nkv
+        kh = k.repeat_interleave(rep, dim=1).transpose(0, 1)  # [nh, total, hd]
+        vh = v.repeat_interleave(rep, dim=1).transpose(0, 1)
+        qh = q.transpose(0, 1)  # [nh, n, hd]
+        mask = torch.arange(total, device=q.device)[None, :] <= (start + torch.arange(n, device=q.device))[:, None]
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.hd ** -0.5)
+        return o.transpose(0, 1)

@@ -1,0 +1,44 @@
+"""Partial, interleaved multi-section rotary embedding (Qwen3.5 "IMRoPE").
+
+Only the first `rotary_dim` dims of each head rotate, pairing (p, p + rotary_dim/2) as HF's `rotate_half`
+and llama.cpp do. Frequency j takes its position from axis T, H or W by `j % 3` within the sections; for
+text all axes equal the token index, so this reduces to plain partial NeoX RoPE.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, rotary_dim: int, theta: float, sections: tuple[int, ...]):
+        super().__init__()
+        self.rotary_dim = rotary_dim
+        inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        half = rotary_dim // 2
+        axis = torch.zeros(half, dtype=torch.long)  # which position axis drives frequency j
+        for a in (1, 2):
+            if len(sections) > a:
+                idx = torch.arange(a, min(sections[a] * 3, half), 3)
+                axis[idx] = a
+        self.register_buffer("axis", axis, persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T] (text) or [3, T] (T/H/W axes). Returns cos, sin of shape [T, rotary_dim]."""
+        if positions.dim() == 1:
+            freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, half]
+        else:
+            pos = positions.float()[self.axis]  # [half, T]: each frequency's own axis
+            freqs = pos.transpose(0, 1) * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos(), emb.sin()
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, head_dim]; rotates x[..., :rotary_dim]."""
+        rd = self.rotary_dim
+        rot, rest = x[..., :rd], x[..., rd:]
+        x1, x2 = rot[..., : rd // 2], rot[..., rd // 2:]
+        rotated = torch.cat((-x2, x1), dim=-1)
+        c, s = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
+        return torch.cat((rot * c + rotated * s, rest), dim=-1)

@@ -1,0 +1,56 @@
+"""A loaded model: the network plus everything a server needs from the same GGUF file."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hf2q.checkpoint.gguf_file import GGUFFile
+from hf2q.config import ModelConfig
+from hf2q.models.qwen35 import Qwen35Model
+
+
+@dataclass
+class Model:
+    config: ModelConfig
+    net: Qwen35Model
+    tokenizer: Any
+    chat_template: Any
+    path: Path
+    metadata: dict = field(repr=False, default_factory=dict)
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self.tokenizer.eos_token_ids
+
+    @property
+    def device(self) -> torch.device:
+        return self.net.embed.device
+
+    def logits(self, token_ids) -> torch.Tensor:
+        return self.net.logits(token_ids)
+
+    def mtp_logits(self, token_ids) -> torch.Tensor:
+        return self.net.mtp_logits(token_ids)
+
+
+def load(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+         chat_template: str | Path | None = None, with_mtp: bool = True) -> Model:
+    """Load a Qwen3.5 / 3.6 GGUF file (llama.cpp's layout). Raises GGUFError / ConfigError on bad input."""
+    from hf2q.checkpoint.loader import build_model
+    from hf2q.text.chat_template import ChatTemplate
+    from hf2q.text.tokenizer import Tokenizer
+
+    gguf = GGUFFile(path)
+    cfg = ModelConfig.from_gguf_metadata(gguf.metadata)
+    gguf.check_types()
+    tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
+    net = build_model(gguf, cfg, device=device, dtype=dtype, with_mtp=with_mtp)
+    tokenizer.check_vocab(net.config.vocab_size)
+    if chat_template is not None:
+        template = ChatTemplate.from_file(chat_template)
+    else:
+        template = ChatTemplate.from_gguf_metadata(gguf.metadata)
+    return Model(net.config, net, tokenizer, template, Path(path), gguf.metadata)

@@ -1,0 +1,98 @@
+"""The Qwen3.5 / 3.6 hybrid decoder: Gated DeltaNet layers with a gated full-attention layer every
+`full_attention_interval`, dense SwiGLU or MoE feed-forward, final norm and LM head.
+
+Model code is math only: it reads a `ForwardBatch` and the cache pools it is handed, nothing else.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hf2q.config import ModelConfig
+from hf2q.forward import ForwardBatch
+from hf2q.layers.attention import GatedAttention
+from hf2q.layers.gdn import GatedDeltaNet
+from hf2q.layers.linear import Linear
+from hf2q.layers.mlp import MLP
+from hf2q.layers.moe import MoE
+from hf2q.layers.norm import RMSNorm
+from hf2q.layers.rotary import RotaryEmbedding
+
+
+def make_ffn(cfg: ModelConfig) -> nn.Module:
+    if cfg.is_moe:
+        return MoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
+                   cfg.shared_expert_intermediate_size)
+    return MLP(cfg.hidden_size, cfg.intermediate_size)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: x += mixer(norm(x)); x += ffn(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.is_full_attention = cfg.is_full_attention(layer_id)
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if self.is_full_attention:
+            self.mixer = GatedAttention(cfg, layer_id, rotary)
+        else:
+            self.mixer = GatedDeltaNet(cfg, layer_id)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.ffn = make_ffn(cfg)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = self.attn_norm(x)
+        if self.is_full_attention:
+            x = x + self.mixer(h, batch, cos, sin)
+        else:
+            x = x + self.mixer(h, batch)
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class Qwen35Model(nn.Module):
+    def __init__(self, cfg: ModelConfig, tie_embeddings: bool = False):
+        super().__init__()
+        self.config = cfg
+        self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
+        self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, cfg.rope_sections)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.rotary) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.tie_embeddings = tie_embeddings
+        self.lm_head = None if tie_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+        self.mtp = None  # set by the loader when the file carries an MTP layer
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.embed)
+
+    def forward(self, batch: ForwardBatch, input_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states after the final norm, one row per input token: [T, hidden]."""
+        x = self.embed_tokens(batch.input_ids) if input_embeds is None else input_embeds
+        cos, sin = self.rotary.cos_sin(batch.positions)
+        for layer in self.layers:
+            x = layer(x, batch, cos, sin)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    @torch.inference_mode()
+    def logits(self, token_ids) -> torch.Tensor:
+        """Logits for every position of one sequence, without a cache: [n, vocab] fp32."""
+        batch = ForwardBatch.single(token_ids, device=self.embed.device)
+        return self.compute_logits(self.forward(batch))
+
+    @torch.inference_mode()
+    def mtp_logits(self, token_ids) -> torch.Tensor:
+        """MTP draft logits for one sequence without a cache.
+
+        Row t predicts token t+2 from the main model's hidden at t and the embedding of token t+1;
+        returns [n - 1, vocab].
+        """
+        if self.mtp is None:
+            raise ValueError("this model has no MTP layer")
+        ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.embed.device)
+        hidden = self.forward(ForwardBatch.single(ids, device=ids.device))
+        batch = ForwardBatch.single(ids[1:], device=ids.device)
+        return self.compute_logits(self.mtp(batch, hidden[:-1], self))
