@@ -1,0 +1,156 @@
+"""The `hf2q` command: info, generate, serve, convert, bench."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+
+USER_ERRORS = (FileNotFoundError, ValueError, OSError)
+
+
+def _add_info(sub) -> None:
+    p = sub.add_parser("info", help="describe a GGUF model file")
+    p.add_argument("model")
+    p.set_defaults(func=run_info)
+
+
+def run_info(args) -> int:
+    from hf2q.checkpoint.gguf_file import GGUFFile
+    from hf2q.config import ModelConfig
+    from hf2q.text.tokenizer import Tokenizer
+
+    gguf = GGUFFile(args.model)
+    cfg = ModelConfig.from_gguf_metadata(gguf.metadata)
+    gguf.check_types()
+    types = Counter(gguf.info(n).type_name for n in gguf.tensor_names)
+    params = 0
+    for n in gguf.tensor_names:
+        count = 1
+        for d in gguf.info(n).shape:
+            count *= d
+        params += count
+    tok = Tokenizer.from_gguf_metadata(gguf.metadata)
+    kinds = "".join("A" if cfg.is_full_attention(i) else "L" for i in range(cfg.num_layers))
+    lines = [
+        f"file:            {gguf.path}",
+        f"architecture:    {cfg.arch}" + (f" ({cfg.name})" if cfg.name else ""),
+        f"parameters:      {params:,}",
+        f"tensor types:    " + ", ".join(f"{k}×{v}" for k, v in sorted(types.items())),
+        f"layers:          {cfg.num_layers} ({len(cfg.full_attention_layers)} full attention, "
+        f"{len(cfg.linear_layers)} Gated DeltaNet) + {cfg.num_mtp_layers} MTP",
+        f"layer kinds:     {kinds}  (A = full attention, L = linear)",
+        f"hidden:          {cfg.hidden_size}, heads {cfg.num_heads}/{cfg.num_kv_heads} × {cfg.head_dim}",
+        f"ffn:             " + (f"MoE {cfg.num_experts} experts, top-{cfg.num_experts_per_tok}, "
+                                f"expert {cfg.moe_intermediate_size}, shared {cfg.shared_expert_intermediate_size}"
+                                if cfg.is_moe else f"dense {cfg.intermediate_size}"),
+        f"context:         {cfg.context_length}",
+        f"vocab:           {cfg.vocab_size}",
+        f"eos ids:         {sorted(tok.eos_token_ids)}",
+        f"chat template:   " + ("from the GGUF (tokenizer.chat_template)" if "tokenizer.chat_template" in
+                                gguf.metadata else "none in the file"),
+    ]
+    print("\n".join(lines))
+    return 0
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate text from a prompt")
+    p.add_argument("--model", required=True)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt")
+    src.add_argument("--prompt-tokens", help="comma-separated token ids")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--prefill-chunk", type=int, default=2048)
+    p.add_argument("--json", action="store_true", help="print prompt tokens, tokens and text as JSON")
+    p.set_defaults(func=run_generate)
+
+
+def run_generate(args) -> int:
+    import hf2q
+    from hf2q.engine.engine import Engine, EngineConfig
+    from hf2q.engine.sampling_params import SamplingParams
+    from hf2q.engine.scheduler import SchedulerConfig
+    from hf2q.config import CacheConfig
+
+    model = hf2q.load(args.model)
+    if args.prompt_tokens is not None:
+        try:
+            prompt = [int(t) for t in args.prompt_tokens.split(",") if t.strip()]
+        except ValueError:
+            raise ValueError(f"--prompt-tokens must be comma-separated integers, got {args.prompt_tokens!r}")
+    else:
+        prompt = model.tokenizer.encode(args.prompt)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                            max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+    max_len = min(model.config.context_length, len(prompt) + args.max_tokens)
+    blocks = -(-max_len // 16)
+    engine = Engine(model, EngineConfig(max_model_len=model.config.context_length,
+                                        scheduler=SchedulerConfig(max_num_seqs=1, prefill_chunk=args.prefill_chunk,
+                                                                  max_num_batched_tokens=args.prefill_chunk),
+                                        cache=CacheConfig(num_slots=1, num_blocks=blocks, block_size=16)))
+    tokens: list[int] = []
+    text = []
+    for out in engine.generate(prompt, params):
+        tokens += out.new_token_ids
+        text.append(out.new_text)
+        if not args.json:
+            sys.stdout.write(out.new_text)
+            sys.stdout.flush()
+    if args.json:
+        print(json.dumps({"prompt_tokens": prompt, "tokens": tokens, "text": "".join(text)}, ensure_ascii=False))
+    else:
+        print()
+    return 0
+
+
+def _add_serve(sub) -> None:
+    from hf2q.server.app import add_serve_args, run_serve
+
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    add_serve_args(p)
+    p.set_defaults(func=run_serve)
+
+
+def _add_convert(sub) -> None:
+    from hf2q.checkpoint.convert import add_convert_args, run_convert
+
+    p = sub.add_parser("convert", help="convert a Hugging Face Qwen3.5 checkpoint to GGUF")
+    add_convert_args(p)
+    p.set_defaults(func=run_convert)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hf2q", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_info(sub)
+    _add_generate(sub)
+    for add in (_add_serve, _add_convert):
+        try:
+            add(sub)
+        except ImportError as exc:  # an optional part missing from this install
+            sub.add_parser(add.__name__[5:], help=f"unavailable: {exc}")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "func"):
+        parser.error(f"'{args.command}' is unavailable in this install")
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except USER_ERRORS as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""The engine on a background thread, for asyncio callers (the HTTP server).
+
+One worker thread owns the engine and runs `step()` while there is work; callers submit and abort
+through a command queue and receive their deltas on per-request asyncio queues.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable, Optional
+
+from hf2q.engine.engine import Engine
+from hf2q.engine.request import RequestOutput
+from hf2q.engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Submit:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    kwargs: dict
+    sink: Callable[[object], None]
+    accepted: "queue.Queue[Optional[BaseException]]"
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._commands: "queue.Queue[object]" = queue.Queue()
+        self._sinks: dict[str, Callable[[object], None]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="hf2q-engine", daemon=True)
+        self.on_step: Optional[Callable[[Engine, list[RequestOutput]], None]] = None  # metrics hook
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._commands.put(None)
+        self._thread.join(timeout=10)
+
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                       **kwargs) -> AsyncIterator[RequestOutput]:
+        """Deltas of one request. Validation errors raise before the first yield; leaving early aborts."""
+        loop = asyncio.get_running_loop()
+        deltas: asyncio.Queue = asyncio.Queue()
+        accepted: "queue.Queue[Optional[BaseException]]" = queue.Queue()
+
+        def sink(item: object) -> None:
+            loop.call_soon_threadsafe(deltas.put_nowait, item)
+
+        self._commands.put(_Submit(request_id, prompt_ids, params, kwargs, sink, accepted))
+        error = await loop.run_in_executor(None, accepted.get)
+        if error is not None:
+            raise error
+        finished = False
+        try:
+            while True:
+                item = await deltas.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self._commands.put(_Abort(request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+
+    # ---- worker thread -------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._drain_commands(block=not self.engine.has_work())
+            if self._stop.is_set() or not self.engine.has_work():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # a broken step fails its requests, never the server
+                log.exception("engine step failed")
+                self._fail_all(exc)
+                continue
+            for out in outputs:
+                sink = self._sinks.get(out.request_id)
+                if sink is not None:
+                    sink(out)
+                if out.finished:
+                    self._sinks.pop(out.request_id, None)
+            if self.on_step is not None:
+                self.on_step(self.engine, outputs)
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while cmd is not None:
+            self._apply(cmd)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, cmd: object) -> None:
+        if isinstance(cmd, _Submit):
+            try:
+                self.engine.add_request(cmd.prompt_ids, cmd.params, request_id=cmd.request_id, **cmd.kwargs)
+            except Exception as exc:
+                cmd.accepted.put(exc)
+                return
+            self._sinks[cmd.request_id] = cmd.sink
+            cmd.accepted.put(None)
+        elif isinstance(cmd, _Abort):
+            self._sinks.pop(cmd.request_id, None)
+            self.engine.abort(cmd.request_id)
+
+    def _fail_all(self, exc: Exception) -> None:
+        for request_id, sink in list(self._sinks.items()):
+            self.engine.abort(request_id)
+            sink(RuntimeError(f"internal error while generating: {exc}"))
+        self._sinks.clear()

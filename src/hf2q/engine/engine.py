@@ -1,0 +1,105 @@
+"""The engine: the only loop. Each step is schedule -> run -> update."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+
+from hf2q.cache.hybrid import HybridCache
+from hf2q.config import CacheConfig
+from hf2q.engine.request import Request, RequestOutput
+from hf2q.engine.runner import ModelRunner
+from hf2q.engine.sampler import Sampler
+from hf2q.engine.sampling_params import SamplingParams
+from hf2q.engine.scheduler import Scheduler, SchedulerConfig
+from hf2q.engine.sequence_output import SequenceOutput
+from hf2q.model import Model
+
+
+class PromptTooLong(ValueError):
+    """prompt + max_tokens exceeds the context; raised before any compute."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_model_len: int = 4096
+    scheduler: SchedulerConfig = SchedulerConfig()
+    cache: CacheConfig = CacheConfig()
+
+
+class Engine:
+    def __init__(self, model: Model, config: EngineConfig = EngineConfig()):
+        self.model = model
+        self.config = config
+        self.max_model_len = min(config.max_model_len, model.config.context_length)
+        self.cache = HybridCache(model.config, config.cache, device=model.device)
+        self.scheduler = Scheduler(self.cache, config.scheduler)
+        self.runner = ModelRunner(model.net, self.cache)
+        self.sampler = Sampler()
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+
+    # ---- requests ------------------------------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: Optional[str] = None,
+                    thinking_budget: Optional[int] = None, starts_in_reasoning: bool = False,
+                    scripted_ids: Optional[list[int]] = None) -> Request:
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        n = len(prompt_ids)
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
+        if n + max(max_tokens, 1) > self.max_model_len:
+            raise PromptTooLong(f"this model's maximum context length is {self.max_model_len} tokens; the request "
+                                f"has {n} prompt tokens and asks for {max_tokens} more")
+        vocab = self.model.config.vocab_size
+        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})")
+        req = Request(request_id, list(prompt_ids), params, max_total_len=n + max_tokens)
+        req.extras["out"] = SequenceOutput(self.model, req, max_tokens, thinking_budget, starts_in_reasoning,
+                                           scripted_ids)
+        self.scheduler.add(req)
+        self.requests[request_id] = req
+        return req
+
+    def abort(self, request_id: str) -> Optional[RequestOutput]:
+        req = self.requests.pop(request_id, None)
+        if req is None or req.finished:
+            return None
+        self.scheduler.finish(req)
+        return req.extras["out"].aborted()
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return []
+        sampling, logits = self.runner.run(scheduled)
+        outputs = []
+        if sampling:
+            states = [req.extras["out"] for req in sampling]
+            forced = [s.forced_token() for s in states]
+            result = self.sampler.sample(logits, [s.row for s in states])
+            for i, (req, state) in enumerate(zip(sampling, states)):
+                token = forced[i] if forced[i] is not None else int(result.token_ids[i])
+                out = state.append(token, result, i, forced=forced[i] is not None)
+                if out.finished:
+                    self.scheduler.finish(req)
+                    self.requests.pop(req.request_id, None)
+                outputs.append(out)
+        return outputs
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams, **kwargs) -> Iterator[RequestOutput]:
+        """Run one request to completion (other queued requests advance too), yielding its deltas."""
+        req = self.add_request(prompt_ids, params, **kwargs)
+        while not req.finished:
+            for out in self.step():
+                if out.request_id == req.request_id:
+                    yield out

@@ -1,0 +1,72 @@
+"""A generation request as the engine tracks it, and what the engine reports back each step."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hf2q.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class RequestOutput:
+    """What one engine step produced for one request (a delta; `finished` marks the last)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool = False
+    finish_reason: Optional[str] = None  # "stop" | "length" | "abort"
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    logprobs: Optional[list[TokenLogprob]] = None
+    error: Optional[str] = None
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose K/V and linear state are in the cache
+    num_cached: int = 0  # prompt tokens restored from a retained prefix
+    slot: Optional[int] = None
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: Optional[str] = None
+    max_total_len: int = 0  # prompt + max_tokens: what the cache reserved for it
+    arrival: float = field(default_factory=time.monotonic)
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_at(self, i: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[i] if i < n else self.output_ids[i - n]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        return (self.prompt_ids + self.output_ids)[start:end]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
