@@ -1,0 +1,287 @@
+"""Batched token sampling that honours every `SamplingParams` knob, reproducibly per row.
+
+Order of processing, as vLLM: logit_bias, repetition / presence / frequency penalties, min_tokens (ban EOS
+and stop ids), then temperature, top_k, top_p, min_p, then one draw from the row's own generator. Greedy
+rows (temperature 0) take the argmax after bias, penalties and min_tokens. Work for a knob is skipped when
+no row of the batch uses it, and each step touches the vocabulary a fixed number of times, never per row.
+"""
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from hf2q.engine.sampling_params import SamplingParams
+
+# top_p looks for its nucleus among this many most likely tokens; a flatter row falls back to a full sort.
+TOP_P_CANDIDATES = 1024
+# Inverse-CDF sampling runs over blocks of this many tokens (see `_inverse_cdf`).
+CDF_BLOCK = 256
+
+
+class _TokenCounts:
+    """Distinct token ids with their counts, kept as growing tensors so a step gathers them directly."""
+
+    def __init__(self) -> None:
+        self._slot: dict[int, int] = {}
+        self._ids = torch.empty(64, dtype=torch.long)
+        self._counts = torch.empty(64, dtype=torch.float32)
+
+    def __len__(self) -> int:
+        return len(self._slot)
+
+    def add(self, token: int, count: int = 1) -> None:
+        slot = self._slot.get(token)
+        if slot is not None:
+            self._counts[slot] += count
+            return
+        slot = len(self._slot)
+        if slot == self._ids.numel():
+            self._ids = torch.cat([self._ids, torch.empty_like(self._ids)])
+            self._counts = torch.cat([self._counts, torch.empty_like(self._counts)])
+        self._slot[token] = slot
+        self._ids[slot] = token
+        self._counts[slot] = count
+
+    def add_many(self, tokens: Sequence[int]) -> None:
+        if len(tokens) == 0:
+            return
+        ids, counts = torch.unique(torch.as_tensor(tokens, dtype=torch.long), return_counts=True)
+        for token, count in zip(ids.tolist(), counts.tolist()):
+            self.add(token, count)
+
+    @property
+    def ids(self) -> torch.Tensor:
+        return self._ids[: len(self._slot)]
+
+    @property
+    def counts(self) -> torch.Tensor:
+        return self._counts[: len(self._slot)]
+
+
+class RowState:
+    """One sequence's sampling state: params, its own generator, and the token history for penalties.
+
+    The generator lives on the CPU and gives one uniform number per sampled step, so a seeded row draws
+    the same tokens whatever else is in the batch, in any order, on any device.
+    """
+
+    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int] = (),
+                 eos_token_ids: Iterable[int] = ()) -> None:
+        self.params = params
+        self.seed = params.seed if params.seed is not None else secrets.randbits(63)
+        self.generator = torch.Generator()
+        self.generator.manual_seed(self.seed % 2**64)
+        self.prompt_ids = list(prompt_ids)
+        self.output_ids: list[int] = []
+        self.seen = _TokenCounts()  # prompt and output: the repetition penalty's set
+        self.seen.add_many(self.prompt_ids)
+        self.output = _TokenCounts()  # output only: presence and frequency penalties
+        eos = () if params.ignore_eos else tuple(eos_token_ids)
+        # What min_tokens bans until enough tokens are out.
+        self.stop_token_ids = tuple(sorted(set(eos) | set(params.stop_token_ids)))
+        self.bias_ids = torch.tensor(list(params.logit_bias.keys()), dtype=torch.long)
+        self.bias_values = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32)
+
+    def append(self, token: int) -> None:
+        """Record a generated token (counts are updated incrementally, never recounted)."""
+        self.output_ids.append(token)
+        self.seen.add(token)
+        self.output.add(token)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_ids)
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[float | None]  # the chosen token's raw logprob; None for rows that did not ask
+    top_logprobs: list[list[tuple[int, float]] | None]  # most likely first; None for rows that did not ask
+
+
+class Sampler:
+    """Samples one token per row of a [B, V] fp32 logits batch.
+
+    Logprobs are "raw", as vLLM's default: log_softmax of the logits as the model gave them, before bias,
+    penalties, temperature and truncation, so they describe the model rather than the sampling knobs.
+    `logits` is used as scratch and modified in place (no [B, V] copy per step).
+    """
+
+    def sample(self, logits: torch.Tensor, rows: Sequence[RowState]) -> SampleResult:
+        assert logits.dim() == 2 and logits.shape[0] == len(rows), "one row of logits per RowState"
+        raw = self._raw_logprobs(logits, rows)
+        self.apply_processors(logits, rows)
+
+        tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+        greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+        sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if greedy:
+            tokens[greedy] = _take(logits, greedy).argmax(-1)
+        if sampled:
+            tokens[sampled] = _sample_rows(_take(logits, sampled), [rows[i] for i in sampled])
+        return self._result(tokens, raw, rows)
+
+    def apply_processors(self, logits: torch.Tensor, rows: Sequence[RowState]) -> torch.Tensor:
+        """logit_bias, penalties and min_tokens, in place: the logits greedy rows take the argmax of."""
+        self._apply_logit_bias(logits, rows)
+        self._apply_penalties(logits, rows)
+        self._apply_min_tokens(logits, rows)
+        return logits
+
+    @staticmethod
+    def _raw_logprobs(logits: torch.Tensor, rows: Sequence[RowState]):
+        want = [i for i, r in enumerate(rows) if r.params.logprobs]
+        if not want:
+            return None
+        return want, torch.log_softmax(_take(logits, want).float(), dim=-1)
+
+    @staticmethod
+    def _apply_logit_bias(logits: torch.Tensor, rows: Sequence[RowState]) -> None:
+        which = [i for i, r in enumerate(rows) if r.bias_ids.numel()]
+        if not which:
+            return
+        row_idx, tok_idx = _flat_index([rows[i].bias_ids for i in which], which, logits.device)
+        values = torch.cat([rows[i].bias_values for i in which]).to(logits.device)
+        logits.index_put_((row_idx, tok_idx), values, accumulate=True)
+
+    @staticmethod
+    def _apply_penalties(logits: torch.Tensor, rows: Sequence[RowState]) -> None:
+        rep = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0 and len(r.seen)]
+        if rep:
+            row_idx, tok_idx = _flat_index([rows[i].seen.ids for i in rep], rep, logits.device)
+            penalty = _per_row(rows, lambda p: p.repetition_penalty, logits.device)[row_idx]
+            vals = logits[row_idx, tok_idx]
+            logits[row_idx, tok_idx] = torch.where(vals > 0, vals / penalty, vals * penalty)
+
+        additive = [i for i, r in enumerate(rows) if len(r.output)
+                    and (r.params.presence_penalty != 0.0 or r.params.frequency_penalty != 0.0)]
+        if additive:
+            row_idx, tok_idx = _flat_index([rows[i].output.ids for i in additive], additive, logits.device)
+            counts = torch.cat([rows[i].output.counts for i in additive]).to(logits.device)
+            freq = _per_row(rows, lambda p: p.frequency_penalty, logits.device)[row_idx]
+            pres = _per_row(rows, lambda p: p.presence_penalty, logits.device)[row_idx]
+            logits.index_put_((row_idx, tok_idx), -(freq * counts + pres), accumulate=True)
+
+    @staticmethod
+    def _apply_min_tokens(logits: torch.Tensor, rows: Sequence[RowState]) -> None:
+        which = [i for i, r in enumerate(rows)
+                 if r.stop_token_ids and r.num_output_tokens < r.params.min_tokens]
+        if not which:
+            return
+        ids = [torch.tensor(rows[i].stop_token_ids, dtype=torch.long) for i in which]
+        row_idx, tok_idx = _flat_index(ids, which, logits.device)
+        logits[row_idx, tok_idx] = float("-inf")
+
+    @staticmethod
+    def _result(tokens: torch.Tensor, raw, rows: Sequence[RowState]) -> SampleResult:
+        token_ids = tokens.tolist()
+        logprobs: list[float | None] = [None] * len(rows)
+        top: list[list[tuple[int, float]] | None] = [None] * len(rows)
+        if raw is not None:
+            want, lp = raw
+            chosen = lp.gather(1, tokens[want].unsqueeze(1)).squeeze(1).tolist()
+            n_top = max(rows[i].params.top_logprobs for i in want)
+            top_vals, top_ids = (lp.topk(n_top, dim=-1) if n_top else (lp[:, :0], lp[:, :0].long()))
+            top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+            for j, i in enumerate(want):
+                n = rows[i].params.top_logprobs
+                logprobs[i] = chosen[j]
+                top[i] = list(zip(top_ids[j][:n], top_vals[j][:n]))
+        return SampleResult(token_ids, logprobs, top)
+
+
+def _take(logits: torch.Tensor, index: list[int]) -> torch.Tensor:
+    """The given rows; the tensor itself (no copy) when that is every row in order."""
+    if index == list(range(logits.shape[0])):
+        return logits
+    return logits[index]
+
+
+def _flat_index(ids: list[torch.Tensor], rows: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row index, token index) pairs for scattering per-row token lists into a [B, V] tensor."""
+    lengths = torch.tensor([t.numel() for t in ids])
+    row_idx = torch.repeat_interleave(torch.tensor(rows, dtype=torch.long), lengths)
+    return row_idx.to(device), torch.cat(ids).to(device)
+
+
+def _per_row(rows: Sequence[RowState], get, device, dtype=torch.float32) -> torch.Tensor:
+    return torch.tensor([get(r.params) for r in rows], dtype=dtype, device=device)
+
+
+def _sample_rows(logits: torch.Tensor, rows: Sequence[RowState]) -> torch.Tensor:
+    """Temperature, top_k, top_p, min_p, then one draw per row. `logits` [S, V] may be modified."""
+    device = logits.device
+    temps = _per_row(rows, lambda p: p.temperature, device)
+    if any(r.params.temperature != 1.0 for r in rows):
+        logits.div_(temps.unsqueeze(1))
+
+    top_k = [i for i, r in enumerate(rows) if 0 < r.params.top_k < logits.shape[1]]
+    if top_k:
+        ks = torch.tensor([rows[i].params.top_k for i in top_k], device=device)
+        kth = _take(logits, top_k).topk(int(ks.max()), dim=-1).values.gather(1, (ks - 1).unsqueeze(1))
+        threshold = torch.full((len(rows), 1), float("-inf"), device=device)
+        threshold[top_k] = kth
+        logits.masked_fill_(logits < threshold, float("-inf"))  # ties with the k-th are kept, as vLLM
+
+    probs = torch.softmax(logits, dim=-1)
+    top_p = [i for i, r in enumerate(rows) if r.params.top_p < 1.0]
+    if top_p:
+        threshold = torch.zeros((len(rows), 1), device=device)
+        threshold[top_p] = _top_p_threshold(_take(probs, top_p), [rows[i].params.top_p for i in top_p])
+        probs.masked_fill_(probs < threshold, 0.0)
+
+    if any(r.params.min_p > 0 for r in rows):
+        min_p = _per_row(rows, lambda p: p.min_p, device).unsqueeze(1)
+        probs.masked_fill_(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+
+    u = torch.cat([torch.rand(1, generator=r.generator, dtype=torch.float64) for r in rows])
+    return _inverse_cdf(probs, u.to(device))
+
+
+def _top_p_threshold(probs: torch.Tensor, top_p: list[float]) -> torch.Tensor:
+    """[P, 1] smallest kept probability: keep the most likely tokens while the mass before each is < top_p."""
+    p = torch.tensor(top_p, device=probs.device).unsqueeze(1)
+    k = min(TOP_P_CANDIDATES, probs.shape[1])
+    out = torch.empty((probs.shape[0], 1), device=probs.device)
+    vals = probs.topk(k, dim=-1).values  # [P, k], descending
+    n_keep = ((vals.cumsum(-1) - vals) < p).sum(-1, keepdim=True)
+    out[:] = vals.gather(1, n_keep - 1)
+    if k < probs.shape[1]:
+        # The nucleus may extend past the candidates: redo those rows over the whole sorted vocabulary.
+        for j in (n_keep.squeeze(1) == k).nonzero().flatten().tolist():
+            sorted_p = probs[j].sort(descending=True).values
+            keep = int(((sorted_p.cumsum(0) - sorted_p) < p[j]).sum())
+            out[j, 0] = sorted_p[keep - 1]
+    return out
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Token per row with probability proportional to `probs` [S, V] (unnormalised), from one uniform u [S].
+
+    One draw per row instead of V exponentials (torch.multinomial's method, ~V random numbers per row
+    per step). Two levels keep it to one pass over the vocabulary: pick a block of CDF_BLOCK tokens from
+    the block masses, then a token inside it; fp64 sums keep tiny probabilities honest. Zero-probability
+    tokens are never chosen: targets are kept strictly below each cumulative total.
+    """
+    s, v = probs.shape
+    nb = -(-v // CDF_BLOCK)
+    padded = probs if nb * CDF_BLOCK == v else F.pad(probs, (0, nb * CDF_BLOCK - v))
+    blocks = padded.view(s, nb, CDF_BLOCK)
+    block_mass = blocks.sum(-1, dtype=torch.float64)  # [S, nb]
+    block_cum = block_mass.cumsum(-1)
+    total = block_cum[:, -1:]
+    target = torch.minimum(u.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
+    b = torch.searchsorted(block_cum, target, right=True)  # [S, 1]
+
+    inner = blocks.gather(1, b.unsqueeze(2).expand(s, 1, CDF_BLOCK)).squeeze(1).double()  # [S, CDF_BLOCK]
+    inner_cum = inner.cumsum(-1)
+    inner_total = inner_cum[:, -1:]
+    offset = (target - (block_cum.gather(1, b) - block_mass.gather(1, b))).clamp(min=0)
+    offset = torch.minimum(offset, torch.nextafter(inner_total, torch.zeros_like(inner_total)))
+    j = torch.searchsorted(inner_cum, offset, right=True)
+    return (b * CDF_BLOCK + j).squeeze(1)
