@@ -21,8 +21,8 @@ def run_info(args) -> int:
     from hf2q.text.tokenizer import Tokenizer
 
     gguf = GGUFFile(args.model)
-    cfg = ModelConfig.from_gguf_metadata(gguf.metadata)
     gguf.check_types()
+    cfg = ModelConfig.from_gguf_metadata(gguf.metadata)
     types = Counter(gguf.info(n).type_name for n in gguf.tensor_names)
     params = 0
     for n in gguf.tensor_names:

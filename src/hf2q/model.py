@@ -44,8 +44,8 @@ def load(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtyp
     from hf2q.text.tokenizer import Tokenizer
 
     gguf = GGUFFile(path)
-    cfg = ModelConfig.from_gguf_metadata(gguf.metadata)
     gguf.check_types()
+    cfg = ModelConfig.from_gguf_metadata(gguf.metadata)
     tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
     net = build_model(gguf, cfg, device=device, dtype=dtype, with_mtp=with_mtp)
     tokenizer.check_vocab(net.config.vocab_size)
