@@ -1,0 +1,138 @@
+"""The HTTP application: routes, API-key check, request metrics; and `hf2q serve` (load, then bind)."""
+from __future__ import annotations
+
+import argparse
+import hmac
+import time
+from contextlib import asynccontextmanager
+from typing import Optional
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from hf2q.server.errors import APIError, install_error_handlers
+from hf2q.server.metrics import CONTENT_TYPE
+from hf2q.server.schemas import ChatCompletionRequest, CompletionRequest
+from hf2q.server.serving_chat import ChatServing
+from hf2q.server.serving_completions import CompletionServing
+from hf2q.server.state import ServerState
+
+
+class _RequestMetrics:
+    """Pure ASGI middleware (keeps disconnect signalling intact) counting answers by route and status."""
+
+    def __init__(self, app, state: ServerState):
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = {"code": 500}
+
+        async def send_wrapper(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            path = scope.get("path", "")
+            route = path if path in _ROUTES else "other"
+            self.state.metrics.requests.labels(route=route, status=str(status["code"])).inc()
+
+
+_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+
+
+def build_app(state: ServerState) -> FastAPI:
+    """The FastAPI app over an already started engine (`state.engine`)."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        yield
+        state.engine.shutdown()
+
+    app = FastAPI(title="hf2q", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.hf2q = state
+    install_error_handlers(app)
+    app.add_middleware(_RequestMetrics, state=state)
+    chat, completions = ChatServing(state), CompletionServing(state)
+
+    def check_key(request: Request) -> None:
+        key = state.config.api_key
+        if key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    auth = [Depends(check_key)]
+
+    @app.post("/v1/chat/completions", dependencies=auth)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await chat.create(body, request)
+
+    @app.post("/v1/completions", dependencies=auth)
+    async def text_completions(body: CompletionRequest, request: Request) -> Response:
+        return await completions.create(body, request)
+
+    @app.get("/v1/models", dependencies=auth)
+    async def models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [_model_card(state)]})
+
+    @app.get("/v1/models/{name:path}", dependencies=auth)
+    async def model(name: str) -> JSONResponse:
+        state.check_model(name)
+        return JSONResponse(_model_card(state))
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        return JSONResponse({"status": "ok", "model": state.config.model_name, "demo": state.config.is_demo,
+                             "uptime_seconds": round(time.monotonic() - state.metrics.started, 3)})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        state.metrics.observe_engine(state.engine.engine)
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    return app
+
+
+def _model_card(state: ServerState) -> dict:
+    cfg = state.model.config
+    card = {"id": state.config.model_name, "object": "model", "created": state.created, "owned_by": "hf2q",
+            "max_model_len": state.config.max_model_len, "context_length": cfg.context_length,
+            "arch": cfg.arch, "demo": state.config.is_demo}
+    if state.config.is_demo:
+        card["description"] = "built-in demo model: tiny random weights, output is gibberish"
+    return card
+
+
+# ---- `hf2q serve` ---------------------------------------------------------------------------------
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    from hf2q.server.launch import add_serve_args as add
+
+    add(p)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from hf2q.server.launch import run_serve as run
+
+    return run(args)
+
+
+def run_server(args: argparse.Namespace) -> int:
+    return run_serve(args)
+
+
+if __name__ == "__main__":
+    import sys
+
+    parser = argparse.ArgumentParser(prog="hf2q serve")
+    add_serve_args(parser)
+    sys.exit(run_serve(parser.parse_args(sys.argv[1:])))

@@ -1,0 +1,137 @@
+"""Run the n engine requests of one API request and merge their deltas.
+
+Every choice is submitted and its first delta awaited before the HTTP response starts, so engine
+refusals (prompt too long, queue full) still become proper 4xx answers. Leaving the merged stream
+early (client disconnect, parallel_tool_calls=false cut-off) aborts whatever is still generating,
+which frees the cache slots.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator, Optional
+
+from hf2q.engine.request import RequestOutput
+from hf2q.engine.sampling_params import SamplingParams
+from hf2q.server.metrics import RequestTimer
+from hf2q.server.sampling import engine_error
+from hf2q.server.state import ServerState
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Generation:
+    """One choice: its engine request id and the deltas it produced so far."""
+    index: int
+    request_id: str
+    timer: RequestTimer
+    last: Optional[RequestOutput] = None
+
+
+class Choices:
+    def __init__(self, state: ServerState, prompt_ids: list[int], params: SamplingParams, prompt_param: str,
+                 thinking_budget: Optional[int] = None, starts_in_reasoning: bool = False):
+        self.state = state
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.prompt_param = prompt_param
+        self.kwargs = {"thinking_budget": thinking_budget, "starts_in_reasoning": starts_in_reasoning}
+        self.arrival = time.monotonic()
+        self.gens: list[Generation] = []
+        self._iters: list[AsyncIterator[RequestOutput]] = []
+        self._firsts: list[RequestOutput] = []
+
+    async def start(self) -> None:
+        """Submit every choice; raises APIError (and aborts the others) if the engine refuses one."""
+        base = uuid.uuid4().hex
+        for i in range(self.params.n):
+            rid = f"{base}-{i}"
+            it = self.state.engine.generate(rid, self.prompt_ids, self.params.for_choice(i),
+                                            scripted_ids=self.state.next_script(), **self.kwargs)
+            try:
+                first = await it.__anext__()
+            except BaseException as exc:
+                await self.close()
+                api = engine_error(exc, self.prompt_param) if isinstance(exc, Exception) else None
+                if api is not None:
+                    raise api from None
+                raise
+            self._iters.append(it)
+            self._firsts.append(first)
+            self.gens.append(Generation(i, rid, RequestTimer(self.state.metrics, self.arrival)))
+
+    async def stream(self) -> AsyncIterator[tuple[Generation, RequestOutput]]:
+        """(choice, delta) pairs in arrival order, until every choice finished."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(gen: Generation, it: AsyncIterator[RequestOutput], first: RequestOutput) -> None:
+            try:
+                await queue.put((gen, first))
+                if not first.finished:
+                    async for out in it:
+                        await queue.put((gen, out))
+            except Exception as exc:  # an engine failure mid-generation
+                await queue.put((gen, exc))
+            finally:
+                await queue.put((gen, None))
+
+        tasks = [asyncio.create_task(pump(g, it, f)) for g, it, f in zip(self.gens, self._iters, self._firsts)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                gen, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                    continue
+                if isinstance(item, Exception):
+                    raise item
+                gen.last = item
+                gen.timer.tokens(len(item.new_token_ids))
+                if item.finished:
+                    gen.timer.done(item.num_prompt_tokens if gen.index == 0 else 0, item.num_cached_tokens,
+                                   item.finish_reason)
+                yield gen, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self.close()
+
+    async def close(self) -> None:
+        """Abort every choice still generating (a finished one is left alone)."""
+        for it in self._iters:
+            try:
+                await it.aclose()
+            except RuntimeError:  # still being iterated by a cancelled pump; its own finally aborts
+                pass
+        self._iters = []
+
+    def usage(self, reasoning_tokens: Optional[int] = None) -> dict:
+        """OpenAI usage: the prompt counted once, completions summed over choices."""
+        lasts = [g.last for g in self.gens if g.last is not None]
+        prompt = lasts[0].num_prompt_tokens if lasts else len(self.prompt_ids)
+        completion = sum(o.num_output_tokens for o in lasts)
+        usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                 "prompt_tokens_details": {"cached_tokens": max((o.num_cached_tokens for o in lasts), default=0)}}
+        if reasoning_tokens is not None:
+            usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+        return usage
+
+
+def logprob_entries(tokenizer, logprobs) -> list[dict]:
+    """Chat-API logprobs `content` entries for one delta's tokens."""
+    out = []
+    for lp in logprobs or []:
+        out.append({**_token_entry(tokenizer, lp.token_id, lp.logprob),
+                    "top_logprobs": [_token_entry(tokenizer, t, v) for t, v in lp.top]})
+    return out
+
+
+def _token_entry(tokenizer, token_id: int, logprob: float) -> dict:
+    raw = tokenizer.token_bytes(token_id)
+    return {"token": raw.decode("utf-8", errors="replace"), "logprob": max(float(logprob), -9999.0),
+            "bytes": list(raw)}

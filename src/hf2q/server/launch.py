@@ -1,0 +1,114 @@
+"""`hf2q serve`: flags, model loading, engine start, and binding only once the model is ready."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from pathlib import Path
+
+log = logging.getLogger("hf2q.serve")
+
+DEFAULT_MAX_MODEL_LEN = 8192
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    from hf2q.engine.scheduler import SchedulerConfig
+
+    d = SchedulerConfig()
+    p.add_argument("--model", help="GGUF file to serve; without it a tiny built-in demo model is served")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--served-model-name", help="model id in the API (default: the GGUF's general.name or stem)")
+    p.add_argument("--chat-template", help="Jinja chat template file overriding the GGUF's own")
+    p.add_argument("--max-model-len", type=int,
+                   help=f"longest prompt + completion in tokens (default: min(model context, {DEFAULT_MAX_MODEL_LEN}))")
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="sequences decoded together")
+    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk)
+    p.add_argument("--max-waiting", type=int, default=d.max_waiting, help="queued requests before 429")
+    p.add_argument("--default-chat-template-kwargs", type=json.loads, default={},
+                   help='JSON object merged under each request\'s chat_template_kwargs, e.g. \'{"enable_thinking": false}\'')
+    p.add_argument("--scripted-replies", help="TESTING AID: a JSON file holding a list of strings; generation i "
+                   "emits reply i mod len (tokenized, forced instead of sampled), so reasoning and tool-call "
+                   "parsing can be tested end to end through the real server. Never for real use.")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def _model_name(args, model, is_demo: bool) -> str:
+    if args.served_model_name:
+        return args.served_model_name
+    if is_demo:
+        return "hf2q-demo"
+    return model.config.name or Path(args.model).stem
+
+
+def _scripted(path: str | None, tokenizer) -> list[list[int]] | None:
+    if not path:
+        return None
+    replies = json.loads(Path(path).read_text())
+    if not isinstance(replies, list) or not replies or not all(isinstance(r, str) for r in replies):
+        raise ValueError(f"--scripted-replies {path}: expected a non-empty JSON list of strings")
+    return [tokenizer.encode(r) for r in replies]
+
+
+def build_state(args):
+    """Load the model and start the engine: everything `build_app` needs."""
+    import hf2q
+    from hf2q.config import CacheConfig
+    from hf2q.engine.async_engine import AsyncEngine
+    from hf2q.engine.engine import Engine, EngineConfig
+    from hf2q.engine.scheduler import SchedulerConfig
+    from hf2q.server.state import ServerConfig, ServerState
+
+    if not isinstance(args.default_chat_template_kwargs, dict):
+        raise ValueError("--default-chat-template-kwargs must be a JSON object")
+    is_demo = args.model is None
+    if is_demo:
+        from hf2q.demo import demo_model_path
+
+        log.info("no --model given: serving the built-in DEMO model (tiny random weights, gibberish output)")
+        path = demo_model_path()
+    else:
+        path = Path(args.model)
+    log.info("loading %s ...", path)
+    t0 = time.monotonic()
+    model = hf2q.load(path, chat_template=args.chat_template)
+    log.info("loaded %s (%s, %d layers) in %.1f s", path.name, model.config.arch, model.config.num_layers,
+             time.monotonic() - t0)
+    max_len = min(args.max_model_len or DEFAULT_MAX_MODEL_LEN, model.config.context_length)
+    if args.max_model_len and args.max_model_len > model.config.context_length:
+        log.warning("--max-model-len %d exceeds the model's context %d; using %d", args.max_model_len,
+                    model.config.context_length, max_len)
+    block = 16
+    cache = CacheConfig(num_slots=args.max_num_seqs, num_blocks=args.max_num_seqs * -(-max_len // block),
+                        block_size=block)
+    sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                            prefill_chunk=args.prefill_chunk, max_waiting=args.max_waiting)
+    engine = Engine(model, EngineConfig(max_model_len=max_len, scheduler=sched, cache=cache))
+    aengine = AsyncEngine(engine)
+    config = ServerConfig(model_name=_model_name(args, model, is_demo), is_demo=is_demo, api_key=args.api_key,
+                          default_chat_template_kwargs=dict(args.default_chat_template_kwargs),
+                          max_model_len=max_len)
+    state = ServerState(model, aengine, config, scripted_replies=_scripted(args.scripted_replies, model.tokenizer))
+    aengine.on_step = lambda eng, _outputs: state.metrics.observe_engine(eng)
+    aengine.start()
+    return state
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from hf2q.server.app import build_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    state = build_state(args)
+    app = build_app(state)
+    if state.scripted_replies:
+        log.warning("--scripted-replies is on: replies are scripted, not sampled (testing aid)")
+    demo = " (DEMO model)" if state.config.is_demo else ""
+    log.info("serving %r%s at http://%s:%d/v1 (max_model_len %d, max_num_seqs %d)", state.config.model_name, demo,
+             args.host, args.port, state.config.max_model_len, args.max_num_seqs)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    return 0

@@ -1,0 +1,76 @@
+"""Prometheus metrics for `/metrics`, on a registry of their own (one per app, so tests can build many)."""
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class Metrics:
+    def __init__(self, model_name: str):
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("hf2q_requests", "HTTP requests answered, by route and status code",
+                                ["route", "status"], registry=r)
+        self.prompt_tokens = Counter("hf2q_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.cached_tokens = Counter("hf2q_cached_prompt_tokens", "Prompt tokens restored from a cache",
+                                     registry=r)
+        self.generation_tokens = Counter("hf2q_generation_tokens", "Tokens generated", registry=r)
+        self.finished = Counter("hf2q_request_finished", "Generations finished, by finish reason",
+                                ["finish_reason"], registry=r)
+        self.ttft = Histogram("hf2q_time_to_first_token_seconds", "Time from request arrival to its first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("hf2q_inter_token_latency_seconds", "Time between consecutive output deltas",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("hf2q_request_latency_seconds", "Time from request arrival to its last token",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.running = Gauge("hf2q_num_requests_running", "Requests holding a cache slot", registry=r)
+        self.waiting = Gauge("hf2q_num_requests_waiting", "Requests queued for a slot", registry=r)
+        self.kv_usage = Gauge("hf2q_kv_cache_usage_ratio", "Fraction of K/V cache blocks in use", registry=r)
+        self.slot_usage = Gauge("hf2q_slot_usage_ratio", "Fraction of sequence slots in use", registry=r)
+        info = Gauge("hf2q_model_info", "The served model (value is always 1)", ["model"], registry=r)
+        info.labels(model=model_name).set(1)
+        self.started = time.monotonic()
+        Gauge("hf2q_uptime_seconds", "Seconds since the server started", registry=r).set_function(
+            lambda: time.monotonic() - self.started)
+
+    def observe_engine(self, engine) -> None:
+        """Refresh the queue and cache gauges (called after every engine step and at scrape time)."""
+        self.running.set(engine.scheduler.num_running)
+        self.waiting.set(engine.scheduler.num_waiting)
+        usage = engine.cache.usage()
+        self.kv_usage.set(usage.kv_blocks_used / max(usage.kv_blocks_total, 1))
+        self.slot_usage.set(usage.slots_used / max(usage.slots_total, 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Per-generation latency bookkeeping: TTFT on the first token, inter-token gaps after."""
+
+    def __init__(self, metrics: Metrics, arrival: float):
+        self.metrics = metrics
+        self.arrival = arrival
+        self.last: float | None = None
+
+    def tokens(self, n: int) -> None:
+        if n <= 0:
+            return
+        now = time.monotonic()
+        if self.last is None:
+            self.metrics.ttft.observe(now - self.arrival)
+        else:
+            self.metrics.itl.observe(now - self.last)
+        self.last = now
+        self.metrics.generation_tokens.inc(n)
+
+    def done(self, prompt_tokens: int, cached_tokens: int, finish_reason: str | None) -> None:
+        self.metrics.prompt_tokens.inc(prompt_tokens)
+        self.metrics.cached_tokens.inc(cached_tokens)
+        self.metrics.finished.labels(finish_reason=finish_reason or "unknown").inc()
+        self.metrics.e2e.observe(time.monotonic() - self.arrival)

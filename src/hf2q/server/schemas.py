@@ -1,0 +1,125 @@
+"""OpenAI request bodies, strict: an unknown or unsupported field is a 400, never silently ignored.
+
+Types are checked here (pydantic, strict mode so `"5"` is not an integer); value ranges of sampling knobs
+are checked once, by `SamplingParams`.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+
+Number = Union[StrictInt, StrictFloat]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class OtherPart(BaseModel):
+    """Any non-text content part (image_url, input_audio, ...): accepted by the schema, refused by serving."""
+    model_config = ConfigDict(extra="allow")
+    type: StrictStr
+
+
+Content = Union[StrictStr, list[Union[TextPart, OtherPart]]]
+
+
+class FunctionCall(_Strict):
+    name: StrictStr
+    arguments: Union[StrictStr, dict[str, Any]]
+
+
+class ToolCallIn(_Strict):
+    id: Optional[StrictStr] = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Optional[Content] = None
+    name: Optional[StrictStr] = None
+    reasoning_content: Optional[StrictStr] = None
+    tool_calls: Optional[list[ToolCallIn]] = None
+    tool_call_id: Optional[StrictStr] = None
+
+
+class FunctionDef(_Strict):
+    name: StrictStr = Field(min_length=1)
+    description: Optional[StrictStr] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[StrictBool] = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: StrictStr
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class StreamOptions(_Strict):
+    include_usage: Optional[StrictBool] = None
+    continuous_usage_stats: Optional[StrictBool] = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text", "json_object", "json_schema"]
+
+
+class _Sampling(_Strict):
+    """Fields shared by chat and text completions."""
+    model: Optional[StrictStr] = None
+    max_tokens: Optional[StrictInt] = None
+    temperature: Optional[Number] = None
+    top_p: Optional[Number] = None
+    top_k: Optional[StrictInt] = None
+    min_p: Optional[Number] = None
+    presence_penalty: Optional[Number] = None
+    frequency_penalty: Optional[Number] = None
+    repetition_penalty: Optional[Number] = None
+    logit_bias: Optional[dict[str, Number]] = None
+    seed: Optional[StrictInt] = None
+    stop: Optional[Union[StrictStr, list[StrictStr]]] = None
+    n: StrictInt = 1
+    stream: StrictBool = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[StrictStr] = None  # accepted and not used: an end-user id for abuse tracking
+    min_tokens: StrictInt = 0
+    ignore_eos: StrictBool = False
+    stop_token_ids: Optional[list[StrictInt]] = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: Optional[StrictInt] = None
+    tools: Optional[list[Tool]] = None
+    tool_choice: Optional[Union[Literal["auto", "none", "required"], NamedToolChoice]] = None
+    parallel_tool_calls: Optional[StrictBool] = None
+    logprobs: StrictBool = False
+    top_logprobs: Optional[StrictInt] = None
+    response_format: Optional[ResponseFormat] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    thinking_budget: Optional[StrictInt] = None  # extension: reasoning tokens before `</think>` is forced
+
+
+class CompletionRequest(_Sampling):
+    prompt: Union[StrictStr, list[StrictStr], list[StrictInt]]
+    logprobs: Optional[StrictInt] = None  # legacy API: the number of top logprobs
+    echo: StrictBool = False
+    suffix: Optional[StrictStr] = None
+    best_of: Optional[StrictInt] = None

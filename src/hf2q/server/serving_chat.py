@@ -1,0 +1,163 @@
+"""POST /v1/chat/completions: render the template, generate, route reasoning/tool calls, answer or stream."""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import AsyncIterator, Optional
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from hf2q.server.chat_output import ChatOutput
+from hf2q.server.choices import Choices, logprob_entries
+from hf2q.server.errors import APIError, bad_request
+from hf2q.server.sampling import build_params
+from hf2q.server.schemas import ChatCompletionRequest, Message
+from hf2q.server.sse import DONE, event, unless_disconnected
+from hf2q.server.state import ServerState
+from hf2q.text.reasoning import prompt_opens_reasoning
+
+# Arguments of `ChatTemplate.render` itself: chat_template_kwargs may not override them.
+_RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "add_generation_prompt")
+
+
+def _template_message(i: int, m: Message) -> dict:
+    """A message as the chat template sees it (transformers' conventions)."""
+    if isinstance(m.content, list):
+        for j, part in enumerate(m.content):
+            if part.type != "text":
+                raise bad_request(f"content part type {part.type!r} is not supported: this server accepts text "
+                                  f"parts only", param=f"messages[{i}].content[{j}]")
+    msg = m.model_dump(exclude_none=True)
+    for j, call in enumerate(msg.get("tool_calls") or []):
+        args = call["function"]["arguments"]
+        if isinstance(args, str):  # OpenAI sends a JSON string; Qwen's template iterates a mapping
+            try:
+                parsed = json.loads(args) if args.strip() else {}
+            except ValueError:
+                parsed = None
+            if not isinstance(parsed, dict):
+                raise bad_request("tool call arguments must be a JSON object",
+                                  param=f"messages[{i}].tool_calls[{j}].function.arguments")
+            call["function"]["arguments"] = parsed
+    return msg
+
+
+def _check_unsupported(req: ChatCompletionRequest) -> None:
+    if req.response_format is not None and req.response_format.type != "text":
+        raise bad_request(f"response_format {req.response_format.type!r} is not supported yet (no constrained "
+                          f"decoding); use 'text'", param="response_format")
+    if req.thinking_budget is not None and req.thinking_budget < 0:
+        raise bad_request(f"thinking_budget must be an integer >= 0, got {req.thinking_budget}",
+                          param="thinking_budget")
+    choice = req.tool_choice
+    names = [t.function.name for t in req.tools or []]
+    if choice is None or choice in ("auto", "none"):
+        return
+    if not names:
+        raise bad_request("tool_choice requires tools", param="tool_choice")
+    if not isinstance(choice, str) and choice.function.name not in names:
+        raise bad_request(f"tool_choice names {choice.function.name!r}, which is not among the tools "
+                          f"({', '.join(names)})", param="tool_choice")
+    raise bad_request("tool_choice 'required' or a named function needs constrained decoding, which this "
+                      "server does not support yet; use 'auto'", param="tool_choice")
+
+
+class ChatServing:
+    def __init__(self, state: ServerState):
+        self.state = state
+
+    def render(self, req: ChatCompletionRequest) -> tuple[str, Optional[list[dict]]]:
+        messages = [_template_message(i, m) for i, m in enumerate(req.messages)]
+        kwargs = {**self.state.config.default_chat_template_kwargs, **(req.chat_template_kwargs or {})}
+        bad = [k for k in kwargs if k in _RESERVED_TEMPLATE_KWARGS]
+        if bad:
+            raise bad_request(f"chat_template_kwargs may not set {', '.join(bad)}", param="chat_template_kwargs")
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        template_tools = None if req.tool_choice == "none" else tools
+        try:
+            text = self.state.model.chat_template.render(messages, tools=template_tools, add_generation_prompt=True,
+                                                         **kwargs)
+        except Exception as exc:  # TemplateError, or a template raising on a message it refuses
+            raise bad_request(f"the chat template could not render these messages: {exc}", param="messages")
+        return text, tools
+
+    async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        self.state.check_model(req.model)
+        _check_unsupported(req)
+        prompt_text, tools = self.render(req)
+        prompt_ids = self.state.model.tokenizer.encode(prompt_text)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = build_params(req, self.state.model.config.vocab_size, max_tokens, req.logprobs,
+                              req.top_logprobs or 0)
+        starts = prompt_opens_reasoning(prompt_text)
+        choices = Choices(self.state, prompt_ids, params, "messages", req.thinking_budget, starts)
+        await choices.start()
+        outputs = [ChatOutput(starts, tools, req.tool_choice, req.parallel_tool_calls is not False)
+                   for _ in range(params.n)]
+        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()),
+                "model": self.state.config.model_name}
+        if req.stream:
+            usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(self._stream(choices, outputs, head, req.logprobs, usage),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        body = await unless_disconnected(raw, self._collect(choices, outputs, head, req.logprobs))
+        return JSONResponse(body) if body is not None else Response(status_code=499)
+
+    async def _collect(self, choices: Choices, outputs: list[ChatOutput], head: dict, logprobs: bool) -> dict:
+        lps: list[list[dict]] = [[] for _ in outputs]
+        reasons: list[Optional[str]] = [None] * len(outputs)
+        async for gen, out in choices.stream():
+            o = outputs[gen.index]
+            o.feed(out)
+            if logprobs:
+                lps[gen.index] += logprob_entries(self.state.model.tokenizer, out.logprobs)
+            if out.finished:
+                reasons[gen.index] = out.finish_reason
+            if all(r is not None or c.cut for r, c in zip(reasons, outputs)):
+                break
+        result = []
+        for i, o in enumerate(outputs):
+            result.append({"index": i, "message": o.message(), "finish_reason": o.finish_reason(reasons[i]),
+                           "logprobs": {"content": lps[i]} if logprobs else None})
+        return {**head, "object": "chat.completion", "choices": result,
+                "usage": choices.usage(sum(o.reasoning_tokens for o in outputs))}
+
+    async def _stream(self, choices: Choices, outputs: list[ChatOutput], head: dict, logprobs: bool,
+                      include_usage: bool) -> AsyncIterator[str]:
+        chunk = {**head, "object": "chat.completion.chunk"}
+        if include_usage:
+            chunk["usage"] = None
+
+        def frame(index: int, delta: dict, finish: Optional[str] = None, lp: Optional[list] = None) -> str:
+            choice = {"index": index, "delta": delta, "finish_reason": finish}
+            if logprobs:
+                choice["logprobs"] = {"content": lp} if lp is not None else None
+            return event({**chunk, "choices": [choice]})
+
+        try:
+            for i in range(len(outputs)):
+                yield frame(i, {"role": "assistant", "content": ""})
+            open_choices = set(range(len(outputs)))
+            async for gen, out in choices.stream():
+                if gen.index not in open_choices:
+                    continue
+                o = outputs[gen.index]
+                delta = o.feed(out)
+                lp = logprob_entries(self.state.model.tokenizer, out.logprobs) if logprobs else None
+                if delta or lp:
+                    yield frame(gen.index, delta, lp=lp)
+                if out.finished or o.cut:
+                    open_choices.discard(gen.index)
+                    yield frame(gen.index, {}, o.finish_reason(out.finish_reason if out.finished else None))
+                    if not open_choices:
+                        break
+            if include_usage:
+                usage = choices.usage(sum(o.reasoning_tokens for o in outputs))
+                yield event({**chunk, "choices": [], "usage": usage})
+        except APIError as exc:
+            yield event(exc.body())
+        except Exception as exc:  # the engine failed mid-stream: the status line is already sent
+            yield event(APIError(500, f"generation failed: {exc}", code="generation_error").body())
+        yield DONE
