@@ -132,3 +132,20 @@ def test_round_trip_through_the_chat_template(thinking, reasoning, content, call
                               "function": {"name": c.name, "arguments": json.loads(c.arguments)}}
                              for c in result.tool_calls]}
     assert render(messages + [parsed], TOOLS) == full
+
+
+FRAGMENTS = ["<think>", "</think>", "<tool_call>", "<tool_call>\n<function=search>\n", "<parameter=query>\nx\n",
+             "</tool_call>", "<function=search>", "<function=nope>",
+             "<parameter=query>", "</parameter>", "</function>", "\n", "\n\n", " ", "text", "<", ">", "</",
+             "<tool_", "=", "42", "True", "None"]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_markup_gives_the_same_result_in_every_chunking(seed):
+    import random
+    rng = random.Random(seed)
+    text = "".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(5, 40)))
+    starts = bool(seed % 2)
+    whole = summary(route([text], starts_in_reasoning=starts))
+    for chunks in chunkings(text, seed=seed, n_random=4):
+        assert summary(route(chunks, starts_in_reasoning=starts)) == whole, f"{text!r} as {chunks!r}"
