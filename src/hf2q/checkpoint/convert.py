@@ -1,9 +1,9 @@
 """`hf2q convert`: an HF Qwen3.5 / Qwen3.5-MoE checkpoint -> a GGUF file in llama.cpp's own layout.
 
 The output matches llama.cpp's `convert_hf_to_gguf.py` (tensor names, transformations, types, metadata,
-tokenizer) so that our files and theirs are interchangeable. Tensors are planned first on the meta
-device (names, shapes, types), then read, transformed and written one at a time, so a large
-checkpoint is never held in memory.
+tokenizer) so that our files and theirs are interchangeable. Tensors are planned first (names,
+shapes, types), then read, transformed and written one at a time, so a large checkpoint is never
+held in memory.
 """
 from __future__ import annotations
 
@@ -108,10 +108,9 @@ def _transform(suffix: str, t: torch.Tensor, hp: dict) -> torch.Tensor:
             t = torch.cat([qk, _tiled(v, 0, nk, nv, dv)], dim=0)
         elif suffix.startswith("linear_attn.in_proj_z."):
             t = _tiled(t, 0, nk, nv, dv)
-        elif suffix.startswith(("linear_attn.in_proj_a.", "linear_attn.in_proj_b.")):
-            t = _tiled(t, 0, nk, nv, 1)
-        elif suffix in ("linear_attn.A_log", "linear_attn.dt_bias"):
-            t = _tiled(t.unsqueeze(-1), 0, nk, nv, 1).squeeze(-1)
+        elif suffix.startswith(("linear_attn.in_proj_a.", "linear_attn.in_proj_b.", "linear_attn.A_log",
+                                "linear_attn.dt_bias")):
+            t = _tiled(t, 0, nk, nv, 1)  # one row (or value) per V head
         elif suffix.startswith("linear_attn.out_proj."):
             t = _tiled(t, 1, nk, nv, dv)
     if suffix.endswith(".A_log"):
@@ -329,49 +328,57 @@ def _looks_special(token: str) -> bool:
             or (token.startswith("<unused") and token.endswith(">")))
 
 
+def _token_list(hf_dir: Path, tok_json: dict, vocab_size: int) -> tuple[list[str], list[int]]:
+    """Tokens and their types as llama.cpp lists them: added tokens are control or user-defined."""
+    import gguf
+
+    added = {a["id"]: a for a in tok_json.get("added_tokens", [])}
+    reverse = {i: t for t, i in tok_json["model"]["vocab"].items()} | {i: a["content"] for i, a in added.items()}
+    if max(reverse) >= vocab_size:
+        raise ValueError(f"Tokenizer has id {max(reverse)} but vocab_size is {vocab_size}")
+    tokens = [reverse.get(i, f"[PAD{i}]") for i in range(vocab_size)]
+    types = [gguf.TokenType.NORMAL if i in reverse else gguf.TokenType.UNUSED for i in range(vocab_size)]
+    tok = None
+    for i, a in added.items():
+        token = a["content"]
+        # llama.cpp stores added tokens in normalized form: encoded and decoded back. That is the
+        # identity for printable ASCII (every Qwen special token), so the tokenizer loads only if needed.
+        if not a.get("normalized", True) and not (token.isascii() and token.isprintable()):
+            if tok is None:
+                from tokenizers import Tokenizer
+
+                tok = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
+            token = tok.decode(tok.encode(token, add_special_tokens=False).ids, skip_special_tokens=False)
+        if a.get("special") or _looks_special(token):
+            tokens[i], types[i] = token, gguf.TokenType.CONTROL
+        else:
+            tokens[i], types[i] = token.replace("\u2581", " "), gguf.TokenType.USER_DEFINED
+    return tokens, types
+
+
 def _add_tokenizer(w, hf_dir: Path, vocab_size: int) -> None:
     """Byte-level BPE vocabulary, token types, merges, special ids and chat template."""
     import gguf
-    from tokenizers import Tokenizer
 
-    tok = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
-    reverse = {i: t for t, i in tok.get_vocab(with_added_tokens=True).items()}
-    if max(reverse) >= vocab_size:
-        raise ValueError(f"Tokenizer has id {max(reverse)} but vocab_size is {vocab_size}")
-    added = tok.get_added_tokens_decoder()
-    tokens, types = [], []
-    for i in range(vocab_size):
-        token = reverse.get(i)
-        if token is None:
-            tokens.append(f"[PAD{i}]")
-            types.append(gguf.TokenType.UNUSED)
-            continue
-        kind = gguf.TokenType.NORMAL
-        if i in added:
-            if not added[i].normalized:  # llama.cpp expects added tokens in normalized form
-                token = tok.decode(tok.encode(token, add_special_tokens=False).ids, skip_special_tokens=False)
-            if added[i].special or _looks_special(token):
-                kind = gguf.TokenType.CONTROL
-            else:
-                kind, token = gguf.TokenType.USER_DEFINED, token.replace("\u2581", " ")
-        tokens.append(token)
-        types.append(kind)
+    tok_json = json.loads((hf_dir / "tokenizer.json").read_text(encoding="utf-8"))
+    tokens, types = _token_list(hf_dir, tok_json, vocab_size)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen35")  # the pre-tokenizer of every Qwen3.5 / 3.6 vocabulary
     w.add_token_list(tokens)
     w.add_token_types(types)
     # gguf.SpecialVocab's merge conversion takes seconds; spaces inside a merge are written as U+0120
-    tok_json = json.loads((hf_dir / "tokenizer.json").read_text(encoding="utf-8"))
     merges = tok_json["model"]["merges"]
     if merges and not isinstance(merges[0], str):
-        merges = [f"{a.replace(' ', chr(0x120))} {b.replace(' ', chr(0x120))}" for a, b in merges]
+        if any(" " in a or " " in b for a, b in merges):
+            merges = [[part.replace(" ", "\u0120") for part in pair] for pair in merges]
+        merges = [" ".join(pair) for pair in merges]
     w.add_token_merges(merges)
     special = gguf.SpecialVocab(hf_dir, load_merges=False)
     post = tok_json.get("post_processor") or {}
     if any(p.get("type") == "ByteLevel" for p in post.get("processors", [post])):
         # llama.cpp's newer SpecialVocab: a ByteLevel post-processor adds neither BOS nor EOS
-        special.add_special_token = {"bos": False, "eos": False, **special.add_special_token}
-        special.add_special_token.update(bos=False, eos=False)
+        rest = {k: v for k, v in special.add_special_token.items() if k not in ("bos", "eos")}
+        special.add_special_token = {"bos": False, "eos": False, **rest}
     special.add_to_gguf(w, quiet=True)
 
 
@@ -399,16 +406,9 @@ def convert(hf_dir, out_path, outtype: str = "f32", no_mtp: bool = False) -> Pat
     w = _writer(arch)
     qtypes = []
     for job in jobs:
-        shape = job.shape
-        qtype = tensor_type(job.name, shape, outtype)
-        qtypes.append(qtype)
-        if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
-            dtype = np.float32 if qtype == gguf.GGMLQuantizationType.F32 else np.float16
-            w.add_tensor_info(job.name, shape, np.dtype(dtype), math.prod(shape) * np.dtype(dtype).itemsize,
-                              raw_dtype=qtype)
-        else:
-            byte_shape = gguf.quant_shape_to_byte_shape(shape, qtype)
-            w.add_tensor_info(job.name, byte_shape, np.dtype(np.uint8), math.prod(byte_shape), raw_dtype=qtype)
+        qtypes.append(tensor_type(job.name, job.shape, outtype))
+        byte_shape = gguf.quant_shape_to_byte_shape(job.shape, qtypes[-1])
+        w.add_tensor_info(job.name, byte_shape, np.dtype(np.uint8), math.prod(byte_shape), raw_dtype=qtypes[-1])
     _add_general(w, hf_dir)
     _add_model_keys(w, hp, arch, int(ftype), n_mtp)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
