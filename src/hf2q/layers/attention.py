@@ -8,6 +8,8 @@ from torch import nn
 
 from hf2q.config import ModelConfig
 from hf2q.forward import ForwardBatch
+from hf2q.kernels import dispatch
+from hf2q.kernels.meta import fast_meta
 from hf2q.layers.linear import Linear
 from hf2q.layers.norm import rms_norm
 from hf2q.layers.rotary import RotaryEmbedding
@@ -34,6 +36,9 @@ class GatedAttention(nn.Module):
         q = self.rotary.apply(rms_norm(q, self.q_norm, self.eps), cos, sin)
         k = self.rotary.apply(rms_norm(self.k(x).view(t, self.nkv, self.hd), self.k_norm, self.eps), cos, sin)
         v = self.v(x).view(t, self.nkv, self.hd)
+        if dispatch.use_fast_path(x, batch.capture_states):
+            out = self._attend_fast(q, k, v, batch)
+            return self.o((out.reshape(t, -1) * torch.sigmoid(gate)))
         out = torch.empty(t, self.nh, self.hd, dtype=x.dtype, device=x.device)
         cache = batch.cache
         for i, row, n, start, slot in batch.segments():
@@ -65,3 +70,30 @@ class GatedAttention(nn.Module):
         mask = torch.arange(total, device=q.device)[None, :] <= (start + torch.arange(n, device=q.device))[:, None]
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.hd ** -0.5)
         return o.transpose(0, 1)
+
+    def _attend_fast(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """All K/V rows written with one scatter; decode reads the paged pool directly, prefill uses SDPA."""
+        meta, cache = fast_meta(batch), batch.cache
+        if cache is not None:
+            i = cache.kv_index(self.layer_id)
+            k_rows = cache.k_pool[i].view(-1, self.nkv, self.hd)
+            v_rows = cache.v_pool[i].view(-1, self.nkv, self.hd)
+            k_rows.index_copy_(0, meta.slot_mapping, k.to(k_rows.dtype))
+            v_rows.index_copy_(0, meta.slot_mapping, v.to(v_rows.dtype))
+            if meta.decode:
+                return dispatch.paged_decode_attention(q, k_rows, v_rows, meta.block_tables, meta.context_lens,
+                                                       meta.block_size, self.hd ** -0.5)
+        out = torch.empty_like(q)
+        row = 0
+        for n, start, slot in zip(meta.seq_lens, meta.start_lens, batch.slots):
+            rows = slice(row, row + n)
+            row += n
+            if start == 0:  # the whole prefix is new: causal attention over these rows alone
+                o = F.scaled_dot_product_attention(q[rows].transpose(0, 1), k[rows].transpose(0, 1),
+                                                   v[rows].transpose(0, 1), is_causal=True,
+                                                   scale=self.hd ** -0.5, enable_gqa=True)
+                out[rows] = o.transpose(0, 1)
+                continue
+            every = cache.token_indices(slot, 0, start + n)
+            out[rows] = self._attend(q[rows], k_rows[every].to(q.dtype), v_rows[every].to(q.dtype), start)
+        return out

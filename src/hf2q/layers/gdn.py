@@ -11,7 +11,10 @@ from torch import nn
 
 from hf2q.config import ModelConfig
 from hf2q.forward import ForwardBatch
+from hf2q.kernels import dispatch
+from hf2q.kernels.conv import causal_conv1d_varlen
 from hf2q.kernels.gdn import causal_conv1d_ref, gated_delta_rule_ref
+from hf2q.kernels.meta import fast_meta
 from hf2q.layers.linear import Linear
 
 
@@ -38,6 +41,8 @@ class GatedDeltaNet(nn.Module):
         self.out = Linear(self.nv * self.dv, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        if dispatch.use_fast_path(x, batch.capture_states):
+            return self._forward_fast(x, batch)
         mixed = self.qkv(x)  # [T, C]
         z = self.z(x).view(-1, self.nv, self.dv)
         g = self.a.float() * F.softplus(self.alpha(x).float() + self.dt_bias.float())  # [T, nv] log-decay
@@ -71,3 +76,35 @@ class GatedDeltaNet(nn.Module):
         of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm.float()
         of = of * F.silu(z.float())
         return self.out(of.to(x.dtype).reshape(x.shape[0], -1))
+
+    def _forward_fast(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Every sequence at once: fused Triton step for decode, fla's chunked kernel otherwise."""
+        meta, cache = fast_meta(batch), batch.cache
+        mixed, z = self.qkv(x), self.z(x)
+        alpha, beta_raw = self.alpha(x), self.beta(x)
+        j = cache.linear_index(self.layer_id) if cache is not None else None
+        if meta.decode and cache is not None:
+            conv_out = dispatch.conv_decode_(mixed, self.conv, cache.conv_state[j], meta.slots)
+            core = dispatch.gdn_decode_(conv_out, alpha, beta_raw, self.a, self.dt_bias, z, self.norm,
+                                        cache.recurrent_state[j], meta.slots, self.nk, self.dk, self.eps, x.dtype)
+            return self.out(core)
+        n = len(meta.seq_lens)
+        conv_states = cache.conv_state[j][meta.slots] if cache is not None else None
+        conv_out, new_conv = causal_conv1d_varlen(mixed, conv_states, self.conv, meta.seq_lens)
+        if cache is not None:
+            rec = cache.recurrent_state[j][meta.slots].float()
+        else:
+            rec = x.new_zeros(n, self.nv, self.dk, self.dv, dtype=torch.float32)
+        q, k, v = torch.split(conv_out.to(x.dtype), [self.nk * self.dk, self.nk * self.dk, self.nv * self.dv], dim=-1)
+        t = x.shape[0]
+        g = self.a.float() * F.softplus(alpha.float() + self.dt_bias.float())
+        o, final = dispatch.chunk_gdn(q.view(t, self.nk, self.dk), k.view(t, self.nk, self.dk),
+                                      v.view(t, self.nv, self.dv), g, torch.sigmoid(beta_raw.float()), rec,
+                                      meta.cu_seqlens, meta.seq_lens, self.dk ** -0.5, self.eps)
+        if cache is not None:
+            cache.conv_state[j].index_copy_(0, meta.slots, new_conv.to(cache.conv_state[j].dtype))
+            cache.recurrent_state[j].index_copy_(0, meta.slots, final.to(cache.recurrent_state[j].dtype))
+        of = o.float()
+        of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm.float()
+        of = of * F.silu(z.float().view(t, self.nv, self.dv))
+        return self.out(of.to(x.dtype).reshape(t, -1))

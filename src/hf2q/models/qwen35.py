@@ -11,6 +11,7 @@ from torch import nn
 
 from hf2q.config import ModelConfig
 from hf2q.forward import ForwardBatch
+from hf2q.kernels import dispatch
 from hf2q.layers.attention import GatedAttention
 from hf2q.layers.gdn import GatedDeltaNet
 from hf2q.layers.linear import Linear
@@ -47,7 +48,18 @@ class DecoderLayer(nn.Module):
             x = x + self.mixer(h, batch, cos, sin)
         else:
             x = x + self.mixer(h, batch)
-        return x + self.ffn(self.ffn_norm(x))
+        return x + self._ffn(self.ffn_norm(x), batch)
+
+    def _ffn(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """MoE on the fast path runs its experts as grouped GEMMs (no per-expert loop, no host sync)."""
+        if isinstance(self.ffn, MoE) and dispatch.use_fast_path(h, batch.capture_states):
+            weights, experts = self.ffn.route(h)
+            y = dispatch.moe_experts(h, weights, experts, self.ffn.gate_exps, self.ffn.up_exps, self.ffn.down_exps)
+            if y is not None:
+                if self.ffn.shared is not None:
+                    y = y + torch.sigmoid(self.ffn.shared_gate(h)) * self.ffn.shared(h)
+                return y
+        return self.ffn(h)
 
 
 class Qwen35Model(nn.Module):

@@ -1,0 +1,123 @@
+"""Picks the implementation of each vectorised op by device, importing Triton and fla only when used.
+
+The layers call these functions on their fast path (CUDA by default). Each op has a plain torch
+version with the same contract: it runs where Triton cannot (CPU), and it is what the Triton kernels
+are tested against. `fast_path("force")` runs the fast path on CPU too, so its batching logic is
+testable without a GPU.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+import torch.nn.functional as F
+
+from hf2q.kernels.gdn import gated_delta_rule_ref
+
+_MODE = {"value": "auto"}  # auto: CUDA tensors only; off: never; force: every device
+
+
+@contextlib.contextmanager
+def fast_path(mode: str):
+    """Temporarily set the fast-path mode: 'auto', 'off' or 'force'."""
+    if mode not in ("auto", "off", "force"):
+        raise ValueError(f"fast path mode must be auto, off or force, not {mode!r}")
+    old, _MODE["value"] = _MODE["value"], mode
+    try:
+        yield
+    finally:
+        _MODE["value"] = old
+
+
+def use_fast_path(x: torch.Tensor, capture_states: bool) -> bool:
+    """Vectorised path unless per-token DeltaNet states are wanted (speculative verify keeps the reference)."""
+    mode = _MODE["value"]
+    return not capture_states and (mode == "force" or (mode == "auto" and x.is_cuda))
+
+
+def _triton(x: torch.Tensor) -> bool:
+    return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# ---- causal conv1d, one token per sequence ---------------------------------------------------------
+def conv_decode_(x: torch.Tensor, weight: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """SiLU(causal conv) of one new input per sequence [B, C] -> fp32 [B, C]; updates state_pool[slots]."""
+    if _triton(x) and weight.shape[1] == 4:
+        from hf2q.kernels.conv_triton import conv_decode_ as kernel
+        return kernel(x, weight, state_pool, slots)
+    window = torch.cat((state_pool[slots].float(), x.float()[:, None]), dim=1)  # [B, K, C]
+    y = (window * weight.float().t()[None]).sum(1)
+    state_pool.index_copy_(0, slots, window[:, 1:].to(state_pool.dtype))
+    return F.silu(y)
+
+
+# ---- Gated DeltaNet, one token per sequence ---------------------------------------------------------
+def gdn_decode_(qkv, a_raw, b_raw, A, dt_bias, z, norm_w, state_pool, slots, nk: int, dk: int, eps: float,
+                out_dtype: torch.dtype) -> torch.Tensor:
+    """Fused decode step of every sequence (see gdn_decode_triton); state_pool[slots] updated in place."""
+    if _triton(qkv) and state_pool.dtype == torch.float32:
+        from hf2q.kernels.gdn_decode_triton import gdn_decode_ as kernel
+        return kernel(qkv, a_raw, b_raw, A, dt_bias, z, norm_w, state_pool, slots, nk, dk, eps, out_dtype)
+    bsz, nv, dv = qkv.shape[0], state_pool.shape[1], state_pool.shape[3]
+    rep = nv // nk
+    q, k, v = torch.split(qkv.float(), [nk * dk, nk * dk, nv * dv], dim=-1)
+    q, k = q.view(bsz, nk, dk), k.view(bsz, nk, dk)
+    q = (q * torch.rsqrt((q * q).sum(-1, keepdim=True) + eps) * dk ** -0.5).repeat(1, rep, 1)
+    k = (k * torch.rsqrt((k * k).sum(-1, keepdim=True) + eps)).repeat(1, rep, 1)
+    g = A.float() * F.softplus(a_raw.float() + dt_bias.float())
+    beta = torch.sigmoid(b_raw.float())
+    s = state_pool[slots].float() * g.exp()[..., None, None]
+    delta = (v.view(bsz, nv, dv) - torch.einsum("bhkv,bhk->bhv", s, k)) * beta[..., None]
+    s = s + k[..., :, None] * delta[..., None, :]
+    state_pool.index_copy_(0, slots, s.to(state_pool.dtype))
+    o = torch.einsum("bhkv,bhk->bhv", s, q)
+    o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps) * norm_w.float()
+    o = o * F.silu(z.float().view(bsz, nv, dv))
+    return o.reshape(bsz, nv * dv).to(out_dtype)
+
+
+# ---- Gated DeltaNet, many tokens per sequence -------------------------------------------------------
+def chunk_gdn(q, k, v, g, beta, initial_state, cu_seqlens, seq_lens: list[int], scale: float, eps: float):
+    """q, k: [T, nk, dk] raw; v: [T, nv, dv]; g, beta: [T, nv]; initial_state: [N, nv, dk, dv].
+    Returns (o [T, nv, dv] in v's dtype, final states [N, nv, dk, dv] fp32)."""
+    if q.is_cuda:
+        from hf2q.kernels.gdn_fla import chunk_gdn as kernel
+        return kernel(q, k, v, g, beta, initial_state, cu_seqlens, scale)
+    rep = v.shape[1] // q.shape[1]
+    qf = q.float() * torch.rsqrt(q.float().pow(2).sum(-1, keepdim=True) + eps) * scale
+    kf = k.float() * torch.rsqrt(k.float().pow(2).sum(-1, keepdim=True) + eps)
+    qf, kf = qf.repeat(1, rep, 1), kf.repeat(1, rep, 1)
+    out, finals, row = torch.empty_like(v), [], 0
+    for i, n in enumerate(seq_lens):
+        r = slice(row, row + n)
+        o, s, _ = gated_delta_rule_ref(qf[r], kf[r], v[r], g[r], beta[r], initial_state[i])
+        out[r], row = o, row + n
+        finals.append(s)
+    return out, torch.stack(finals) if finals else initial_state.float()
+
+
+# ---- paged attention, one query per sequence --------------------------------------------------------
+def paged_decode_attention(q, k_rows, v_rows, block_tables, context_lens, block_size: int, scale: float):
+    """q: [B, nh, hd]; k_rows/v_rows: flat pools [rows, nkv, hd]. Returns [B, nh, hd]."""
+    if _triton(q):
+        from hf2q.kernels.paged_attention_triton import paged_decode_attention as kernel
+        return kernel(q, k_rows, v_rows, block_tables, context_lens, block_size, scale)
+    longest = block_tables.shape[1] * block_size
+    pos = torch.arange(longest, device=q.device)
+    rows = block_tables.long()[:, pos // block_size] * block_size + pos % block_size  # [B, L]
+    keys, values = k_rows[rows].to(q.dtype), v_rows[rows].to(q.dtype)  # [B, L, nkv, hd]
+    mask = (pos[None, :] < context_lens[:, None].long())[:, None, None, :]  # [B, 1, 1, L]
+    o = F.scaled_dot_product_attention(q[:, :, None], keys.transpose(1, 2), values.transpose(1, 2),
+                                       attn_mask=mask, scale=scale, enable_gqa=True)
+    return o[:, :, 0]
+
+
+# ---- MoE experts -------------------------------------------------------------------------------------
+def moe_experts(x, weights, experts, gate_exps, up_exps, down_exps):
+    """Σ_k weights · expert(x) through grouped GEMMs when the device supports them, else None."""
+    if x.is_cuda:
+        from hf2q.kernels.moe_grouped import grouped_mm_available, moe_experts_grouped
+        if grouped_mm_available(x):
+            return moe_experts_grouped(x, weights, experts, gate_exps, up_exps, down_exps)
+    return None

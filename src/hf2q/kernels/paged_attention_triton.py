@@ -1,0 +1,79 @@
+"""Triton paged attention for decode: one query token per sequence against its K/V in the block pool.
+
+Grid (sequence, KV head, split): each program takes the GQA group of query heads that share one KV head
+(padded to 16 rows for the tensor cores), walks its share of the sequence's blocks through the block
+table with an online softmax, and writes a partial output and log-sum-exp; the splits are merged with
+a weighted sum. Splitting keeps the GPU busy at batch 1 with long contexts.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, scale,
+                         stride_qb, stride_qh, stride_kr, stride_kh, stride_bt, stride_ob, stride_oh, stride_os,
+                         stride_lb, stride_lh, REP: tl.constexpr, REP_PAD: tl.constexpr, HD: tl.constexpr,
+                         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr):
+    b = tl.program_id(0)
+    g = tl.program_id(1)
+    sp = tl.program_id(2)
+    length = tl.max(tl.load(len_ptr + b + tl.arange(0, 1)), 0)  # a 0-d scalar (also under the interpreter)
+    per_split = tl.cdiv(tl.cdiv(length, BLOCK_N), NSPLIT) * BLOCK_N
+    start = sp * per_split
+    end = tl.minimum(start + per_split, length)
+    r = tl.arange(0, REP_PAD)
+    d = tl.arange(0, HD)
+    rmask = r < REP
+    heads = g * REP + r
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=rmask[:, None], other=0.0)
+    q = (q.to(tl.float32) * scale).to(k_ptr.dtype.element_ty)
+    m_i = tl.full([REP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([REP_PAD], tl.float32)
+    acc = tl.zeros([REP_PAD, HD], tl.float32)
+    n = tl.arange(0, BLOCK_N)
+    for n0 in range(start, end, BLOCK_N):
+        toks = n0 + n
+        valid = toks < end
+        blk = tl.load(bt_ptr + b * stride_bt + toks // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        rows = blk * BLOCK_SIZE + toks % BLOCK_SIZE
+        off = rows[:, None] * stride_kr + g * stride_kh + d[None, :]
+        k = tl.load(k_ptr + off, mask=valid[:, None], other=0.0)
+        v = tl.load(v_ptr + off, mask=valid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k))  # [REP_PAD, BLOCK_N]
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    safe_l = tl.where(l_i > 0, l_i, 1.0)
+    out = acc / safe_l[:, None]
+    lse = tl.where(l_i > 0, m_i + tl.log(safe_l), float("-inf"))
+    tl.store(o_ptr + b * stride_ob + heads[:, None] * stride_oh + sp * stride_os + d[None, :], out,
+             mask=rmask[:, None])
+    tl.store(lse_ptr + b * stride_lb + heads * stride_lh + sp, lse, mask=rmask)
+
+
+def paged_decode_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
+                           scale: float, num_splits: int = 8) -> torch.Tensor:
+    """q: [B, nh, hd]; k_rows/v_rows: [num_blocks * block_size, nkv, hd] (the flat pool);
+    block_tables: [B, max_blocks] int32; context_lens: [B] int32 (>= 1). Returns [B, nh, hd] in q's dtype."""
+    bsz, nh, hd = q.shape
+    nkv = k_rows.shape[1]
+    rep = nh // nkv
+    assert k_rows.stride(2) == 1 and q.stride(2) == 1 and k_rows.stride() == v_rows.stride()
+    parts = torch.empty(bsz, nh, num_splits, hd, dtype=torch.float32, device=q.device)
+    lse = torch.empty(bsz, nh, num_splits, dtype=torch.float32, device=q.device)
+    _paged_decode_kernel[(bsz, nkv, num_splits)](
+        q, k_rows, v_rows, block_tables, context_lens, parts, lse, scale,
+        q.stride(0), q.stride(1), k_rows.stride(0), k_rows.stride(1), block_tables.stride(0),
+        parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0), lse.stride(1),
+        REP=rep, REP_PAD=max(16, triton.next_power_of_2(rep)), HD=hd, BLOCK_SIZE=block_size, BLOCK_N=64,
+        NSPLIT=num_splits, num_warps=4)
+    w = torch.softmax(lse, dim=-1)  # empty splits have lse -inf and weight 0
+    return (parts * w[..., None]).sum(2).to(q.dtype)
