@@ -16,6 +16,7 @@ from typing import AsyncIterator, Optional
 
 from hf2q.engine.request import RequestOutput
 from hf2q.engine.sampling_params import SamplingParams
+from hf2q.server.errors import APIError
 from hf2q.server.metrics import RequestTimer
 from hf2q.server.sampling import engine_error
 from hf2q.server.state import ServerState
@@ -88,7 +89,7 @@ class Choices:
                     remaining -= 1
                     continue
                 if isinstance(item, Exception):
-                    raise item
+                    raise APIError(500, f"generation failed: {item}", code="generation_error") from item
                 gen.last = item
                 gen.timer.tokens(len(item.new_token_ids))
                 if item.finished:

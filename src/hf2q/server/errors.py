@@ -42,10 +42,13 @@ def bad_request(message: str, param: Optional[str] = None, code: Optional[str] =
     return APIError(400, message, param=param, code=code)
 
 
+_TYPE_NAMES = {"int", "float", "str", "bool", "none", "dict", "list"}
+
+
 def _loc_to_param(loc: tuple) -> Optional[str]:
-    parts = [str(p) for p in loc if p not in ("body",)]
-    # pydantic puts union member / tag names into loc; they mean nothing to the client.
-    parts = [p for p in parts if not p.startswith(("function-", "tagged-union", "literal")) and "[" not in p]
+    # pydantic puts union members (int, TextPart, list[...]) into loc; they mean nothing to the client.
+    parts = [str(p) for p in (loc[1:] if loc[:1] == ("body",) else loc)]
+    parts = [p for p in parts if p not in _TYPE_NAMES and not p[:1].isupper() and "[" not in p and "-" not in p]
     out = ""
     for p in parts:
         out += f"[{p}]" if p.isdigit() else (f".{p}" if out else p)

@@ -156,8 +156,7 @@ class ChatServing:
             if include_usage:
                 usage = choices.usage(sum(o.reasoning_tokens for o in outputs))
                 yield event({**chunk, "choices": [], "usage": usage})
-        except APIError as exc:
-            yield event(exc.body())
-        except Exception as exc:  # the engine failed mid-stream: the status line is already sent
-            yield event(APIError(500, f"generation failed: {exc}", code="generation_error").body())
+        except Exception as exc:  # the status line is already sent: report in the stream
+            error = exc if isinstance(exc, APIError) else APIError(500, f"internal error: {exc}", code="internal_error")
+            yield event(error.body())
         yield DONE

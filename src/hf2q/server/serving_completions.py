@@ -110,8 +110,7 @@ class CompletionServing:
                     "logprobs": lp.piece(out.logprobs) if lp is not None else None}]})
             if include_usage:
                 yield event({**head, "choices": [], "usage": choices.usage()})
-        except APIError as exc:
-            yield event(exc.body())
-        except Exception as exc:
-            yield event(APIError(500, f"generation failed: {exc}", code="generation_error").body())
+        except Exception as exc:  # the status line is already sent: report in the stream
+            error = exc if isinstance(exc, APIError) else APIError(500, f"internal error: {exc}", code="internal_error")
+            yield event(error.body())
         yield DONE
