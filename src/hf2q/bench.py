@@ -1,0 +1,259 @@
+"""`hf2q bench`: decode and prefill speed on a real-shape random-weight model, against the GPU's
+memory-bandwidth ceiling and HF transformers' `generate` on the same shape, in one run.
+
+Decode at batch 1 reads every weight once per token, so its ceiling is bytes read / copy bandwidth;
+prefill is matmul-bound, so its ceiling is FLOPs / measured matmul rate.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from hf2q.bench_shapes import SHAPES, random_model, weight_bytes
+
+
+def add_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--shape", choices=sorted(SHAPES), default="9b", help="model shape (random weights)")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 64], help="decode batch sizes")
+    p.add_argument("--prompt", type=int, default=512, help="context before decoding")
+    p.add_argument("--new", type=int, default=128, help="decode steps timed")
+    p.add_argument("--prefill", type=int, default=4096, help="prefill length timed")
+    p.add_argument("--hf-new", type=int, default=32, help="tokens HF generates per timing (0: skip HF)")
+    p.add_argument("--json", default=None, help="also write every figure to this JSON file")
+
+
+def _sync_time(fn, reps: int = 3) -> float:
+    """Median seconds of fn() after one warm-up, synchronised."""
+    fn()
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
+def ceilings() -> tuple[float, float]:
+    """Device-to-device copy bandwidth (bytes read + written, B/s) and bf16 matmul rate (FLOP/s)."""
+    a = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda").normal_()
+    b = torch.empty_like(a)
+    bw = 2 * a.numel() * 2 / _sync_time(lambda: b.copy_(a), 5)
+    del a, b
+    x = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    y = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    flops = 2 * 8192 ** 3 / _sync_time(lambda: x @ y, 5)
+    return bw, flops
+
+
+def _state_bytes(cfg) -> int:
+    return len(cfg.linear_layers) * ((cfg.conv_kernel - 1) * cfg.conv_channels
+                                     + cfg.linear_num_v_heads * cfg.linear_k_head_dim * cfg.linear_v_head_dim) * 4
+
+
+def decode_ceiling(net, cfg, batch: int, context: int, bw: float) -> float:
+    """Tokens/s if a step only moved its unavoidable bytes: weights (experts actually touched), each
+    sequence's DeltaNet state read and written, its K/V read."""
+    active = None
+    if cfg.is_moe:
+        e, k = cfg.num_experts, cfg.num_experts_per_tok
+        active = e * (1 - (1 - k / e) ** batch)
+    kv = len(cfg.full_attention_layers) * 2 * cfg.num_kv_heads * cfg.head_dim * 2 * context
+    step = weight_bytes(net, active) + batch * (2 * _state_bytes(cfg) + kv)
+    return batch * bw / step
+
+
+def prefill_ceiling(net, cfg, tokens: int, flops: float) -> float:
+    mats = sum(p.numel() for n, p in net.named_parameters() if p.dim() >= 2 and n != "embed" and n.split(".")[-1] != "conv")
+    if cfg.is_moe:
+        per_layer = 3 * cfg.num_experts * cfg.moe_intermediate_size * cfg.hidden_size
+        mats -= cfg.num_layers * per_layer * (1 - cfg.num_experts_per_tok / cfg.num_experts)
+    if net.tie_embeddings:
+        mats += net.embed.numel()
+    attn = len(cfg.full_attention_layers) * 2 * cfg.num_heads * cfg.head_dim * tokens  # causal QK^T + PV
+    return flops / (2 * mats + attn)
+
+
+def _prefill(net, cache, slot, ids, start=0) -> torch.Tensor:
+    from hf2q.forward import ForwardBatch
+    cache.reserve(slot, start + len(ids))
+    batch = ForwardBatch.single(ids, start=start, slot=slot, cache=cache, device="cuda")
+    out = net.compute_logits(net(batch)[-1:])
+    cache.commit(slot, start + len(ids))
+    return out
+
+
+@torch.inference_mode()
+def bench_ours(net, cfg, args, report: dict) -> None:
+    from hf2q.cache.hybrid import HybridCache
+    from hf2q.config import CacheConfig
+    from hf2q.engine.cuda_graphs import DecodeGraphs
+
+    max_b = max(args.batch)
+    ctx = args.prompt + args.new + 16
+    blocks = (max_b + 2) * (-(-ctx // 16)) + -(-args.prefill // 16) + 8
+    cache = HybridCache(cfg, CacheConfig(num_slots=max_b + 3, num_blocks=blocks, block_size=16,
+                                         kv_dtype="bfloat16", state_dtype="float32"), device="cuda")
+    gen = torch.Generator().manual_seed(1)
+    slot = cache.acquire()
+    long_ids = torch.randint(0, cfg.vocab_size, (args.prefill,), generator=gen).tolist()
+
+    def prefill_once():
+        cache.reset(slot)
+        _prefill(net, cache, slot, long_ids)
+    report["prefill_tok_s"] = args.prefill / _sync_time(prefill_once, 3)
+    cache.release(slot)
+
+    graphs = DecodeGraphs(net, cache, max_context=ctx)
+    t = time.perf_counter()
+    graphs.capture()
+    report["graph_capture_s"] = time.perf_counter() - t
+    for b in args.batch:
+        slots = [cache.acquire() for _ in range(b)]
+        prompts = torch.randint(0, cfg.vocab_size, (b, args.prompt), generator=gen)
+        last = [_prefill(net, cache, s, prompts[i].tolist()) for i, s in enumerate(slots)]
+        for s in slots:
+            cache.reserve(s, ctx)
+        ids = torch.cat(last).argmax(-1)
+        pos = [args.prompt] * b
+        for _ in range(3):  # warm-up steps advance the sequences too
+            ids = graphs.step(ids, pos, slots).argmax(-1)
+            pos = [p + 1 for p in pos]
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(args.new - 3):
+            ids = graphs.step(ids, pos, slots).argmax(-1)
+            pos = [p + 1 for p in pos]
+        torch.cuda.synchronize()
+        report[f"decode_b{b}_tok_s"] = b * (args.new - 3) / (time.perf_counter() - t)
+        report[f"decode_b{b}_eager_tok_s"] = b * 8 / _eager_steps(net, cache, slots, pos, ids, 8)
+        if b == args.batch[0]:
+            report[f"profile_b{b}"] = _profile(lambda: graphs.step(ids, pos, slots))
+        for s in slots:
+            cache.release(s)
+
+
+def _eager_steps(net, cache, slots, pos, ids, n) -> float:
+    from hf2q.forward import ForwardBatch
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        batch = ForwardBatch(ids, torch.tensor(pos, device="cuda"), [1] * len(slots), list(pos), list(slots), cache)
+        ids = net.compute_logits(net(batch)).argmax(-1)
+        pos = [p + 1 for p in pos]
+    torch.cuda.synchronize()
+    return time.perf_counter() - t
+
+
+def _profile(step, reps: int = 5) -> list:
+    """GPU time per kernel name over a few graph replays: where a decode step's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            step()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.device_time_total / reps / 1e3, e.count // reps) for e in prof.key_averages()]
+    rows.sort(key=lambda r: -r[1])
+    return [[name[:60], round(ms, 4), n] for name, ms, n in rows[:15]]
+
+
+def hf_config(shape: str):
+    cfg, tie = SHAPES[shape]
+    if cfg.is_moe:
+        from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+        return Qwen3_5MoeTextConfig(), Qwen3_5MoeForCausalLM
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    if shape == "9b":
+        return Qwen3_5TextConfig(), Qwen3_5ForCausalLM
+    return Qwen3_5TextConfig(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                             num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+                             num_key_value_heads=cfg.num_kv_heads, linear_num_value_heads=cfg.linear_num_v_heads,
+                             tie_word_embeddings=tie), Qwen3_5ForCausalLM
+
+
+@torch.inference_mode()
+def bench_hf(shape: str, args, report: dict) -> None:
+    """HF transformers (with fla kernels when installed) on the same shape, greedy generate."""
+    hcfg, cls = hf_config(shape)
+    hcfg._attn_implementation = "sdpa"
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            model = cls(hcfg).eval()
+    finally:
+        torch.set_default_dtype(old)
+    gen = torch.Generator().manual_seed(2)
+    for b in args.batch:
+        new = args.hf_new if b == 1 else max(4, args.hf_new // 4)
+        ids = torch.randint(0, 240000, (b, args.prompt), generator=gen).cuda()
+        model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+        t_pre = _sync_time(lambda: model.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False), 1)
+        t_all = _sync_time(lambda: model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False), 1)
+        report[f"hf_decode_b{b}_tok_s"] = b * (new - 1) / max(t_all - t_pre, 1e-9)
+    ids = torch.randint(0, 240000, (1, args.prefill), generator=gen).cuda()
+    report["hf_prefill_tok_s"] = args.prefill / _sync_time(lambda: model(ids), 2)
+    del model
+    torch.cuda.empty_cache()
+
+
+def bench_shape(shape: str, args) -> dict:
+    cfg, tie = SHAPES[shape]
+    bw, flops = ceilings()
+    report = {"shape": shape, "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+              "copy_TBps": bw / 1e12, "matmul_TFLOPs": flops / 1e12}
+    net = random_model(cfg, tie=tie, device="cuda", dtype=torch.bfloat16)
+    report["params_B"] = sum(p.numel() for p in net.parameters()) / 1e9
+    report["prefill_ceiling_tok_s"] = prefill_ceiling(net, cfg, args.prefill, flops)
+    for b in args.batch:
+        report[f"decode_b{b}_ceiling_tok_s"] = decode_ceiling(net, cfg, b, args.prompt + args.new // 2, bw)
+    bench_ours(net, cfg, args, report)
+    del net
+    torch.cuda.empty_cache()
+    if args.hf_new:
+        try:
+            bench_hf(shape, args, report)
+        except Exception as e:  # noqa: BLE001 - HF is a comparison, not the subject
+            report["hf_error"] = repr(e)[:300]
+    return report
+
+
+def format_table(r: dict, batches) -> str:
+    rows = [(f"decode b={b}", f"decode_b{b}_tok_s", f"decode_b{b}_ceiling_tok_s", f"hf_decode_b{b}_tok_s")
+            for b in batches] + [("prefill", "prefill_tok_s", "prefill_ceiling_tok_s", "hf_prefill_tok_s")]
+    out = [f"## {r['shape']} on {r['gpu']}: copy {r['copy_TBps']:.2f} TB/s, bf16 matmul {r['matmul_TFLOPs']:.0f} TFLOP/s",
+           "| workload | hf2q tok/s | ceiling | of ceiling | HF tok/s | vs HF | eager (no graphs) |",
+           "|---|---|---|---|---|---|---|"]
+    for name, ours, ceil, hf in rows:
+        v, c, h = r.get(ours), r.get(ceil), r.get(hf)
+        eager = r.get(ours.replace("_tok_s", "_eager_tok_s"))
+        out.append(f"| {name} | {v:,.1f} | {c:,.0f} | {v / c:.0%} | " + (f"{h:,.1f} | {v / h:.1f}x" if h else "- | -")
+                   + (f" | {eager:,.1f} |" if eager else " | - |"))
+    return "\n".join(out)
+
+
+def run_bench(args) -> int:
+    if not torch.cuda.is_available():
+        print("hf2q bench needs a CUDA GPU")
+        return 2
+    report = bench_shape(args.shape, args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    print(json.dumps(report))
+    print(format_table(report, args.batch))
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="hf2q bench", description=__doc__.splitlines()[0])
+    add_bench_args(p)
+    return run_bench(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,118 @@
+"""Decode steps captured in CUDA graphs, one per batch-size bucket.
+
+A decode step launches hundreds of small kernels; replaying a captured graph removes the launch gaps.
+Each bucket's graph reads static buffers (token ids, positions, slots, K/V rows, block tables,
+lengths), so one step is: fill the buffers from the host in one copy, replay, read the logits rows.
+A batch smaller than its bucket is padded with a private scratch slot, so padding never touches a real
+sequence's state.
+"""
+from __future__ import annotations
+
+import torch
+
+from hf2q.cache.hybrid import HybridCache
+from hf2q.forward import ForwardBatch
+from hf2q.kernels.meta import FastMeta
+from hf2q.models.qwen35 import Qwen35Model
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+class DecodeGraphs:
+    """Graph-replayed decode (one new token per sequence) for `net` over `cache`."""
+
+    def __init__(self, net: Qwen35Model, cache: HybridCache, buckets=DEFAULT_BUCKETS, max_context: int = 4096):
+        self.net, self.cache = net, cache
+        self.buckets = tuple(sorted(buckets))
+        self.block_size = cache.block_size
+        self.width = -(-max_context // cache.block_size)  # block-table columns
+        self.pad_slot = cache.acquire()
+        cache.reserve(self.pad_slot, 1)
+        self.pad_block = cache.block_table(self.pad_slot)[0]
+        dev = net.embed.device
+        n = self.buckets[-1]
+        # one int64 pack: ids, positions, slots, slot_mapping, context_lens, block tables
+        self._fields = 5 * n + n * self.width
+        self._host = torch.zeros(self._fields, dtype=torch.long, pin_memory=dev.type == "cuda")
+        self._dev = torch.zeros(self._fields, dtype=torch.long, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self._pool = None
+        self._copied = torch.cuda.Event() if dev.type == "cuda" else None  # host pack free to rewrite
+
+    def _views(self, pack: torch.Tensor, b: int):
+        n = self.buckets[-1]
+        ids, pos, slots, mapping, lens = (pack[i * n: i * n + b] for i in range(5))
+        tables = pack[5 * n:].view(n, self.width)[:b]
+        return ids, pos, slots, mapping, lens, tables
+
+    def _fill_host(self, b: int, ids, positions: list[int], slots: list[int]) -> None:
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's upload has left the pinned buffer
+        h_ids, h_pos, h_slots, h_map, h_lens, h_tab = self._views(self._host, b)
+        n, bs = len(positions), self.block_size
+        h_tab.zero_()
+        for i in range(b):
+            if i < n:
+                slot, pos, table = slots[i], positions[i], self.cache.block_table(slots[i])
+            else:
+                slot, pos, table = self.pad_slot, 0, [self.pad_block]
+            if len(table) > self.width:
+                raise ValueError(f"sequence of {len(table)} blocks exceeds the graph's {self.width}")
+            h_pos[i], h_slots[i], h_lens[i] = pos, slot, pos + 1
+            h_map[i] = table[pos // bs] * bs + pos % bs
+            h_tab[i, :len(table)] = torch.tensor(table, dtype=torch.long)
+        if ids is not None and not torch.is_tensor(ids):
+            h_ids[:n] = torch.tensor(ids, dtype=torch.long)
+        h_ids[n:] = 0
+
+    def _batch(self, b: int) -> ForwardBatch:
+        ids, pos, slots, mapping, lens, tables = self._views(self._dev, b)
+        meta = FastMeta(decode=True, seq_lens=[1] * b, start_lens=[0] * b,
+                        cu_seqlens=torch.arange(b + 1, device=ids.device), slots=slots, slot_mapping=mapping,
+                        block_tables=tables, context_lens=lens, block_size=self.block_size)
+        return ForwardBatch(ids, pos, [1] * b, [0] * b, [self.pad_slot] * b, self.cache,
+                            extras={"fast_meta": meta})
+
+    def _step(self, b: int) -> torch.Tensor:
+        return self.net.compute_logits(self.net(self._batch(b)))
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Warm every bucket up (compiles Triton kernels) and capture its graph, largest first."""
+        stream = torch.cuda.Stream()
+        for b in reversed(self.buckets):
+            self._fill_host(b, [0] * b, [0] * b, [self.pad_slot] * b)
+            self._dev.copy_(self._host)
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self._step(b)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                self.logits[b] = self._step(b)
+            self._pool = graph.pool()
+            self.graphs[b] = graph
+        torch.cuda.synchronize()
+
+    def bucket(self, n: int) -> int:
+        for b in self.buckets:
+            if b >= n:
+                return b
+        raise ValueError(f"batch of {n} exceeds the largest graph bucket {self.buckets[-1]}")
+
+    @torch.inference_mode()
+    def step(self, ids, positions: list[int], slots: list[int]) -> torch.Tensor:
+        """One decode token for each sequence: ids (host list or device tensor [n]), positions (of the new
+        token), slots. The cache must already be reserved past each position. Returns logits [n, vocab]
+        (a view into the graph's output, valid until the next step)."""
+        n = len(positions)
+        b = self.bucket(n)
+        self._fill_host(b, ids, positions, slots)
+        self._dev.copy_(self._host, non_blocking=True)
+        self._copied.record()
+        if torch.is_tensor(ids):
+            self._views(self._dev, b)[0][:n].copy_(ids)
+        self.graphs[b].replay()
+        return self.logits[b][:n]
