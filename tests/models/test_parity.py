@@ -51,8 +51,9 @@ def test_greedy_48_tokens_match_hf_generate(kind, request):
     model = request.getfixturevalue(kind)
     hf_model = request.getfixturevalue(f"hf_model_{kind}")
     with torch.no_grad():
-        ref = hf_model.generate(torch.tensor([PROMPT]), max_new_tokens=48, do_sample=False,
-                                eos_token_id=None, pad_token_id=0)[0, len(PROMPT):].tolist()
+        ids = torch.tensor([PROMPT])
+        ref = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=48, do_sample=False,
+                                eos_token_id=None)[0, len(PROMPT):].tolist()
     assert len(ref) == 48
     assert len(set(ref)) > 4, "fixture too degenerate to tell paths apart"
     assert greedy_engine_tokens(model, PROMPT, 48) == ref

@@ -25,7 +25,7 @@ class SequenceOutput:
         self.max_tokens = max_tokens
         self.eos_ids = frozenset() if self.params.ignore_eos else model.eos_token_ids
         self.stop_ids = frozenset(self.params.stop_token_ids or ())
-        self.row = RowState(self.params, req.prompt_ids)
+        self.row = RowState(self.params, req.prompt_ids, eos_token_ids=model.eos_token_ids)
         self.detok = IncrementalDetokenizer(model.tokenizer)
         self.stop = StopStringMatcher(list(self.params.stop or []))
         self.budget = None
@@ -81,6 +81,4 @@ class SequenceOutput:
             return None
         if forced:  # a forced token was not sampled: it gets logprob 0
             return [TokenLogprob(token, 0.0, [])]
-        top = result.top_logprobs[row] if result.top_logprobs is not None else []
-        chosen = result.chosen_logprob(row, token)
-        return [TokenLogprob(token, chosen, list(top))]
+        return [TokenLogprob(token, float(result.logprobs[row]), list(result.top_logprobs[row] or []))]
