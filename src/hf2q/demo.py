@@ -15,7 +15,7 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-DEMO_VERSION = 1
+DEMO_VERSION = 2
 ARCH = "qwen35"
 HIDDEN, LAYERS, FFN = 64, 4, 128
 HEADS, KV_HEADS, HEAD_DIM = 2, 1, 64
@@ -35,7 +35,12 @@ CHAT_TEMPLATE = """\
 {%- for tool in tools %}{{- '\\n' + tool|tojson }}{%- endfor %}
 {{- '\\n</tools>\\n\\nIf you choose to call a function ONLY reply in the following format with NO suffix:\\n\\n\
 <tool_call>\\n<function=example_function_name>\\n<parameter=example_parameter_1>\\nvalue_1\\n</parameter>\\n\
-</function>\\n</tool_call>' }}
+<parameter=example_parameter_2>\\nThis is the value for the second parameter\\nthat can span\\nmultiple lines\\n\
+</parameter>\\n</function>\\n</tool_call>\\n\\n<IMPORTANT>\\nReminder:\\n- Function calls MUST follow the specified \
+format: an inner <function=...></function> block must be nested within <tool_call></tool_call> XML tags\\n\
+- Required parameters MUST be specified\\n- You may provide optional reasoning for your function call in natural \
+language BEFORE the function call, but NOT after\\n- If there is no function call available, answer the question \
+like normal with your current knowledge and do not tell the user about function calls\\n</IMPORTANT>' }}
 {{- ('\\n\\n' + sys if sys else '') + '<|im_end|>\\n' }}
 {%- elif messages[0].role == 'system' %}{{- '<|im_start|>system\\n' + sys + '<|im_end|>\\n' }}
 {%- endif %}

@@ -1,0 +1,133 @@
+"""Server pieces without a model: error envelopes, strict schemas, field mapping, chat output routing."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from hf2q.engine.request import RequestOutput
+from hf2q.server.chat_output import ChatOutput
+from hf2q.server.errors import APIError, install_error_handlers
+from hf2q.server.sampling import build_params
+from hf2q.server.schemas import ChatCompletionRequest, CompletionRequest
+from hf2q.server.state import ServerConfig, ServerState
+
+
+@pytest.fixture(scope="module")
+def echo_app():
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.post("/chat")
+    async def chat(body: ChatCompletionRequest):
+        return {"ok": True}
+
+    @app.get("/boom")
+    async def boom():
+        raise RuntimeError("kaput")
+
+    @app.get("/teapot")
+    async def teapot():
+        raise APIError(429, "busy", code="queue_full", headers={"Retry-After": "1"})
+
+    return TestClient(app, raise_server_exceptions=False)
+
+
+def _error(r, status):
+    assert r.status_code == status
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+def test_envelopes(echo_app):
+    assert _error(echo_app.post("/chat", content=b"{", headers={"content-type": "application/json"}), 400)[
+        "message"].startswith("malformed JSON")
+    assert _error(echo_app.post("/chat", json={"messages": [{"role": "user", "content": 3}]}), 400)["param"] == \
+        "messages[0].content"
+    assert _error(echo_app.post("/chat", json={"messages": [{"role": "user", "content": "x"}], "seed": 1.5}), 400)[
+        "param"] == "seed"
+    err = _error(echo_app.get("/boom"), 500)
+    assert err["type"] == "server_error" and err["code"] == "internal_error"
+    r = echo_app.get("/teapot")
+    assert _error(r, 429)["code"] == "queue_full" and r.headers["retry-after"] == "1"
+    assert _error(echo_app.get("/nowhere"), 404)["type"] == "invalid_request_error"
+
+
+def test_schema_is_strict():
+    with pytest.raises(ValueError):
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "max_tokens": True})
+    with pytest.raises(ValueError):
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x", "extra": 1}]})
+    req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "a"}]}], "temperature": 1, "user": "u1"})
+    assert req.temperature == 1
+
+
+def test_build_params_maps_and_names_the_field():
+    req = CompletionRequest.model_validate({"prompt": "x", "temperature": 0.5, "top_k": 5, "seed": 3, "n": 2,
+                                            "logit_bias": {"7": 2.5}, "stop": "END"})
+    p = build_params(req, vocab_size=100, max_tokens=9, logprobs=True, top_logprobs=2)
+    assert (p.temperature, p.top_k, p.seed, p.n, p.max_tokens, p.stop, p.logit_bias) == \
+        (0.5, 5, 3, 2, 9, ("END",), {7: 2.5})
+    assert p.for_choice(1).seed == 4
+    for field, value in [("top_p", 1.5), ("min_p", -1), ("presence_penalty", 3), ("top_k", -5)]:
+        bad = CompletionRequest.model_validate({"prompt": "x", field: value})
+        with pytest.raises(APIError) as err:
+            build_params(bad, 100, None, False, 0)
+        assert err.value.status == 400 and err.value.param == field
+    with pytest.raises(APIError) as err:
+        build_params(CompletionRequest.model_validate({"prompt": "x", "logit_bias": {"100": 1}}), 100, 5, False, 0)
+    assert err.value.param == "logit_bias"
+
+
+def _deltas(text: str, size: int) -> list[RequestOutput]:
+    pieces = [text[i:i + size] for i in range(0, len(text), size)]
+    return [RequestOutput("r", [i], p, finished=i == len(pieces) - 1, finish_reason="stop" if i == len(pieces) - 1
+                          else None) for i, p in enumerate(pieces)]
+
+
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+    "x": {"type": "integer"}}}}}]
+TEXT = ("why\n<tool_call>\n<function=f>\n<parameter=x>\n1\n</parameter>\n</function>\n</tool_call>\n"
+        "<tool_call>\n<function=f>\n<parameter=x>\n2\n</parameter>\n</function>\n</tool_call>")
+
+
+@pytest.mark.parametrize("size", [1, 3, 7, 1000])
+def test_chat_output_same_message_for_any_chunking(size):
+    out = ChatOutput(starts_in_reasoning=True, tools=TOOLS, tool_choice="auto")
+    streamed: dict[int, dict] = {}
+    for d in _deltas(TEXT, size):
+        for tc in out.feed(d).get("tool_calls", []):
+            call = streamed.setdefault(tc["index"], {"name": None, "arguments": ""})
+            if "id" in tc:
+                call["name"] = tc["function"]["name"]
+            call["arguments"] += tc["function"]["arguments"]
+    msg = out.message()
+    assert msg["reasoning_content"] == "why" and msg["content"] is None
+    assert [json.loads(c["function"]["arguments"]) for c in msg["tool_calls"]] == [{"x": 1}, {"x": 2}]
+    assert [c["arguments"] for _, c in sorted(streamed.items())] == [c["function"]["arguments"]
+                                                                       for c in msg["tool_calls"]]
+    assert out.finish_reason("stop") == "tool_calls"
+    assert out.reasoning_tokens > 0
+
+
+def test_chat_output_parallel_false_cuts_after_first_call():
+    out = ChatOutput(True, TOOLS, "auto", parallel_tool_calls=False)
+    for d in _deltas(TEXT, 5):
+        out.feed(d)
+        if out.cut:
+            break
+    assert out.cut and len(out.message()["tool_calls"]) == 1 and out.finish_reason(None) == "tool_calls"
+
+
+def test_state_model_check_and_scripts():
+    state = ServerState(model=None, engine=None, config=ServerConfig(model_name="m"), scripted_replies=[[1], [2, 3]])
+    state.check_model(None)
+    state.check_model("m")
+    with pytest.raises(APIError) as err:
+        state.check_model("other")
+    assert err.value.status == 404 and err.value.code == "model_not_found"
+    assert [state.next_script() for _ in range(3)] == [[1], [2, 3], [1]]
