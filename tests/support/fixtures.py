@@ -1,0 +1,163 @@
+"""Shared test fixtures: tiny HF checkpoints, the GGUF files our converter makes from them, and the
+ones llama.cpp's converter makes (the reference).
+
+Everything is built lazily, on first request, and cached across runs under
+`~/.cache/hf2q-tests/fixtures/<key>`, where the key hashes the code that makes it, so a code change
+rebuilds. Each file is built under a temporary name and renamed into place, so two pytest processes
+never see a half-written one.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from tests.support import llama_cpp_sources
+from tests.support.llama_cpp_sources import SDIST_VERSION, SourcesUnavailable
+
+REPO = Path(__file__).resolve().parents[2]
+CHECKPOINT_SOURCES = ("tests/support/checkpoints.py", "tests/support/tokenizer_dir.py")
+CONVERTER_SOURCES = ("src/hf2q/checkpoint/convert.py",)
+
+
+def _key(paths: tuple[str, ...], *extra: str) -> str:
+    import torch
+    import transformers
+
+    h = hashlib.sha256()
+    for p in paths:
+        h.update(p.encode() + b"\0" + (REPO / p).read_bytes())
+    for e in (torch.__version__, transformers.__version__, *extra):
+        h.update(e.encode() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def fixture_dir(kind: str = "ours") -> Path:
+    """Cache folder: HF checkpoints and our GGUFs ("ours"), or llama.cpp's GGUFs ("llama.cpp")."""
+    if kind == "ours":
+        key = _key(CHECKPOINT_SOURCES + CONVERTER_SOURCES)
+    else:
+        key = "llama.cpp-" + _key(CHECKPOINT_SOURCES, SDIST_VERSION)
+    return llama_cpp_sources.CACHE / "fixtures" / key
+
+
+def cached(folder: Path, name: str, build: Callable[[Path], object]) -> Path:
+    """`folder/name`, made by `build(tmp_path)` unless already there; safe against parallel builders."""
+    target = folder / name
+    if target.exists():
+        return target
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".{name}.{os.getpid()}.tmp"
+    _remove(tmp)
+    try:
+        build(tmp)
+        os.rename(tmp, target)  # atomic; a file replaces an equal file from a parallel builder
+    except OSError:
+        if not target.exists():  # a folder cannot replace one a parallel builder made: keep theirs
+            raise
+    finally:
+        _remove(tmp)
+    return target
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    elif path.exists():
+        path.unlink()
+
+
+def hf_checkpoint(kind: str) -> Path:
+    """Tiny random HF checkpoint folder ("dense" or "moe") with MTP weights and the real tokenizer."""
+    from tests.support.checkpoints import write_checkpoint
+
+    try:
+        return cached(fixture_dir(), f"hf_{kind}", lambda p: write_checkpoint(p, kind))
+    except SourcesUnavailable as exc:  # the chat template comes from llama.cpp's sources
+        pytest.skip(str(exc))
+
+
+def our_gguf(kind: str, outtype: str) -> Path:
+    """The checkpoint converted by `hf2q convert`."""
+    from hf2q.checkpoint.convert import convert
+
+    src = hf_checkpoint(kind)
+    return cached(fixture_dir(), f"{kind}-{outtype}.gguf", lambda p: convert(src, p, outtype))
+
+
+def llama_cpp_gguf(kind: str, outtype: str, no_mtp: bool = False) -> Path:
+    """The checkpoint converted by llama.cpp's own `convert_hf_to_gguf.py`; skips if unavailable."""
+    try:
+        converter = llama_cpp_sources.llama_cpp_converter()
+    except SourcesUnavailable as exc:
+        pytest.skip(str(exc))
+    src = hf_checkpoint(kind)
+
+    def build(path: Path) -> None:
+        cmd = [sys.executable, str(converter), str(src), "--outfile", str(path), "--outtype", outtype]
+        proc = subprocess.run(cmd + (["--no-mtp"] if no_mtp else []), capture_output=True, text=True,
+                              timeout=600)
+        if proc.returncode != 0:
+            raise RuntimeError(f"llama.cpp converter failed:\n{proc.stderr[-3000:]}")
+
+    name = f"{kind}-{outtype}{'-nomtp' if no_mtp else ''}.gguf"
+    return cached(fixture_dir("llama.cpp"), name, build)
+
+
+def hf_model(kind: str):
+    """The HF transformers model of `hf_checkpoint(kind)`, fp32, eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(hf_checkpoint(kind), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def hf_dense_dir() -> Path:
+    return hf_checkpoint("dense")
+
+
+@pytest.fixture(scope="session")
+def hf_moe_dir() -> Path:
+    return hf_checkpoint("moe")
+
+
+@pytest.fixture(scope="session")
+def hf_model_dense():
+    return hf_model("dense")
+
+
+@pytest.fixture(scope="session")
+def hf_model_moe():
+    return hf_model("moe")
+
+
+@pytest.fixture(scope="session")
+def gguf_dense_f32() -> Path:
+    return our_gguf("dense", "f32")
+
+
+@pytest.fixture(scope="session")
+def gguf_moe_f32() -> Path:
+    return our_gguf("moe", "f32")
+
+
+@pytest.fixture(scope="session")
+def gguf_dense_bf16() -> Path:
+    return our_gguf("dense", "bf16")
+
+
+@pytest.fixture(scope="session")
+def gguf_dense_q8_0() -> Path:
+    return our_gguf("dense", "q8_0")
+
+
+@pytest.fixture(scope="session")
+def gguf_moe_q8_0() -> Path:
+    return our_gguf("moe", "q8_0")
