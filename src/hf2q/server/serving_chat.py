@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from contextlib import aclosing
 from typing import AsyncIterator, Optional
 
 from fastapi import Request
@@ -108,15 +109,16 @@ class ChatServing:
     async def _collect(self, choices: Choices, outputs: list[ChatOutput], head: dict, logprobs: bool) -> dict:
         lps: list[list[dict]] = [[] for _ in outputs]
         reasons: list[Optional[str]] = [None] * len(outputs)
-        async for gen, out in choices.stream():
-            o = outputs[gen.index]
-            o.feed(out)
-            if logprobs:
-                lps[gen.index] += logprob_entries(self.state.model.tokenizer, out.logprobs)
-            if out.finished:
-                reasons[gen.index] = out.finish_reason
-            if all(r is not None or c.cut for r, c in zip(reasons, outputs)):
-                break
+        async with aclosing(choices.stream()) as stream:
+            async for gen, out in stream:
+                o = outputs[gen.index]
+                o.feed(out)
+                if logprobs:
+                    lps[gen.index] += logprob_entries(self.state.model.tokenizer, out.logprobs)
+                if out.finished:
+                    reasons[gen.index] = out.finish_reason
+                if all(r is not None or c.cut for r, c in zip(reasons, outputs)):
+                    break
         result = []
         for i, o in enumerate(outputs):
             result.append({"index": i, "message": o.message(), "finish_reason": o.finish_reason(reasons[i]),
@@ -140,19 +142,20 @@ class ChatServing:
             for i in range(len(outputs)):
                 yield frame(i, {"role": "assistant", "content": ""})
             open_choices = set(range(len(outputs)))
-            async for gen, out in choices.stream():
-                if gen.index not in open_choices:
-                    continue
-                o = outputs[gen.index]
-                delta = o.feed(out)
-                lp = logprob_entries(self.state.model.tokenizer, out.logprobs) if logprobs else None
-                if delta or lp:
-                    yield frame(gen.index, delta, lp=lp)
-                if out.finished or o.cut:
-                    open_choices.discard(gen.index)
-                    yield frame(gen.index, {}, o.finish_reason(out.finish_reason if out.finished else None))
-                    if not open_choices:
-                        break
+            async with aclosing(choices.stream()) as stream:
+                async for gen, out in stream:
+                    if gen.index not in open_choices:
+                        continue
+                    o = outputs[gen.index]
+                    delta = o.feed(out)
+                    lp = logprob_entries(self.state.model.tokenizer, out.logprobs) if logprobs else None
+                    if delta or lp:
+                        yield frame(gen.index, delta, lp=lp)
+                    if out.finished or o.cut:
+                        open_choices.discard(gen.index)
+                        yield frame(gen.index, {}, o.finish_reason(out.finish_reason if out.finished else None))
+                        if not open_choices:
+                            break
             if include_usage:
                 usage = choices.usage(sum(o.reasoning_tokens for o in outputs))
                 yield event({**chunk, "choices": [], "usage": usage})

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from contextlib import aclosing
 from typing import AsyncIterator, Optional
 
 from fastapi import Request
@@ -91,23 +92,25 @@ class CompletionServing:
         texts = [[] for _ in lps]
         logprobs: list[Optional[dict]] = [{} if lp is not None else None for lp in lps]
         reasons: list[Optional[str]] = [None] * len(lps)
-        async for gen, out in choices.stream():
-            texts[gen.index].append(out.new_text)
-            if lps[gen.index] is not None:
-                _merge(logprobs[gen.index], lps[gen.index].piece(out.logprobs))
-            if out.finished:
-                reasons[gen.index] = out.finish_reason
+        async with aclosing(choices.stream()) as stream:
+            async for gen, out in stream:
+                texts[gen.index].append(out.new_text)
+                if lps[gen.index] is not None:
+                    _merge(logprobs[gen.index], lps[gen.index].piece(out.logprobs))
+                if out.finished:
+                    reasons[gen.index] = out.finish_reason
         result = [{"index": i, "text": "".join(t), "logprobs": logprobs[i], "finish_reason": reasons[i]}
                   for i, t in enumerate(texts)]
         return {**head, "choices": result, "usage": choices.usage()}
 
     async def _stream(self, choices: Choices, head: dict, lps: list, include_usage: bool) -> AsyncIterator[str]:
         try:
-            async for gen, out in choices.stream():
-                lp = lps[gen.index]
-                yield event({**head, "choices": [{
-                    "index": gen.index, "text": out.new_text, "finish_reason": out.finish_reason,
-                    "logprobs": lp.piece(out.logprobs) if lp is not None else None}]})
+            async with aclosing(choices.stream()) as stream:
+                async for gen, out in stream:
+                    lp = lps[gen.index]
+                    yield event({**head, "choices": [{
+                        "index": gen.index, "text": out.new_text, "finish_reason": out.finish_reason,
+                        "logprobs": lp.piece(out.logprobs) if lp is not None else None}]})
             if include_usage:
                 yield event({**head, "choices": [], "usage": choices.usage()})
         except Exception as exc:  # the status line is already sent: report in the stream
