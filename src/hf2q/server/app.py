@@ -5,7 +5,6 @@ import argparse
 import hmac
 import time
 from contextlib import asynccontextmanager
-from typing import Optional
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response

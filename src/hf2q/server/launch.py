@@ -29,7 +29,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk)
     p.add_argument("--max-waiting", type=int, default=d.max_waiting, help="queued requests before 429")
     p.add_argument("--default-chat-template-kwargs", type=json.loads, default={},
-                   help='JSON object merged under each request\'s chat_template_kwargs, e.g. \'{"enable_thinking": false}\'')
+                   help="JSON object merged under each request's chat_template_kwargs, "
+                        "e.g. '{\"enable_thinking\": false}'")
     p.add_argument("--scripted-replies", help="TESTING AID: a JSON file holding a list of strings; generation i "
                    "emits reply i mod len (tokenized, forced instead of sampled), so reasoning and tool-call "
                    "parsing can be tested end to end through the real server. Never for real use.")

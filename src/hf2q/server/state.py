@@ -28,7 +28,6 @@ class ServerState:
     metrics: Metrics = None       # type: ignore[assignment]
     created: int = field(default_factory=lambda: int(time.time()))
     _script_index: Any = field(default_factory=itertools.count)
-    _request_ids: Any = field(default_factory=itertools.count)
 
     def __post_init__(self) -> None:
         if self.metrics is None:
@@ -45,6 +44,3 @@ class ServerState:
         if not self.scripted_replies:
             return None
         return list(self.scripted_replies[next(self._script_index) % len(self.scripted_replies)])
-
-    def new_request_id(self, prefix: str) -> str:
-        return f"{prefix}-{next(self._request_ids)}-{int(time.time() * 1000) % 10**8}"
