@@ -3,8 +3,8 @@ ones llama.cpp's converter makes (the reference).
 
 Everything is built lazily, on first request, and cached across runs under
 `~/.cache/hf2q-tests/fixtures/<key>`, where the key hashes the code that makes it, so a code change
-rebuilds. Each file is built under a temporary name and renamed into place, so two pytest processes
-never see a half-written one.
+rebuilds (and folders of the same kind unused for a day are removed). Each file is built under a
+temporary name and renamed into place, so two pytest processes never see a half-written one.
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -38,9 +39,14 @@ def _key(paths: tuple[str, ...], *extra: str) -> str:
     return h.hexdigest()[:16]
 
 
-def fixture_dir(kind: str = "ours") -> Path:
-    """Cache folder: HF checkpoints and our GGUFs ("ours"), or llama.cpp's GGUFs ("llama.cpp")."""
-    if kind == "ours":
+def fixture_dir(kind: str) -> Path:
+    """Cache folder of "hf" checkpoints, "ours" (GGUFs by our converter) or "llama.cpp" GGUFs.
+
+    Each is keyed by the code that makes it: a converter change rebuilds only our GGUFs.
+    """
+    if kind == "hf":
+        key = "hf-" + _key(CHECKPOINT_SOURCES)
+    elif kind == "ours":
         key = _key(CHECKPOINT_SOURCES + CONVERTER_SOURCES)
     else:
         key = "llama.cpp-" + _key(CHECKPOINT_SOURCES, SDIST_VERSION)
@@ -52,7 +58,9 @@ def cached(folder: Path, name: str, build: Callable[[Path], object]) -> Path:
     target = folder / name
     if target.exists():
         return target
-    folder.mkdir(parents=True, exist_ok=True)
+    if not folder.exists():
+        _prune_stale(folder)
+        folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / f".{name}.{os.getpid()}.tmp"
     _remove(tmp)
     try:
@@ -64,6 +72,13 @@ def cached(folder: Path, name: str, build: Callable[[Path], object]) -> Path:
     finally:
         _remove(tmp)
     return target
+
+
+def _prune_stale(folder: Path, max_age_s: float = 86400) -> None:
+    kind = folder.name.rpartition("-")[0]
+    for old in folder.parent.glob("*") if folder.parent.exists() else []:
+        if old.name.rpartition("-")[0] == kind and time.time() - old.stat().st_mtime > max_age_s:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def _remove(path: Path) -> None:
@@ -78,7 +93,7 @@ def hf_checkpoint(kind: str) -> Path:
     from tests.support.checkpoints import write_checkpoint
 
     try:
-        return cached(fixture_dir(), f"hf_{kind}", lambda p: write_checkpoint(p, kind))
+        return cached(fixture_dir("hf"), f"hf_{kind}", lambda p: write_checkpoint(p, kind))
     except SourcesUnavailable as exc:  # the chat template comes from llama.cpp's sources
         pytest.skip(str(exc))
 
@@ -88,7 +103,7 @@ def our_gguf(kind: str, outtype: str) -> Path:
     from hf2q.checkpoint.convert import convert
 
     src = hf_checkpoint(kind)
-    return cached(fixture_dir(), f"{kind}-{outtype}.gguf", lambda p: convert(src, p, outtype))
+    return cached(fixture_dir("ours"), f"{kind}-{outtype}.gguf", lambda p: convert(src, p, outtype))
 
 
 def llama_cpp_gguf(kind: str, outtype: str, no_mtp: bool = False) -> Path:

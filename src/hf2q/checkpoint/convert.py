@@ -11,22 +11,21 @@ import json
 import logging
 import math
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import gguf
 import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
 
-ARCHES = {
-    "Qwen3_5ForCausalLM": "qwen35",
-    "Qwen3_5ForConditionalGeneration": "qwen35",
-    "Qwen3_5MoeForCausalLM": "qwen35moe",
-    "Qwen3_5MoeForConditionalGeneration": "qwen35moe",
-}
-OUTTYPES = ("f32", "f16", "bf16", "q8_0")
+ARCHES = {"Qwen3_5ForCausalLM": "qwen35", "Qwen3_5ForConditionalGeneration": "qwen35",
+          "Qwen3_5MoeForCausalLM": "qwen35moe", "Qwen3_5MoeForConditionalGeneration": "qwen35moe"}
+_FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0"}
+OUTTYPES = tuple(_FILE_TYPES)
 
 # MTP wrapper tensors, in the block after the last decoder layer (gguf's name map lacks them).
 _NEXTN = {"eh_proj.weight": "nextn.eh_proj.weight", "enorm.weight": "nextn.enorm.weight",
@@ -40,8 +39,6 @@ _F32_SUFFIXES = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", "ssm_conv1d
 def load_hparams(hf_dir: Path) -> tuple[dict, str]:
     """config.json (with `text_config` lifted to the top) and the GGUF architecture name."""
     path = Path(hf_dir) / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"No config.json in {hf_dir}")
     config = json.loads(path.read_text())
     hf_arch = (config.get("architectures") or [None])[0]
     if hf_arch not in ARCHES:
@@ -56,9 +53,7 @@ def _canonical(name: str, n_layers: int) -> str | None:
     """`model.layers.{i}.*` form of a checkpoint name, MTP moved to layer n_layers+k; None to skip."""
     if "visual." in name or "vision_" in name:
         return None
-    name = name.replace("language_model.", "")
-    if name.startswith("model.mtp."):
-        name = name[len("model."):]
+    name = name.replace("language_model.", "").replace("model.mtp.", "mtp.", 1)
     if not name.startswith("mtp."):
         return name
     parts = name.split(".", 3)
@@ -76,8 +71,7 @@ def _gguf_name(name: str, name_map) -> str:
         return f"blk.{bid}.{_NEXTN[suffix]}"
     if suffix == "linear_attn.dt_bias":
         name = name.removesuffix("dt_bias") + "dt_proj.bias"
-    new = name_map.get_name(name, try_suffixes=(".weight", ".bias"))
-    if new is None:
+    if (new := name_map.get_name(name, try_suffixes=(".weight", ".bias"))) is None:
         raise ValueError(f"No GGUF name for checkpoint tensor {name!r}")
     return new
 
@@ -156,8 +150,6 @@ class _Checkpoint:
 
 def plan_tensors(ckpt: _Checkpoint, hp: dict, arch: str, no_mtp: bool) -> tuple[list[_Job], int]:
     """The GGUF tensors in llama.cpp's order, and the number of MTP layers among them."""
-    import gguf
-
     n_layers = hp["num_hidden_layers"]
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], n_layers + 8)
     jobs, experts, mtp_layers = [], {}, set()
@@ -197,82 +189,73 @@ def plan_tensors(ckpt: _Checkpoint, hp: dict, arch: str, no_mtp: bool) -> tuple[
 
 def tensor_type(name: str, shape: tuple[int, ...], outtype: str):
     """The GGML type llama.cpp's converter gives this tensor for `outtype`."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
-
+    Q = gguf.GGMLQuantizationType
     if len(shape) <= 1 or name.endswith(("_norm.weight",) + _F32_SUFFIXES) or not name.endswith(".weight"):
         return Q.F32
     qtype = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0}[outtype]
-    if shape[-1] % GGML_QUANT_SIZES[qtype][0] != 0:
+    if shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0] != 0:
         return Q.F16  # llama.cpp falls back to F16 for rows that do not fill whole blocks
     return qtype
 
 
 # --------------------------------------------------------------------------------------- metadata
 
-def _writer(arch: str):
-    """A `gguf.GGUFWriter` that packs long arrays in one pass.
+class _Writer(gguf.GGUFWriter):
+    """A GGUFWriter that packs long arrays in one pass.
 
     The stock writer packs arrays item by item: about 15 s for a 248k vocabulary and 500k merges.
     """
-    import struct
 
-    import gguf
-
-    class Writer(gguf.GGUFWriter):
-        def _pack_val(self, val, vtype, add_vtype, sub_type=None):
-            if vtype != gguf.GGUFValueType.ARRAY or len(val) < 256:
-                return super()._pack_val(val, vtype, add_vtype, sub_type)
-            ltype = sub_type or gguf.GGUFValueType.get_type(val[0])
-            order = "<" if self.endianess == gguf.GGUFEndian.LITTLE else ">"
-            head = struct.pack(f"{order}IQ", ltype, len(val))
-            if add_vtype:
-                head = struct.pack(f"{order}I", vtype) + head
-            if ltype == gguf.GGUFValueType.STRING:
-                length = struct.Struct(f"{order}Q").pack
-                enc = [v.encode("utf-8") if isinstance(v, str) else v for v in val]
-                return head + b"".join(length(len(e)) + e for e in enc)
-            fmt = self._simple_value_packing.get(ltype)
-            if fmt is None:
-                return super()._pack_val(val, vtype, add_vtype, sub_type)
+    def _pack_val(self, val, vtype, add_vtype, sub_type=None):
+        if vtype != gguf.GGUFValueType.ARRAY or len(val) < 256:
+            return super()._pack_val(val, vtype, add_vtype, sub_type)
+        ltype = sub_type or gguf.GGUFValueType.get_type(val[0])
+        fmt = self._simple_value_packing.get(ltype)
+        if fmt is None and ltype != gguf.GGUFValueType.STRING:
+            return super()._pack_val(val, vtype, add_vtype, sub_type)
+        order = "<" if self.endianess == gguf.GGUFEndian.LITTLE else ">"
+        head = (struct.pack(f"{order}I", vtype) if add_vtype else b"") + struct.pack(f"{order}IQ", ltype, len(val))
+        if fmt is not None:
             return head + struct.pack(f"{order}{len(val)}{fmt}", *val)
-
-    return Writer(path=None, arch=arch)
+        length = struct.Struct(f"{order}Q").pack
+        enc = [v.encode("utf-8") if isinstance(v, str) else v for v in val]
+        return head + b"".join(length(len(e)) + e for e in enc)
 
 
 def _add_model_keys(w, hp: dict, arch: str, ftype: int, n_mtp: int) -> None:
     """The `{arch}.*` keys, in llama.cpp's order."""
+    def optional(*pairs):
+        for key, add in pairs:
+            if hp.get(key) is not None:
+                add(hp[key])
+
     n_layers = hp["num_hidden_layers"]
     rope = dict(hp.get("rope_parameters") or hp.get("rope_scaling") or {})
     for key in ("rope_theta", "partial_rotary_factor"):
         if key not in rope and hp.get(key) is not None:
             rope[key] = hp[key]
-    rope.setdefault("rope_type", rope.get("type"))
     w.add_block_count(n_layers + n_mtp)
-    if hp.get("max_position_embeddings") is not None:
-        w.add_context_length(hp["max_position_embeddings"])
-    w.add_embedding_length(hp["hidden_size"])
-    if hp.get("intermediate_size") is not None:
-        w.add_feed_forward_length(hp["intermediate_size"])
-    w.add_head_count(hp["num_attention_heads"])
-    w.add_head_count_kv(hp["num_key_value_heads"])
-    _add_rope_scaling(w, rope)
+    optional(("max_position_embeddings", w.add_context_length), ("hidden_size", w.add_embedding_length),
+             ("intermediate_size", w.add_feed_forward_length), ("num_attention_heads", w.add_head_count),
+             ("num_key_value_heads", w.add_head_count_kv))
+    kind, factor = rope.get("rope_type", rope.get("type")), rope.get("factor")
+    if kind in ("linear", "yarn") and factor is not None:
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR if kind == "linear" else gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(factor)
+        if kind == "yarn":
+            w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    elif kind not in (None, "default"):
+        log.warning("RoPE type %r is not written to the GGUF", kind)
     if "mrope_section" in rope:
         w.add_rope_dimension_sections((list(rope["mrope_section"]) + [0, 0, 0, 0])[:4])
     if rope.get("rope_theta") is not None:
         w.add_rope_freq_base(rope["rope_theta"])
     w.add_layer_norm_rms_eps(hp["rms_norm_eps"])
-    if hp.get("num_experts") is not None:
-        w.add_expert_count(hp["num_experts"])
-    if hp.get("num_experts_per_tok") is not None:
-        w.add_expert_used_count(hp["num_experts_per_tok"])
-    if hp.get("head_dim") is not None:
-        w.add_key_length(hp["head_dim"])
-        w.add_value_length(hp["head_dim"])
+    optional(("num_experts", w.add_expert_count), ("num_experts_per_tok", w.add_expert_used_count),
+             ("head_dim", w.add_key_length), ("head_dim", w.add_value_length))
     w.add_file_type(ftype)
-    if hp.get("moe_intermediate_size") is not None:
-        w.add_expert_feed_forward_length(hp["moe_intermediate_size"])
-    if hp.get("shared_expert_intermediate_size") is not None:
-        w.add_expert_shared_feed_forward_length(hp["shared_expert_intermediate_size"])
+    optional(("moe_intermediate_size", w.add_expert_feed_forward_length),
+             ("shared_expert_intermediate_size", w.add_expert_shared_feed_forward_length))
     if n_mtp:
         w.add_nextn_predict_layers(n_mtp)
     w.add_ssm_conv_kernel(hp["linear_conv_kernel_dim"])
@@ -292,25 +275,8 @@ def _add_model_keys(w, hp: dict, arch: str, ftype: int, n_mtp: int) -> None:
         w.add_rope_dimension_sections([11, 11, 10, 0])
 
 
-def _add_rope_scaling(w, rope: dict) -> None:
-    import gguf
-
-    kind, factor = rope.get("rope_type"), rope.get("factor")
-    if kind == "linear" and factor is not None:
-        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        w.add_rope_scaling_factor(factor)
-    elif kind == "yarn" and factor is not None:
-        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-        w.add_rope_scaling_factor(factor)
-        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-    elif kind not in (None, "default"):
-        log.warning("RoPE type %r is not written to the GGUF", kind)
-
-
 def _add_general(w, hf_dir: Path) -> None:
     """general.type / name / size_label, from the checkpoint folder as llama.cpp derives them."""
-    import gguf
-
     total, shared, expert, n_expert = w.get_total_parameter_count()
     meta = gguf.Metadata.load(None, hf_dir, None, total)
     if meta.name is None:
@@ -322,16 +288,13 @@ def _add_general(w, hf_dir: Path) -> None:
 
 
 def _looks_special(token: str) -> bool:
-    return (token in ("<pad>", "<mask>", "<2mass>", "[@BOS@]")
-            or (token.startswith("<|") and token.endswith("|>"))
-            or (token.startswith("<｜") and token.endswith("｜>"))
-            or (token.startswith("<unused") and token.endswith(">")))
+    pairs = (("<|", "|>"), ("<｜", "｜>"), ("<unused", ">"))
+    return token in ("<pad>", "<mask>", "<2mass>", "[@BOS@]") or any(
+        token.startswith(a) and token.endswith(b) for a, b in pairs)
 
 
 def _token_list(hf_dir: Path, tok_json: dict, vocab_size: int) -> tuple[list[str], list[int]]:
     """Tokens and their types as llama.cpp lists them: added tokens are control or user-defined."""
-    import gguf
-
     added = {a["id"]: a for a in tok_json.get("added_tokens", [])}
     reverse = {i: t for t, i in tok_json["model"]["vocab"].items()} | {i: a["content"] for i, a in added.items()}
     if max(reverse) >= vocab_size:
@@ -358,8 +321,6 @@ def _token_list(hf_dir: Path, tok_json: dict, vocab_size: int) -> tuple[list[str
 
 def _add_tokenizer(w, hf_dir: Path, vocab_size: int) -> None:
     """Byte-level BPE vocabulary, token types, merges, special ids and chat template."""
-    import gguf
-
     tok_json = json.loads((hf_dir / "tokenizer.json").read_text(encoding="utf-8"))
     tokens, types = _token_list(hf_dir, tok_json, vocab_size)
     w.add_tokenizer_model("gpt2")
@@ -382,15 +343,11 @@ def _add_tokenizer(w, hf_dir: Path, vocab_size: int) -> None:
     special.add_to_gguf(w, quiet=True)
 
 
-# ------------------------------------------------------------------------------------------ write
-
 def convert(hf_dir, out_path, outtype: str = "f32", no_mtp: bool = False) -> Path:
     """Convert an HF Qwen3.5 checkpoint folder to a GGUF file; returns the output path.
 
     The file is written next to `out_path` under a temporary name and renamed when complete.
     """
-    import gguf
-
     if outtype not in OUTTYPES:
         raise ValueError(f"outtype must be one of {OUTTYPES}, got {outtype!r}")
     hf_dir, out_path = Path(hf_dir).resolve(), Path(out_path)
@@ -400,10 +357,9 @@ def convert(hf_dir, out_path, outtype: str = "f32", no_mtp: bool = False) -> Pat
     if not no_mtp and hp.get("mtp_num_hidden_layers", 0) > n_mtp:
         raise ValueError(f"config.json declares {hp['mtp_num_hidden_layers']} MTP layers but the checkpoint "
                          f"has {n_mtp}; convert with no_mtp (--no-mtp)")
-    ftype = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
-             "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[outtype]
+    ftype = gguf.LlamaFileType[_FILE_TYPES[outtype]]
 
-    w = _writer(arch)
+    w = _Writer(path=None, arch=arch)
     qtypes = []
     for job in jobs:
         qtypes.append(tensor_type(job.name, job.shape, outtype))
