@@ -77,6 +77,7 @@ class Engine:
         return self.scheduler.has_work()
 
     # ---- the loop ------------------------------------------------------------------------------
+    @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         scheduled = self.scheduler.schedule()
         if not scheduled:
