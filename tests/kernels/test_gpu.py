@@ -37,7 +37,12 @@ def test_bf16_gpu_logits_match_fp32_cpu(pair):
     cpu, gpu = pair
     ids = torch.randint(0, cpu.config.vocab_size, (40,), generator=torch.Generator().manual_seed(0)).tolist()
     ref = cpu.logits(ids)
-    assert rel(gpu.logits(ids).cpu(), ref) <= 3e-2
+    # bf16 weights move this small random model's logits a lot: the bound is the exact CPU path run
+    # with the same bf16 weights (same rounding of weights, fp32 activations would be kinder)
+    bf16_cpu = gpu.to("cpu").logits(ids)
+    gpu.to("cuda")
+    tol = 1.5 * rel(bf16_cpu, ref) + 1e-3
+    assert rel(gpu.logits(ids).cpu(), ref) <= tol
     cache = cache_for(gpu.config)
     slot = cache.acquire()
     cache.reserve(slot, 30)
@@ -48,7 +53,7 @@ def test_bf16_gpu_logits_match_fp32_cpu(pair):
         batch = ForwardBatch.single(ids[p:p + 1], start=p, slot=slot, cache=cache, device="cuda")
         rows.append(gpu.compute_logits(gpu(batch))[0])
         cache.commit(slot, p + 1)
-    assert rel(torch.stack(rows).cpu(), ref[29:40]) <= 3e-2
+    assert rel(torch.stack(rows).cpu(), ref[29:40]) <= tol
 
 
 @torch.inference_mode()
@@ -79,7 +84,7 @@ def test_triton_kernels_match_torch_versions():
     rows = torch.randn(64 * bs, nkv, hd, device="cuda", dtype=torch.bfloat16)
     vals = torch.randn(64 * bs, nkv, hd, device="cuda", dtype=torch.bfloat16)
     lens = torch.tensor([1, 17, 300, 64, 999], device="cuda", dtype=torch.int32)
-    tables = torch.randperm(64, device="cuda")[:5 * 63].view(5, 63).to(torch.int32) % 64
+    tables = torch.randint(0, 64, (5, 63), device="cuda", dtype=torch.int32)
     q = torch.randn(b, nh, hd, device="cuda", dtype=torch.bfloat16)
     out = paged_attention_triton.paged_decode_attention(q, rows, vals, tables, lens, bs, hd ** -0.5)
     ref = dispatch.paged_decode_attention(q.cpu().float(), rows.cpu().float(), vals.cpu().float(), tables.cpu(),

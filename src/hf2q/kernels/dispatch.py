@@ -36,6 +36,23 @@ def use_fast_path(x: torch.Tensor, capture_states: bool) -> bool:
     return not capture_states and (mode == "force" or (mode == "auto" and x.is_cuda))
 
 
+def packed_linear(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
+    """Several projections of the same input as one GEMM. On first use their weights are concatenated
+    once and each Linear's weight becomes a view of the packed matrix (no second copy)."""
+    first = linears[0]
+    packed = getattr(first, "_packed", None)
+    if packed is None or packed.data_ptr() != first.weight.data_ptr() or packed.device != x.device:
+        packed = torch.cat([lin.weight.data for lin in linears])
+        row = 0
+        for lin in linears:
+            n = lin.weight.shape[0]
+            lin.weight = torch.nn.Parameter(packed[row:row + n], requires_grad=False)
+            row += n
+        first._packed = packed
+    out = F.linear(x, packed)
+    return torch.split(out, [lin.weight.shape[0] for lin in linears], dim=-1)
+
+
 def _triton(x: torch.Tensor) -> bool:
     return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 

@@ -20,7 +20,8 @@ def moe_experts_grouped(x: torch.Tensor, weights: torch.Tensor, experts: torch.T
     t, top_k = experts.shape
     flat = experts.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=gate_exps.shape[0])
+    counts = torch.zeros(gate_exps.shape[0], dtype=torch.long, device=x.device)
+    counts.index_add_(0, flat, torch.ones_like(flat))  # bincount would synchronise with the host
     offs = torch.cumsum(counts, 0, dtype=torch.int32)
     xs = x[order // top_k]
     h = F.silu(torch._grouped_mm(xs, gate_exps.transpose(1, 2), offs=offs))

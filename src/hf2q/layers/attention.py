@@ -31,12 +31,17 @@ class GatedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
-        qg = self.q(x).view(t, self.nh, 2 * self.hd)
+        fast = dispatch.use_fast_path(x, batch.capture_states)
+        if fast:  # one GEMM for q+gate, k and v
+            qg, k_lin, v_lin = dispatch.packed_linear(x, (self.q, self.k, self.v))
+        else:
+            qg, k_lin, v_lin = self.q(x), self.k(x), self.v(x)
+        qg = qg.reshape(t, self.nh, 2 * self.hd)
         q, gate = qg[..., : self.hd], qg[..., self.hd:].reshape(t, self.nh * self.hd)
         q = self.rotary.apply(rms_norm(q, self.q_norm, self.eps), cos, sin)
-        k = self.rotary.apply(rms_norm(self.k(x).view(t, self.nkv, self.hd), self.k_norm, self.eps), cos, sin)
-        v = self.v(x).view(t, self.nkv, self.hd)
-        if dispatch.use_fast_path(x, batch.capture_states):
+        k = self.rotary.apply(rms_norm(k_lin.reshape(t, self.nkv, self.hd), self.k_norm, self.eps), cos, sin)
+        v = v_lin.reshape(t, self.nkv, self.hd)
+        if fast:
             out = self._attend_fast(q, k, v, batch)
             return self.o((out.reshape(t, -1) * torch.sigmoid(gate)))
         out = torch.empty(t, self.nh, self.hd, dtype=x.dtype, device=x.device)
@@ -89,10 +94,12 @@ class GatedAttention(nn.Module):
             rows = slice(row, row + n)
             row += n
             if start == 0:  # the whole prefix is new: causal attention over these rows alone
-                o = F.scaled_dot_product_attention(q[rows].transpose(0, 1), k[rows].transpose(0, 1),
-                                                   v[rows].transpose(0, 1), is_causal=True,
-                                                   scale=self.hd ** -0.5, enable_gqa=True)
-                out[rows] = o.transpose(0, 1)
+                rep = self.nh // self.nkv
+                kh = k[rows].repeat_interleave(rep, dim=1).transpose(0, 1)[None]
+                vh = v[rows].repeat_interleave(rep, dim=1).transpose(0, 1)[None]
+                o = F.scaled_dot_product_attention(q[rows].transpose(0, 1)[None], kh, vh, is_causal=True,
+                                                   scale=self.hd ** -0.5)
+                out[rows] = o[0].transpose(0, 1)
                 continue
             every = cache.token_indices(slot, 0, start + n)
             out[rows] = self._attend(q[rows], k_rows[every].to(q.dtype), v_rows[every].to(q.dtype), start)

@@ -80,8 +80,7 @@ class GatedDeltaNet(nn.Module):
     def _forward_fast(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Every sequence at once: fused Triton step for decode, fla's chunked kernel otherwise."""
         meta, cache = fast_meta(batch), batch.cache
-        mixed, z = self.qkv(x), self.z(x)
-        alpha, beta_raw = self.alpha(x), self.beta(x)
+        mixed, z, alpha, beta_raw = dispatch.packed_linear(x, (self.qkv, self.z, self.alpha, self.beta))
         j = cache.linear_index(self.layer_id) if cache is not None else None
         if meta.decode and cache is not None:
             conv_out = dispatch.conv_decode_(mixed, self.conv, cache.conv_state[j], meta.slots)
@@ -106,5 +105,5 @@ class GatedDeltaNet(nn.Module):
             cache.recurrent_state[j].index_copy_(0, meta.slots, final.to(cache.recurrent_state[j].dtype))
         of = o.float()
         of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm.float()
-        of = of * F.silu(z.float().view(t, self.nv, self.dv))
+        of = of * F.silu(z.float().reshape(t, self.nv, self.dv))
         return self.out(of.to(x.dtype).reshape(t, -1))

@@ -59,6 +59,9 @@ class DecoderLayer(nn.Module):
                 if self.ffn.shared is not None:
                     y = y + torch.sigmoid(self.ffn.shared_gate(h)) * self.ffn.shared(h)
                 return y
+        if isinstance(self.ffn, MLP) and dispatch.use_fast_path(h, batch.capture_states):
+            gate, up = dispatch.packed_linear(h, (self.ffn.gate, self.ffn.up))  # one GEMM
+            return self.ffn.down(F.silu(gate) * up)
         return self.ffn(h)
 
 
