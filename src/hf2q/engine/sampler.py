@@ -16,8 +16,9 @@ import torch.nn.functional as F
 
 from hf2q.engine.sampling_params import SamplingParams
 
-# top_p looks for its nucleus among this many most likely tokens; a flatter row falls back to a full sort.
-TOP_P_CANDIDATES = 1024
+# Truncating rows look for their kept tokens among this many most likely ones, widening the window for
+# flatter rows, and falling back to sorting the whole row (topk costs grow with the window on CPU).
+CANDIDATE_WINDOWS = (256, 4096)
 # Inverse-CDF sampling runs over blocks of this many tokens (see `_inverse_cdf`).
 CDF_BLOCK = 256
 
@@ -114,6 +115,7 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, rows: Sequence[RowState]) -> SampleResult:
         assert logits.dim() == 2 and logits.shape[0] == len(rows), "one row of logits per RowState"
+        assert logits.is_contiguous(), "logits are edited through a flat view"
         raw = self._raw_logprobs(logits, rows)
         self.apply_processors(logits, rows)
 
@@ -145,27 +147,30 @@ class Sampler:
         which = [i for i, r in enumerate(rows) if r.bias_ids.numel()]
         if not which:
             return
-        row_idx, tok_idx = _flat_index([rows[i].bias_ids for i in which], which, logits.device)
+        flat = _flat_index([rows[i].bias_ids for i in which], which, logits.shape[1], logits.device)
         values = torch.cat([rows[i].bias_values for i in which]).to(logits.device)
-        logits.index_put_((row_idx, tok_idx), values, accumulate=True)
+        logits.view(-1).index_add_(0, flat, values)
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, rows: Sequence[RowState]) -> None:
+        v, device = logits.shape[1], logits.device
         rep = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0 and len(r.seen)]
         if rep:
-            row_idx, tok_idx = _flat_index([rows[i].seen.ids for i in rep], rep, logits.device)
-            penalty = _per_row(rows, lambda p: p.repetition_penalty, logits.device)[row_idx]
-            vals = logits[row_idx, tok_idx]
-            logits[row_idx, tok_idx] = torch.where(vals > 0, vals / penalty, vals * penalty)
+            ids = [rows[i].seen.ids for i in rep]
+            flat = _flat_index(ids, rep, v, device)
+            penalty = torch.cat([torch.full((t.numel(),), rows[i].params.repetition_penalty)
+                                 for t, i in zip(ids, rep)]).to(device)
+            vals = logits.view(-1)[flat]
+            logits.view(-1)[flat] = torch.where(vals > 0, vals / penalty, vals * penalty)
 
         additive = [i for i, r in enumerate(rows) if len(r.output)
                     and (r.params.presence_penalty != 0.0 or r.params.frequency_penalty != 0.0)]
         if additive:
-            row_idx, tok_idx = _flat_index([rows[i].output.ids for i in additive], additive, logits.device)
-            counts = torch.cat([rows[i].output.counts for i in additive]).to(logits.device)
-            freq = _per_row(rows, lambda p: p.frequency_penalty, logits.device)[row_idx]
-            pres = _per_row(rows, lambda p: p.presence_penalty, logits.device)[row_idx]
-            logits.index_put_((row_idx, tok_idx), -(freq * counts + pres), accumulate=True)
+            flat = _flat_index([rows[i].output.ids for i in additive], additive, v, device)
+            # per token: frequency * count + presence, the OpenAI formula
+            delta = torch.cat([rows[i].output.counts * rows[i].params.frequency_penalty
+                               + rows[i].params.presence_penalty for i in additive]).to(device)
+            logits.view(-1).index_add_(0, flat, -delta)
 
     @staticmethod
     def _apply_min_tokens(logits: torch.Tensor, rows: Sequence[RowState]) -> None:
@@ -174,8 +179,7 @@ class Sampler:
         if not which:
             return
         ids = [torch.tensor(rows[i].stop_token_ids, dtype=torch.long) for i in which]
-        row_idx, tok_idx = _flat_index(ids, which, logits.device)
-        logits[row_idx, tok_idx] = float("-inf")
+        logits.view(-1)[_flat_index(ids, which, logits.shape[1], logits.device)] = float("-inf")
 
     @staticmethod
     def _result(tokens: torch.Tensor, raw, rows: Sequence[RowState]) -> SampleResult:
@@ -202,11 +206,9 @@ def _take(logits: torch.Tensor, index: list[int]) -> torch.Tensor:
     return logits[index]
 
 
-def _flat_index(ids: list[torch.Tensor], rows: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row index, token index) pairs for scattering per-row token lists into a [B, V] tensor."""
-    lengths = torch.tensor([t.numel() for t in ids])
-    row_idx = torch.repeat_interleave(torch.tensor(rows, dtype=torch.long), lengths)
-    return row_idx.to(device), torch.cat(ids).to(device)
+def _flat_index(ids: list[torch.Tensor], rows: list[int], vocab: int, device) -> torch.Tensor:
+    """Indices into the flattened [B * V] logits of each listed row's tokens (1-D indexing is the fast one)."""
+    return torch.cat([t + row * vocab for t, row in zip(ids, rows)]).to(device)
 
 
 def _per_row(rows: Sequence[RowState], get, device, dtype=torch.float32) -> torch.Tensor:
@@ -214,50 +216,62 @@ def _per_row(rows: Sequence[RowState], get, device, dtype=torch.float32) -> torc
 
 
 def _sample_rows(logits: torch.Tensor, rows: Sequence[RowState]) -> torch.Tensor:
-    """Temperature, top_k, top_p, min_p, then one draw per row. `logits` [S, V] may be modified."""
-    device = logits.device
-    temps = _per_row(rows, lambda p: p.temperature, device)
+    """Temperature, top_k, top_p, min_p, then one draw per row. `logits` [S, V] may be modified.
+
+    Rows that truncate (top_k / top_p) work on their most likely tokens only, found by `topk`, so they
+    never normalise or mask the whole vocabulary; the other rows take the dense path.
+    """
+    device, v = logits.device, logits.shape[1]
     if any(r.params.temperature != 1.0 for r in rows):
-        logits.div_(temps.unsqueeze(1))
+        logits.div_(_per_row(rows, lambda p: p.temperature, device).unsqueeze(1))
+    u = torch.cat([torch.rand(1, generator=r.generator, dtype=torch.float64) for r in rows]).to(device)
+    tokens = torch.empty(len(rows), dtype=torch.long, device=device)
 
-    top_k = [i for i, r in enumerate(rows) if 0 < r.params.top_k < logits.shape[1]]
-    if top_k:
-        ks = torch.tensor([rows[i].params.top_k for i in top_k], device=device)
-        kth = _take(logits, top_k).topk(int(ks.max()), dim=-1).values.gather(1, (ks - 1).unsqueeze(1))
-        threshold = torch.full((len(rows), 1), float("-inf"), device=device)
-        threshold[top_k] = kth
-        logits.masked_fill_(logits < threshold, float("-inf"))  # ties with the k-th are kept, as vLLM
-
-    probs = torch.softmax(logits, dim=-1)
-    top_p = [i for i, r in enumerate(rows) if r.params.top_p < 1.0]
-    if top_p:
-        threshold = torch.zeros((len(rows), 1), device=device)
-        threshold[top_p] = _top_p_threshold(_take(probs, top_p), [rows[i].params.top_p for i in top_p])
-        probs.masked_fill_(probs < threshold, 0.0)
-
-    if any(r.params.min_p > 0 for r in rows):
-        min_p = _per_row(rows, lambda p: p.min_p, device).unsqueeze(1)
-        probs.masked_fill_(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
-
-    u = torch.cat([torch.rand(1, generator=r.generator, dtype=torch.float64) for r in rows])
-    return _inverse_cdf(probs, u.to(device))
+    pending = [i for i, r in enumerate(rows) if _truncates(r.params, v)]
+    dense = [i for i, r in enumerate(rows) if not _truncates(r.params, v)]
+    for window in (*CANDIDATE_WINDOWS, v):
+        if not pending:
+            break
+        sub = [rows[i] for i in pending]
+        got, done = _sample_candidates(_take(logits, pending), sub, u[pending], min(window, v))
+        finished = [i for i, ok in zip(pending, done.tolist()) if ok]
+        tokens[finished] = got[done]
+        pending = [i for i, ok in zip(pending, done.tolist()) if not ok]
+    if dense:
+        tokens[dense] = _inverse_cdf(torch.softmax(_take(logits, dense), dim=-1), u[dense])
+    return tokens
 
 
-def _top_p_threshold(probs: torch.Tensor, top_p: list[float]) -> torch.Tensor:
-    """[P, 1] smallest kept probability: keep the most likely tokens while the mass before each is < top_p."""
-    p = torch.tensor(top_p, device=probs.device).unsqueeze(1)
-    k = min(TOP_P_CANDIDATES, probs.shape[1])
-    out = torch.empty((probs.shape[0], 1), device=probs.device)
-    vals = probs.topk(k, dim=-1).values  # [P, k], descending
-    n_keep = ((vals.cumsum(-1) - vals) < p).sum(-1, keepdim=True)
-    out[:] = vals.gather(1, n_keep - 1)
-    if k < probs.shape[1]:
-        # The nucleus may extend past the candidates: redo those rows over the whole sorted vocabulary.
-        for j in (n_keep.squeeze(1) == k).nonzero().flatten().tolist():
-            sorted_p = probs[j].sort(descending=True).values
-            keep = int(((sorted_p.cumsum(0) - sorted_p) < p[j]).sum())
-            out[j, 0] = sorted_p[keep - 1]
-    return out
+def _truncates(p: SamplingParams, vocab: int) -> bool:
+    return 0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0.0
+
+
+def _sample_candidates(logits: torch.Tensor, rows: Sequence[RowState], u: torch.Tensor, window: int):
+    """Sample among each row's `window` most likely tokens: (tokens [R], done [R] bool).
+
+    A row is done when its top_k fits the window or its kept set (top_p nucleus, min_p set) ends inside
+    it; otherwise it is retried with a wider window, reusing its draw `u`, so the window never changes
+    the result.
+    """
+    device, v = logits.device, logits.shape[1]
+    has_k = [0 < r.params.top_k < v for r in rows]
+    ks = torch.tensor([min(r.params.top_k, window) if k else window for r, k in zip(rows, has_k)])
+    vals, ids = logits.topk(int(ks.max()), dim=-1)  # [R, k_max], most likely first
+    outside = torch.arange(vals.shape[1]).unsqueeze(0) >= ks.unsqueeze(1)
+    vals.masked_fill_(outside.to(device), float("-inf"))
+    # top_k renormalises over its k tokens; top_p alone needs the whole row's normaliser; min_p needs none.
+    norm = vals.logsumexp(-1, keepdim=True)
+    full = [j for j, r in enumerate(rows) if not has_k[j] and r.params.top_p < 1.0]
+    if full:
+        norm[full] = _take(logits, full).logsumexp(-1, keepdim=True)
+    probs = (vals - norm).exp()
+
+    top_p = _per_row(rows, lambda p: p.top_p, device).unsqueeze(1)
+    min_p = _per_row(rows, lambda p: p.min_p, device).unsqueeze(1)
+    keep = (probs.cumsum(-1) - probs < top_p) & (probs >= min_p * probs[:, :1])
+    done = torch.tensor(has_k, device=device) | (vals.shape[1] == v) | ~keep[:, -1]
+    j = _inverse_cdf(probs * keep, u)
+    return ids.gather(1, j.unsqueeze(1)).squeeze(1), done
 
 
 def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -265,14 +279,14 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
     One draw per row instead of V exponentials (torch.multinomial's method, ~V random numbers per row
     per step). Two levels keep it to one pass over the vocabulary: pick a block of CDF_BLOCK tokens from
-    the block masses, then a token inside it; fp64 sums keep tiny probabilities honest. Zero-probability
+    the block masses, then a token inside it; fp64 cumulative sums keep tiny probabilities honest. Zero-probability
     tokens are never chosen: targets are kept strictly below each cumulative total.
     """
     s, v = probs.shape
     nb = -(-v // CDF_BLOCK)
     padded = probs if nb * CDF_BLOCK == v else F.pad(probs, (0, nb * CDF_BLOCK - v))
     blocks = padded.view(s, nb, CDF_BLOCK)
-    block_mass = blocks.sum(-1, dtype=torch.float64)  # [S, nb]
+    block_mass = blocks.sum(-1).double()  # [S, nb]; fp32 within a block, fp64 across blocks
     block_cum = block_mass.cumsum(-1)
     total = block_cum[:, -1:]
     target = torch.minimum(u.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
