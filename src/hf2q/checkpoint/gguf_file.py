@@ -32,6 +32,12 @@ class _FastReader:
             from gguf.gguf_reader import GGUFReader, GGUFValueType
 
             class Reader(GGUFReader):
+                string_arrays: dict  # id(field part) -> decoded strings of an array field
+
+                def __init__(self, *args, **kwargs):
+                    self.string_arrays = {}
+                    super().__init__(*args, **kwargs)
+
                 def _get_field_parts(self, orig_offs, raw_type):
                     if GGUFValueType(raw_type) != GGUFValueType.ARRAY:
                         return super()._get_field_parts(orig_offs, raw_type)
@@ -45,18 +51,24 @@ class _FastReader:
                         return 12 + int(arr.nbytes), [raw_itype, alen, arr], [2], [GGUFValueType.ARRAY, itype]
                     if itype != GGUFValueType.STRING:
                         return super()._get_field_parts(orig_offs, raw_type)
+                    # Decode every string in one pass; the field keeps one part spanning the array.
                     plain = self.data.view(np.ndarray)
-                    view = memoryview(plain)
                     order = "big" if self.byte_order == "S" else "little"
-                    u64 = np.dtype(np.uint64).newbyteorder(self.byte_order)
-                    parts, idxs = [raw_itype, alen], []
+                    strings = []
+                    window_start, window = offs, b""
                     for _ in range(n):
-                        length = int.from_bytes(view[offs:offs + 8], order)
-                        parts.append(plain[offs:offs + 8].view(u64))
-                        parts.append(plain[offs + 8:offs + 8 + length])
-                        idxs.append(len(parts) - 1)
+                        rel = offs - window_start
+                        if rel + 8 > len(window) or rel + 8 + int.from_bytes(window[rel:rel + 8], order) > len(window):
+                            window_start, rel = offs, 0  # refill a bytes window: slicing bytes is cheap
+                            window = plain[offs:offs + max(1 << 24, 8 + int.from_bytes(
+                                plain[offs:offs + 8].tobytes(), order))].tobytes()
+                        length = int.from_bytes(window[rel:rel + 8], order)
+                        strings.append(window[rel + 8:rel + 8 + length].decode("utf-8"))
                         offs += 8 + length
-                    return offs - orig_offs, parts, idxs, [GGUFValueType.ARRAY, GGUFValueType.STRING]
+                    region = plain[orig_offs + 12:offs]
+                    self.string_arrays[id(region)] = strings
+                    return (offs - orig_offs, [raw_itype, alen, region], [2],
+                            [GGUFValueType.ARRAY, GGUFValueType.STRING])
 
             cls.cls = Reader
         return cls.cls
@@ -109,7 +121,8 @@ class GGUFFile:
             if key.startswith("GGUF."):
                 continue
             try:
-                meta[key] = field.contents()
+                strings = self._reader.string_arrays.get(id(field.parts[-1])) if field.parts else None
+                meta[key] = strings if strings is not None else field.contents()
             except Exception as exc:
                 raise GGUFError(f"Damaged metadata field {key!r} in {self.path}: {exc}") from exc
         return meta
