@@ -1,7 +1,7 @@
 """Batched token sampling that honours every `SamplingParams` knob, reproducibly per row.
 
 Order of processing, as vLLM: logit_bias, repetition / presence / frequency penalties, min_tokens (ban EOS
-and stop ids), then temperature, top_k, top_p, min_p, then one draw from the row's own generator. Greedy
+and stop ids), then temperature, top_k, top_p, min_p, then a draw with the row's own generator. Greedy
 rows (temperature 0) take the argmax after bias, penalties and min_tokens. Work for a knob is skipped when
 no row of the batch uses it, and each step touches the vocabulary a fixed number of times, never per row.
 """
@@ -19,8 +19,8 @@ from hf2q.engine.sampling_params import SamplingParams
 # Truncating rows look for their kept tokens among this many most likely ones, widening the window for
 # flatter rows, and falling back to sorting the whole row (topk costs grow with the window on CPU).
 CANDIDATE_WINDOWS = (256, 4096)
-# Inverse-CDF sampling runs over blocks of this many tokens (see `_inverse_cdf`).
-CDF_BLOCK = 256
+# The exponential race runs over blocks of this many tokens (see `_exponential_race`).
+RACE_BLOCK = 256
 
 
 class _TokenCounts:
@@ -66,8 +66,8 @@ class _TokenCounts:
 class RowState:
     """One sequence's sampling state: params, its own generator, and the token history for penalties.
 
-    The generator lives on the CPU and gives one uniform number per sampled step, so a seeded row draws
-    the same tokens whatever else is in the batch, in any order, on any device.
+    The generator lives on the CPU and only this row draws from it, a number of values fixed by the
+    row's own logits, so a seeded row draws the same tokens whatever else is in the batch, in any order, on any device.
     """
 
     def __init__(self, params: SamplingParams, prompt_ids: Sequence[int] = (),
@@ -224,7 +224,7 @@ def _sample_rows(logits: torch.Tensor, rows: Sequence[RowState]) -> torch.Tensor
     device, v = logits.device, logits.shape[1]
     if any(r.params.temperature != 1.0 for r in rows):
         logits.div_(_per_row(rows, lambda p: p.temperature, device).unsqueeze(1))
-    u = torch.cat([torch.rand(1, generator=r.generator, dtype=torch.float64) for r in rows]).to(device)
+    noise = _race_noise(rows, v, device)
     tokens = torch.empty(len(rows), dtype=torch.long, device=device)
 
     pending = [i for i, r in enumerate(rows) if _truncates(r.params, v)]
@@ -233,12 +233,12 @@ def _sample_rows(logits: torch.Tensor, rows: Sequence[RowState]) -> torch.Tensor
         if not pending:
             break
         sub = [rows[i] for i in pending]
-        got, done = _sample_candidates(_take(logits, pending), sub, u[pending], min(window, v))
+        got, done = _sample_candidates(_take(logits, pending), sub, noise[pending], min(window, v))
         finished = [i for i, ok in zip(pending, done.tolist()) if ok]
         tokens[finished] = got[done]
         pending = [i for i, ok in zip(pending, done.tolist()) if not ok]
     if dense:
-        tokens[dense] = _inverse_cdf(torch.softmax(_take(logits, dense), dim=-1), u[dense])
+        tokens[dense] = _exponential_race(torch.softmax(_take(logits, dense), dim=-1), None, noise[dense])
     return tokens
 
 
@@ -246,16 +246,17 @@ def _truncates(p: SamplingParams, vocab: int) -> bool:
     return 0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0.0
 
 
-def _sample_candidates(logits: torch.Tensor, rows: Sequence[RowState], u: torch.Tensor, window: int):
+def _sample_candidates(logits: torch.Tensor, rows: Sequence[RowState], noise: torch.Tensor, window: int):
     """Sample among each row's `window` most likely tokens: (tokens [R], done [R] bool).
 
     A row is done when its top_k fits the window or its kept set (top_p nucleus, min_p set) ends inside
-    it; otherwise it is retried with a wider window, reusing its draw `u`, so the window never changes
-    the result.
+    it; otherwise it is retried with a wider window. Its noise is keyed by token id, not by rank, so the
+    window never changes the result.
     """
     device, v = logits.device, logits.shape[1]
     has_k = [0 < r.params.top_k < v for r in rows]
-    ks = torch.tensor([min(r.params.top_k, window) if k else window for r, k in zip(rows, has_k)])
+    fits_k = [k and r.params.top_k <= window for r, k in zip(rows, has_k)]
+    ks = torch.tensor([r.params.top_k if f else window for r, f in zip(rows, fits_k)])
     vals, ids = logits.topk(int(ks.max()), dim=-1)  # [R, k_max], most likely first
     outside = torch.arange(vals.shape[1]).unsqueeze(0) >= ks.unsqueeze(1)
     vals.masked_fill_(outside.to(device), float("-inf"))
@@ -269,33 +270,41 @@ def _sample_candidates(logits: torch.Tensor, rows: Sequence[RowState], u: torch.
     top_p = _per_row(rows, lambda p: p.top_p, device).unsqueeze(1)
     min_p = _per_row(rows, lambda p: p.min_p, device).unsqueeze(1)
     keep = (probs.cumsum(-1) - probs < top_p) & (probs >= min_p * probs[:, :1])
-    done = torch.tensor(has_k, device=device) | (vals.shape[1] == v) | ~keep[:, -1]
-    j = _inverse_cdf(probs * keep, u)
-    return ids.gather(1, j.unsqueeze(1)).squeeze(1), done
+    # Done when top_k fits, or, with no top_k, when the kept set ends inside the window.
+    ends_inside = ~keep[:, -1] & ~torch.tensor(has_k, device=device)
+    done = torch.tensor(fits_k, device=device) | (vals.shape[1] == v) | ends_inside
+    return _exponential_race(probs * keep, ids, noise), done
 
 
-def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Token per row with probability proportional to `probs` [S, V] (unnormalised), from one uniform u [S].
+def _race_noise(rows: Sequence[RowState], vocab: int, device) -> torch.Tensor:
+    """[S, blocks + RACE_BLOCK] Exp(1) draws, each row from its own generator, a count fixed by the vocab."""
+    nb = -(-vocab // RACE_BLOCK)
+    noise = torch.stack([torch.empty(nb + RACE_BLOCK).exponential_(generator=r.generator) for r in rows])
+    return noise.clamp_(min=torch.finfo(torch.float32).tiny).to(device)  # q = 0 would make 0/0
 
-    One draw per row instead of V exponentials (torch.multinomial's method, ~V random numbers per row
-    per step). Two levels keep it to one pass over the vocabulary: pick a block of CDF_BLOCK tokens from
-    the block masses, then a token inside it; fp64 cumulative sums keep tiny probabilities honest. Zero-probability
-    tokens are never chosen: targets are kept strictly below each cumulative total.
+
+def _exponential_race(probs: torch.Tensor, ids: torch.Tensor | None, noise: torch.Tensor) -> torch.Tensor:
+    """Token per row with probability proportional to `probs` (unnormalised): [S, V] over the vocabulary
+    (ids None), or [S, W] over the token ids `ids` [S, W]. `noise` comes from `_race_noise`.
+
+    The exponential race (argmax p_i / q_i, q_i ~ Exp(1)) is torch.multinomial's own method and, unlike an
+    inverse CDF, moves only when logits move near the winner, so tiny numeric changes rarely change the
+    token. Racing the vocabulary's blocks of RACE_BLOCK tokens by their mass, then the tokens of the
+    winning block, is the same distribution with V / RACE_BLOCK + RACE_BLOCK draws instead of V (a
+    full-vocabulary draw costs more than the rest of the step on a CPU). The noise is keyed by token id,
+    so a token faces the same q dense or among candidates. Zero-probability tokens never win.
     """
-    s, v = probs.shape
-    nb = -(-v // CDF_BLOCK)
-    padded = probs if nb * CDF_BLOCK == v else F.pad(probs, (0, nb * CDF_BLOCK - v))
-    blocks = padded.view(s, nb, CDF_BLOCK)
-    block_mass = blocks.sum(-1).double()  # [S, nb]; fp32 within a block, fp64 across blocks
-    block_cum = block_mass.cumsum(-1)
-    total = block_cum[:, -1:]
-    target = torch.minimum(u.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
-    b = torch.searchsorted(block_cum, target, right=True)  # [S, 1]
-
-    inner = blocks.gather(1, b.unsqueeze(2).expand(s, 1, CDF_BLOCK)).squeeze(1).double()  # [S, CDF_BLOCK]
-    inner_cum = inner.cumsum(-1)
-    inner_total = inner_cum[:, -1:]
-    offset = (target - (block_cum.gather(1, b) - block_mass.gather(1, b))).clamp(min=0)
-    offset = torch.minimum(offset, torch.nextafter(inner_total, torch.zeros_like(inner_total)))
-    j = torch.searchsorted(inner_cum, offset, right=True)
-    return (b * CDF_BLOCK + j).squeeze(1)
+    s, nb = probs.shape[0], noise.shape[1] - RACE_BLOCK
+    block_q, inner_q = noise[:, :nb], noise[:, nb:]
+    if ids is None:
+        pad = nb * RACE_BLOCK - probs.shape[1]
+        padded = F.pad(probs, (0, pad)) if pad else probs
+        blocks = padded.view(s, nb, RACE_BLOCK)
+        b = (blocks.sum(-1) / block_q).argmax(-1)  # [S]
+        inner = blocks[torch.arange(s, device=probs.device), b]  # [S, RACE_BLOCK]
+        return b * RACE_BLOCK + (inner / inner_q).argmax(-1)
+    block_mass = torch.zeros(s, nb, dtype=probs.dtype, device=probs.device)
+    block_mass.scatter_add_(1, ids // RACE_BLOCK, probs)
+    b = (block_mass / block_q).argmax(-1, keepdim=True)  # [S, 1]
+    score = torch.where(ids // RACE_BLOCK == b, probs / inner_q.gather(1, ids % RACE_BLOCK), -1.0)
+    return ids.gather(1, score.argmax(-1, keepdim=True)).squeeze(1)
