@@ -66,8 +66,8 @@ class _TokenCounts:
 class RowState:
     """One sequence's sampling state: params, its own generator, and the token history for penalties.
 
-    The generator lives on the CPU and only this row draws from it, a number of values fixed by the
-    row's own logits, so a seeded row draws the same tokens whatever else is in the batch, in any order, on any device.
+    The generator lives on the CPU and only this row draws from it, a fixed number of values per sampled
+    step, so a seeded row draws the same tokens whatever else is in the batch and in whatever order.
     """
 
     def __init__(self, params: SamplingParams, prompt_ids: Sequence[int] = (),
@@ -216,9 +216,9 @@ def _per_row(rows: Sequence[RowState], get, device, dtype=torch.float32) -> torc
 
 
 def _sample_rows(logits: torch.Tensor, rows: Sequence[RowState]) -> torch.Tensor:
-    """Temperature, top_k, top_p, min_p, then one draw per row. `logits` [S, V] may be modified.
+    """Temperature, top_k, top_p, min_p, then an exponential race per row. `logits` [S, V] may be modified.
 
-    Rows that truncate (top_k / top_p) work on their most likely tokens only, found by `topk`, so they
+    Rows that truncate (top_k / top_p / min_p) work on their most likely tokens only, found by `topk`, so they
     never normalise or mask the whole vocabulary; the other rows take the dense path.
     """
     device, v = logits.device, logits.shape[1]
