@@ -125,12 +125,20 @@ def _add_convert(sub) -> None:
     p.set_defaults(func=run_convert)
 
 
+def _add_bench(sub) -> None:
+    from hf2q.bench import add_bench_args, run_bench
+
+    p = sub.add_parser("bench", help="benchmark real-shape random-weight models on a GPU")
+    add_bench_args(p)
+    p.set_defaults(func=run_bench)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf2q", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_info(sub)
     _add_generate(sub)
-    for add in (_add_serve, _add_convert):
+    for add in (_add_serve, _add_convert, _add_bench):
         try:
             add(sub)
         except ImportError as exc:  # an optional part missing from this install
