@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -16,7 +17,9 @@ from hf2q.models.qwen35_mtp import MTPHead
 
 
 def build_model(gguf: GGUFFile, cfg: ModelConfig, device="cpu", dtype=torch.float32,
-                with_mtp: bool = True) -> Qwen35Model:
+                with_mtp: bool = True, keep_quantized: bool = False) -> Qwen35Model:
+    """keep_quantized: block-quantized projection weights stay as their GGUF bytes (meant for CUDA;
+    the default dequantizes every tensor, the exact CPU path)."""
     names = set(gguf.tensor_names)
     embed_rows = gguf.info("token_embd.weight").shape[0] if "token_embd.weight" in names else None
     if embed_rows is None:
@@ -27,7 +30,7 @@ def build_model(gguf: GGUFFile, cfg: ModelConfig, device="cpu", dtype=torch.floa
         model = Qwen35Model(cfg, tie_embeddings="output.weight" not in names)
         if with_mtp and cfg.num_mtp_layers:
             model.mtp = _make_mtp(cfg, names)
-    _fill(model, gguf, cfg, device, dtype, with_mtp)
+    _fill(model, gguf, cfg, device, dtype, with_mtp, keep_quantized)
     return model.eval()
 
 
@@ -41,7 +44,8 @@ def _make_mtp(cfg: ModelConfig, names: set[str]) -> MTPHead:
     return head
 
 
-def _fill(model: Qwen35Model, gguf: GGUFFile, cfg: ModelConfig, device, dtype, with_mtp: bool) -> None:
+def _fill(model: Qwen35Model, gguf: GGUFFile, cfg: ModelConfig, device, dtype, with_mtp: bool,
+          keep_quantized: bool = False) -> None:
     params = dict(model.named_parameters())
     filled: set[str] = set()
     for name in gguf.tensor_names:
@@ -52,6 +56,9 @@ def _fill(model: Qwen35Model, gguf: GGUFFile, cfg: ModelConfig, device, dtype, w
             continue  # MTP weights present but not wanted
         if target not in params:
             raise GGUFError(f"{gguf.path}: tensor {name!r} has no place in this {cfg.arch} model ({target})")
+        if keep_quantized and _assign_quantized(model, target, name, gguf, device):
+            filled.add(target)
+            continue
         value = gguf.tensor(name, dtype=torch.float32)
         _assign(model, target, params[target], value, name, gguf, device, dtype)
         filled.add(target)
@@ -78,3 +85,22 @@ def _assign(model: nn.Module, target: str, param: nn.Parameter, value: torch.Ten
     owner_path, _, attr = target.rpartition(".")
     owner = model.get_submodule(owner_path) if owner_path else model
     setattr(owner, attr, new)
+
+
+# ---- quantized weights kept as blocks -----------------------------------------------------------------
+def _assign_quantized(model: nn.Module, target: str, name: str, gguf: GGUFFile, device) -> bool:
+    """Copy a block-quantized Linear weight to `device` as bytes; False leaves it to the dense path
+    (other types, non-Linear targets, shape mismatches, and the output head, read densely by the model)."""
+    from hf2q.layers.linear import Linear
+    from hf2q.quant import QUANT_TYPES
+
+    info = gguf.info(name)
+    owner_path, _, attr = target.rpartition(".")
+    if info.type_name not in QUANT_TYPES or attr != "weight" or owner_path in ("", "lm_head"):
+        return False
+    owner = model.get_submodule(owner_path)
+    if not isinstance(owner, Linear) or info.shape != (owner.out_features, owner.in_features):
+        return False
+    raw = torch.from_numpy(np.array(gguf.raw(name), dtype=np.uint8).reshape(owner.out_features, -1))
+    owner.set_quantized(raw.to(device), info.type_name)
+    return True

@@ -7,10 +7,37 @@ from torch import nn
 
 
 class Linear(nn.Module):
+    """y = x Wᵀ with W either a dense parameter or GGUF blocks kept as bytes (`qweight`, uint8
+    [out, row_bytes], type `qtype`): the fast path multiplies the blocks without dequantizing W."""
+
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.register_buffer("qweight", None)
+        self.qtype: str | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.qweight is not None
+
+    def set_quantized(self, raw: torch.Tensor, qtype: str) -> None:
+        """Hold `raw` blocks of `qtype` instead of a dense weight (the dense parameter is dropped)."""
+        from hf2q.kernels.quant_ops import check_raw
+
+        check_raw(raw, qtype, (self.out_features, self.in_features))
+        del self.weight
+        self.register_parameter("weight", None)
+        self.qweight = raw
+        self.qtype = qtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        if self.qweight is None:
+            return F.linear(x, self.weight)
+        from hf2q.kernels.quant_ops import quant_linear
+
+        return quant_linear(x, self.qweight, self.qtype, self.out_features)
+
+    def extra_repr(self) -> str:
+        kind = f", {self.qtype}" if self.quantized else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}{kind}"

@@ -1,0 +1,116 @@
+"""Multiplying by GGUF-quantized weights: picks the Triton kernel or the exact reference, by device.
+
+Few rows (decode, verify) use the fused dequantize-and-multiply kernel, which reads each weight byte
+once. Many rows (prefill) dequantize the weight into a reused bf16 scratch buffer and multiply on
+tensor cores: the dequantization costs one pass over the weight, the matmul dominates. Off CUDA (and
+without Triton's interpreter) the reference dequantizes with gguf and multiplies in fp32.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from hf2q.quant import dequantize_ref, row_bytes
+
+DECODE_ROWS = 16  # at most this many rows go through the fused mat-vec kernel
+MOE_PAIRS = 1024  # token-expert pairs below which reading chosen experts beats dequantizing every expert
+_SCRATCH: dict[tuple, torch.Tensor] = {}
+
+
+def _triton(x: torch.Tensor) -> bool:
+    return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def check_raw(raw: torch.Tensor, qtype: str, shape: tuple[int, ...]) -> None:
+    """Fail loudly unless raw [..., rows, row_bytes] uint8 holds exactly `shape` values of `qtype`."""
+    want = (*shape[:-1], row_bytes(qtype, shape[-1]))
+    if raw.dtype != torch.uint8 or tuple(raw.shape) != want or not raw.is_contiguous():
+        raise ValueError(f"{qtype} weight of shape {tuple(shape)} needs contiguous uint8 {want}, "
+                         f"got {raw.dtype} {tuple(raw.shape)}")
+
+
+def scratch(slot: str, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """A flat buffer reused across calls (stream order makes reuse safe); grows, never shrinks."""
+    key = (slot, str(device), dtype)
+    buf = _SCRATCH.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = _SCRATCH[key] = torch.empty(numel, dtype=dtype, device=device)
+    return buf[:numel]
+
+
+def dequantize(raw: torch.Tensor, qtype: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """Values of a quantized tensor [..., rows, row_bytes] as `dtype` of `shape`."""
+    if not _triton(raw):
+        value = dequantize_ref(raw, qtype, shape).to(device=raw.device, dtype=dtype)
+        return value if out is None else out.view(shape).copy_(value)
+    from hf2q.kernels import quant_triton
+
+    rows, k = raw.numel() // row_bytes(qtype, shape[-1]), shape[-1]
+    out = torch.empty(shape, dtype=dtype, device=raw.device) if out is None else out.view(shape)
+    quant_triton.dequantize(raw, qtype, rows, k, out)
+    return out
+
+
+def quant_linear(x: torch.Tensor, raw: torch.Tensor, qtype: str, out_features: int) -> torch.Tensor:
+    """x [..., in] @ W.T for W quantized as raw [out, row_bytes]; result in x's dtype."""
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if not _triton(x):
+        w = dequantize_ref(raw, qtype, (out_features, k)).to(x.device)
+        return F.linear(x2.float(), w).to(x.dtype).reshape(*x.shape[:-1], out_features)
+    if x2.shape[0] <= DECODE_ROWS:
+        from hf2q.kernels import quant_triton
+
+        y = quant_triton.matvec(x2, raw, qtype, out_features)
+    else:
+        w = dequantize(raw, qtype, (out_features, k), x.dtype,
+                       out=scratch("linear", out_features * k, x.dtype, x.device))
+        y = F.linear(x2, w)
+    return y.reshape(*x.shape[:-1], out_features)
+
+
+def expert_linear(x: torch.Tensor, experts: torch.Tensor, raw: torch.Tensor, qtype: str,
+                  out_features: int) -> torch.Tensor:
+    """Row i of x [P, in] times expert experts[i] of a stacked quantized weight raw [E, out, row_bytes]."""
+    if not _triton(x):
+        w = dequantize_ref(raw, qtype, (raw.shape[0], out_features, x.shape[-1])).to(x.device)
+        return torch.einsum("pk,pnk->pn", x.float(), w[experts]).to(x.dtype)
+    from hf2q.kernels import quant_triton
+
+    return quant_triton.matvec(x, raw, qtype, out_features, experts=experts.to(torch.int32).contiguous())
+
+
+def moe_experts_quant(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate: tuple, up: tuple,
+                      down: tuple) -> torch.Tensor:
+    """Σ_k weights · SwiGLU expert_k(x) with quantized stacked experts; gate/up/down: (raw, qtype).
+
+    x: [T, H]; weights/experts: [T, k]. Few token-expert pairs read only the chosen experts' blocks;
+    many pairs dequantize the stacks into scratch and run the grouped-GEMM path.
+    """
+    t, top_k = experts.shape
+    hidden, inter = x.shape[1], gate[0].shape[1]
+    n_exp = gate[0].shape[0]
+    if t * top_k <= MOE_PAIRS or not _triton(x):
+        flat = experts.reshape(-1)
+        xs = x.repeat_interleave(top_k, dim=0)  # [T*k, H], pair p is token p // k
+        h = F.silu(expert_linear(xs, flat, *gate, inter)) * expert_linear(xs, flat, *up, inter)
+        y = expert_linear(h, flat, *down, hidden)  # [T*k, H]
+        return (y.view(t, top_k, hidden) * weights[..., None].to(y.dtype)).sum(1)
+    stacks = []
+    for slot, (raw, qtype), shape in (("gate_exps", gate, (n_exp, inter, hidden)), ("up_exps", up, (n_exp, inter, hidden)),
+                                      ("down_exps", down, (n_exp, hidden, inter))):
+        buf = scratch(slot, n_exp * shape[1] * shape[2], x.dtype, x.device)
+        stacks.append(dequantize(raw, qtype, shape, x.dtype, out=buf))
+    from hf2q.kernels.moe_grouped import grouped_mm_available, moe_experts_grouped
+
+    if grouped_mm_available(x):
+        return moe_experts_grouped(x, weights, experts, *stacks)
+    out = torch.zeros_like(x)
+    for e in torch.unique(experts).tolist():
+        rows, slot = torch.where(experts == e)
+        h = F.silu(F.linear(x[rows], stacks[0][e])) * F.linear(x[rows], stacks[1][e])
+        out.index_add_(0, rows, F.linear(h, stacks[2][e]) * weights[rows, slot, None].to(x.dtype))
+    return out

@@ -1,0 +1,162 @@
+"""Triton kernels reading GGUF blocks directly: fused dequantize-and-multiply for a few rows (decode), and
+dequantize-to-bf16 for many rows (prefill multiplies the result on tensor cores).
+
+Every kernel walks a weight row in tiles of 256 values: one K-quant super-block, or eight 32-value
+Q8_0/Q4_0 blocks. Layouts follow ggml's block structs byte for byte; the f16 fields are read through
+a float16 view of the same bytes (every block size and field offset is even).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+QTYPE_ID = {"Q8_0": 0, "Q4_0": 1, "Q4_K": 2, "Q5_K": 3, "Q6_K": 4}
+BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+TILE = 256
+
+
+@triton.jit
+def _byte(w8, off, mask):
+    return tl.load(w8 + off, mask=mask, other=0).to(tl.int32)
+
+
+@triton.jit
+def _k_scale_min(w8, base, e, mask):
+    """Q4_K/Q5_K 6-bit scale and min of sub-block e // 32 (ggml's get_scale_min_k4), per value."""
+    j = e // 32
+    jj = (j % 4)[None, :]
+    a = _byte(w8, base + 4 + jj, mask)
+    c = _byte(w8, base + 8 + jj, mask)
+    h = _byte(w8, base + 12 + jj, mask)
+    low = (j < 4)[None, :]
+    sc = tl.where(low, a & 63, (h & 15) | ((a >> 6) << 4))
+    mn = tl.where(low, c & 63, (h >> 4) | ((c >> 6) << 4))
+    return sc.to(tl.float32), mn.to(tl.float32)
+
+
+@triton.jit
+def dequant_tile(w8, w16, row_base, row_ok, t, nblk, QTYPE: tl.constexpr):
+    """fp32 values [BLOCK_N, 256] of tile t of each row; row_base: int64 byte offset of each row."""
+    e = tl.arange(0, 256)
+    if QTYPE == 0:  # Q8_0: f16 d, 32 x int8
+        b = t * 8 + e // 32
+        mask = row_ok[:, None] & (b < nblk)[None, :]
+        base = row_base[:, None] + (b * 34)[None, :]
+        d = tl.load(w16 + base // 2, mask=mask, other=0).to(tl.float32)
+        q = tl.load(w8 + base + 2 + (e % 32)[None, :], mask=mask, other=0).to(tl.int8, bitcast=True)
+        return d * q.to(tl.float32)
+    elif QTYPE == 1:  # Q4_0: f16 d, 16 bytes; value i is nibble (i // 16) of byte i % 16, minus 8
+        b = t * 8 + e // 32
+        mask = row_ok[:, None] & (b < nblk)[None, :]
+        base = row_base[:, None] + (b * 18)[None, :]
+        d = tl.load(w16 + base // 2, mask=mask, other=0).to(tl.float32)
+        i = e % 32
+        q = (_byte(w8, base + 2 + (i % 16)[None, :], mask) >> ((i // 16) * 4)[None, :]) & 15
+        return d * (q - 8).to(tl.float32)
+    elif QTYPE == 2:  # Q4_K: f16 d, f16 dmin, 12 scale bytes, 128 bytes of nibbles
+        mask = row_ok[:, None]
+        base = row_base[:, None] + t * 144
+        d = tl.load(w16 + base // 2, mask=mask, other=0).to(tl.float32)
+        dmin = tl.load(w16 + base // 2 + 1, mask=mask, other=0).to(tl.float32)
+        sc, mn = _k_scale_min(w8, base, e, mask)
+        qoff = (32 * (e // 64) + e % 32)[None, :]
+        q = (_byte(w8, base + 16 + qoff, mask) >> (4 * ((e // 32) % 2))[None, :]) & 15
+        return d * sc * q.to(tl.float32) - dmin * mn
+    elif QTYPE == 3:  # Q5_K: as Q4_K plus 32 bytes of fifth bits (bit s of byte l for sub-block s)
+        mask = row_ok[:, None]
+        base = row_base[:, None] + t * 176
+        d = tl.load(w16 + base // 2, mask=mask, other=0).to(tl.float32)
+        dmin = tl.load(w16 + base // 2 + 1, mask=mask, other=0).to(tl.float32)
+        sc, mn = _k_scale_min(w8, base, e, mask)
+        qoff = (32 * (e // 64) + e % 32)[None, :]
+        q = (_byte(w8, base + 48 + qoff, mask) >> (4 * ((e // 32) % 2))[None, :]) & 15
+        hi = (_byte(w8, base + 16 + (e % 32)[None, :], mask) >> (e // 32)[None, :]) & 1
+        return d * sc * (q + 16 * hi).to(tl.float32) - dmin * mn
+    else:  # Q6_K: 128 bytes low nibbles, 64 bytes high 2-bit pairs, 16 int8 scales, f16 d
+        mask = row_ok[:, None]
+        base = row_base[:, None] + t * 210
+        half, r = e // 128, e % 128
+        j, l = r // 32, r % 32
+        lo = (_byte(w8, base + (64 * half + l + 32 * (j % 2))[None, :], mask) >> (4 * (j // 2))[None, :]) & 15
+        hi = (_byte(w8, base + 128 + (32 * half + l)[None, :], mask) >> (2 * j)[None, :]) & 3
+        sc = tl.load(w8 + base + 192 + (e // 16)[None, :], mask=mask, other=0).to(tl.int8, bitcast=True)
+        d = tl.load(w16 + base // 2 + 104, mask=mask, other=0).to(tl.float32)
+        return d * sc.to(tl.float32) * ((lo | (hi << 4)) - 32).to(tl.float32)
+
+
+@triton.jit
+def _matvec_kernel(x_ptr, w8, w16, out_ptr, expert_ptr, M, N, K, row_bytes, nblk, n_tiles, expert_bytes,
+                   x_stride, out_stride, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                   HAS_EXPERTS: tl.constexpr, DOT_BF16: tl.constexpr):
+    """out[m, n] = Σ_k x[m, k] · W[n, k]; with experts, program column m uses expert expert_ptr[m]."""
+    pid_n, pid_m = tl.program_id(0), tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    row_base = rows.to(tl.int64) * row_bytes
+    if HAS_EXPERTS:
+        row_base += tl.load(expert_ptr + pid_m).to(tl.int64) * expert_bytes
+    ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = ms < M
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for t in range(0, n_tiles):
+        w = dequant_tile(w8, w16, row_base, row_ok, t, nblk, QTYPE)  # [BLOCK_N, 256]
+        k = t * 256 + tl.arange(0, 256)
+        xt = tl.load(x_ptr + ms[:, None] * x_stride + k[None, :], mask=m_ok[:, None] & (k < K)[None, :],
+                     other=0).to(tl.float32)  # [BLOCK_M, 256]
+        if BLOCK_M == 1:
+            acc += tl.sum(w * xt, axis=1)[:, None]
+        else:
+            if DOT_BF16:  # tensor cores on the device
+                acc += tl.dot(w.to(tl.bfloat16), tl.trans(xt.to(tl.bfloat16)))
+            else:  # Triton's CPU interpreter mishandles bf16 dots
+                acc += tl.dot(w, tl.trans(xt), input_precision="ieee")
+    ptrs = out_ptr + ms[None, :] * out_stride + rows[:, None]
+    tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & m_ok[None, :])
+
+
+@triton.jit
+def _dequant_kernel(w8, w16, out_ptr, N, K, row_bytes, nblk, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_n, t = tl.program_id(0), tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    w = dequant_tile(w8, w16, rows.to(tl.int64) * row_bytes, row_ok, t, nblk, QTYPE)
+    k = t * 256 + tl.arange(0, 256)
+    ptrs = out_ptr + rows.to(tl.int64)[:, None] * K + k[None, :]
+    tl.store(ptrs, w.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (k < K)[None, :])
+
+
+def _geometry(qtype: str, k: int) -> tuple[int, int, int]:
+    elems = 32 if qtype in ("Q8_0", "Q4_0") else 256
+    nblk = k // elems
+    return nblk * BLOCK_BYTES[qtype], nblk, triton.cdiv(k, TILE)
+
+
+def matvec(x: torch.Tensor, raw: torch.Tensor, qtype: str, n: int, experts: torch.Tensor | None = None,
+           block_n: int = 16) -> torch.Tensor:
+    """x [M, K] times quantized rows raw [(E,) N, row_bytes] -> [M, N] in x's dtype.
+
+    With `experts` [M] (int), row m of x is multiplied by expert experts[m] of a stacked [E, N, ...] weight.
+    """
+    x = x.contiguous()
+    m, k = x.shape
+    rb, nblk, n_tiles = _geometry(qtype, k)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    flat = raw.view(-1)
+    block_m = 1 if (m == 1 or experts is not None) else 16
+    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
+    _matvec_kernel[grid](x, flat, flat.view(torch.float16), out, experts if experts is not None else flat,
+                         m, n, k, rb, nblk, n_tiles, n * rb, x.stride(0), out.stride(0), QTYPE=QTYPE_ID[qtype],
+                         BLOCK_N=block_n, BLOCK_M=block_m, HAS_EXPERTS=experts is not None,
+                         DOT_BF16=x.is_cuda, num_warps=4)
+    return out
+
+
+def dequantize(raw: torch.Tensor, qtype: str, rows: int, k: int, out: torch.Tensor) -> torch.Tensor:
+    """Write the values of quantized rows raw [rows, row_bytes] into out [rows, k] (any float dtype)."""
+    rb, nblk, n_tiles = _geometry(qtype, k)
+    flat = raw.view(-1)
+    block_n = 8
+    _dequant_kernel[(triton.cdiv(rows, block_n), n_tiles)](flat, flat.view(torch.float16), out, rows, k, rb, nblk,
+                                                           QTYPE=QTYPE_ID[qtype], BLOCK_N=block_n, num_warps=4)
+    return out
