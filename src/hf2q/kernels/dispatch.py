@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from hf2q.kernels.gdn import gated_delta_rule_ref
+from hf2q.layers.norm import rms_norm
+from hf2q.layers.rotary import apply_rotary
 
 _MODE = {"value": "auto"}  # auto: CUDA tensors only; off: never; force: every device
 
@@ -55,6 +57,41 @@ def packed_linear(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
 
 def _triton(x: torch.Tensor) -> bool:
     return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# ---- residual add + RMSNorm, activation -------------------------------------------------------------
+def add_rms_norm(x: torch.Tensor, add, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + add, rms_norm(x + add)): the new residual and the block input; add None: (x, rms_norm(x))."""
+    if _triton(x) and x.dim() == 2 and x.stride(1) == 1 and (add is None or add.stride(1) == 1):
+        from hf2q.kernels.norm_triton import add_rms_norm as kernel
+        return kernel(x, add, weight, eps)
+    if add is not None:
+        x = x + add
+    return x, rms_norm(x, weight, eps)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU activation silu(gate) * up."""
+    if _triton(gate) and gate.stride(-1) == 1 and up.stride(-1) == 1:
+        from hf2q.kernels.swiglu_triton import silu_mul as kernel
+        return kernel(gate, up)
+    return F.silu(gate) * up
+
+
+# ---- attention q/k preparation ----------------------------------------------------------------------
+def qk_norm_rope(q, k, v, q_w, k_w, cos, sin, eps: float, rotary_dim: int, pools=None):
+    """Per-head RMSNorm and partial RoPE of q [T, nh, hd] and k [T, nkv, hd]; with pools (k_rows, v_rows,
+    slot_mapping) also writes each token's K/V row into the paged pool. Returns (q, k)."""
+    if _triton(q) and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1:
+        from hf2q.kernels.qk_rope_triton import qk_norm_rope as kernel
+        return kernel(q, k, v, q_w, k_w, cos, sin, eps, rotary_dim, pools)
+    q = apply_rotary(rms_norm(q, q_w, eps), cos, sin, rotary_dim)
+    k = apply_rotary(rms_norm(k, k_w, eps), cos, sin, rotary_dim)
+    if pools is not None:
+        k_rows, v_rows, mapping = pools
+        k_rows.index_copy_(0, mapping, k.to(k_rows.dtype))
+        v_rows.index_copy_(0, mapping, v.to(v_rows.dtype))
+    return q, k
 
 
 # ---- causal conv1d, one token per sequence ---------------------------------------------------------
@@ -115,19 +152,21 @@ def chunk_gdn(q, k, v, g, beta, initial_state, cu_seqlens, seq_lens: list[int], 
 
 
 # ---- paged attention, one query per sequence --------------------------------------------------------
-def paged_decode_attention(q, k_rows, v_rows, block_tables, context_lens, block_size: int, scale: float):
-    """q: [B, nh, hd]; k_rows/v_rows: flat pools [rows, nkv, hd]. Returns [B, nh, hd]."""
+def paged_decode_attention(q, k_rows, v_rows, block_tables, context_lens, block_size: int, scale: float,
+                           gate=None):
+    """q: [B, nh, hd]; k_rows/v_rows: flat pools [rows, nkv, hd]. Returns [B, nh, hd], times sigmoid(gate)
+    ([B, nh, hd]) when given."""
     if _triton(q):
         from hf2q.kernels.paged_attention_triton import paged_decode_attention as kernel
-        return kernel(q, k_rows, v_rows, block_tables, context_lens, block_size, scale)
+        return kernel(q, k_rows, v_rows, block_tables, context_lens, block_size, scale, gate=gate)
     longest = block_tables.shape[1] * block_size
     pos = torch.arange(longest, device=q.device)
     rows = block_tables.long()[:, pos // block_size] * block_size + pos % block_size  # [B, L]
     keys, values = k_rows[rows].to(q.dtype), v_rows[rows].to(q.dtype)  # [B, L, nkv, hd]
     mask = (pos[None, :] < context_lens[:, None].long())[:, None, None, :]  # [B, 1, 1, L]
     o = F.scaled_dot_product_attention(q[:, :, None], keys.transpose(1, 2), values.transpose(1, 2),
-                                       attn_mask=mask, scale=scale, enable_gqa=True)
-    return o[:, :, 0]
+                                       attn_mask=mask, scale=scale, enable_gqa=True)[:, :, 0]
+    return o if gate is None else o * torch.sigmoid(gate)
 
 
 # ---- MoE experts -------------------------------------------------------------------------------------

@@ -3,9 +3,12 @@
 Grid (sequence, KV head, split): each program takes the GQA group of query heads that share one KV head
 (padded to 16 rows for the tensor cores), walks its share of the sequence's blocks through the block
 table with an online softmax, and writes a partial output and log-sum-exp; the splits are merged with
-a weighted sum. Splitting keeps the GPU busy at batch 1 with long contexts.
+a weighted sum by a second small kernel, which also applies the gated attention's sigmoid output gate.
+Splitting keeps the GPU busy at batch 1 with long contexts.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
@@ -58,11 +61,30 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, s
     tl.store(lse_ptr + b * stride_lb + heads * stride_lh + sp, lse, mask=rmask)
 
 
+@triton.jit
+def _merge_kernel(parts_ptr, lse_ptr, gate_ptr, o_ptr, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+                  stride_gb, stride_gh, NH, HD: tl.constexpr, NSPLIT: tl.constexpr, HAS_GATE: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    sp = tl.arange(0, NSPLIT)
+    d = tl.arange(0, HD)
+    lse = tl.load(lse_ptr + b * stride_lb + h * stride_lh + sp)
+    w = tl.exp(lse - tl.max(lse, 0))  # empty splits have lse -inf and weight 0
+    w = w / tl.sum(w, 0)
+    parts = tl.load(parts_ptr + b * stride_pb + h * stride_ph + sp[:, None] * stride_ps + d[None, :])
+    o = tl.sum(parts * w[:, None], 0).to(o_ptr.dtype.element_ty)
+    if HAS_GATE:
+        g = tl.load(gate_ptr + b * stride_gb + h * stride_gh + d).to(tl.float32)
+        o = (o.to(tl.float32) * tl.sigmoid(g)).to(o_ptr.dtype.element_ty)
+    tl.store(o_ptr + (b * NH + h) * HD + d, o)
+
+
 def paged_decode_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
-                           scale: float, num_splits: int = 8) -> torch.Tensor:
+                           scale: float, num_splits: int = 8, gate: Optional[torch.Tensor] = None) -> torch.Tensor:
     """q: [B, nh, hd]; k_rows/v_rows: [num_blocks * block_size, nkv, hd] (the flat pool);
-    block_tables: [B, max_blocks] int32; context_lens: [B] int32 (>= 1). Returns [B, nh, hd] in q's dtype."""
+    block_tables: [B, max_blocks] int32; context_lens: [B] int32 (>= 1); gate: [B, nh, hd] or None.
+    Returns [B, nh, hd] in q's dtype, times sigmoid(gate) when given."""
     bsz, nh, hd = q.shape
     nkv = k_rows.shape[1]
     rep = nh // nkv
@@ -75,5 +97,11 @@ def paged_decode_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.
         parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0), lse.stride(1),
         REP=rep, REP_PAD=max(16, triton.next_power_of_2(rep)), HD=hd, BLOCK_SIZE=block_size, BLOCK_N=64,
         NSPLIT=num_splits, num_warps=4)
-    w = torch.softmax(lse, dim=-1)  # empty splits have lse -inf and weight 0
-    return (parts * w[..., None]).sum(2).to(q.dtype)
+    out = torch.empty(bsz, nh, hd, dtype=q.dtype, device=q.device)
+    if gate is not None:
+        assert gate.shape == q.shape and gate.stride(2) == 1
+    g = gate if gate is not None else q
+    _merge_kernel[(bsz, nh)](parts, lse, g, out, parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0),
+                             lse.stride(1), g.stride(0), g.stride(1), nh, HD=hd, NSPLIT=num_splits,
+                             HAS_GATE=gate is not None, num_warps=2)
+    return out

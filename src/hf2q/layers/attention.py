@@ -31,19 +31,13 @@ class GatedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
-        fast = dispatch.use_fast_path(x, batch.capture_states)
-        if fast:  # one GEMM for q+gate, k and v
-            qg, k_lin, v_lin = dispatch.packed_linear(x, (self.q, self.k, self.v))
-        else:
-            qg, k_lin, v_lin = self.q(x), self.k(x), self.v(x)
-        qg = qg.reshape(t, self.nh, 2 * self.hd)
+        if dispatch.use_fast_path(x, batch.capture_states):  # one GEMM for q+gate, k and v
+            return self._forward_fast(*dispatch.packed_linear(x, (self.q, self.k, self.v)), batch, cos, sin)
+        qg = self.q(x).reshape(t, self.nh, 2 * self.hd)
         q, gate = qg[..., : self.hd], qg[..., self.hd:].reshape(t, self.nh * self.hd)
         q = self.rotary.apply(rms_norm(q, self.q_norm, self.eps), cos, sin)
-        k = self.rotary.apply(rms_norm(k_lin.reshape(t, self.nkv, self.hd), self.k_norm, self.eps), cos, sin)
-        v = v_lin.reshape(t, self.nkv, self.hd)
-        if fast:
-            out = self._attend_fast(q, k, v, batch)
-            return self.o((out.reshape(t, -1) * torch.sigmoid(gate)))
+        k = self.rotary.apply(rms_norm(self.k(x).reshape(t, self.nkv, self.hd), self.k_norm, self.eps), cos, sin)
+        v = self.v(x).reshape(t, self.nkv, self.hd)
         out = torch.empty(t, self.nh, self.hd, dtype=x.dtype, device=x.device)
         cache = batch.cache
         for i, row, n, start, slot in batch.segments():
@@ -76,18 +70,24 @@ class GatedAttention(nn.Module):
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.hd ** -0.5)
         return o.transpose(0, 1)
 
-    def _attend_fast(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """All K/V rows written with one scatter; decode reads the paged pool directly, prefill uses SDPA."""
-        meta, cache = fast_meta(batch), batch.cache
+    def _forward_fast(self, qg, k_lin, v_lin, batch: ForwardBatch, cos, sin) -> torch.Tensor:
+        """q/k norm + RoPE + K/V write in one kernel; decode reads the paged pool directly (the output gate in
+        its epilogue), prefill uses SDPA."""
+        t, meta, cache = qg.shape[0], fast_meta(batch), batch.cache
+        qg = qg.reshape(t, self.nh, 2 * self.hd)
+        gate, v = qg[..., self.hd:], v_lin.reshape(t, self.nkv, self.hd)
+        pools = None
         if cache is not None:
             i = cache.kv_index(self.layer_id)
             k_rows = cache.k_pool[i].view(-1, self.nkv, self.hd)
             v_rows = cache.v_pool[i].view(-1, self.nkv, self.hd)
-            k_rows.index_copy_(0, meta.slot_mapping, k.to(k_rows.dtype))
-            v_rows.index_copy_(0, meta.slot_mapping, v.to(v_rows.dtype))
-            if meta.decode:
-                return dispatch.paged_decode_attention(q, k_rows, v_rows, meta.block_tables, meta.context_lens,
-                                                       meta.block_size, self.hd ** -0.5)
+            pools = (k_rows, v_rows, meta.slot_mapping)
+        q, k = dispatch.qk_norm_rope(qg[..., : self.hd], k_lin.reshape(t, self.nkv, self.hd), v, self.q_norm,
+                                     self.k_norm, cos, sin, self.eps, self.rotary.rotary_dim, pools)
+        if cache is not None and meta.decode:
+            out = dispatch.paged_decode_attention(q, k_rows, v_rows, meta.block_tables, meta.context_lens,
+                                                  meta.block_size, self.hd ** -0.5, gate=gate)
+            return self.o(out.reshape(t, -1))
         out = torch.empty_like(q)
         row = 0
         for n, start, slot in zip(meta.seq_lens, meta.start_lens, batch.slots):
@@ -103,4 +103,4 @@ class GatedAttention(nn.Module):
                 continue
             every = cache.token_indices(slot, 0, start + n)
             out[rows] = self._attend(q[rows], k_rows[every].to(q.dtype), v_rows[every].to(q.dtype), start)
-        return out
+        return self.o(out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1)))

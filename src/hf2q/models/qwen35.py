@@ -50,6 +50,14 @@ class DecoderLayer(nn.Module):
             x = x + self.mixer(h, batch)
         return x + self._ffn(self.ffn_norm(x), batch)
 
+    def forward_fused(self, x: torch.Tensor, pending, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor):
+        """The same block with each residual add fused into the following norm: `pending` (the previous
+        block's FFN output, or None) is added here; returns (residual, this block's FFN output)."""
+        x, h = dispatch.add_rms_norm(x, pending, self.attn_norm.weight, self.attn_norm.eps)
+        m = self.mixer(h, batch, cos, sin) if self.is_full_attention else self.mixer(h, batch)
+        x, h = dispatch.add_rms_norm(x, m, self.ffn_norm.weight, self.ffn_norm.eps)
+        return x, self._ffn(h, batch)
+
     def _ffn(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """MoE on the fast path runs its experts as grouped GEMMs (no per-expert loop, no host sync)."""
         if isinstance(self.ffn, MoE) and dispatch.use_fast_path(h, batch.capture_states):
@@ -61,7 +69,7 @@ class DecoderLayer(nn.Module):
                 return y
         if isinstance(self.ffn, MLP) and dispatch.use_fast_path(h, batch.capture_states):
             gate, up = dispatch.packed_linear(h, (self.ffn.gate, self.ffn.up))  # one GEMM
-            return self.ffn.down(F.silu(gate) * up)
+            return self.ffn.down(dispatch.silu_mul(gate, up))
         return self.ffn(h)
 
 
@@ -84,6 +92,11 @@ class Qwen35Model(nn.Module):
         """Hidden states after the final norm, one row per input token: [T, hidden]."""
         x = self.embed_tokens(batch.input_ids) if input_embeds is None else input_embeds
         cos, sin = self.rotary.cos_sin(batch.positions)
+        if dispatch.use_fast_path(x, batch.capture_states):
+            pending = None
+            for layer in self.layers:
+                x, pending = layer.forward_fused(x, pending, batch, cos, sin)
+            return dispatch.add_rms_norm(x, pending, self.norm.weight, self.norm.eps)[1]
         for layer in self.layers:
             x = layer(x, batch, cos, sin)
         return self.norm(x)

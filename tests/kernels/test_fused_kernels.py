@@ -1,0 +1,138 @@
+"""The fused Triton kernels (residual add + RMSNorm, SwiGLU, q/k norm + RoPE + K/V write, paged attention
+with the output gate) against the torch versions in the dispatcher, which are the exact CPU path.
+
+Runs on CPU through Triton's interpreter, and on a CUDA GPU at real sizes in bf16."""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hf2q.kernels import dispatch
+
+triton = pytest.importorskip("triton")
+
+MODULES = ("norm_triton", "swiglu_triton", "qk_rope_triton", "paged_attention_triton")
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@contextlib.contextmanager
+def torch_only():
+    """Run the dispatcher's torch versions even while the interpreter is on."""
+    old = os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        yield
+    finally:
+        if old is not None:
+            os.environ["TRITON_INTERPRET"] = old
+
+
+@pytest.fixture(scope="module", params=["interpret", "cuda"])
+def env(request):
+    """(device, dtype, tolerance, kernel modules, real sizes?)"""
+    if request.param == "interpret" and not INTERPRET:
+        pytest.skip("interpreter runs in its own process (test_kernels_under_the_interpreter)")
+    if request.param == "cuda" and (INTERPRET or not torch.cuda.is_available()):
+        pytest.skip("needs CUDA")
+    mods = {name: importlib.import_module(f"hf2q.kernels.{name}") for name in MODULES}
+    if request.param == "cuda":
+        return "cuda", torch.bfloat16, 2e-2, mods, True
+    return "cpu", torch.float32, 1e-5, mods, False
+
+
+@pytest.mark.skipif(INTERPRET, reason="this is the interpreter run")
+def test_kernels_under_the_interpreter():
+    """Triton's interpreter must be on before triton is imported, so the CPU run is a child process."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                           "interpret and not under_the_interpreter"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout.split("\n")[-2], proc.stdout[-500:]
+
+
+def rel(a, b) -> float:
+    return float((a.float().cpu() - b.float().cpu()).norm() / b.float().cpu().norm())
+
+
+def randn(*shape, dev, dtype, gen, scale=1.0):
+    return (torch.randn(*shape, generator=gen) * scale).to(dev, dtype)
+
+
+def test_add_rms_norm(env):
+    dev, dtype, tol, k, real = env
+    gen = torch.Generator().manual_seed(0)
+    n = 4096 if real else 320
+    x, y = randn(3, n, dev=dev, dtype=dtype, gen=gen), randn(3, n, dev=dev, dtype=dtype, gen=gen)
+    w = randn(n, dev=dev, dtype=torch.float32, gen=gen)
+    res, h = k["norm_triton"].add_rms_norm(x, y, w, 1e-6)
+    with torch_only():
+        ref_res, ref_h = dispatch.add_rms_norm(x.cpu().float(), y.cpu().float(), w.cpu(), 1e-6)
+        _, ref_h0 = dispatch.add_rms_norm(x.cpu().float(), None, w.cpu(), 1e-6)
+    assert rel(res, ref_res) <= tol and rel(h, ref_h) <= tol
+    same, h0 = k["norm_triton"].add_rms_norm(x, None, w, 1e-6)
+    assert same is x and rel(h0, ref_h0) <= tol
+
+
+def test_silu_mul_on_packed_halves(env):
+    dev, dtype, tol, k, real = env
+    gen = torch.Generator().manual_seed(1)
+    n = 12288 if real else 200
+    packed = randn(2, 2 * n, dev=dev, dtype=dtype, gen=gen)
+    gate, up = torch.split(packed, [n, n], dim=-1)
+    out = k["swiglu_triton"].silu_mul(gate, up)
+    with torch_only():
+        ref = dispatch.silu_mul(gate.cpu().float(), up.cpu().float())
+    assert rel(out, ref) <= tol
+
+
+@pytest.mark.parametrize("with_pool", [False, True])
+def test_qk_norm_rope_and_kv_write(env, with_pool):
+    dev, dtype, tol, k, real = env
+    gen = torch.Generator().manual_seed(2)
+    t, nh, nkv, hd, rd = (3, 16, 4, 256, 64) if real else (3, 4, 2, 32, 16)
+    packed = randn(t, nh * 2 * hd + 2 * nkv * hd, dev=dev, dtype=dtype, gen=gen)  # as the fused GEMM
+    qg, k_lin, v_lin = torch.split(packed, [nh * 2 * hd, nkv * hd, nkv * hd], dim=-1)
+    qg = qg.reshape(t, nh, 2 * hd)
+    q, kk, v = qg[..., :hd], k_lin.reshape(t, nkv, hd), v_lin.reshape(t, nkv, hd)
+    qw, kw = randn(hd, dev=dev, dtype=torch.float32, gen=gen), randn(hd, dev=dev, dtype=torch.float32, gen=gen)
+    pos = torch.tensor([5, 0, 1000])
+    inv = 1.0 / (1e7 ** (torch.arange(0, rd, 2).float() / rd))
+    emb = torch.cat([pos[:, None] * inv[None]] * 2, dim=-1)
+    cos, sin = emb.cos().to(dev), emb.sin().to(dev)
+    rows = 10
+    mapping = torch.tensor([7, 2, 9], device=dev)
+    pools = (torch.zeros(rows, nkv, hd, device=dev, dtype=dtype), torch.zeros(rows, nkv, hd, device=dev, dtype=dtype),
+             mapping) if with_pool else None
+    q_out, k_out = k["qk_rope_triton"].qk_norm_rope(q, kk, v, qw, kw, cos, sin, 1e-6, rd, pools)
+    ref_pools = (torch.zeros(rows, nkv, hd), torch.zeros(rows, nkv, hd), mapping.cpu()) if with_pool else None
+    with torch_only():
+        ref_q, ref_k = dispatch.qk_norm_rope(q.cpu().float(), kk.cpu().float(), v.cpu().float(), qw.cpu(), kw.cpu(),
+                                             cos.cpu(), sin.cpu(), 1e-6, rd, ref_pools)
+    assert rel(q_out, ref_q) <= tol and rel(k_out, ref_k) <= tol
+    if with_pool:
+        assert rel(pools[0], ref_pools[0]) <= tol and torch.equal(pools[1].cpu().float(), ref_pools[1])
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_paged_attention_with_output_gate(env, gated):
+    dev, dtype, tol, k, real = env
+    gen = torch.Generator().manual_seed(3)
+    b, nh, nkv, hd, bs, blocks = (4, 16, 4, 256, 16, 64) if real else (3, 4, 2, 32, 4, 12)
+    rows_k = randn(blocks * bs, nkv, hd, dev=dev, dtype=dtype, gen=gen)
+    rows_v = randn(blocks * bs, nkv, hd, dev=dev, dtype=dtype, gen=gen)
+    lens = torch.tensor([1, 17, 40, 999][:b] if real else [1, 9, 30], dtype=torch.int32)
+    tables = torch.randint(0, blocks, (b, blocks), generator=gen, dtype=torch.int32)
+    q = randn(b, nh, hd, dev=dev, dtype=dtype, gen=gen)
+    gate = randn(b, nh, 2 * hd, dev=dev, dtype=dtype, gen=gen)[..., hd:] if gated else None
+    out = k["paged_attention_triton"].paged_decode_attention(q, rows_k, rows_v, tables.to(dev), lens.to(dev), bs,
+                                                             hd ** -0.5, gate=gate)
+    with torch_only():
+        ref = dispatch.paged_decode_attention(q.cpu().float(), rows_k.cpu().float(), rows_v.cpu().float(), tables,
+                                              lens, bs, hd ** -0.5, gate=None if gate is None else gate.cpu().float())
+    assert rel(out, ref) <= max(tol, 2e-5)
