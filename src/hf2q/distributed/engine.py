@@ -1,0 +1,161 @@
+"""Rank 0 runs the ordinary `Engine` (scheduler, sampler, requests); every step it broadcasts the batch,
+and the other ranks run the same forward on their shards.
+
+The ranks' caches must agree on which rows of the K/V pools a position uses. Rather than sending
+block tables, rank 0 logs each slot operation of its cache (acquire, reserve, release, ...) and the
+other ranks replay the log on their own cache before the forward: the block manager is deterministic,
+so the same calls give the same layout. Only token ids, positions and the log cross the wire; K/V and
+DeltaNet state never do.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from hf2q.cache.hybrid import HybridCache
+from hf2q.engine.engine import Engine, EngineConfig
+from hf2q.engine.request import Request
+from hf2q.engine.runner import ModelRunner
+from hf2q.forward import ForwardBatch
+from hf2q.model import Model
+
+_LOGGED = ("acquire", "release", "reset", "reserve", "commit", "truncate", "fork")
+
+
+class RecordingCache(HybridCache):
+    """Rank 0's cache: a HybridCache that also logs its slot operations for the other ranks to replay."""
+
+    log: list
+    recording: bool
+
+    def _record(self, name: str, *args) -> None:
+        if self.recording:
+            self.log.append((name, args))
+
+    def acquire(self) -> int:
+        slot = super().acquire()
+        self._record("acquire", slot)
+        return slot
+
+    def release(self, slot: int) -> None:
+        super().release(slot)
+        self._record("release", slot)
+
+    def reset(self, slot: int) -> None:
+        super().reset(slot)
+        self._record("reset", slot)
+
+    def reserve(self, slot: int, new_len: int) -> None:
+        super().reserve(slot, new_len)
+        self._record("reserve", slot, new_len)
+
+    def commit(self, slot: int, new_len: int) -> None:
+        super().commit(slot, new_len)
+        self._record("commit", slot, new_len)
+
+    def truncate(self, slot: int, new_len: int) -> None:
+        super().truncate(slot, new_len)
+        self._record("truncate", slot, new_len)
+
+    def fork(self, src: int, dst: int) -> None:
+        super().fork(src, dst)
+        self._record("fork", src, dst)
+
+    def restore(self, slot, snap) -> None:
+        raise NotImplementedError("prefix restore is not supported under tensor parallelism yet: "
+                                  "each rank would need its own shard of the snapshot")
+
+    def drain(self) -> list:
+        log, self.log = self.log, []
+        return log
+
+
+def replay(cache: HybridCache, log: list) -> None:
+    """Apply rank 0's slot operations to this rank's cache, in order."""
+    for name, args in log:
+        if name not in _LOGGED:
+            raise ValueError(f"unknown cache operation {name!r}")
+        if name == "acquire":
+            slot = cache.acquire()
+            if slot != args[0]:
+                raise RuntimeError(f"cache replay diverged: acquired slot {slot}, rank 0 got {args[0]}")
+        else:
+            getattr(cache, name)(*args)
+
+
+@dataclass
+class StepMessage:
+    """One forward, as rank 0 sends it: cache log, flat batch, and the rows whose logits are wanted."""
+
+    log: list
+    input_ids: list[int]
+    positions: list[int]
+    seq_lens: list[int]
+    start_lens: list[int]
+    slots: list[int]
+    logit_rows: list[int] = field(default_factory=list)
+
+
+def broadcast(msg: StepMessage | None, group) -> StepMessage | None:
+    box = [msg]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    return box[0]
+
+
+class TPRunner(ModelRunner):
+    """Rank 0's runner: announce the step to the other ranks, then run it like the single-device runner."""
+
+    def __init__(self, net, cache: RecordingCache, group):
+        super().__init__(net, cache)
+        self.group = group
+
+    @torch.inference_mode()
+    def run(self, scheduled: list[tuple[Request, int]]):
+        batch = self.build_batch(scheduled)
+        rows, row = [], 0
+        for req, n in scheduled:
+            row += n
+            if req.num_computed + n == req.num_tokens:
+                rows.append(row - 1)
+        broadcast(StepMessage(self.cache.drain(), batch.input_ids.tolist(), batch.positions.tolist(), batch.seq_lens,
+                              batch.start_lens, batch.slots, rows), self.group)
+        self.cache.recording = False  # the other ranks do the runner's own reserve / commit themselves
+        try:
+            return super().run(scheduled)
+        finally:
+            self.cache.recording = True
+
+
+class TPEngine(Engine):
+    """The engine of rank 0 in a tensor-parallel group; `close()` releases the other ranks."""
+
+    def __init__(self, model: Model, config: EngineConfig = EngineConfig(), group=None):
+        super().__init__(model, config)
+        self.cache.__class__ = RecordingCache  # same object: the scheduler keeps using it
+        self.cache.log, self.cache.recording = [], True
+        self.runner = TPRunner(model.net, self.cache, group)
+        self.group = group
+
+    def close(self) -> None:
+        broadcast(None, self.group)
+
+
+@torch.inference_mode()
+def serve_worker(model: Model, config: EngineConfig = EngineConfig(), group=None) -> None:
+    """Loop of a rank other than 0: replay, forward, repeat until rank 0 closes."""
+    cache = HybridCache(model.config, config.cache, device=model.device)
+    net, device = model.net, model.device
+    while (msg := broadcast(None, group)) is not None:
+        replay(cache, msg.log)
+        for slot, start, n in zip(msg.slots, msg.start_lens, msg.seq_lens):
+            cache.reserve(slot, start + n)
+        batch = ForwardBatch(torch.tensor(msg.input_ids, dtype=torch.long, device=device),
+                             torch.tensor(msg.positions, dtype=torch.long, device=device),
+                             msg.seq_lens, msg.start_lens, msg.slots, cache)
+        hidden = net(batch)
+        for slot, start, n in zip(msg.slots, msg.start_lens, msg.seq_lens):
+            cache.commit(slot, start + n)
+        if msg.logit_rows:  # the vocab-parallel head is a collective: take part, drop the result
+            net.compute_logits(hidden[torch.tensor(msg.logit_rows, device=hidden.device)])

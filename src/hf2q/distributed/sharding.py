@@ -1,0 +1,216 @@
+"""Shard a loaded model in place for one tensor-parallel rank.
+
+Every rank loads the whole model with `hf2q.load`, then keeps its share: each block is rebuilt from
+the rank's local config as its tensor-parallel twin (`tp_layers`) and filled with slices of the loaded
+weights. A rule table names how each parameter is cut; a parameter without a rule fails loudly.
+
+MoE experts are tensor-parallel on the expert FFN dimension (every rank holds a slice of every expert),
+not expert-parallel: the work per rank then does not depend on where the router sends tokens (at batch 1
+top-8 of 256 experts would leave most ranks idle under expert parallelism), the router and the token
+order stay replicated, and one all-reduce per MoE block suffices with no all-to-all. The cost is thinner
+GEMMs; expert parallelism is the better choice only once experts outnumber ranks by far *and* batches
+are large, which the serving sizes here are not.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from hf2q.distributed.plan import RankPlan, ShardingError, head_rows, plan_rank
+from hf2q.distributed.tp_layers import TPDecoderLayer, TPGatedAttention, TPGatedDeltaNet, TPQwen35Model
+from hf2q.layers.attention import GatedAttention
+from hf2q.layers.linear import Linear
+from hf2q.layers.mlp import MLP
+from hf2q.layers.moe import MoE
+from hf2q.model import Model
+from hf2q.models.qwen35 import DecoderLayer, Qwen35Model
+from hf2q.models.qwen35_mtp import MTPHead
+
+REPLICATE = None  # rule: the whole tensor on every rank
+
+
+def shard_model(model: Model, rank: int, world: int, group=None) -> Model:
+    """This rank's share of `model`; the loaded model is left intact (its tensors are sliced, not moved).
+
+    The returned Model carries the rank's local config (local head counts, full vocabulary), so a
+    `HybridCache` built from it holds this rank's K/V heads and DeltaNet state only.
+    """
+    plan = plan_rank(model.config, rank, world)
+    net = shard_net(model.net, plan, group)
+    return dataclasses.replace(model, config=net.config, net=net)
+
+
+def shard_net(full: Qwen35Model, plan: RankPlan, group=None) -> TPQwen35Model:
+    cfg = plan.local
+    start, end, per = plan.vocab_rows(cfg.vocab_size)
+    with torch.device("meta"):
+        net = TPQwen35Model(cfg, full.tie_embeddings, per, group)
+    net.embed, net.rotary, net.norm = full.embed, full.rotary, full.norm
+    head = full.embed if full.lm_head is None else full.lm_head.weight
+    rows = head[start:end]
+    if rows.shape[0] < per:  # the last rank's slice is short: pad with rows that are never read
+        rows = torch.cat([rows, rows.new_zeros(per - rows.shape[0], rows.shape[1])])
+    net.lm_shard.weight = nn.Parameter(rows if full.lm_head is None else rows.clone(), requires_grad=False)
+    net.layers = nn.ModuleList(shard_layer(layer, plan, group) for layer in full.layers)
+    if full.mtp is not None:  # a new head sharing the replicated parts; the loaded one stays intact
+        with torch.device("meta"):
+            net.mtp = MTPHead(cfg, nn.Identity())
+        for name, child in full.mtp.named_children():
+            setattr(net.mtp, name, child)
+        net.mtp.embed = full.mtp.embed
+        net.mtp.layer = shard_layer(full.mtp.layer, plan, group)
+    return net
+
+
+def shard_layer(full: DecoderLayer, plan: RankPlan, group=None) -> TPDecoderLayer:
+    cfg = plan.local
+    rotary = full.mixer.rotary if full.is_full_attention else None
+    with torch.device("meta"):
+        layer = TPDecoderLayer(cfg, full.mixer.layer_id, rotary, group)
+        if full.is_full_attention:
+            layer.mixer = TPGatedAttention(cfg, full.mixer.layer_id, rotary, group)
+        else:
+            layer.mixer = TPGatedDeltaNet(cfg, full.mixer.layer_id, group)
+        layer.ffn = _empty_ffn(full.ffn, plan)
+    layer.attn_norm, layer.ffn_norm = full.attn_norm, full.ffn_norm
+    mixer_rules = _attention_rules(full.mixer, plan) if full.is_full_attention else _deltanet_rules(full.mixer, plan)
+    fill(layer.mixer, full.mixer, mixer_rules)
+    fill(layer.ffn, full.ffn, _ffn_rules(full.ffn, plan))
+    return layer
+
+
+def _empty_ffn(full: nn.Module, plan: RankPlan) -> nn.Module:
+    """The rank's FFN module, sized from the loaded weights (an MTP block may differ from the config)."""
+    w = plan.world
+    if isinstance(full, MoE):
+        shared = full.shared.gate.out_features if full.shared is not None else 0
+        return MoE(full.router.in_features, full.num_experts, full.top_k, _div(full.gate_exps.shape[1], w, "expert"),
+                   _div(shared, w, "shared-expert"))
+    if isinstance(full, MLP):
+        return MLP(full.gate.in_features, _div(full.gate.out_features, w, "dense FFN"))
+    raise ShardingError(f"no tensor-parallel rule for FFN {type(full).__name__}")
+
+
+def _div(n: int, world: int, what: str) -> int:
+    if n % world:
+        raise ShardingError(f"tensor parallel size {world}: the {what} width {n} must be divisible by {world}")
+    return n // world
+
+
+# ---- rules: parameter name -> (dim, indices) or REPLICATE ---------------------------------------------
+def _attention_rules(m: GatedAttention, plan: RankPlan) -> dict:
+    hd = m.hd
+    return {
+        "q.weight": (0, head_rows(plan.attn_heads, 2 * hd)),  # per head: [q (hd), gate (hd)]
+        "k.weight": (0, head_rows(plan.kv_heads, hd)),
+        "v.weight": (0, head_rows(plan.kv_heads, hd)),
+        "o.weight": (1, head_rows(plan.attn_heads, hd)),
+        "q_norm": REPLICATE, "k_norm": REPLICATE,
+    }
+
+
+def _deltanet_rules(m, plan: RankPlan) -> dict:
+    nk, dk, dv = m.nk, m.dk, m.dv
+    channels = torch.cat([head_rows(plan.key_heads, dk), head_rows(plan.key_heads, dk, nk * dk),
+                          head_rows(plan.value_heads, dv, 2 * nk * dk)])  # [q | k | v] channels
+    heads = torch.tensor(plan.value_heads)
+    value_rows = head_rows(plan.value_heads, dv)
+    return {
+        "qkv.weight": (0, channels), "conv": (0, channels),
+        "z.weight": (0, value_rows),
+        "alpha.weight": (0, heads), "beta.weight": (0, heads), "dt_bias": (0, heads), "a": (0, heads),
+        "norm": REPLICATE,
+        "out.weight": (1, value_rows),
+    }
+
+
+def _mlp_rules(m: MLP, plan: RankPlan, prefix: str = "") -> dict:
+    rows = plan.ffn_rows(m.gate.out_features)
+    return {f"{prefix}gate.weight": (0, rows), f"{prefix}up.weight": (0, rows), f"{prefix}down.weight": (1, rows)}
+
+
+def _ffn_rules(m: nn.Module, plan: RankPlan) -> dict:
+    if isinstance(m, MLP):
+        return _mlp_rules(m, plan)
+    rows = plan.ffn_rows(m.gate_exps.shape[1], "expert FFN width")
+    rules = {"router.weight": REPLICATE, "gate_exps": (1, rows), "up_exps": (1, rows), "down_exps": (2, rows)}
+    if m.shared is not None:
+        rules.update(_mlp_rules(m.shared, plan, "shared."))
+        rules["shared_gate.weight"] = REPLICATE
+    return rules
+
+
+# ---- filling ----------------------------------------------------------------------------------------
+def fill(target: nn.Module, source: nn.Module, rules: dict) -> None:
+    """Give every parameter of `target` its slice of the same-named parameter of `source`."""
+    for path, mod in list(target.named_modules()):
+        if isinstance(mod, Linear):
+            name = f"{path}.weight" if path else "weight"
+            src = source.get_submodule(path)
+            _set(target, path, shard_linear(src, *_rule(rules, name, type(target))))
+    linear_paths = {p for p, mod in target.named_modules() if isinstance(mod, Linear)}
+    for name, param in list(target.named_parameters()):
+        owner_path, _, attr = name.rpartition(".")
+        if owner_path in linear_paths or name.startswith("rotary."):
+            continue
+        value = _slice(source.get_parameter(name), _rule(rules, name, type(target)))
+        if value.shape != param.shape:
+            raise ShardingError(f"{type(target).__name__}.{name}: slice {tuple(value.shape)} != {tuple(param.shape)}")
+        owner = target.get_submodule(owner_path) if owner_path else target
+        setattr(owner, attr, nn.Parameter(value, requires_grad=False))
+
+
+def _rule(rules: dict, name: str, cls: type):
+    if name not in rules:
+        raise ShardingError(f"no tensor-parallel rule for {cls.__name__}.{name}")
+    rule = rules[name]
+    return (None, None) if rule is REPLICATE else rule
+
+
+def _slice(t: torch.Tensor, rule) -> torch.Tensor:
+    dim, idx = rule
+    if dim is None:
+        return t
+    return t.index_select(dim, idx.to(t.device))
+
+
+def _set(root: nn.Module, path: str, module: nn.Module) -> None:
+    owner_path, _, attr = path.rpartition(".")
+    setattr(root.get_submodule(owner_path) if owner_path else root, attr, module)
+
+
+def shard_linear(full: Linear, dim: int | None, idx: torch.Tensor | None) -> Linear:
+    """A Linear holding rows (dim 0, column-parallel) or input columns (dim 1, row-parallel) of `full`.
+
+    Quantized weights are cut by whole GGUF blocks: a column slice must cover complete blocks.
+    """
+    if dim is None:
+        return full
+    n = int(idx.numel())
+    out = Linear(full.in_features, n) if dim == 0 else Linear(n, full.out_features)
+    if not full.quantized:
+        out.weight = nn.Parameter(full.weight.index_select(dim, idx.to(full.weight.device)), requires_grad=False)
+        return out
+    raw = full.qweight
+    if dim == 1:
+        raw = raw.index_select(1, _block_bytes(idx, full.qtype).to(raw.device))
+    else:
+        raw = raw.index_select(0, idx.to(raw.device))
+    out.set_quantized(raw.contiguous(), full.qtype)
+    return out
+
+
+def _block_bytes(cols: torch.Tensor, qtype: str) -> torch.Tensor:
+    """Byte columns of a quantized row that hold exactly the given input columns (whole blocks only)."""
+    from hf2q.quant import block_layout
+
+    elems, nbytes = block_layout(qtype)
+    if cols.numel() % elems:
+        raise ShardingError(f"{qtype}: a slice of {cols.numel()} columns is not whole {elems}-value blocks")
+    blocks = cols.view(-1, elems)
+    first = blocks[:, 0]
+    if bool((first % elems != 0).any()) or not torch.equal(blocks, first[:, None] + torch.arange(elems)):
+        raise ShardingError(f"{qtype}: tensor-parallel slices must cut rows at {elems}-value block boundaries")
+    return (first // elems * nbytes)[:, None].add(torch.arange(nbytes)).reshape(-1)
