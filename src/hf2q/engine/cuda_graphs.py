@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from hf2q.cache.hybrid import HybridCache
+from hf2q.cache.hybrid import CacheError, HybridCache
 from hf2q.forward import ForwardBatch
 from hf2q.kernels.meta import FastMeta
 from hf2q.models.qwen35 import Qwen35Model
@@ -27,7 +27,11 @@ class DecodeGraphs:
         self.block_size = cache.block_size
         self.width = -(-max_context // cache.block_size)  # block-table columns
         self.pad_slot = cache.acquire()
-        cache.reserve(self.pad_slot, 1)
+        try:
+            cache.reserve(self.pad_slot, 1)
+        except CacheError:
+            cache.release(self.pad_slot)
+            raise
         self.pad_block = cache.block_table(self.pad_slot)[0]
         dev = net.embed.device
         n = self.buckets[-1]
@@ -78,10 +82,11 @@ class DecodeGraphs:
         return self.net.compute_logits(self.net(self._batch(b)))
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Warm every bucket up (compiles Triton kernels) and capture its graph, largest first."""
+    def capture(self, buckets=None) -> None:
+        """Warm each bucket up (compiles Triton kernels) and capture its graph, largest first; all buckets
+        by default. Graphs share one memory pool and never run concurrently."""
         stream = torch.cuda.Stream()
-        for b in reversed(self.buckets):
+        for b in sorted(self.buckets if buckets is None else buckets, reverse=True):
             self._fill_host(b, [0] * b, [0] * b, [self.pad_slot] * b)
             self._dev.copy_(self._host)
             stream.wait_stream(torch.cuda.current_stream())
@@ -105,12 +110,16 @@ class DecodeGraphs:
     @torch.inference_mode()
     def step(self, ids, positions: list[int], slots: list[int]) -> torch.Tensor:
         """One decode token for each sequence: ids (host list or device tensor [n]), positions (of the new
-        token), slots. The cache must already be reserved past each position. Returns logits [n, vocab]
+        token), slots. The cache must already be reserved past each position. A bucket not yet captured is
+        captured first. Returns logits [n, vocab]
         (a view into the graph's output, valid until the next step)."""
         n = len(positions)
         b = self.bucket(n)
+        if b not in self.graphs:
+            self.capture([b])
         self._fill_host(b, ids, positions, slots)
-        self._dev.copy_(self._host, non_blocking=True)
+        used = 5 * self.buckets[-1] + b * self.width  # the bucket's rows of the block tables, not all of them
+        self._dev[:used].copy_(self._host[:used], non_blocking=True)
         self._copied.record()
         if torch.is_tensor(ids):
             self._views(self._dev, b)[0][:n].copy_(ids)

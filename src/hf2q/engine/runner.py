@@ -1,19 +1,30 @@
-"""Runs one scheduled batch through the model: builds the ForwardBatch, keeps the cache lengths."""
+"""Runs one scheduled batch through the model: builds the ForwardBatch, keeps the cache lengths.
+
+On CUDA a batch of pure decode rows (one new token per request, each then sampled) replays a captured
+CUDA graph of its batch-size bucket (captured on first use); every other batch, and every batch on CPU,
+runs eagerly.
+"""
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
-from hf2q.cache.hybrid import HybridCache
+from hf2q.cache.hybrid import CacheError, HybridCache
 from hf2q.engine.request import Request
 from hf2q.forward import ForwardBatch
 from hf2q.models.qwen35 import Qwen35Model
 
+GRAPH_MAX_CONTEXT = 65536  # block-table width of the graphs; longer sequences decode eagerly
+
 
 class ModelRunner:
-    def __init__(self, net: Qwen35Model, cache: HybridCache):
+    def __init__(self, net: Qwen35Model, cache: HybridCache, cuda_graphs: bool = True):
         self.net = net
         self.cache = cache
         self.device = net.embed.device
+        self.use_graphs = cuda_graphs and self.device.type == "cuda"
+        self.graphs = None  # DecodeGraphs, made on the first decode batch (it holds one padding slot)
 
     def build_batch(self, scheduled: list[tuple[Request, int]]) -> ForwardBatch:
         ids: list[int] = []
@@ -33,9 +44,15 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, scheduled: list[tuple[Request, int]]) -> tuple[list[Request], torch.Tensor]:
         """Advance every scheduled request; return the requests that now sample and their logits."""
-        batch = self.build_batch(scheduled)
         for req, n in scheduled:
             self.cache.reserve(req.slot, req.num_computed + n)
+        logits = self._run_graph(scheduled)
+        if logits is not None:
+            for req, _ in scheduled:
+                req.num_computed += 1
+                self.cache.commit(req.slot, req.num_computed)
+            return [req for req, _ in scheduled], logits
+        batch = self.build_batch(scheduled)
         hidden = self.net(batch)
         rows, sampling = [], []
         row = 0
@@ -49,3 +66,27 @@ class ModelRunner:
         if not rows:
             return [], hidden.new_zeros(0, self.net.config.vocab_size, dtype=torch.float32)
         return sampling, self.net.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
+
+    def _run_graph(self, scheduled: list[tuple[Request, int]]) -> Optional[torch.Tensor]:
+        """Logits of a decode batch by graph replay (a view valid until the next step), or None to run eagerly."""
+        if not self.use_graphs or any(n != 1 or req.num_computed + 1 != req.num_tokens for req, n in scheduled):
+            return None
+        graphs = self._decode_graphs()
+        if graphs is None or len(scheduled) > graphs.buckets[-1]:
+            return None
+        slots = [req.slot for req, _ in scheduled]
+        if any(len(self.cache.block_table(s)) > graphs.width for s in slots):
+            return None
+        positions = [req.num_computed for req, _ in scheduled]
+        ids = [req.token_at(p) for (req, _), p in zip(scheduled, positions)]
+        return graphs.step(ids, positions, slots)
+
+    def _decode_graphs(self):
+        if self.graphs is None:
+            from hf2q.engine.cuda_graphs import DecodeGraphs
+            context = min(self.cache.num_blocks * self.cache.block_size, GRAPH_MAX_CONTEXT)
+            try:
+                self.graphs = DecodeGraphs(self.net, self.cache, max_context=context)
+            except CacheError:  # no slot or block free for the padding rows yet: eager until there is
+                return None
+        return self.graphs
