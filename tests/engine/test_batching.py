@@ -97,3 +97,35 @@ def test_queue_limit_refuses_cleanly(model):
     while engine.has_work():
         engine.step()
     engine.add_request([4, 5], params)  # room again once the queue drains
+
+
+def test_choices_of_one_request_fork_the_prompt(model):
+    prompt = workload(1, seed=3)[0][0] + [5, 6, 7, 8, 9, 10, 11, 12]
+    params = [SamplingParams(temperature=0.8, seed=7 + i, max_tokens=6, ignore_eos=True) for i in range(3)]
+    engine = make_engine(model, seqs=4, budget=256, chunk=256)
+    computed = []
+    run = engine.runner.run
+
+    def counting_run(scheduled):
+        computed.append(sum(n for _, n in scheduled))
+        return run(scheduled)
+
+    engine.runner.run = counting_run
+    out = run_all_group(engine, prompt, params)
+    for i, p in enumerate(params):
+        assert out[f"c{i}"] == solo(model, prompt, p), i
+    # The prompt ran once (up to its last token), then each choice ran its own last prompt token.
+    assert computed[0] == len(prompt) - 1
+    assert sum(computed) == len(prompt) - 1 + 3 + 3 * 5
+    assert engine.cache.num_free_slots == 4
+
+
+def run_all_group(engine, prompt, params) -> dict[str, list[int]]:
+    out = {}
+    for i, p in enumerate(params):
+        engine.add_request(prompt, p, request_id=f"c{i}", group="g")
+        out[f"c{i}"] = []
+    while engine.has_work():
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+    return out

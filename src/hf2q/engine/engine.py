@@ -44,7 +44,7 @@ class Engine:
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: Optional[str] = None,
                     thinking_budget: Optional[int] = None, starts_in_reasoning: bool = False,
-                    scripted_ids: Optional[list[int]] = None) -> Request:
+                    scripted_ids: Optional[list[int]] = None, group: Optional[str] = None) -> Request:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
@@ -59,7 +59,7 @@ class Engine:
         bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})")
-        req = Request(request_id, list(prompt_ids), params, max_total_len=n + max_tokens)
+        req = Request(request_id, list(prompt_ids), params, max_total_len=n + max_tokens, group=group)
         req.extras["out"] = SequenceOutput(self.model, req, max_tokens, thinking_budget, starts_in_reasoning,
                                            scripted_ids)
         self.scheduler.add(req)
@@ -95,6 +95,7 @@ class Engine:
                     self.scheduler.finish(req)
                     self.requests.pop(req.request_id, None)
                 outputs.append(out)
+        self.scheduler.fork_siblings()
         return outputs
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, **kwargs) -> Iterator[RequestOutput]:

@@ -50,6 +50,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: Optional[str] = None
     max_total_len: int = 0  # prompt + max_tokens: what the cache reserved for it
+    group: Optional[str] = None  # choices of one request (n > 1): later ones fork the first one's prompt
+    fork_point: Optional[int] = None  # a group leader pauses here until its siblings have forked
+    siblings: list["Request"] = field(default_factory=list)  # waiting to fork from this leader
     arrival: float = field(default_factory=time.monotonic)
     extras: dict[str, Any] = field(default_factory=dict)
 

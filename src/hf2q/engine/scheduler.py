@@ -1,7 +1,8 @@
 """FCFS continuous-batching scheduler.
 
 Each step a request gets `min(need, budget, chunk)` tokens, where need = known tokens - computed tokens:
-decode (need 1) and bounded prefill are the same rule. Admission reserves cache room for the whole
+decode (need 1) and bounded prefill are the same rule. Choices of one request (n > 1) share their prompt:
+the first prefills up to its last prompt token, the others fork its cache there and run only that token. Admission reserves cache room for the whole
 request (prompt + max_tokens), so an admitted request is never preempted or lost; the head of the
 queue waits for room rather than being overtaken, so long prompts do not starve.
 """
@@ -37,6 +38,7 @@ class Scheduler:
         self.config = config
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.leaders: dict[str, Request] = {}  # group -> the choice whose prompt the others fork
 
     def add(self, req: Request) -> None:
         blocks = -(-req.max_total_len // self.cache.block_size)
@@ -45,13 +47,21 @@ class Scheduler:
                                   f"{self.cache.num_blocks * self.cache.block_size}")
         if len(self.waiting) >= self.config.max_waiting:
             raise QueueFull(f"too many waiting requests ({len(self.waiting)})")
+        leader = self.leaders.get(req.group) if req.group is not None else None
+        if leader is not None and leader.prompt_ids == req.prompt_ids and leader.fork_point is not None \
+                and leader.num_computed <= leader.fork_point:
+            leader.siblings.append(req)
+            return
+        if req.group is not None and len(req.prompt_ids) > 1:
+            req.fork_point = len(req.prompt_ids) - 1
+            self.leaders[req.group] = req
         self.waiting.append(req)
 
     def schedule(self) -> list[tuple[Request, int]]:
         budget = self.config.max_num_batched_tokens
         batch: list[tuple[Request, int]] = []
         for req in self.running:
-            n = min(req.num_tokens - req.num_computed, budget, self.config.prefill_chunk)
+            n = min(self._need(req), budget, self.config.prefill_chunk)
             if n > 0:
                 batch.append((req, n))
                 budget -= n
@@ -61,10 +71,47 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.running.append(req)
-            n = min(req.num_tokens - req.num_computed, budget, self.config.prefill_chunk)
-            batch.append((req, n))
-            budget -= n
+            n = min(self._need(req), budget, self.config.prefill_chunk)
+            if n > 0:
+                batch.append((req, n))
+                budget -= n
         return batch
+
+    def _need(self, req: Request) -> int:
+        """Tokens left to compute; a leader with siblings to fork stops at its fork point first."""
+        if req.siblings and req.num_computed < req.fork_point:
+            return req.fork_point - req.num_computed
+        return req.num_tokens - req.num_computed
+
+    def fork_siblings(self) -> None:
+        """After a step: siblings of a leader at its fork point take a copy of its cache and run on."""
+        for group, leader in list(self.leaders.items()):
+            if leader.num_computed < leader.fork_point:
+                continue
+            for sib in leader.siblings:
+                if not self._admit_fork(leader, sib):
+                    self.waiting.append(sib)  # no room to fork now: it prefills on its own later
+            leader.siblings.clear()
+            leader.fork_point = None
+            del self.leaders[group]
+
+    def _admit_fork(self, leader: Request, sib: Request) -> bool:
+        if len(self.running) >= self.config.max_num_seqs:
+            return False
+        try:
+            slot = self.cache.acquire()
+        except NoFreeSlot:
+            return False
+        try:
+            self.cache.fork(leader.slot, slot)
+            self.cache.reserve(slot, sib.max_total_len)
+        except CacheFull:
+            self.cache.release(slot)
+            return False
+        sib.slot, sib.status = slot, RequestStatus.RUNNING
+        sib.num_computed = sib.num_cached = leader.num_computed
+        self.running.append(sib)
+        return True
 
     def _admit(self, req: Request) -> bool:
         try:
@@ -81,6 +128,13 @@ class Scheduler:
         return True
 
     def finish(self, req: Request) -> None:
+        if self.leaders.get(req.group) is req:  # its waiting siblings prefill on their own
+            del self.leaders[req.group]
+            self.waiting.extend(req.siblings)
+            req.siblings.clear()
+        leader = self.leaders.get(req.group) if req.group is not None else None
+        if leader is not None and req in leader.siblings:
+            leader.siblings.remove(req)
         if req in self.running:
             self.running.remove(req)
             self.cache.release(req.slot)

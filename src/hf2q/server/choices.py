@@ -47,23 +47,27 @@ class Choices:
         self._firsts: list[RequestOutput] = []
 
     async def start(self) -> None:
-        """Submit every choice; raises APIError (and aborts the others) if the engine refuses one."""
+        """Submit every choice; raises APIError (and aborts the others) if the engine refuses one.
+
+        Choices are submitted together as one group, so the engine prefills the prompt once and the
+        other choices fork it.
+        """
         base = uuid.uuid4().hex
-        for i in range(self.params.n):
-            rid = f"{base}-{i}"
-            it = self.state.engine.generate(rid, self.prompt_ids, self.params.for_choice(i),
-                                            scripted_ids=self.state.next_script(), **self.kwargs)
-            try:
-                first = await it.__anext__()
-            except BaseException as exc:
-                await self.close()
-                api = engine_error(exc, self.prompt_param) if isinstance(exc, Exception) else None
-                if api is not None:
-                    raise api from None
-                raise
-            self._iters.append(it)
-            self._firsts.append(first)
-            self.gens.append(Generation(i, rid, RequestTimer(self.state.metrics, self.arrival)))
+        group = base if self.params.n > 1 else None
+        rids = [f"{base}-{i}" for i in range(self.params.n)]
+        self._iters = [self.state.engine.generate(rid, self.prompt_ids, self.params.for_choice(i), group=group,
+                                                  scripted_ids=self.state.next_script(), **self.kwargs)
+                       for i, rid in enumerate(rids)]
+        firsts = await asyncio.gather(*(it.__anext__() for it in self._iters), return_exceptions=True)
+        failure = next((f for f in firsts if isinstance(f, BaseException)), None)
+        if failure is not None:
+            await self.close()
+            api = engine_error(failure, self.prompt_param) if isinstance(failure, Exception) else None
+            if api is not None:
+                raise api from None
+            raise failure
+        self._firsts = list(firsts)
+        self.gens = [Generation(i, rid, RequestTimer(self.state.metrics, self.arrival)) for i, rid in enumerate(rids)]
 
     async def stream(self) -> AsyncIterator[tuple[Generation, RequestOutput]]:
         """(choice, delta) pairs in arrival order, until every choice finished."""
