@@ -119,6 +119,8 @@ def test_metrics_scrape(client, plain_server):
     assert float(re.search(r"^hf2q_time_to_first_token_seconds_count (\S+)$", text, re.M).group(1)) >= 1
     for gauge in ("hf2q_num_requests_running", "hf2q_num_requests_waiting", "hf2q_kv_cache_usage_ratio"):
         assert re.search(rf"^{gauge} ", text, re.M), gauge
+    steps = float(re.search(r"^hf2q_batch_size_sequences_count (\S+)$", text, re.M).group(1))
+    assert steps >= 2  # a prefill step and at least one decode step
 
 
 def test_disconnect_mid_stream_aborts(plain_server):

@@ -40,6 +40,7 @@ class Engine:
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
+        self.last_batch = (0, 0)  # (sequences, tokens) of the latest step, for metrics
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: Optional[str] = None,
@@ -82,6 +83,7 @@ class Engine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
+        self.last_batch = (len(scheduled), sum(n for _, n in scheduled))
         sampling, logits = self.runner.run(scheduled)
         outputs = []
         if sampling:

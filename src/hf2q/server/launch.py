@@ -93,7 +93,7 @@ def build_state(args):
                           default_chat_template_kwargs=dict(args.default_chat_template_kwargs),
                           max_model_len=max_len)
     state = ServerState(model, aengine, config, scripted_replies=_scripted(args.scripted_replies, model.tokenizer))
-    aengine.on_step = lambda eng, _outputs: state.metrics.observe_engine(eng)
+    aengine.on_step = lambda eng, _outputs: state.metrics.observe_step(eng)
     aengine.start()
     return state
 

@@ -28,6 +28,10 @@ class Metrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("hf2q_request_latency_seconds", "Time from request arrival to its last token",
                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.batch_seqs = Histogram("hf2q_batch_size_sequences", "Sequences in one engine step",
+                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
+        self.batch_tokens = Histogram("hf2q_batch_size_tokens", "Tokens in one engine step",
+                                      buckets=(1, 4, 16, 64, 256, 1024, 4096, 16384), registry=r)
         self.running = Gauge("hf2q_num_requests_running", "Requests holding a cache slot", registry=r)
         self.waiting = Gauge("hf2q_num_requests_waiting", "Requests queued for a slot", registry=r)
         self.kv_usage = Gauge("hf2q_kv_cache_usage_ratio", "Fraction of K/V cache blocks in use", registry=r)
@@ -37,6 +41,14 @@ class Metrics:
         self.started = time.monotonic()
         Gauge("hf2q_uptime_seconds", "Seconds since the server started", registry=r).set_function(
             lambda: time.monotonic() - self.started)
+
+    def observe_step(self, engine) -> None:
+        """After an engine step: its batch size, then the gauges."""
+        seqs, tokens = engine.last_batch
+        if seqs:
+            self.batch_seqs.observe(seqs)
+            self.batch_tokens.observe(tokens)
+        self.observe_engine(engine)
 
     def observe_engine(self, engine) -> None:
         """Refresh the queue and cache gauges (called after every engine step and at scrape time)."""
