@@ -30,6 +30,13 @@ class RecordingCache(HybridCache):
     log: list
     recording: bool
 
+    @classmethod
+    def adopt(cls, cache: HybridCache) -> "RecordingCache":
+        """Turn an existing cache into a recording one in place (its holders keep the same object)."""
+        cache.__class__ = cls
+        cache.log, cache.recording = [], True
+        return cache
+
     def _record(self, name: str, *args) -> None:
         if self.recording:
             self.log.append((name, args))
@@ -133,8 +140,7 @@ class TPEngine(Engine):
 
     def __init__(self, model: Model, config: EngineConfig = EngineConfig(), group=None):
         super().__init__(model, config)
-        self.cache.__class__ = RecordingCache  # same object: the scheduler keeps using it
-        self.cache.log, self.cache.recording = [], True
+        RecordingCache.adopt(self.cache)  # the scheduler built on it keeps the same object
         self.runner = TPRunner(model.net, self.cache, group)
         self.group = group
 

@@ -1,0 +1,85 @@
+"""Sharding in one process: each rank's slice of every block sums (or concatenates) to the full block."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf2q.distributed.plan import ShardingError, deltanet_heads, plan_rank
+from hf2q.distributed.sharding import shard_linear, shard_net
+from hf2q.forward import ForwardBatch
+from hf2q.layers.linear import Linear
+
+
+def test_deltanet_heads_keep_tiled_order():
+    # 4 key heads, 8 value heads: key head k owns value heads k and k + 4
+    assert deltanet_heads(4, 8, 2, 0) == ([0, 1], [0, 1, 4, 5])
+    assert deltanet_heads(4, 8, 2, 1) == ([2, 3], [2, 3, 6, 7])
+    for rank in range(2):
+        keys, values = deltanet_heads(4, 8, 2, rank)
+        assert all(v % 4 == keys[i % len(keys)] for i, v in enumerate(values))
+
+
+def test_deltanet_key_heads_replicate_when_fewer_than_ranks():
+    plans = [deltanet_heads(2, 4, 4, r) for r in range(4)]
+    assert plans == [([0], [0]), ([0], [2]), ([1], [1]), ([1], [3])]
+    assert sorted(v for _, values in plans for v in values) == [0, 1, 2, 3]  # every value head exactly once
+    with pytest.raises(ShardingError, match="cannot be split over 4 ranks"):
+        deltanet_heads(1, 2, 4, 0)
+
+
+@pytest.fixture(params=["dense", "moe"])
+def model(request, tp_models):
+    return tp_models[request.param]
+
+
+def test_uneven_heads_fail_clearly(model):
+    with pytest.raises(ShardingError, match="attention heads is 4, which must be divisible by 3"):
+        plan_rank(model.config, 0, 3)
+    with pytest.raises(ShardingError, match="attention heads is 4"):
+        plan_rank(model.config, 0, 8)
+
+
+def test_kv_heads_replicate_at_four_ranks(model):
+    plans = [plan_rank(model.config, r, 4) for r in range(4)]
+    assert [p.attn_heads for p in plans] == [[0], [1], [2], [3]]
+    assert [p.kv_heads for p in plans] == [[0], [0], [1], [1]]  # q head h reads K/V head h // 2
+    assert all(p.local.num_kv_heads == 1 and p.local.conv_channels == 2 * 32 + 32 for p in plans)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@torch.inference_mode()
+def test_rank_partials_sum_to_full_blocks(model, world):
+    nets = [shard_net(model.net, plan_rank(model.config, r, world)) for r in range(world)]
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(7, model.config.hidden_size, generator=gen)
+    batch = ForwardBatch.single(list(range(7)))
+    cos, sin = model.net.rotary.cos_sin(batch.positions)
+    full_layers = list(model.net.layers) + [model.net.mtp.layer]
+    for i, full in enumerate(full_layers):
+        parts = [n.layers[i] if i < len(n.layers) else n.mtp.layer for n in nets]
+        args = (x, batch, cos, sin) if full.is_full_attention else (x, batch)
+        assert _rel(sum(p.mixer(*args) for p in parts), full.mixer(*args)) < 1e-5, i
+        assert _rel(sum(p._ffn(x, batch) for p in parts), full._ffn(x, batch)) < 1e-5, i
+    h = torch.randn(3, model.config.hidden_size, generator=gen)
+    logits = torch.cat([n.compute_logits(h) for n in nets], dim=-1)[:, : model.config.vocab_size]
+    assert torch.equal(logits, model.net.compute_logits(h))
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+def test_quantized_linear_splits_by_whole_blocks(qtype):
+    from hf2q.quant import block_layout, dequantize_ref, random_blocks
+
+    elems = block_layout(qtype)[0]
+    full = Linear(2 * elems, 6)
+    full.set_quantized(random_blocks(qtype, 6, 2 * elems, seed=1), qtype)
+    dense = dequantize_ref(full.qweight, qtype, (6, 2 * elems))
+    rows = shard_linear(full, 0, torch.tensor([3, 4, 5]))
+    cols = shard_linear(full, 1, torch.arange(elems, 2 * elems))
+    assert torch.equal(dequantize_ref(rows.qweight, qtype, (3, 2 * elems)), dense[3:])
+    assert torch.equal(dequantize_ref(cols.qweight, qtype, (6, elems)), dense[:, elems:])
+    with pytest.raises(ShardingError, match="block"):
+        shard_linear(full, 1, torch.arange(elems // 2, elems // 2 + elems))
