@@ -1,4 +1,16 @@
-"""Suite-wide fixtures; their logic lives in tests/support/fixtures.py."""
+"""Suite-wide fixtures; their logic lives in tests/support/fixtures.py.
+
+The tiny fixture models gain nothing from intra-op threads, and on a 2-core machine running the test
+process and a server process side by side, spinning OpenMP threads make every small op many times slower:
+tests and the servers they start use one thread each.
+"""
+import os
+
+os.environ["OMP_NUM_THREADS"] = "1"
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
 from tests.support.fixtures import (  # noqa: F401  (pytest finds fixtures by name here)
     gguf_dense_bf16, gguf_dense_f32, gguf_dense_q8_0, gguf_moe_f32, gguf_moe_q8_0, hf_dense_dir, hf_model_dense,
     hf_model_moe, hf_moe_dir,

@@ -43,8 +43,9 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--decode", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = ap.parse_args()
-    torch.set_num_threads(torch.get_num_threads())
+    torch.set_num_threads(args.threads)
     model = hf2q.load(args.model)
     rng = random.Random(0)
     prompt = [rng.randrange(1000, 100000) for _ in range(args.prompt_len)]
