@@ -7,6 +7,7 @@ import torch
 from hf2q.distributed.plan import ShardingError, deltanet_heads, plan_rank
 from hf2q.distributed.sharding import shard_linear, shard_net
 from hf2q.forward import ForwardBatch
+from hf2q.kernels import dispatch
 from hf2q.layers.linear import Linear
 
 
@@ -50,9 +51,15 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
+@pytest.mark.parametrize("mode", ["off", "force"])  # reference and vectorised (fast-path) layer code
 @pytest.mark.parametrize("world", [2, 4])
 @torch.inference_mode()
-def test_rank_partials_sum_to_full_blocks(model, world):
+def test_rank_partials_sum_to_full_blocks(model, world, mode):
+    with dispatch.fast_path(mode):
+        _check_partials(model, world)
+
+
+def _check_partials(model, world):
     nets = [shard_net(model.net, plan_rank(model.config, r, world)) for r in range(world)]
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(7, model.config.hidden_size, generator=gen)
