@@ -38,6 +38,12 @@ def _sync_time(fn, reps: int = 3) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _put(report: dict, key: str, value) -> None:
+    """Record a figure and print it at once, so a run cut short still shows what it measured."""
+    report[key] = value
+    print(f"{key}: {value:,.1f}", flush=True)
+
+
 def ceilings() -> tuple[float, float]:
     """Device-to-device copy bandwidth (bytes read + written, B/s) and bf16 matmul rate (FLOP/s)."""
     a = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda").normal_()
@@ -105,13 +111,13 @@ def bench_ours(net, cfg, args, report: dict) -> None:
     def prefill_once():
         cache.reset(slot)
         _prefill(net, cache, slot, long_ids)
-    report["prefill_tok_s"] = args.prefill / _sync_time(prefill_once, 3)
+    _put(report, "prefill_tok_s", args.prefill / _sync_time(prefill_once, 3))
     cache.release(slot)
 
     graphs = DecodeGraphs(net, cache, max_context=ctx)
     t = time.perf_counter()
     graphs.capture()
-    report["graph_capture_s"] = time.perf_counter() - t
+    _put(report, "graph_capture_s", time.perf_counter() - t)
     for b in args.batch:
         slots = [cache.acquire() for _ in range(b)]
         prompts = torch.randint(0, cfg.vocab_size, (b, args.prompt), generator=gen)
@@ -129,8 +135,8 @@ def bench_ours(net, cfg, args, report: dict) -> None:
             ids = graphs.step(ids, pos, slots).argmax(-1)
             pos = [p + 1 for p in pos]
         torch.cuda.synchronize()
-        report[f"decode_b{b}_tok_s"] = b * (args.new - 3) / (time.perf_counter() - t)
-        report[f"decode_b{b}_eager_tok_s"] = b * 8 / _eager_steps(net, cache, slots, pos, ids, 8)
+        _put(report, f"decode_b{b}_tok_s", b * (args.new - 3) / (time.perf_counter() - t))
+        _put(report, f"decode_b{b}_eager_tok_s", b * 8 / _eager_steps(net, cache, slots, pos, ids, 8))
         if b == args.batch[0]:
             report[f"profile_b{b}"] = _profile(lambda: graphs.step(ids, pos, slots))
         for s in slots:
@@ -194,9 +200,9 @@ def bench_hf(shape: str, args, report: dict) -> None:
         model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
         t_pre = _sync_time(lambda: model.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False), 1)
         t_all = _sync_time(lambda: model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False), 1)
-        report[f"hf_decode_b{b}_tok_s"] = b * (new - 1) / max(t_all - t_pre, 1e-9)
+        _put(report, f"hf_decode_b{b}_tok_s", b * (new - 1) / max(t_all - t_pre, 1e-9))
     ids = torch.randint(0, 240000, (1, args.prefill), generator=gen).cuda()
-    report["hf_prefill_tok_s"] = args.prefill / _sync_time(lambda: model(ids), 2)
+    _put(report, "hf_prefill_tok_s", args.prefill / _sync_time(lambda: model(ids), 2))
     del model
     torch.cuda.empty_cache()
 
