@@ -37,8 +37,12 @@ class Model:
 
 
 def load(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-         chat_template: str | Path | None = None, with_mtp: bool = True) -> Model:
-    """Load a Qwen3.5 / 3.6 GGUF file (llama.cpp's layout). Raises GGUFError / ConfigError on bad input."""
+         chat_template: str | Path | None = None, with_mtp: bool = True,
+         keep_quantized: bool | None = None) -> Model:
+    """Load a Qwen3.5 / 3.6 GGUF file (llama.cpp's layout). Raises GGUFError / ConfigError on bad input.
+
+    keep_quantized: None keeps block-quantized weights as their blocks on CUDA (memory, decode bandwidth)
+    and dequantizes them to exact fp32 values elsewhere."""
     from hf2q.checkpoint.loader import build_model
     from hf2q.text.chat_template import ChatTemplate
     from hf2q.text.tokenizer import Tokenizer
@@ -47,7 +51,9 @@ def load(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtyp
     gguf.check_types()
     cfg = ModelConfig.from_gguf_metadata(gguf.metadata)
     tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
-    net = build_model(gguf, cfg, device=device, dtype=dtype, with_mtp=with_mtp)
+    if keep_quantized is None:
+        keep_quantized = torch.device(device).type == "cuda"
+    net = build_model(gguf, cfg, device=device, dtype=dtype, with_mtp=with_mtp, keep_quantized=keep_quantized)
     tokenizer.check_vocab(net.config.vocab_size)
     if chat_template is not None:
         template = ChatTemplate.from_file(chat_template)

@@ -18,8 +18,8 @@ from hf2q.models.qwen35_mtp import MTPHead
 
 def build_model(gguf: GGUFFile, cfg: ModelConfig, device="cpu", dtype=torch.float32,
                 with_mtp: bool = True, keep_quantized: bool = False) -> Qwen35Model:
-    """keep_quantized: block-quantized projection weights stay as their GGUF bytes (meant for CUDA;
-    the default dequantizes every tensor, the exact CPU path)."""
+    """keep_quantized: block-quantized projection weights, the LM head and MoE expert stacks stay as
+    their GGUF bytes (meant for CUDA; the default dequantizes every tensor, the exact CPU path)."""
     names = set(gguf.tensor_names)
     embed_rows = gguf.info("token_embd.weight").shape[0] if "token_embd.weight" in names else None
     if embed_rows is None:
@@ -89,18 +89,28 @@ def _assign(model: nn.Module, target: str, param: nn.Parameter, value: torch.Ten
 
 # ---- quantized weights kept as blocks -----------------------------------------------------------------
 def _assign_quantized(model: nn.Module, target: str, name: str, gguf: GGUFFile, device) -> bool:
-    """Copy a block-quantized Linear weight to `device` as bytes; False leaves it to the dense path
-    (other types, non-Linear targets, shape mismatches, and the output head, read densely by the model)."""
+    """Copy a block-quantized Linear weight or MoE expert stack to `device` as bytes; False leaves it to
+    the dense path (other types, other targets, shape mismatches)."""
     from hf2q.layers.linear import Linear
+    from hf2q.layers.moe import EXPERT_STACKS, MoE
     from hf2q.quant import QUANT_TYPES
 
     info = gguf.info(name)
     owner_path, _, attr = target.rpartition(".")
-    if info.type_name not in QUANT_TYPES or attr != "weight" or owner_path in ("", "lm_head"):
+    if info.type_name not in QUANT_TYPES or owner_path == "":
         return False
     owner = model.get_submodule(owner_path)
-    if not isinstance(owner, Linear) or info.shape != (owner.out_features, owner.in_features):
+    if isinstance(owner, Linear) and attr == "weight":
+        shape = (owner.out_features, owner.in_features)
+    elif isinstance(owner, MoE) and attr in EXPERT_STACKS:
+        shape = owner.stack_shape(attr)
+    else:
         return False
-    raw = torch.from_numpy(np.array(gguf.raw(name), dtype=np.uint8).reshape(owner.out_features, -1))
-    owner.set_quantized(raw.to(device), info.type_name)
+    if info.shape != shape:
+        return False
+    raw = torch.from_numpy(np.array(gguf.raw(name), dtype=np.uint8).reshape(*shape[:-1], -1)).to(device)
+    if isinstance(owner, MoE):
+        owner.set_quantized(attr, raw, info.type_name)
+    else:
+        owner.set_quantized(raw, info.type_name)
     return True

@@ -40,7 +40,13 @@ def use_fast_path(x: torch.Tensor, capture_states: bool) -> bool:
 
 def packed_linear(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
     """Several projections of the same input as one GEMM. On first use their weights are concatenated
-    once and each Linear's weight becomes a view of the packed matrix (no second copy)."""
+    once and each Linear's weight becomes a view of the packed matrix (no second copy). Quantized
+    projections of one type pack their blocks the same way (rows are whole blocks); a pack mixing
+    types or dense and quantized weights runs its projections one by one."""
+    if any(lin.quantized for lin in linears):
+        if len({lin.qtype for lin in linears}) != 1:
+            return tuple(lin(x) for lin in linears)
+        return _packed_quant_linear(x, linears)
     first = linears[0]
     packed = getattr(first, "_packed", None)
     if packed is None or packed.data_ptr() != first.weight.data_ptr() or packed.device != x.device:
@@ -53,6 +59,26 @@ def packed_linear(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
         first._packed = packed
     out = F.linear(x, packed)
     return torch.split(out, [lin.weight.shape[0] for lin in linears], dim=-1)
+
+
+def _packed_quant_linear(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
+    """packed_linear for projections quantized as one type: their block rows concatenated once, each
+    Linear's qweight then a view of the packed blocks."""
+    from hf2q.kernels.quant_ops import quant_linear
+
+    first = linears[0]
+    packed = getattr(first, "_qpacked", None)
+    if packed is None or packed.data_ptr() != first.qweight.data_ptr() or packed.device != x.device:
+        packed = torch.cat([lin.qweight for lin in linears])
+        row = 0
+        for lin in linears:
+            n = lin.out_features
+            lin.qweight = packed[row:row + n]
+            row += n
+        first._qpacked = packed
+    sizes = [lin.out_features for lin in linears]
+    out = quant_linear(x, packed, first.qtype, sum(sizes))
+    return torch.split(out, sizes, dim=-1)
 
 
 def _triton(x: torch.Tensor) -> bool:

@@ -8,18 +8,60 @@ from torch import nn
 from hf2q.layers.linear import Linear
 from hf2q.layers.mlp import MLP
 
+EXPERT_STACKS = ("gate_exps", "up_exps", "down_exps")
+
 
 class MoE(nn.Module):
+    """Expert stacks are dense parameters [experts, out, in], or GGUF blocks kept as bytes (buffers
+    `gate_qexps` ..., uint8 [experts, out, row_bytes], types in `exps_qtype`) multiplied without
+    dequantizing the whole stack."""
+
     def __init__(self, hidden: int, num_experts: int, top_k: int, expert_dim: int, shared_dim: int):
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
+        self.hidden, self.expert_dim = hidden, expert_dim
         self.router = Linear(hidden, num_experts)
         # Stacked expert weights: [experts, out, in]
         self.gate_exps = nn.Parameter(torch.empty(num_experts, expert_dim, hidden), requires_grad=False)
         self.up_exps = nn.Parameter(torch.empty(num_experts, expert_dim, hidden), requires_grad=False)
         self.down_exps = nn.Parameter(torch.empty(num_experts, hidden, expert_dim), requires_grad=False)
+        for name in EXPERT_STACKS:
+            self.register_buffer(name.replace("_exps", "_qexps"), None)
+        self.exps_qtype: dict[str, str] = {}
         self.shared = MLP(hidden, shared_dim) if shared_dim else None
         self.shared_gate = Linear(hidden, 1) if shared_dim else None
+
+    def stack_shape(self, name: str) -> tuple[int, int, int]:
+        if name == "down_exps":
+            return self.num_experts, self.hidden, self.expert_dim
+        return self.num_experts, self.expert_dim, self.hidden
+
+    @property
+    def quantized(self) -> bool:
+        """Every expert stack is held as blocks (the quantized expert kernels need all three)."""
+        return len(self.exps_qtype) == len(EXPERT_STACKS)
+
+    def set_quantized(self, name: str, raw: torch.Tensor, qtype: str) -> None:
+        """Hold expert stack `name` as `raw` blocks of `qtype` (its dense parameter is dropped)."""
+        from hf2q.kernels.quant_ops import check_raw
+
+        check_raw(raw, qtype, self.stack_shape(name))
+        delattr(self, name)
+        self.register_parameter(name, None)
+        setattr(self, name.replace("_exps", "_qexps"), raw)
+        self.exps_qtype[name] = qtype
+
+    def quant_stack(self, name: str) -> tuple[torch.Tensor, str]:
+        return getattr(self, name.replace("_exps", "_qexps")), self.exps_qtype[name]
+
+    def dense_stack(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """Stack `name` as values: the parameter, or its blocks dequantized (a file mixing kept and dense
+        expert stacks; slow, but exact)."""
+        if name not in self.exps_qtype:
+            return getattr(self, name)
+        from hf2q.kernels.quant_ops import dequantize
+
+        return dequantize(*self.quant_stack(name), self.stack_shape(name), dtype)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         probs = torch.softmax(self.router(x).float(), dim=-1)
@@ -27,14 +69,26 @@ class MoE(nn.Module):
         weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), experts
 
+    def experts_quant(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """Σ_k weights · expert_k(x) straight from the quantized stacks (requires `quantized`)."""
+        from hf2q.kernels.quant_ops import moe_experts_quant
+
+        return moe_experts_quant(x, weights, experts, *(self.quant_stack(n) for n in EXPERT_STACKS))
+
+    def add_shared(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.shared is None:
+            return y
+        return y + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.route(x)
+        if self.quantized:
+            return self.add_shared(x, self.experts_quant(x, weights, experts))
+        gate, up, down = (self.dense_stack(n, x.dtype) for n in EXPERT_STACKS)
         out = torch.zeros_like(x)
         for e in torch.unique(experts).tolist():
             rows, slot = torch.where(experts == e)
             h = x[rows]
-            y = F.linear(F.silu(F.linear(h, self.gate_exps[e])) * F.linear(h, self.up_exps[e]), self.down_exps[e])
+            y = F.linear(F.silu(F.linear(h, gate[e])) * F.linear(h, up[e]), down[e])
             out.index_add_(0, rows, y * weights[rows, slot, None])
-        if self.shared is not None:
-            out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
-        return out
+        return self.add_shared(x, out)

@@ -59,14 +59,17 @@ class DecoderLayer(nn.Module):
         return x, self._ffn(h, batch)
 
     def _ffn(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """MoE on the fast path runs its experts as grouped GEMMs (no per-expert loop, no host sync)."""
+        """MoE on the fast path runs its experts as grouped GEMMs or straight from their quantized blocks
+        (no per-expert loop, no host sync)."""
         if isinstance(self.ffn, MoE) and dispatch.use_fast_path(h, batch.capture_states):
             weights, experts = self.ffn.route(h)
-            y = dispatch.moe_experts(h, weights, experts, self.ffn.gate_exps, self.ffn.up_exps, self.ffn.down_exps)
-            if y is not None:
-                if self.ffn.shared is not None:
-                    y = y + torch.sigmoid(self.ffn.shared_gate(h)) * self.ffn.shared(h)
-                return y
+            if self.ffn.quantized:
+                return self.ffn.add_shared(h, self.ffn.experts_quant(h, weights, experts))
+            if not self.ffn.exps_qtype:
+                y = dispatch.moe_experts(h, weights, experts, self.ffn.gate_exps, self.ffn.up_exps,
+                                         self.ffn.down_exps)
+                if y is not None:
+                    return self.ffn.add_shared(h, y)
         if isinstance(self.ffn, MLP) and dispatch.use_fast_path(h, batch.capture_states):
             gate, up = dispatch.packed_linear(h, (self.ffn.gate, self.ffn.up))  # one GEMM
             return self.ffn.down(dispatch.silu_mul(gate, up))
@@ -102,8 +105,10 @@ class Qwen35Model(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        """fp32 logits [T, vocab]; an untied head goes through its Linear, so it may stay quantized."""
+        if self.lm_head is None:
+            return F.linear(hidden, self.embed).float()
+        return self.lm_head(hidden).float()
 
     @torch.inference_mode()
     def logits(self, token_ids) -> torch.Tensor:
