@@ -1,0 +1,177 @@
+"""Quantized weights through the whole model: packed projections on the fast path, the LM head, MoE
+expert stacks, and `hf2q.load`'s per-device default. On CPU the kept blocks go through the exact gguf
+reference, so a kept-quantized model must give the dequantized model's logits and greedy tokens."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf2q
+from hf2q.cache.hybrid import HybridCache
+from hf2q.checkpoint.gguf_file import GGUFFile
+from hf2q.checkpoint.loader import build_model
+from hf2q.config import CacheConfig, ModelConfig
+from hf2q.forward import ForwardBatch
+from hf2q.kernels import quant_ops
+from hf2q.kernels.dispatch import fast_path, packed_linear
+from hf2q.layers.linear import Linear
+from hf2q.layers.moe import EXPERT_STACKS, MoE
+from hf2q.quant import dequantize_ref, random_blocks
+
+PROMPT = [1, 5, 9, 200, 17, 3, 88, 41]
+DEVICES = ["cpu"] + [pytest.param("cuda", marks=pytest.mark.gpu)] * torch.cuda.is_available()
+
+
+def rel(a, b) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def load(path, keep_quantized: bool, device="cpu", dtype=torch.float32):
+    gguf = GGUFFile(path)
+    cfg = ModelConfig.from_gguf_metadata(gguf.metadata)
+    return build_model(gguf, cfg, device=device, dtype=dtype, with_mtp=False, keep_quantized=keep_quantized)
+
+
+@torch.inference_mode()
+def greedy_cached(net, n: int) -> list[int]:
+    """Greedy decoding through the paged cache: one prefill, then one token per step."""
+    cache = HybridCache(net.config, CacheConfig(num_slots=1, num_blocks=16, block_size=4),
+                        device=net.embed.device)
+    slot = cache.acquire()
+    ids, out, done = list(PROMPT), [], 0
+    for _ in range(n):
+        cache.reserve(slot, len(ids))
+        batch = ForwardBatch.single(ids[done:], start=done, slot=slot, cache=cache, device=net.embed.device)
+        nxt = int(net.compute_logits(net(batch)[-1:]).argmax())
+        cache.commit(slot, len(ids))
+        done = len(ids)
+        ids.append(nxt)
+        out.append(nxt)
+    return out
+
+
+@pytest.fixture(scope="module", params=["dense", "moe"])
+def twins(request):
+    path = request.getfixturevalue(f"gguf_{request.param}_q8_0")
+    return load(path, False), load(path, True)
+
+
+def test_fixture_keeps_projections_head_and_experts_as_blocks(twins):
+    _, kept = twins
+    assert kept.lm_head.quantized and kept.lm_head.qtype == "Q8_0"
+    projections = [getattr(layer.mixer, 'o' if layer.is_full_attention else 'out') for layer in kept.layers]
+    assert all(p.quantized for p in projections)
+    moes = [layer.ffn for layer in kept.layers if isinstance(layer.ffn, MoE)]
+    assert all(m.quantized and m.gate_exps is None for m in moes)
+    assert not any(isinstance(m, Linear) and m.quantized for m in twins[0].modules())
+
+
+def test_fast_path_logits_of_kept_blocks_equal_dequantized(twins):
+    dense, kept = twins
+    ref = dense.logits(PROMPT)
+    with fast_path("force"):
+        assert rel(kept.logits(PROMPT), ref) <= 1e-5
+    assert rel(kept.logits(PROMPT), ref) <= 1e-5  # the per-module exact path too
+
+
+def test_fast_path_greedy_tokens_of_kept_blocks_equal_dequantized(twins):
+    dense, kept = twins
+    want = greedy_cached(dense, 16)
+    with fast_path("force"):
+        assert greedy_cached(kept, 16) == want
+
+
+def test_load_keeps_blocks_only_on_cuda_by_default(gguf_dense_q8_0):
+    cpu = hf2q.load(gguf_dense_q8_0, with_mtp=False)
+    assert not any(isinstance(m, Linear) and m.quantized for m in cpu.net.modules())
+    kept = hf2q.load(gguf_dense_q8_0, with_mtp=False, keep_quantized=True)
+    assert kept.net.lm_head.quantized
+
+
+# ---- packed projections ------------------------------------------------------------------------------
+def linears(qtypes, k=256, rows=(64, 32, 8), seed=0):
+    """Quantized Linears (None: dense) and their dequantized dense twins."""
+    kept, dense = [], []
+    for i, (n, qtype) in enumerate(zip(rows, qtypes)):
+        d, q = Linear(k, n), Linear(k, n)
+        raw = random_blocks(qtype or "Q8_0", n, k, std=0.05, seed=seed + i)
+        d.weight.data = dequantize_ref(raw, qtype or "Q8_0", (n, k))
+        if qtype is None:
+            q.weight.data = d.weight.data.clone()
+        else:
+            q.set_quantized(raw, qtype)
+        kept.append(q)
+        dense.append(d)
+    return kept, dense
+
+
+@pytest.mark.parametrize("qtypes", [("Q4_K", "Q4_K", "Q4_K"), ("Q4_K", "Q6_K", "Q4_K"), ("Q8_0", None, "Q8_0")])
+def test_packed_linear_with_quantized_projections(qtypes):
+    kept, dense = linears(qtypes)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(1))
+    got = packed_linear(x, kept)
+    for y, d in zip(got, dense):
+        assert y.shape == (5, d.out_features)
+        assert rel(y, d(x)) <= 1e-5
+    if len(set(qtypes)) == 1:  # one packed block matrix, each Linear's blocks a view of it
+        packed = kept[0]._qpacked
+        assert packed.shape[0] == sum(d.out_features for d in dense)
+        assert kept[1].qweight.data_ptr() == packed[64:].data_ptr()
+        assert all(rel(a, b) == 0 for a, b in zip(packed_linear(x, kept), got))
+
+
+# ---- MoE experts -------------------------------------------------------------------------------------
+def moe_twins(qtypes, device):
+    hidden, inter, n_exp = 256, 256, 8
+    dense, kept = MoE(hidden, n_exp, 2, inter, 0), MoE(hidden, n_exp, 2, inter, 0)
+    router = torch.randn(n_exp, hidden, generator=torch.Generator().manual_seed(5)) * 0.1
+    dense.router.weight.data, kept.router.weight.data = router.clone(), router.clone()
+    for i, (name, qtype) in enumerate(zip(EXPERT_STACKS, qtypes)):
+        shape = dense.stack_shape(name)
+        raw = random_blocks(qtype, shape[0] * shape[1], shape[2], std=0.05, seed=10 + i).view(*shape[:2], -1)
+        getattr(dense, name).data = dequantize_ref(raw, qtype, shape)
+        kept.set_quantized(name, raw.contiguous(), qtype)
+    return dense.to(device), kept.to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tokens", [3, 600])  # few pairs: chosen experts' blocks; many: dequantized stacks
+def test_quantized_moe_experts_equal_dense_loop(device, tokens):
+    dense, kept = moe_twins(("Q4_K", "Q4_K", "Q6_K"), device)
+    x = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(6)).to(device)
+    ref = dense(x)
+    assert kept.quantized
+    assert rel(kept(x), ref) <= (1e-5 if device == "cpu" else 1e-2)
+    weights, experts = kept.route(x)
+    direct = quant_ops.moe_experts_quant(x, weights, experts, *(kept.quant_stack(n) for n in EXPERT_STACKS))
+    assert rel(direct, ref) <= (1e-5 if device == "cpu" else 1e-2)
+
+
+def test_partly_quantized_moe_uses_exact_dense_stacks():
+    dense, kept = moe_twins(("Q4_K", "Q4_K", "Q6_K"), "cpu")
+    mixed = MoE(256, 8, 2, 256, 0)
+    mixed.router.weight.data = dense.router.weight.data.clone()
+    mixed.gate_exps.data = dense.gate_exps.data.clone()
+    mixed.up_exps.data = dense.up_exps.data.clone()
+    mixed.set_quantized("down_exps", *kept.quant_stack("down_exps"))
+    assert not mixed.quantized
+    x = torch.randn(7, 256, generator=torch.Generator().manual_seed(8))
+    assert rel(mixed(x), dense(x)) <= 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_gpu_default_load_keeps_blocks_and_greedy_matches(kind, request):
+    """CUDA load keeps blocks by default; bf16 greedy tokens match the dequantized file's, or the first
+    difference is at a near-tie."""
+    path = request.getfixturevalue(f"gguf_{kind}_q8_0")
+    kept = hf2q.load(path, device="cuda", dtype=torch.bfloat16, with_mtp=False).net
+    dense = load(path, False, "cuda", torch.bfloat16)
+    assert kept.lm_head.quantized
+    a, b = greedy_cached(dense, 32), greedy_cached(kept, 32)
+    if a != b:
+        first = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+        last = dense.logits(PROMPT + a[:first])[-1].float()
+        top = last.topk(2).values
+        assert float(top[0] - top[1]) < 0.02 * float(last.abs().max()), first
