@@ -81,11 +81,19 @@ def test_fast_path_greedy_tokens_of_kept_blocks_equal_dequantized(twins):
         assert greedy_cached(kept, 16) == want
 
 
-def test_load_keeps_blocks_only_on_cuda_by_default(gguf_dense_q8_0):
-    cpu = hf2q.load(gguf_dense_q8_0, with_mtp=False)
-    assert not any(isinstance(m, Linear) and m.quantized for m in cpu.net.modules())
-    kept = hf2q.load(gguf_dense_q8_0, with_mtp=False, keep_quantized=True)
-    assert kept.net.lm_head.quantized
+class Built(Exception):
+    pass
+
+
+@pytest.mark.parametrize("device, asked, kept", [("cpu", None, False), ("cuda", None, True), ("cuda", False, False)])
+def test_load_keeps_blocks_on_cuda_by_default(gguf_dense_q8_0, monkeypatch, device, asked, kept):
+    def build(*args, keep_quantized, **kw):
+        raise Built(keep_quantized)
+
+    monkeypatch.setattr("hf2q.checkpoint.loader.build_model", build)
+    with pytest.raises(Built) as got:
+        hf2q.load(gguf_dense_q8_0, device=device, with_mtp=False, keep_quantized=asked)
+    assert got.value.args == (kept,)
 
 
 # ---- packed projections ------------------------------------------------------------------------------
