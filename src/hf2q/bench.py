@@ -2,7 +2,8 @@
 memory-bandwidth ceiling and HF transformers' `generate` on the same shape, in one run.
 
 Decode at batch 1 reads every weight once per token, so its ceiling is bytes read / copy bandwidth;
-prefill is matmul-bound, so its ceiling is FLOPs / measured matmul rate.
+prefill is matmul-bound, so its ceiling is FLOPs / measured matmul rate. With `--quant` the weights are
+random GGUF blocks (Q8_0, or llama.cpp's Q4_K_M mix) and the decode ceiling counts their bytes.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import time
 
 import torch
 
-from hf2q.bench_shapes import SHAPES, random_model, weight_bytes
+from hf2q.bench_shapes import QUANT_MIXES, SHAPES, matrix_elems, random_model, random_quant_model, weight_bytes
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
@@ -22,6 +23,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new", type=int, default=128, help="decode steps timed")
     p.add_argument("--prefill", type=int, default=4096, help="prefill length timed")
     p.add_argument("--hf-new", type=int, default=32, help="tokens HF generates per timing (0: skip HF)")
+    p.add_argument("--quant", choices=QUANT_MIXES, default=None,
+                   help="weights as random GGUF blocks of this mix, multiplied by the quantized kernels")
     p.add_argument("--json", default=None, help="also write every figure to this JSON file")
 
 
@@ -74,7 +77,7 @@ def decode_ceiling(net, cfg, batch: int, context: int, bw: float) -> float:
 
 
 def prefill_ceiling(net, cfg, tokens: int, flops: float) -> float:
-    mats = sum(p.numel() for n, p in net.named_parameters() if p.dim() >= 2 and n != "embed" and n.split(".")[-1] != "conv")
+    mats = matrix_elems(net)
     if cfg.is_moe:
         per_layer = 3 * cfg.num_experts * cfg.moe_intermediate_size * cfg.hidden_size
         mats -= cfg.num_layers * per_layer * (1 - cfg.num_experts_per_tok / cfg.num_experts)
@@ -212,8 +215,13 @@ def bench_shape(shape: str, args) -> dict:
     bw, flops = ceilings()
     report = {"shape": shape, "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
               "copy_TBps": bw / 1e12, "matmul_TFLOPs": flops / 1e12}
-    net = random_model(cfg, tie=tie, device="cuda", dtype=torch.bfloat16)
-    report["params_B"] = sum(p.numel() for p in net.parameters()) / 1e9
+    if args.quant:
+        net = random_quant_model(cfg, args.quant, tie=tie, device="cuda", dtype=torch.bfloat16)
+    else:
+        net = random_model(cfg, tie=tie, device="cuda", dtype=torch.bfloat16)
+    report["quant"] = args.quant or "bf16"
+    report["params_B"] = (matrix_elems(net) + net.embed.numel()) / 1e9
+    report["weight_GB"] = weight_bytes(net) / 1e9
     report["prefill_ceiling_tok_s"] = prefill_ceiling(net, cfg, args.prefill, flops)
     for b in args.batch:
         report[f"decode_b{b}_ceiling_tok_s"] = decode_ceiling(net, cfg, b, args.prompt + args.new // 2, bw)
@@ -231,7 +239,7 @@ def bench_shape(shape: str, args) -> dict:
 def format_table(r: dict, batches) -> str:
     rows = [(f"decode b={b}", f"decode_b{b}_tok_s", f"decode_b{b}_ceiling_tok_s", f"hf_decode_b{b}_tok_s")
             for b in batches] + [("prefill", "prefill_tok_s", "prefill_ceiling_tok_s", "hf_prefill_tok_s")]
-    out = [f"## {r['shape']} on {r['gpu']}: copy {r['copy_TBps']:.2f} TB/s, bf16 matmul {r['matmul_TFLOPs']:.0f} TFLOP/s",
+    out = [f"## {r['shape']} {r.get('quant', 'bf16')} on {r['gpu']}: copy {r['copy_TBps']:.2f} TB/s, bf16 matmul {r['matmul_TFLOPs']:.0f} TFLOP/s",
            "| workload | hf2q tok/s | ceiling | of ceiling | HF tok/s | vs HF | eager (no graphs) |",
            "|---|---|---|---|---|---|---|"]
     for name, ours, ceil, hf in rows:

@@ -6,6 +6,7 @@ weight is random. Used by `hf2q bench` and by the GPU tests (a tiny shape).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -56,7 +57,11 @@ def random_model(cfg: ModelConfig, tie: bool = False, device="cpu", dtype=torch.
             net = Qwen35Model(cfg, tie_embeddings=tie)
     finally:
         torch.set_default_dtype(old)
-    gen = torch.Generator(device=device).manual_seed(seed)
+    _fill_random(net, torch.Generator(device=device).manual_seed(seed), std)
+    return net.eval()
+
+
+def _fill_random(net, gen: torch.Generator, std: float) -> None:
     for name, p in net.named_parameters():
         leaf = name.rsplit(".", 1)[-1]
         if p.dim() >= 2 and leaf != "conv":
@@ -71,18 +76,120 @@ def random_model(cfg: ModelConfig, tie: bool = False, device="cpu", dtype=torch.
             p.normal_(1.0, 0.1, generator=gen)
         else:  # norm weights hold 1 + gamma
             p.normal_(1.0, 0.1, generator=gen)
+
+
+# ---- quantized random models ----------------------------------------------------------------------------
+QUANT_MIXES = ("q8_0", "q4_k_m")
+
+
+def _more_bits(i: int, n: int) -> bool:
+    """llama.cpp's `use_more_bits`: the first and last eighth of the layers, and every third between."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def quant_plan(net, mix: str) -> list[tuple[object, str | None, str]]:
+    """(module, expert stack or None for a Linear, GGUF type) for every weight a `mix` file quantizes.
+
+    q4_k_m follows llama.cpp's Q4_K_M: Q4_K by default; Q6_K for the output head and for attn_v /
+    ffn_down (dense and expert) in the layers `use_more_bits` picks; Q5_K for the fused DeltaNet
+    attn_qkv. Routers and the 1-row shared-expert gate stay dense, as llama.cpp leaves them in F32.
+    """
+    from hf2q.layers.linear import Linear
+    from hf2q.layers.moe import EXPERT_STACKS, MoE
+
+    if mix not in QUANT_MIXES:
+        raise ValueError(f"quant mix must be one of {QUANT_MIXES}, not {mix!r}")
+    n = len(net.layers)
+    v_layers = [i for i, layer in enumerate(net.layers) if layer.is_full_attention]
+
+    def pick(role: str, i: int) -> str:
+        if mix == "q8_0":
+            return "Q8_0"
+        if role == "head":
+            return "Q6_K"
+        if role == "attn_v" and _more_bits(v_layers.index(i), len(v_layers)):
+            return "Q6_K"
+        if role == "ffn_down" and _more_bits(i, n):
+            return "Q6_K"
+        return "Q5_K" if role == "attn_qkv" else "Q4_K"
+
+    plan = [] if net.lm_head is None else [(net.lm_head, None, pick("head", -1))]
+    for i, layer in enumerate(net.layers):
+        for name, m in layer.named_modules():
+            if isinstance(m, MoE):
+                plan += [(m, s, pick("ffn_down" if s == "down_exps" else "ffn", i)) for s in EXPERT_STACKS]
+            elif isinstance(m, Linear) and not name.endswith(("router", "shared_gate")):
+                role = {"mixer.v": "attn_v", "mixer.qkv": "attn_qkv"}.get(name, "")
+                role = "ffn_down" if name.endswith("down") else role
+                plan.append((m, None, pick(role, i)))
+    return plan
+
+
+@torch.no_grad()
+def random_quant_model(cfg: ModelConfig, mix: str, tie: bool = False, device="cuda", dtype=torch.bfloat16,
+                       std: float = 0.02, seed: int = 0):
+    """A Qwen35Model whose projections, head and expert stacks are valid random GGUF blocks of the `mix`
+    (see quant_plan); other weights random as in random_model. No dense copy of a quantized weight is
+    ever made, so a 35B-A3B Q4_K_M fits where its bf16 twin would not."""
+    from hf2q.layers.rotary import RotaryEmbedding
+    from hf2q.models.qwen35 import Qwen35Model
+    from hf2q.quant import random_blocks, row_bytes
+
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            net = Qwen35Model(cfg, tie_embeddings=tie)
+    finally:
+        torch.set_default_dtype(old)
+    plan = quant_plan(net, mix)
+    for m, stack, qtype in plan:  # meta blocks drop the dense weights before anything is allocated
+        shape = m.stack_shape(stack) if stack else (m.out_features, m.in_features)
+        raw = torch.empty(*shape[:-1], row_bytes(qtype, shape[-1]), dtype=torch.uint8, device="meta")
+        if stack:
+            m.set_quantized(stack, raw, qtype)
+        else:
+            m.set_quantized(raw, qtype)
+    net = net.to_empty(device=device)
+    net.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, cfg.rope_sections).to(device)
+    for layer in net.layers:
+        if layer.is_full_attention:
+            layer.mixer.rotary = net.rotary
+    _fill_random(net, torch.Generator(device=device).manual_seed(seed), std)
+    for i, (m, stack, qtype) in enumerate(plan):
+        raw = m.quant_stack(stack)[0] if stack else m.qweight
+        rows = raw.numel() // raw.shape[-1]
+        in_features = (m.stack_shape(stack) if stack else (m.in_features,))[-1]
+        raw.copy_(random_blocks(qtype, rows, in_features, std=std, seed=seed + i).view(raw.shape))
     return net.eval()
 
 
-def weight_bytes(net, active_experts: float | None = None) -> int:
-    """Bytes of the weights one decode step reads: every matrix but the input embedding (unless tied),
-    with MoE expert tensors counted for `active_experts` experts per layer (None: all)."""
+def matrix_elems(net) -> int:
+    """Multiply-add weights per token of every projection, dense or quantized (MoE: all experts)."""
+    from hf2q.layers.linear import Linear
+    from hf2q.layers.moe import EXPERT_STACKS, MoE
+
     total = 0
-    for name, p in net.named_parameters():
+    for m in net.modules():
+        if isinstance(m, Linear):
+            total += m.in_features * m.out_features
+        elif isinstance(m, MoE):
+            total += sum(math.prod(m.stack_shape(s)) for s in EXPERT_STACKS)
+    return total
+
+
+def weight_bytes(net, active_experts: float | None = None) -> int:
+    """Bytes of the weights one decode step reads: every matrix (dense, or its quantized blocks) but the
+    input embedding (unless tied), with MoE expert stacks counted for `active_experts` experts per
+    layer (None: all)."""
+    tensors = list(net.named_parameters())
+    tensors += [(n, b) for n, b in net.named_buffers() if b is not None and b.dtype == torch.uint8]
+    total = 0
+    for name, p in tensors:
         if name == "embed" and not net.tie_embeddings:
             continue
         nbytes = p.numel() * p.element_size()
-        if name.endswith("_exps") and active_experts is not None:
+        if name.endswith(("_exps", "_qexps")) and active_experts is not None:
             nbytes = nbytes * active_experts / p.shape[0]
         total += nbytes
     return int(total)
