@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
 import torch
 
@@ -16,6 +16,9 @@ from hf2q.engine.sampling_params import SamplingParams
 from hf2q.engine.scheduler import Scheduler, SchedulerConfig
 from hf2q.engine.sequence_output import SequenceOutput
 from hf2q.model import Model
+
+if TYPE_CHECKING:  # xgrammar is imported only by requests that use a grammar
+    from hf2q.engine.grammar import Grammar
 
 
 class PromptTooLong(ValueError):
@@ -45,7 +48,10 @@ class Engine:
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: Optional[str] = None,
                     thinking_budget: Optional[int] = None, starts_in_reasoning: bool = False,
-                    scripted_ids: Optional[list[int]] = None, group: Optional[str] = None) -> Request:
+                    scripted_ids: Optional[list[int]] = None, group: Optional[str] = None,
+                    grammar: Optional[Grammar] = None) -> Request:
+        """Queue a request. `grammar` (from `hf2q.engine.grammar`) constrains its output: each sampled
+        row is masked to what the grammar allows next, and the request ends when the grammar is complete."""
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
@@ -62,7 +68,7 @@ class Engine:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})")
         req = Request(request_id, list(prompt_ids), params, max_total_len=n + max_tokens, group=group)
         req.extras["out"] = SequenceOutput(self.model, req, max_tokens, thinking_budget, starts_in_reasoning,
-                                           scripted_ids)
+                                           scripted_ids, grammar.constraint() if grammar is not None else None)
         self.scheduler.add(req)
         self.requests[request_id] = req
         return req
@@ -89,6 +95,7 @@ class Engine:
         if sampling:
             states = [req.extras["out"] for req in sampling]
             forced = [s.forced_token() for s in states]
+            self._mask(logits, states, forced)
             result = self.sampler.sample(logits, [s.row for s in states])
             for i, (req, state) in enumerate(zip(sampling, states)):
                 token = forced[i] if forced[i] is not None else int(result.token_ids[i])
@@ -99,6 +106,15 @@ class Engine:
                 outputs.append(out)
         self.scheduler.fork_siblings()
         return outputs
+
+    @staticmethod
+    def _mask(logits: torch.Tensor, states: list[SequenceOutput], forced: list[Optional[int]]) -> None:
+        """Constrained rows keep only what their grammar allows. Masking to -inf before the sampler's bias
+        and penalties gives the same tokens as after them (both leave -inf alone); logprobs then describe
+        the constrained distribution, as vLLM's do."""
+        for i, state in enumerate(states):
+            if state.constraint is not None and forced[i] is None:
+                state.constraint.mask(logits[i])
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, **kwargs) -> Iterator[RequestOutput]:
         """Run one request to completion (other queued requests advance too), yielding its deltas."""

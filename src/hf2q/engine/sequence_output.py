@@ -1,16 +1,19 @@
-"""Per-request output state: sampler row, UTF-8-safe detokenization, stop rules, thinking budget.
+"""Per-request output state: sampler row, UTF-8-safe detokenization, stop rules, thinking budget, grammar.
 
 Turns each sampled token into a `RequestOutput` delta and decides when the request finishes.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from hf2q.engine.request import Request, RequestOutput, TokenLogprob
 from hf2q.engine.sampler import RowState
 from hf2q.engine.stop import StopStringMatcher
 from hf2q.engine.thinking_budget import ThinkingBudget
 from hf2q.text.detokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:  # xgrammar is imported only by requests that use a grammar
+    from hf2q.engine.grammar import Constraint
 
 REASONING_END_TEXT = "\n</think>\n\n"
 REASONING_CLOSE_TEXT = "</think>"
@@ -19,7 +22,8 @@ TOOL_CALL_OPEN_TEXT = "<tool_call>"
 
 class SequenceOutput:
     def __init__(self, model, req: Request, max_tokens: int, thinking_budget: Optional[int],
-                 starts_in_reasoning: bool, scripted_ids: Optional[list[int]] = None):
+                 starts_in_reasoning: bool, scripted_ids: Optional[list[int]] = None,
+                 constraint: Optional[Constraint] = None):
         self.req = req
         self.params = req.params
         self.max_tokens = max_tokens
@@ -29,6 +33,7 @@ class SequenceOutput:
         self.detok = IncrementalDetokenizer(model.tokenizer)
         self.stop = StopStringMatcher(list(self.params.stop or []))
         self.budget = None
+        self.constraint = constraint  # masks this row's logits (engine) and follows every appended token
         tok = model.tokenizer
         # A scripted reply replaces sampling token by token (a testing aid: `hf2q serve --scripted-replies`).
         self.script = list(scripted_ids) if scripted_ids is not None else None
@@ -48,6 +53,8 @@ class SequenceOutput:
         req = self.req
         req.output_ids.append(token)
         self.row.append(token)
+        if self.constraint is not None and not self.constraint.accept(token):
+            self.constraint = None  # a forced token the grammar refuses (scripted reply): stop constraining
         if self.budget is not None:
             self.budget.observe(req.output_ids, tool_opened=token == self.tool_open_id)
         logprobs = self._logprobs(token, result, row, forced)
@@ -58,6 +65,8 @@ class SequenceOutput:
             text, stopped = self.stop.push(self.detok.push(token))
             if stopped:
                 finish = "stop"
+        if finish is None and self.constraint is not None and self.constraint.is_terminated():
+            finish = "stop"
         if finish is None and len(req.output_ids) >= self.max_tokens:
             finish = "length"
         if finish is not None and not self.stop.stopped:

@@ -76,9 +76,18 @@ class StreamOptions(_Strict):
     continuous_usage_stats: Optional[StrictBool] = None
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class JSONSchemaSpec(BaseModel):
+    """OpenAI's `response_format.json_schema`: the JSON schema is under `schema`."""
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: StrictStr
+    description: Optional[StrictStr] = None
+    json_schema: Union[dict[str, Any], StrictBool] = Field(default=True, alias="schema")
+    strict: Optional[StrictBool] = None
+
+
+class ResponseFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JSONSchemaSpec] = None
 
 
 class _Sampling(_Strict):

@@ -1,6 +1,7 @@
 """POST /v1/chat/completions: render the template, generate, route reasoning/tool calls, answer or stream."""
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -46,9 +47,6 @@ def _template_message(i: int, m: Message) -> dict:
 
 
 def _check_unsupported(req: ChatCompletionRequest) -> None:
-    if req.response_format is not None and req.response_format.type != "text":
-        raise bad_request(f"response_format {req.response_format.type!r} is not supported yet (no constrained "
-                          f"decoding); use 'text'", param="response_format")
     if req.thinking_budget is not None and req.thinking_budget < 0:
         raise bad_request(f"thinking_budget must be an integer >= 0, got {req.thinking_budget}",
                           param="thinking_budget")
@@ -61,8 +59,18 @@ def _check_unsupported(req: ChatCompletionRequest) -> None:
     if not isinstance(choice, str) and choice.function.name not in names:
         raise bad_request(f"tool_choice names {choice.function.name!r}, which is not among the tools "
                           f"({', '.join(names)})", param="tool_choice")
-    raise bad_request("tool_choice 'required' or a named function needs constrained decoding, which this "
-                      "server does not support yet; use 'auto'", param="tool_choice")
+
+
+def _tool_choice(req: ChatCompletionRequest):
+    """tool_choice as plain data: "auto" / "none" / "required" or {"type": "function", "function": {...}}."""
+    choice = req.tool_choice
+    return choice.model_dump() if choice is not None and not isinstance(choice, str) else choice
+
+
+def _constrained(req: ChatCompletionRequest) -> bool:
+    """Whether the output must follow a grammar (a forced tool call, or a JSON response_format)."""
+    forced = req.tool_choice is not None and req.tool_choice not in ("auto", "none")
+    return forced or (req.response_format is not None and req.response_format.type != "text")
 
 
 class ChatServing:
@@ -84,6 +92,21 @@ class ChatServing:
             raise bad_request(f"the chat template could not render these messages: {exc}", param="messages")
         return text, tools
 
+    async def grammar(self, req: ChatCompletionRequest, tools: Optional[list[dict]], opens_reasoning: bool):
+        """The request's compiled grammar (compiled off the event loop; the compiler is built once per model)."""
+        from hf2q.engine import grammar  # xgrammar takes seconds to import: only constrained requests need it
+
+        model = self.state.model
+        response_format = req.response_format.model_dump(exclude_none=True, by_alias=True) if req.response_format else None
+        try:
+            fmt = grammar.request_format(tools, _tool_choice(req), req.parallel_tool_calls is not False,
+                                         response_format, opens_reasoning)
+            return await asyncio.to_thread(
+                lambda: grammar.compiler_for(model.tokenizer, model.config.vocab_size).compile(fmt))
+        except ValueError as exc:
+            param = "response_format" if req.tool_choice in (None, "auto", "none") else "tool_choice"
+            raise bad_request(str(exc), param=param) from None
+
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self.state.check_model(req.model)
         _check_unsupported(req)
@@ -94,8 +117,10 @@ class ChatServing:
                               req.top_logprobs or 0)
         starts = prompt_opens_reasoning(prompt_text)
         choices = Choices(self.state, prompt_ids, params, "messages", req.thinking_budget, starts)
+        if _constrained(req):
+            choices.kwargs["grammar"] = await self.grammar(req, tools, starts)
         await choices.start()
-        outputs = [ChatOutput(starts, tools, req.tool_choice, req.parallel_tool_calls is not False)
+        outputs = [ChatOutput(starts, tools, _tool_choice(req), req.parallel_tool_calls is not False)
                    for _ in range(params.n)]
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()),
                 "model": self.state.config.model_name}

@@ -1,0 +1,181 @@
+"""Grammar constraints over the real Qwen3.5 vocabulary: what the formats accept, and that masked random
+logits always decode to tool calls (or JSON) that hf2q's own parsers read back as valid."""
+import json
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("xgrammar")
+
+from hf2q.engine import grammar  # noqa: E402
+from hf2q.text.tokenizer import Tokenizer  # noqa: E402
+from hf2q.text.tool_calls import ToolCallParser  # noqa: E402
+from tests.support.tokenizer_dir import tokenizer_gguf_metadata  # noqa: E402
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+                   "days": {"type": "integer"}, "alerts": {"type": "boolean"}},
+    "required": ["unit", "alerts"]}}}
+# Only bounded values (enum, boolean): random logits must reach the end of every call.
+BOUNDED = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {k: WEATHER["function"]["parameters"]["properties"][k] for k in ("unit", "alerts")},
+    "required": ["unit"]}}}
+PING = {"type": "function", "function": {"name": "ping", "parameters": {"type": "object", "properties": {}}}}
+FREE = {"type": "function", "function": {"name": "free"}}
+TOOLS = [WEATHER, PING, FREE]
+WEATHER_CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nLe Havre\nnord\n</parameter>\n"
+                "<parameter=unit>\ncelsius\n</parameter>\n<parameter=alerts>\ntrue\n</parameter>\n"
+                "</function>\n</tool_call>")
+PING_CALL = "<tool_call>\n<function=ping>\n</function>\n</tool_call>"
+FREE_CALL = "<tool_call>\n<function=free>\n<parameter=a.b>\nx < y\n</parameter>\n</function>\n</tool_call>"
+
+
+@pytest.fixture(scope="module")
+def tok(request):
+    return Tokenizer.from_gguf_metadata(tokenizer_gguf_metadata(request))
+
+
+@pytest.fixture(scope="module")
+def compiler(tok):
+    return grammar.compiler_for(tok, tok.vocab_size)
+
+
+def eos(tok) -> int:
+    return tok.token_to_id("<|im_end|>")
+
+
+def accepts(compiler, tok, fmt, text: str, end: bool = True) -> bool:
+    """Whether the grammar takes `text` (as the tokenizer encodes it) and then, if `end`, stops."""
+    c = compiler.compile(fmt).constraint()
+    if not all(c.accept(t) for t in tok.encode(text)):
+        return False
+    return c.accept(eos(tok)) and c.is_terminated() if end else True
+
+
+def sample(compiler, tok, fmt, seed: int, max_steps: int = 400) -> tuple[str, bool]:
+    """Greedy decoding of random logits under the grammar: (text, terminated)."""
+    c = compiler.compile(fmt).constraint()
+    gen = torch.Generator().manual_seed(seed)
+    ids = []
+    for _ in range(max_steps):
+        logits = torch.randn(tok.vocab_size, generator=gen) * 4
+        c.mask(logits)
+        token = int(logits.argmax())
+        assert c.accept(token), f"the mask allowed {token}, which the matcher refuses"
+        if c.is_terminated():
+            assert token in tok.eos_token_ids
+            return tok.decode(ids), True
+        ids.append(token)
+    return tok.decode(ids), False
+
+
+def parse(text: str, tools=TOOLS):
+    parser = ToolCallParser(tools)
+    parser.push(text)
+    parser.flush()
+    return parser.finish()
+
+
+def test_compiler_is_built_once_per_tokenizer(tok, compiler):
+    assert grammar.compiler_for(tok, tok.vocab_size) is compiler
+
+
+def test_required_accepts_template_calls_only(compiler, tok):
+    fmt = grammar.request_format(TOOLS, "required", True, None, False)
+    assert accepts(compiler, tok, fmt, WEATHER_CALL)
+    assert accepts(compiler, tok, fmt, WEATHER_CALL + "\n" + PING_CALL + "\n" + FREE_CALL)
+    assert not accepts(compiler, tok, fmt, "", end=True)                     # at least one call
+    assert not accepts(compiler, tok, fmt, "Sure. " + WEATHER_CALL, end=False)  # no text before
+    assert not accepts(compiler, tok, fmt, WEATHER_CALL + "\nok", end=False)   # nor between / after
+    assert not accepts(compiler, tok, fmt, WEATHER_CALL.replace("get_weather", "get_news"), end=False)
+    assert not accepts(compiler, tok, fmt, WEATHER_CALL.replace("celsius", "kelvin"), end=False)  # enum
+    assert not accepts(compiler, tok, fmt, WEATHER_CALL.replace("true", "yes"), end=False)  # boolean
+    missing = WEATHER_CALL.replace("<parameter=unit>\ncelsius\n</parameter>\n", "")
+    assert not accepts(compiler, tok, fmt, missing, end=False)  # required parameter
+    assert not accepts(compiler, tok, fmt, PING_CALL.replace("</function>", "<parameter=x>\n1\n</parameter>\n"
+                                                             "</function>"), end=False)
+
+
+def test_markers_are_their_special_tokens(compiler, tok):
+    """`<tool_call>` must be the single special token, as the template tokenizes it."""
+    fmt = grammar.request_format(TOOLS, "required", True, None, False)
+    c = compiler.compile(fmt).constraint()
+    spelled = tok.encode("<")  # the first piece of `<tool_call>` written as plain text
+    assert not c.accept(spelled[0])
+    assert c.accept(tok.token_to_id("<tool_call>"))
+
+
+def test_named_choice_and_single_call(compiler, tok):
+    named = grammar.request_format(TOOLS, {"type": "function", "function": {"name": "ping"}}, True, None, False)
+    assert accepts(compiler, tok, named, PING_CALL)
+    assert not accepts(compiler, tok, named, WEATHER_CALL, end=False)
+    assert not accepts(compiler, tok, named, PING_CALL + "\n" + PING_CALL, end=False)
+    single = grammar.request_format(TOOLS, "required", False, None, False)
+    assert accepts(compiler, tok, single, PING_CALL)
+    assert not accepts(compiler, tok, single, PING_CALL + "\n" + PING_CALL, end=False)
+
+
+def test_reasoning_comes_first_when_the_prompt_opens_it(compiler, tok):
+    fmt = grammar.request_format(TOOLS, "required", True, None, True)
+    assert accepts(compiler, tok, fmt, "Paris, so celsius.\n</think>\n\n" + WEATHER_CALL)
+    assert not accepts(compiler, tok, fmt, WEATHER_CALL)  # a call inside the reasoning is not the answer
+    assert not accepts(compiler, tok, fmt, "a</think>\n\nSure. " + WEATHER_CALL, end=False)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_logits_give_parseable_calls(compiler, tok, seed):
+    fmt = grammar.request_format([BOUNDED, PING], "required", seed % 2 == 0, None, False)
+    text, done = sample(compiler, tok, fmt, seed)
+    assert done, text
+    result = parse(text, [BOUNDED, PING])
+    assert result.content == "" and result.tool_calls and all(c.complete for c in result.tool_calls)
+    for call in result.tool_calls:
+        args = json.loads(call.arguments)
+        if call.name == "get_weather":
+            assert args["unit"] in ("celsius", "fahrenheit") and isinstance(args.get("alerts", False), bool)
+        else:
+            assert call.name == "ping" and args == {}
+
+
+def test_named_random_logits_call_that_function(compiler, tok):
+    fmt = grammar.request_format([BOUNDED, PING], {"type": "function", "function": {"name": "get_weather"}}, True,
+                                 None, False)
+    text, done = sample(compiler, tok, fmt, seed=7)
+    calls = parse(text, [BOUNDED, PING]).tool_calls
+    assert done and [c.name for c in calls] == ["get_weather"]
+
+
+def test_json_schema_response_format(compiler, tok):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"},
+                                               "mood": {"enum": ["calm", "busy"]}}, "required": ["ok", "mood"]}
+    fmt = grammar.request_format(None, None, True, {"type": "json_schema", "json_schema": {"schema": schema}},
+                                 False)
+    for seed in range(3):
+        text, done = sample(compiler, tok, fmt, seed)
+        value = json.loads(text)
+        assert done and isinstance(value["ok"], bool) and value["mood"] in ("calm", "busy")
+    assert accepts(compiler, tok, grammar.request_format(None, None, True, {"type": "json_object"}, False),
+                   '{"a": [1, "x"]}')
+    assert not accepts(compiler, tok, grammar.request_format(None, None, True, {"type": "json_object"}, False),
+                       '[1]', end=False)
+
+
+def test_refusals_are_value_errors(compiler):
+    with pytest.raises(ValueError):
+        grammar.request_format(TOOLS, "required", True, {"type": "json_object"}, False)
+    with pytest.raises(ValueError):
+        grammar.json_format({"type": "json_schema"})
+    with pytest.raises(ValueError):
+        compiler.compile({"type": "token", "token": "<no_such_token>"})
+
+
+def test_compile_per_request_is_fast(compiler):
+    """Building the vocabulary index is per model; a request's tool grammar compiles in well under a second."""
+    tools = [{"type": "function", "function": {"name": f"tool_{i}", "parameters": WEATHER["function"]["parameters"]}}
+             for i in range(8)]
+    fmt = grammar.request_format(tools, "required", True, None, True)
+    start = time.perf_counter()
+    compiler.compile(fmt)
+    assert time.perf_counter() - start < 1.0
