@@ -6,6 +6,8 @@ import json
 import sys
 from collections import Counter
 
+from hf2q.devices import add_device_args, dtype_name, keep_quantized, resolve_device, resolve_dtype
+
 USER_ERRORS = (FileNotFoundError, ValueError, OSError)
 
 
@@ -68,6 +70,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--prefill-chunk", type=int, default=2048)
     p.add_argument("--json", action="store_true", help="print prompt tokens, tokens and text as JSON")
+    add_device_args(p)
     p.set_defaults(func=run_generate)
 
 
@@ -78,7 +81,9 @@ def run_generate(args) -> int:
     from hf2q.engine.scheduler import SchedulerConfig
     from hf2q.config import CacheConfig
 
-    model = hf2q.load(args.model)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    model = hf2q.load(args.model, device=device, dtype=dtype, keep_quantized=keep_quantized(args))
     if args.prompt_tokens is not None:
         try:
             prompt = [int(t) for t in args.prompt_tokens.split(",") if t.strip()]
@@ -93,7 +98,8 @@ def run_generate(args) -> int:
     engine = Engine(model, EngineConfig(max_model_len=model.config.context_length,
                                         scheduler=SchedulerConfig(max_num_seqs=1, prefill_chunk=args.prefill_chunk,
                                                                   max_num_batched_tokens=args.prefill_chunk),
-                                        cache=CacheConfig(num_slots=1, num_blocks=blocks, block_size=16)))
+                                        cache=CacheConfig(num_slots=1, num_blocks=blocks, block_size=16,
+                                                          kv_dtype=dtype_name(dtype))))
     tokens: list[int] = []
     text = []
     for out in engine.generate(prompt, params):

@@ -77,3 +77,12 @@ def test_unsupported_tensor_type(tmp_path):
     path = write_gguf(tmp_path / "q2k.gguf", "qwen35", {"blk.0.ffn_up.weight": (q2k, gguf.GGMLQuantizationType.Q2_K)})
     code, _, err = hf2q("info", str(path))
     assert_clean_error(code, err, "Unsupported tensor type Q2_K", "blk.0.ffn_up.weight")
+
+
+def test_cuda_device_without_cuda_is_a_clean_error(gguf_dense_f32):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    code, _, err = hf2q("generate", "--model", str(gguf_dense_f32), "--prompt", "hi", "--device", "cuda")
+    assert_clean_error(code, err, "CUDA is not available")

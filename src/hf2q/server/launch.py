@@ -7,6 +7,8 @@ import logging
 import time
 from pathlib import Path
 
+from hf2q.devices import add_device_args, dtype_name, keep_quantized, resolve_device, resolve_dtype
+
 log = logging.getLogger("hf2q.serve")
 
 DEFAULT_MAX_MODEL_LEN = 8192
@@ -34,6 +36,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scripted-replies", help="TESTING AID: a JSON file holding a list of strings; generation i "
                    "emits reply i mod len (tokenized, forced instead of sampled), so reasoning and tool-call "
                    "parsing can be tested end to end through the real server. Never for real use.")
+    add_device_args(p)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -73,9 +76,12 @@ def build_state(args):
         path = demo_model_path()
     else:
         path = Path(args.model)
-    log.info("loading %s ...", path)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    log.info("loading %s on %s (%s) ...", path, device, dtype_name(dtype))
     t0 = time.monotonic()
-    model = hf2q.load(path, chat_template=args.chat_template)
+    model = hf2q.load(path, device=device, dtype=dtype, chat_template=args.chat_template,
+                      keep_quantized=keep_quantized(args))
     log.info("loaded %s (%s, %d layers) in %.1f s", path.name, model.config.arch, model.config.num_layers,
              time.monotonic() - t0)
     max_len = min(args.max_model_len or DEFAULT_MAX_MODEL_LEN, model.config.context_length)
@@ -84,7 +90,7 @@ def build_state(args):
                     model.config.context_length, max_len)
     block = 16
     cache = CacheConfig(num_slots=args.max_num_seqs, num_blocks=args.max_num_seqs * -(-max_len // block),
-                        block_size=block)
+                        block_size=block, kv_dtype=dtype_name(dtype))
     sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                             prefill_chunk=args.prefill_chunk, max_waiting=args.max_waiting)
     engine = Engine(model, EngineConfig(max_model_len=max_len, scheduler=sched, cache=cache))

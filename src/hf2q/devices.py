@@ -1,0 +1,46 @@
+"""Device and dtype choice for `serve` and `generate`: CUDA in bf16 when present, else the exact fp32 CPU path."""
+from __future__ import annotations
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise ValueError(f"unknown device {name!r} (use auto, cpu, cuda or cuda:N)") from exc
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: CUDA is not available on this machine")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"unsupported device {name!r} (use auto, cpu, cuda or cuda:N)")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r} (use auto, {', '.join(DTYPES)})")
+    return DTYPES[name]
+
+
+def add_device_args(parser) -> None:
+    parser.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+                        help="weights and K/V cache (auto: bfloat16 on CUDA, float32 on CPU)")
+    parser.add_argument("--dequantize", action="store_true",
+                        help="on CUDA, dequantize block-quantized GGUF weights to --dtype at load instead of "
+                             "keeping their blocks (more memory; today's quantized mat-vec is slower than bf16)")
+
+
+def keep_quantized(args) -> bool | None:
+    """None lets the loader choose (blocks stay quantized on CUDA); False when --dequantize is given."""
+    return False if args.dequantize else None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return next(k for k, v in DTYPES.items() if v == dtype)
