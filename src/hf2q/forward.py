@@ -23,7 +23,6 @@ class ForwardBatch:
     start_lens: list[int]  # tokens already in the cache per sequence (its position of the first new token)
     slots: list[int]  # cache slot of each sequence
     cache: Optional["HybridCache"] = None  # None: stateless one-shot forward (tests, embeddings)
-    capture_states: bool = False  # keep per-token DeltaNet states (speculative verify; rollback)
     logits_indices: Optional[torch.Tensor] = None  # rows whose logits are wanted; None = every row
     extras: dict = field(default_factory=dict)
 

@@ -32,10 +32,10 @@ def fast_path(mode: str):
         _MODE["value"] = old
 
 
-def use_fast_path(x: torch.Tensor, capture_states: bool) -> bool:
-    """Vectorised path unless per-token DeltaNet states are wanted (speculative verify keeps the reference)."""
+def use_fast_path(x: torch.Tensor) -> bool:
+    """The vectorised kernels on CUDA (or when forced); the reference path otherwise."""
     mode = _MODE["value"]
-    return not capture_states and (mode == "force" or (mode == "auto" and x.is_cuda))
+    return mode == "force" or (mode == "auto" and x.is_cuda)
 
 
 def packed_linear(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:

@@ -31,7 +31,7 @@ class GatedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
-        if dispatch.use_fast_path(x, batch.capture_states):  # one GEMM for q+gate, k and v
+        if dispatch.use_fast_path(x):  # one GEMM for q+gate, k and v
             return self._forward_fast(*dispatch.packed_linear(x, (self.q, self.k, self.v)), batch, cos, sin)
         qg = self.q(x).reshape(t, self.nh, 2 * self.hd)
         q, gate = qg[..., : self.hd], qg[..., self.hd:].reshape(t, self.nh * self.hd)

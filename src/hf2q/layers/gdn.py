@@ -41,7 +41,7 @@ class GatedDeltaNet(nn.Module):
         self.out = Linear(self.nv * self.dv, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        if dispatch.use_fast_path(x, batch.capture_states):
+        if dispatch.use_fast_path(x):
             return self._forward_fast(x, batch)
         mixed = self.qkv(x)  # [T, C]
         z = self.z(x).view(-1, self.nv, self.dv)
@@ -63,14 +63,12 @@ class GatedDeltaNet(nn.Module):
             k = l2_normalize(k.reshape(n, self.nk, self.dk).float(), self.eps)
             rep = self.nv // self.nk
             q, k = q.repeat(1, rep, 1), k.repeat(1, rep, 1)  # tiled: value head h -> key head h % nk
-            o, new_state, states = gated_delta_rule_ref(q, k, v.reshape(n, self.nv, self.dv), g[rows], beta[rows],
-                                                        rec_state, capture=batch.capture_states)
+            o, new_state, _ = gated_delta_rule_ref(q, k, v.reshape(n, self.nv, self.dv), g[rows], beta[rows],
+                                                   rec_state)
             core[rows] = o.to(x.dtype)
             if cache is not None:
                 cache.conv_state[j][slot].copy_(new_conv)
                 cache.recurrent_state[j][slot].copy_(new_state)
-                if states is not None:
-                    cache.record_capture(self.layer_id, slot, mixed[rows], states)
         # Gated RMSNorm per head: norm(o) * w * silu(z)
         of = core.float()
         of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm.float()

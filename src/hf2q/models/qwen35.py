@@ -61,7 +61,7 @@ class DecoderLayer(nn.Module):
     def _ffn(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """MoE on the fast path runs its experts as grouped GEMMs or straight from their quantized blocks
         (no per-expert loop, no host sync)."""
-        if isinstance(self.ffn, MoE) and dispatch.use_fast_path(h, batch.capture_states):
+        if isinstance(self.ffn, MoE) and dispatch.use_fast_path(h):
             weights, experts = self.ffn.route(h)
             if self.ffn.quantized:
                 return self.ffn.add_shared(h, self.ffn.experts_quant(h, weights, experts))
@@ -70,7 +70,7 @@ class DecoderLayer(nn.Module):
                                          self.ffn.down_exps)
                 if y is not None:
                     return self.ffn.add_shared(h, y)
-        if isinstance(self.ffn, MLP) and dispatch.use_fast_path(h, batch.capture_states):
+        if isinstance(self.ffn, MLP) and dispatch.use_fast_path(h):
             gate, up = dispatch.packed_linear(h, (self.ffn.gate, self.ffn.up))  # one GEMM
             return self.ffn.down(dispatch.silu_mul(gate, up))
         return self.ffn(h)
@@ -95,7 +95,7 @@ class Qwen35Model(nn.Module):
         """Hidden states after the final norm, one row per input token: [T, hidden]."""
         x = self.embed_tokens(batch.input_ids) if input_embeds is None else input_embeds
         cos, sin = self.rotary.cos_sin(batch.positions)
-        if dispatch.use_fast_path(x, batch.capture_states):
+        if dispatch.use_fast_path(x):
             pending = None
             for layer in self.layers:
                 x, pending = layer.forward_fused(x, pending, batch, cos, sin)
