@@ -34,10 +34,10 @@ CASES = [
     ("bad role", {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
     ("image part", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:,"}}]}]}, "messages[0].content[0]"),
-    ("json mode", {"messages": MSGS, "response_format": {"type": "json_object"}}, "response_format"),
+    ("json_schema without its schema", {"messages": MSGS, "response_format": {"type": "json_schema"}},
+     "response_format"),
     ("unknown tool in tool_choice", {"messages": MSGS, "tools": [TOOL],
                                      "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-    ("required tool_choice", {"messages": MSGS, "tools": [TOOL], "tool_choice": "required"}, "tool_choice"),
     ("tool_choice without tools", {"messages": MSGS, "tool_choice": "required"}, "tool_choice"),
     ("bad tool call arguments", {"messages": MSGS + [{"role": "assistant", "tool_calls": [
         {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]},
