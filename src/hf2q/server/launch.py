@@ -37,6 +37,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "emits reply i mod len (tokenized, forced instead of sampled), so reasoning and tool-call "
                    "parsing can be tested end to end through the real server. Never for real use.")
     add_device_args(p)
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="shard the model over N local ranks (one GPU each on CUDA); this process is rank 0 and "
+                        "spawns the others")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -78,6 +81,11 @@ def build_state(args):
         path = Path(args.model)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
+    tp = getattr(args, "tensor_parallel_size", 1)
+    if tp != 1:
+        from hf2q.distributed.serve import check_tensor_parallel
+
+        check_tensor_parallel(path, tp, device)
     log.info("loading %s on %s (%s) ...", path, device, dtype_name(dtype))
     t0 = time.monotonic()
     model = hf2q.load(path, device=device, dtype=dtype, chat_template=args.chat_template,
@@ -93,8 +101,14 @@ def build_state(args):
                         block_size=block, kv_dtype=dtype_name(dtype))
     sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                             prefill_chunk=args.prefill_chunk, max_waiting=args.max_waiting)
-    engine = Engine(model, EngineConfig(max_model_len=max_len, scheduler=sched, cache=cache))
-    aengine = AsyncEngine(engine)
+    engine_config = EngineConfig(max_model_len=max_len, scheduler=sched, cache=cache)
+    if tp > 1:
+        from hf2q.distributed.serve import TPLaunch, start_tensor_parallel
+
+        aengine = start_tensor_parallel(model, TPLaunch(tp, str(path), device.type, dtype, keep_quantized(args),
+                                                        engine_config))
+    else:
+        aengine = AsyncEngine(Engine(model, engine_config))
     config = ServerConfig(model_name=_model_name(args, model, is_demo), is_demo=is_demo, api_key=args.api_key,
                           default_chat_template_kwargs=dict(args.default_chat_template_kwargs),
                           max_model_len=max_len)

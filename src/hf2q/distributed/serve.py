@@ -1,0 +1,196 @@
+"""`hf2q serve --tensor-parallel-size N`: the serve process is rank 0 and spawns ranks 1..N-1.
+
+Rank 0 owns the scheduler and the HTTP server and broadcasts each step's batch (`TPEngine`); the other
+ranks run `serve_worker`. Step messages travel on a CPU (gloo) control group, so idle workers wait on a
+socket rather than on a GPU; the model's own collectives use the world group (gloo on CPU, NCCL on CUDA,
+one device per rank, `cuda:rank`). Workers exit when rank 0 closes the group or when rank 0 dies.
+"""
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import datetime
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from hf2q.distributed.engine import TPEngine, serve_worker
+from hf2q.distributed.launch import free_port
+from hf2q.distributed.plan import plan_rank
+from hf2q.distributed.sharding import shard_model
+from hf2q.engine.async_engine import AsyncEngine
+from hf2q.engine.engine import EngineConfig
+from hf2q.model import Model
+
+log = logging.getLogger("hf2q.tp")
+
+SETUP_TIMEOUT = datetime.timedelta(minutes=10)  # also bounds one model collective
+IDLE_TIMEOUT = datetime.timedelta(days=365)  # workers wait on the control group as long as the server idles
+STOP_GRACE_S = 10
+
+
+@dataclass(frozen=True)
+class TPLaunch:
+    """What a worker needs to load and shard the same model and build the same cache as rank 0."""
+
+    world: int
+    path: str
+    device_type: str
+    dtype: torch.dtype
+    keep_quantized: bool | None
+    config: EngineConfig
+    port: int = 0  # chosen by start_tensor_parallel
+
+
+def check_tensor_parallel(path: str | Path, world: int, device: torch.device) -> None:
+    """Fail before loading (ValueError, a clear message) when `world` ranks cannot serve this model here."""
+    from hf2q.checkpoint.gguf_file import GGUFFile
+    from hf2q.config import ModelConfig
+
+    if world < 1:
+        raise ValueError(f"--tensor-parallel-size must be at least 1, got {world}")
+    if world == 1:
+        return
+    cfg = ModelConfig.from_gguf_metadata(GGUFFile(path).metadata)
+    for rank in range(world):
+        plan_rank(cfg, rank, world)  # ShardingError (a ValueError) names the count that does not split
+    if device.type == "cuda":
+        if device.index not in (None, 0):
+            raise ValueError(f"--tensor-parallel-size {world} puts rank r on cuda:r; use --device cuda, "
+                             f"not {device} (select GPUs with CUDA_VISIBLE_DEVICES)")
+        found = torch.cuda.device_count()
+        if found < world:
+            raise ValueError(f"--tensor-parallel-size {world} needs {world} GPUs, but {found} are visible")
+
+
+class TPAsyncEngine(AsyncEngine):
+    """AsyncEngine over rank 0's TPEngine; shutting down also releases and reaps the worker ranks."""
+
+    def __init__(self, engine: TPEngine, workers: list):
+        super().__init__(engine)
+        self.workers = workers
+        self._closed = False
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._thread.ident is not None:
+            super().shutdown()
+        if not self._thread.is_alive():  # no step in flight: the group is free for the closing broadcast
+            try:
+                self.engine.close()
+            except Exception:
+                log.exception("could not release the tensor-parallel workers")
+        _reap(self.workers)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def start_tensor_parallel(model: Model, launch: TPLaunch) -> TPAsyncEngine:
+    """Spawn ranks 1..N-1, join the group as rank 0 and return the (not yet started) async engine."""
+    launch = dataclasses.replace(launch, port=free_port())
+    if launch.device_type == "cuda":
+        os.environ["NCCL_NVLS_ENABLE"] = "0"  # before spawning: the workers inherit it
+    else:
+        _share_cpu(launch.world)
+    ctx = mp.start_processes(_worker, args=(launch, os.getpid()), nprocs=launch.world - 1, join=False,
+                             start_method="spawn")
+    workers = list(ctx.processes)
+    try:
+        world, control = _join_watching(launch, workers)
+        engine = TPEngine(shard_model(model, 0, launch.world, world), launch.config, control)
+    except BaseException:
+        _reap(workers, grace_s=0)
+        raise
+    aengine = TPAsyncEngine(engine, workers)
+    atexit.register(aengine.shutdown)  # runs before multiprocessing joins its children at exit
+    log.info("tensor parallel: %d ranks (%s)", launch.world, _backend(launch.device_type))
+    return aengine
+
+
+def _worker(index: int, launch: TPLaunch, parent_pid: int) -> None:
+    import hf2q
+
+    rank = index + 1
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches every rank; rank 0 decides
+    threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+    if launch.device_type == "cuda":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        _share_cpu(launch.world)
+    model = hf2q.load(launch.path, device=device, dtype=launch.dtype, keep_quantized=launch.keep_quantized)
+    world, control = _join(rank, launch)
+    try:
+        serve_worker(shard_model(model, rank, launch.world, world), launch.config, control)
+    finally:
+        dist.destroy_process_group()
+
+
+def _join(rank: int, launch: TPLaunch):
+    """(world group, control group) of this rank."""
+    dist.init_process_group(_backend(launch.device_type), init_method=f"tcp://127.0.0.1:{launch.port}",
+                            rank=rank, world_size=launch.world, timeout=SETUP_TIMEOUT)
+    control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    return dist.group.WORLD, control
+
+
+def _join_watching(launch: TPLaunch, workers: list):
+    """Rank 0's `_join`, failing at once if a worker dies while the others wait for it."""
+    result: list = []
+    t = threading.Thread(target=lambda: result.append(_safe(_join, 0, launch)), daemon=True)
+    t.start()
+    while t.is_alive():
+        t.join(0.5)
+        dead = [p.exitcode for p in workers if p.exitcode is not None]
+        if dead and t.is_alive():
+            raise RuntimeError(f"a tensor-parallel worker exited with code {dead[0]} during startup (see its log)")
+    if isinstance(result[0], BaseException):
+        raise result[0]
+    return result[0]
+
+
+def _safe(fn, *args):
+    try:
+        return fn(*args)
+    except BaseException as exc:
+        return exc
+
+
+def _reap(workers: list, grace_s: float = STOP_GRACE_S) -> None:
+    deadline = time.monotonic() + grace_s
+    for p in workers:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in workers:
+        if p.is_alive():
+            log.warning("tensor-parallel worker %d did not exit; terminating it", p.pid)
+            p.terminate()
+            p.join(5)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """A worker must never outlive rank 0 (killed rank 0 cannot release it)."""
+    while os.getppid() == parent_pid:
+        time.sleep(1)
+    os._exit(1)
+
+
+def _share_cpu(world: int) -> None:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+
+
+def _backend(device_type: str) -> str:
+    return "nccl" if device_type == "cuda" else "gloo"
