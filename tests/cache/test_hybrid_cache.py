@@ -1,9 +1,6 @@
 """Hybrid cache: pool shapes and bytes, slot lifecycle, snapshots, forks, isolation, typed errors."""
 from __future__ import annotations
 
-import os
-from dataclasses import replace
-import functools
 
 import pytest
 import torch
@@ -11,8 +8,6 @@ import torch
 from hf2q.cache.hybrid import (CacheError, CacheFull, CacheSnapshot, HybridCache, NoFreeSlot, SlotError,
                                kv_bytes_per_token, state_bytes_per_slot)
 from hf2q.config import CacheConfig, ModelConfig
-
-CK_DENSE = "/tmp/ck_dense.gguf"
 
 # The tiny Qwen3.5 shape of the test checkpoints, with 8 layers: full attention at 3 and 7, plus one MTP layer.
 SMALL = ModelConfig(
@@ -23,14 +18,12 @@ SMALL = ModelConfig(
 )
 
 
-@functools.cache
-def tiny_dense_config() -> ModelConfig:
-    """The ck_dense fixture's config, from its GGUF when present, else the same numbers by hand."""
-    if os.path.exists(CK_DENSE):
-        from hf2q.checkpoint.gguf_file import GGUFFile
-        return ModelConfig.from_gguf_metadata(GGUFFile(CK_DENSE).metadata)
-    return replace(SMALL, hidden_size=128, num_layers=4, head_dim=64, linear_k_head_dim=32, linear_v_head_dim=32,
-                   context_length=4096)
+@pytest.fixture(scope="module")
+def tiny_dense_config(gguf_dense_f32) -> ModelConfig:
+    """The tiny dense fixture's config, read from its GGUF."""
+    from hf2q.checkpoint.gguf_file import GGUFFile
+
+    return ModelConfig.from_gguf_metadata(GGUFFile(gguf_dense_f32).metadata)
 
 
 def make(num_slots=4, num_blocks=40, block_size=4, device="cpu", **kw) -> HybridCache:
@@ -78,8 +71,8 @@ def filled(lens=(5, 9, 0, 12)) -> HybridCache:
 
 # ---- shapes and bytes ------------------------------------------------------------------------------
 @pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
-def test_pool_shapes_and_bytes_match_independent_formula(kv_dtype):
-    mc = tiny_dense_config()
+def test_pool_shapes_and_bytes_match_independent_formula(kv_dtype, tiny_dense_config):
+    mc = tiny_dense_config
     cc = CacheConfig(num_slots=3, num_blocks=7, block_size=16, kv_dtype=kv_dtype)
     cache = HybridCache(mc, cc)
     full = [i for i in range(mc.num_layers) if (i + 1) % mc.full_attention_interval == 0]
@@ -103,8 +96,8 @@ def test_pool_shapes_and_bytes_match_independent_formula(kv_dtype):
     assert cache.total_bytes == held == cache.bytes_per_token * 7 * 16 + fixed * 3
 
 
-def test_ck_dense_numbers():
-    mc = tiny_dense_config()  # 4 layers: full attention at 3, one MTP layer; 3 DeltaNet layers
+def test_ck_dense_numbers(tiny_dense_config):
+    mc = tiny_dense_config  # 4 layers: full attention at 3, one MTP layer; 3 DeltaNet layers
     assert kv_bytes_per_token(mc, "float32") == 2 * 2 * 2 * 64 * 4
     assert state_bytes_per_slot(mc, "float32") == 3 * (3 * 256 + 4 * 32 * 32) * 4
 
