@@ -39,15 +39,14 @@ STOP_GRACE_S = 10
 
 @dataclass(frozen=True)
 class TPLaunch:
-    """What a worker needs to load and shard the same model and build the same cache as rank 0."""
+    """What a worker needs to load and shard the same model as rank 0."""
 
     world: int
     path: str
     device_type: str
     dtype: torch.dtype
     keep_quantized: bool | None
-    config: EngineConfig
-    port: int = 0  # chosen by start_tensor_parallel
+    port: int = 0  # chosen by TPWorkers
 
 
 def check_tensor_parallel(path: str | Path, world: int, device: torch.device) -> None:
@@ -71,13 +70,70 @@ def check_tensor_parallel(path: str | Path, world: int, device: torch.device) ->
             raise ValueError(f"--tensor-parallel-size {world} needs {world} GPUs, but {found} are visible")
 
 
+class TPWorkers:
+    """Ranks 1..N-1, spawned before rank 0 loads its model so that every rank loads at the same time."""
+
+    def __init__(self, launch: TPLaunch):
+        self.launch = dataclasses.replace(launch, port=free_port())
+        if launch.device_type == "cuda":
+            os.environ["NCCL_NVLS_ENABLE"] = "0"  # before spawning: the workers inherit it
+        else:
+            _share_cpu(launch.world)
+        ctx = mp.start_processes(_worker, args=(self.launch, os.getpid()), nprocs=launch.world - 1, join=False,
+                                 start_method="spawn")
+        self.processes = list(ctx.processes)
+        atexit.register(self.stop, 0)  # runs before multiprocessing joins its children at exit
+
+    def start_engine(self, model: Model, config: EngineConfig) -> TPAsyncEngine:
+        """Join the group as rank 0, send the engine config, and wrap rank 0's TPEngine (not yet started)."""
+        try:
+            world, control = self._join()
+            dist.broadcast_object_list([config], src=0, group=control)
+            engine = TPEngine(shard_model(model, 0, self.launch.world, world), config, control)
+        except BaseException:
+            self.stop(0)
+            raise
+        log.info("tensor parallel: %d ranks (%s)", self.launch.world, _backend(self.launch.device_type))
+        return TPAsyncEngine(engine, self)
+
+    def _join(self):
+        """Rank 0's `_join`, failing at once if a worker dies while the others wait for it."""
+        result: list = []
+        t = threading.Thread(target=lambda: result.append(_safe(_join, 0, self.launch)), daemon=True)
+        t.start()
+        while t.is_alive():
+            t.join(0.5)
+            dead = [p.exitcode for p in self.processes if p.exitcode is not None]
+            if dead and t.is_alive():
+                raise RuntimeError(f"a tensor-parallel worker exited with code {dead[0]} during startup")
+        if isinstance(result[0], BaseException):
+            raise result[0]
+        return result[0]
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """Wait up to `grace_s` for the workers to exit, then terminate what is left."""
+        deadline = time.monotonic() + grace_s
+        for p in self.processes:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in self.processes:
+            if p.is_alive():
+                if grace_s:
+                    log.warning("tensor-parallel worker %d did not exit; terminating it", p.pid)
+                p.terminate()
+                p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
 class TPAsyncEngine(AsyncEngine):
     """AsyncEngine over rank 0's TPEngine; shutting down also releases and reaps the worker ranks."""
 
-    def __init__(self, engine: TPEngine, workers: list):
+    def __init__(self, engine: TPEngine, workers: TPWorkers):
         super().__init__(engine)
         self.workers = workers
         self._closed = False
+        atexit.register(self.shutdown)  # registered after the workers' own: runs first
 
     def shutdown(self) -> None:
         if self._closed:
@@ -90,31 +146,9 @@ class TPAsyncEngine(AsyncEngine):
                 self.engine.close()
             except Exception:
                 log.exception("could not release the tensor-parallel workers")
-        _reap(self.workers)
+        self.workers.stop()
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def start_tensor_parallel(model: Model, launch: TPLaunch) -> TPAsyncEngine:
-    """Spawn ranks 1..N-1, join the group as rank 0 and return the (not yet started) async engine."""
-    launch = dataclasses.replace(launch, port=free_port())
-    if launch.device_type == "cuda":
-        os.environ["NCCL_NVLS_ENABLE"] = "0"  # before spawning: the workers inherit it
-    else:
-        _share_cpu(launch.world)
-    ctx = mp.start_processes(_worker, args=(launch, os.getpid()), nprocs=launch.world - 1, join=False,
-                             start_method="spawn")
-    workers = list(ctx.processes)
-    try:
-        world, control = _join_watching(launch, workers)
-        engine = TPEngine(shard_model(model, 0, launch.world, world), launch.config, control)
-    except BaseException:
-        _reap(workers, grace_s=0)
-        raise
-    aengine = TPAsyncEngine(engine, workers)
-    atexit.register(aengine.shutdown)  # runs before multiprocessing joins its children at exit
-    log.info("tensor parallel: %d ranks (%s)", launch.world, _backend(launch.device_type))
-    return aengine
 
 
 def _worker(index: int, launch: TPLaunch, parent_pid: int) -> None:
@@ -132,7 +166,9 @@ def _worker(index: int, launch: TPLaunch, parent_pid: int) -> None:
     model = hf2q.load(launch.path, device=device, dtype=launch.dtype, keep_quantized=launch.keep_quantized)
     world, control = _join(rank, launch)
     try:
-        serve_worker(shard_model(model, rank, launch.world, world), launch.config, control)
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=control)
+        serve_worker(shard_model(model, rank, launch.world, world), box[0], control)
     finally:
         dist.destroy_process_group()
 
@@ -145,40 +181,11 @@ def _join(rank: int, launch: TPLaunch):
     return dist.group.WORLD, control
 
 
-def _join_watching(launch: TPLaunch, workers: list):
-    """Rank 0's `_join`, failing at once if a worker dies while the others wait for it."""
-    result: list = []
-    t = threading.Thread(target=lambda: result.append(_safe(_join, 0, launch)), daemon=True)
-    t.start()
-    while t.is_alive():
-        t.join(0.5)
-        dead = [p.exitcode for p in workers if p.exitcode is not None]
-        if dead and t.is_alive():
-            raise RuntimeError(f"a tensor-parallel worker exited with code {dead[0]} during startup (see its log)")
-    if isinstance(result[0], BaseException):
-        raise result[0]
-    return result[0]
-
-
 def _safe(fn, *args):
     try:
         return fn(*args)
     except BaseException as exc:
         return exc
-
-
-def _reap(workers: list, grace_s: float = STOP_GRACE_S) -> None:
-    deadline = time.monotonic() + grace_s
-    for p in workers:
-        p.join(max(0.0, deadline - time.monotonic()))
-    for p in workers:
-        if p.is_alive():
-            log.warning("tensor-parallel worker %d did not exit; terminating it", p.pid)
-            p.terminate()
-            p.join(5)
-        if p.is_alive():
-            p.kill()
-            p.join()
 
 
 def _exit_with_parent(parent_pid: int) -> None:

@@ -82,10 +82,12 @@ def build_state(args):
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     tp = getattr(args, "tensor_parallel_size", 1)
+    workers = None
     if tp != 1:
-        from hf2q.distributed.serve import check_tensor_parallel
+        from hf2q.distributed.serve import TPLaunch, TPWorkers, check_tensor_parallel
 
         check_tensor_parallel(path, tp, device)
+        workers = TPWorkers(TPLaunch(tp, str(path), device.type, dtype, keep_quantized(args)))
     log.info("loading %s on %s (%s) ...", path, device, dtype_name(dtype))
     t0 = time.monotonic()
     model = hf2q.load(path, device=device, dtype=dtype, chat_template=args.chat_template,
@@ -102,11 +104,8 @@ def build_state(args):
     sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                             prefill_chunk=args.prefill_chunk, max_waiting=args.max_waiting)
     engine_config = EngineConfig(max_model_len=max_len, scheduler=sched, cache=cache)
-    if tp > 1:
-        from hf2q.distributed.serve import TPLaunch, start_tensor_parallel
-
-        aengine = start_tensor_parallel(model, TPLaunch(tp, str(path), device.type, dtype, keep_quantized(args),
-                                                        engine_config))
+    if workers is not None:  # this process is rank 0
+        aengine = workers.start_engine(model, engine_config)
     else:
         aengine = AsyncEngine(Engine(model, engine_config))
     config = ServerConfig(model_name=_model_name(args, model, is_demo), is_demo=is_demo, api_key=args.api_key,
