@@ -81,11 +81,20 @@ def test_tp2_greedy_chat_matches_one_rank_and_sigterm_ends_every_rank(server_fac
     assert wait_gone(workers, 10) == [], "a worker rank outlived the server"
 
 
-def test_killed_rank0_leaves_no_worker(tp_server):
-    workers = children(tp_server.proc.pid)
-    assert workers
-    tp_server.proc.kill()  # no shutdown at all: the workers must notice on their own
-    tp_server.proc.wait()
+def test_killed_rank0_leaves_no_worker(served_model_path, tmp_path):
+    # workers are spawned before rank 0 loads; kill rank 0 as soon as one exists, with no shutdown at all
+    cmd = [sys.executable, "-m", "hf2q.cli", "serve", "--model", str(served_model_path), "--device", "cpu",
+           "--port", "0", *TP_FLAGS]
+    with open(tmp_path / "server.log", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while not (workers := [p for p in children(proc.pid) if "spawn_main" in _cmdline(p)]):
+            assert proc.poll() is None and time.monotonic() < deadline, "no worker rank was spawned"
+            time.sleep(0.2)
+    finally:
+        proc.kill()
+        proc.wait()
     assert wait_gone(workers, 15) == [], "an orphaned worker rank kept running"
 
 
