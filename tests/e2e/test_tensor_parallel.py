@@ -98,6 +98,19 @@ def test_killed_rank0_leaves_no_worker(served_model_path, tmp_path):
     assert wait_gone(workers, 15) == [], "an orphaned worker rank kept running"
 
 
+@pytest.mark.slow
+def test_dead_worker_stops_the_server(tp_server):
+    """A dead rank fails every step: the server must stop, not stay 'healthy' and answer only errors."""
+    kids = children(tp_server.proc.pid)
+    workers = [p for p in kids if "spawn_main" in _cmdline(p)]
+    assert len(workers) == 1
+    os.kill(workers[0], signal.SIGKILL)
+    assert tp_server.proc.wait(timeout=30) != 0
+    assert "tensor-parallel rank 1 exited" in tp_server.log()
+    assert "Traceback" not in tp_server.log(), tp_server.log()
+    assert wait_gone(kids, 5) == []
+
+
 def _cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")

@@ -135,13 +135,28 @@ class TPAsyncEngine(AsyncEngine):
         self._closed = False
         atexit.register(self.shutdown)  # registered after the workers' own: runs first
 
+    def start(self) -> None:
+        super().start()
+        threading.Thread(target=self._watch_workers, name="hf2q-tp-watch", daemon=True).start()
+
+    def _watch_workers(self) -> None:
+        """A dead rank fails every later step: stop serving (as on SIGTERM) instead of reporting healthy."""
+        while not self._closed:
+            dead = [(i + 1, p.exitcode) for i, p in enumerate(self.workers.processes) if p.exitcode is not None]
+            if dead:
+                log.error("tensor-parallel rank %d exited (code %s); shutting the server down", *dead[0])
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            time.sleep(1)
+
     def shutdown(self) -> None:
         if self._closed:
             return
         self._closed = True
         if self._thread.ident is not None:
             super().shutdown()
-        if not self._thread.is_alive():  # no step in flight: the group is free for the closing broadcast
+        workers_alive = all(p.is_alive() for p in self.workers.processes)
+        if workers_alive and not self._thread.is_alive():  # no step in flight: the group is free to close
             try:
                 self.engine.close()
             except Exception:
