@@ -65,10 +65,11 @@ class Request:
         return self.prompt_ids[i] if i < n else self.output_ids[i - n]
 
     def tokens(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, without joining the two lists (this runs every step)."""
         n = len(self.prompt_ids)
-        if end <= n:
-            return self.prompt_ids[start:end]
-        return (self.prompt_ids + self.output_ids)[start:end]
+        head = self.prompt_ids[start:end] if start < n else []
+        tail = self.output_ids[max(start - n, 0):end - n] if end > n else []
+        return head + tail
 
     @property
     def finished(self) -> bool:
