@@ -10,8 +10,7 @@ from hf2q.checkpoint.loader import build_model
 from hf2q.config import ModelConfig
 from hf2q.kernels.dispatch import fast_path
 from hf2q.layers.linear import Linear
-
-PROMPT = [1, 5, 9, 200, 17, 3, 88, 41]
+from tests.quant.test_model import PROMPT, greedy
 
 
 def load(path, keep_quantized, device="cpu", dtype=torch.float32):
@@ -33,17 +32,6 @@ def test_cpu_kept_blocks_match_dequantized_logits(gguf_dense_q8_0):
     assert quantized_linears(kept) > 10
     a, b = dense.logits(PROMPT), kept.logits(PROMPT)
     assert float((a - b).abs().max()) <= 1e-4 * float(a.abs().max())
-
-
-def greedy(net, n: int) -> tuple[list[int], list[float]]:
-    """Greedy continuation without a cache, with each step's top-2 logit margin."""
-    ids, margins = list(PROMPT), []
-    for _ in range(n):
-        last = net.logits(ids)[-1]
-        top = last.topk(2).values
-        ids.append(int(last.argmax()))
-        margins.append(float(top[0] - top[1]))
-    return ids[len(PROMPT):], margins
 
 
 @pytest.mark.gpu
