@@ -26,6 +26,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quant", choices=QUANT_MIXES, default=None,
                    help="weights as random GGUF blocks of this mix, multiplied by the quantized kernels")
     p.add_argument("--json", default=None, help="also write every figure to this JSON file")
+    p.add_argument("--profile-prefill", action="store_true", help="also print the prefill's GPU time per kernel")
 
 
 def _sync_time(fn, reps: int = 3) -> float:
@@ -115,6 +116,10 @@ def bench_ours(net, cfg, args, report: dict) -> None:
         cache.reset(slot)
         _prefill(net, cache, slot, long_ids)
     _put(report, "prefill_tok_s", args.prefill / _sync_time(prefill_once, 3))
+    if getattr(args, "profile_prefill", False):
+        report["profile_prefill"] = _profile(prefill_once, reps=1, top=30)
+        for row in report["profile_prefill"]:
+            print("prefill kernel", row, flush=True)
     cache.release(slot)
 
     graphs = DecodeGraphs(net, cache, max_context=ctx)
@@ -142,6 +147,8 @@ def bench_ours(net, cfg, args, report: dict) -> None:
         _put(report, f"decode_b{b}_eager_tok_s", b * 8 / _eager_steps(net, cache, slots, pos, ids, 8))
         if b == args.batch[0]:
             report[f"profile_b{b}"] = _profile(lambda: graphs.step(ids, pos, slots))
+            for row in report[f"profile_b{b}"]:
+                print(f"decode b={b} kernel", row, flush=True)
         for s in slots:
             cache.release(s)
 
@@ -158,8 +165,8 @@ def _eager_steps(net, cache, slots, pos, ids, n) -> float:
     return time.perf_counter() - t
 
 
-def _profile(step, reps: int = 5) -> list:
-    """GPU time per kernel name over a few graph replays: where a decode step's time goes."""
+def _profile(step, reps: int = 5, top: int = 15) -> list:
+    """GPU time per kernel name per call of step (ms, launches): where a step's time goes."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
@@ -167,7 +174,7 @@ def _profile(step, reps: int = 5) -> list:
         torch.cuda.synchronize()
     rows = [(e.key, e.device_time_total / reps / 1e3, e.count // reps) for e in prof.key_averages()]
     rows.sort(key=lambda r: -r[1])
-    return [[name[:60], round(ms, 4), n] for name, ms, n in rows[:15]]
+    return [[name[:60], round(ms, 4), n] for name, ms, n in rows[:top]]
 
 
 def hf_config(shape: str):

@@ -20,7 +20,7 @@ CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEV = "cuda" if CUDA else "cpu"
 kernels = pytest.mark.skipif(not (CUDA or INTERPRET), reason="needs CUDA or Triton's interpreter")
-SHAPES = [(21, 256), (9, 512)]  # rows not a multiple of the tile; K of one super-block
+SHAPES = [(21, 256), (9, 512), (5, 768)]  # rows not a multiple of the tile; K of one super-block; a partial step
 
 
 def rel(a, b) -> float:
@@ -59,7 +59,7 @@ def test_dequantize_kernel(qtype, rows, k):
 
 
 @kernels
-@pytest.mark.parametrize("m", [1, 5, 40])  # mat-vec, tensor-core mat-vec, dequantize + matmul
+@pytest.mark.parametrize("m", [1, 3, 5, 40])  # streaming mat-vec (1, 3), tile mat-vec, dequantize + matmul
 @pytest.mark.parametrize("rows,k", SHAPES)
 @pytest.mark.parametrize("qtype", QUANT_TYPES)
 def test_quant_linear(qtype, rows, k, m):

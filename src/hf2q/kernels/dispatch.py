@@ -42,11 +42,10 @@ def packed_linear(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
     """Several projections of the same input as one GEMM. On first use their weights are concatenated
     once and each Linear's weight becomes a view of the packed matrix (no second copy). Quantized
     projections of one type pack their blocks the same way (rows are whole blocks); a pack mixing
-    types or dense and quantized weights runs its projections one by one."""
+    types packs each type's projections together (llama.cpp's Q4_K_M gives the DeltaNet qkv Q5_K and
+    its z, alpha and beta Q4_K); dense projections in a quantized pack run one by one."""
     if any(lin.quantized for lin in linears):
-        if len({lin.qtype for lin in linears}) != 1:
-            return tuple(lin(x) for lin in linears)
-        return _packed_quant_linear(x, linears)
+        return _packed_by_type(x, linears)
     first = linears[0]
     packed = getattr(first, "_packed", None)
     if packed is None or packed.data_ptr() != first.weight.data_ptr() or packed.device != x.device:
@@ -59,6 +58,23 @@ def packed_linear(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
         first._packed = packed
     out = F.linear(x, packed)
     return torch.split(out, [lin.weight.shape[0] for lin in linears], dim=-1)
+
+
+def _packed_by_type(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
+    groups: dict[str | None, list[int]] = {}
+    for i, lin in enumerate(linears):
+        groups.setdefault(lin.qtype if lin.quantized else None, []).append(i)
+    if len(groups) == 1:
+        return _packed_quant_linear(x, linears)
+    out: list = [None] * len(linears)
+    for qtype, idx in groups.items():
+        if qtype is None or len(idx) == 1:
+            results = [linears[i](x) for i in idx]
+        else:
+            results = _packed_quant_linear(x, [linears[i] for i in idx])
+        for i, r in zip(idx, results):
+            out[i] = r
+    return tuple(out)
 
 
 def _packed_quant_linear(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:

@@ -1,7 +1,8 @@
 """Multiplying by GGUF-quantized weights: picks the Triton kernel or the exact reference, by device.
 
-Few rows (decode, verify) use the fused dequantize-and-multiply kernel, which reads each weight byte
-once. Many rows (prefill) dequantize the weight into a reused bf16 scratch buffer and multiply on
+A few rows (decode) go through the mat-vec kernel that streams the blocks (quant_gemv_triton); up to
+DECODE_ROWS rows through the fused dequantize-and-multiply tile kernel, which reads each weight byte
+once for all rows. Many rows (prefill) dequantize the weight into a reused bf16 scratch buffer and multiply on
 tensor cores: the dequantization costs one pass over the weight, the matmul dominates. Off CUDA (and
 without Triton's interpreter) the reference dequantizes with gguf and multiplies in fp32.
 """
@@ -14,7 +15,8 @@ import torch.nn.functional as F
 
 from hf2q.quant import dequantize_ref, row_bytes
 
-DECODE_ROWS = 16  # at most this many rows go through the fused mat-vec kernel
+GEMV_ROWS = 4  # at most this many rows go through the streaming mat-vec kernel
+DECODE_ROWS = 16  # at most this many rows go through the fused dequantize-and-multiply tile kernel
 MOE_PAIRS = 1024  # token-expert pairs below which reading chosen experts beats dequantizing every expert
 _SCRATCH: dict[tuple, torch.Tensor] = {}
 
@@ -61,7 +63,11 @@ def quant_linear(x: torch.Tensor, raw: torch.Tensor, qtype: str, out_features: i
     if not _triton(x):
         w = dequantize_ref(raw, qtype, (out_features, k)).to(x.device)
         return F.linear(x2.float(), w).to(x.dtype).reshape(*x.shape[:-1], out_features)
-    if x2.shape[0] <= DECODE_ROWS:
+    if x2.shape[0] <= GEMV_ROWS:
+        from hf2q.kernels.quant_gemv_triton import gemv
+
+        y = gemv(x2, raw, qtype, out_features)
+    elif x2.shape[0] <= DECODE_ROWS:
         from hf2q.kernels import quant_triton
 
         y = quant_triton.matvec(x2, raw, qtype, out_features)
@@ -78,9 +84,9 @@ def expert_linear(x: torch.Tensor, experts: torch.Tensor, raw: torch.Tensor, qty
     if not _triton(x):
         w = dequantize_ref(raw, qtype, (raw.shape[0], out_features, x.shape[-1])).to(x.device)
         return torch.einsum("pk,pnk->pn", x.float(), w[experts]).to(x.dtype)
-    from hf2q.kernels import quant_triton
+    from hf2q.kernels.quant_gemv_triton import gemv
 
-    return quant_triton.matvec(x, raw, qtype, out_features, experts=experts.to(torch.int32).contiguous())
+    return gemv(x, raw, qtype, out_features, experts=experts.to(torch.int32).contiguous())
 
 
 def moe_experts_quant(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate: tuple, up: tuple,

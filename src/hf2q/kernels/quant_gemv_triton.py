@@ -1,0 +1,194 @@
+"""Triton mat-vec reading GGUF blocks directly, built to move weight bytes at the memory's speed.
+
+Decode multiplies one activation row by every weight row, so the kernel's only job is to stream the
+blocks: each program owns BLOCK_N weight rows and walks them SB blocks at a time. Quantized values are
+loaded as whole contiguous byte runs (16-byte vector loads where the block size allows), multiplied by
+the matching activations, and summed per sub-block before the sub-block's scale is applied; K-quant
+mins are applied once per sub-block through the activation's sub-block sum. Nothing is dequantized to
+memory. One program column per activation row: with several rows (or MoE token-expert pairs, each its
+own expert) the programs of one weight tile run side by side and share it through L2.
+
+Layouts follow ggml's block structs byte for byte (see quant_triton.py); f16 fields are read through a
+float16 view of the same bytes.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+QTYPE_ID = {"Q8_0": 0, "Q4_0": 1, "Q4_K": 2, "Q5_K": 3, "Q6_K": 4}
+BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+BLOCK_ELEMS = {"Q8_0": 32, "Q4_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
+
+
+@triton.jit
+def _u8(w8, off, mask):
+    return tl.load(w8 + off, mask=mask, other=0).to(tl.int32)
+
+
+@triton.jit
+def _kquant_scale_min(w8, blk, s, mask):
+    """6-bit scale and min of sub-block s of each K-quant block (ggml's get_scale_min_k4).
+    blk: [BN, Q] byte offsets of the blocks; s: [Q] sub-block index 0..7."""
+    i = (s % 4)[None, :]
+    a = _u8(w8, blk + 4 + i, mask)
+    b = _u8(w8, blk + 8 + i, mask)
+    h = _u8(w8, blk + 12 + i, mask)
+    low = (s < 4)[None, :]
+    sc = tl.where(low, a & 63, (h & 15) | ((a >> 6) << 4))
+    mn = tl.where(low, b & 63, (h >> 4) | ((b >> 6) << 4))
+    return sc.to(tl.float32), mn.to(tl.float32)
+
+
+@triton.jit
+def _kquant_dots(w8, w16, x_row, row_base, row_ok, u0, n_units, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 SB: tl.constexpr):
+    """Σ over blocks u0 .. u0+SB of Q4_K / Q5_K rows times x, per row [BLOCK_N].
+
+    Tensors are [BLOCK_N, SB*4, 32]: axis 1 walks (block, 64-value chunk c), axis 2 the 32 bytes of
+    that chunk's quants; the low nibbles are sub-block 2c, the high nibbles sub-block 2c + 1."""
+    BB: tl.constexpr = 144 if QTYPE == 2 else 176
+    QS: tl.constexpr = 16 if QTYPE == 2 else 48
+    q = tl.arange(0, SB * 4)
+    l = tl.arange(0, 32)
+    u = u0 + q // 4
+    c = q % 4
+    u_ok = u < n_units
+    mask2 = row_ok[:, None] & u_ok[None, :]
+    mask3 = mask2[:, :, None]
+    blk = row_base[:, None] + (u * BB)[None, :]  # [BN, Q]
+    qs = _u8(w8, blk[:, :, None] + (QS + 32 * c)[None, :, None] + l[None, None, :], mask3)
+    xo = (u * 256 + 64 * c)[:, None] + l[None, :]  # [Q, 32]
+    x0 = tl.load(x_row + xo, mask=u_ok[:, None], other=0).to(tl.float32)
+    x1 = tl.load(x_row + xo + 32, mask=u_ok[:, None], other=0).to(tl.float32)
+    lo = qs & 15
+    hi = qs >> 4
+    if QTYPE == 3:  # fifth bit of each value: bit s of byte l of the 32-byte qh field
+        qh = _u8(w8, blk[:, :, None] + 16 + l[None, None, :], mask3)
+        lo += ((qh >> (2 * c)[None, :, None]) & 1) << 4
+        hi += ((qh >> (2 * c + 1)[None, :, None]) & 1) << 4
+    dot0 = tl.sum(lo.to(tl.float32) * x0[None, :, :], axis=2)  # [BN, Q]
+    dot1 = tl.sum(hi.to(tl.float32) * x1[None, :, :], axis=2)
+    sum0 = tl.sum(x0, axis=1)[None, :]
+    sum1 = tl.sum(x1, axis=1)[None, :]
+    sc0, mn0 = _kquant_scale_min(w8, blk, 2 * c, mask2)
+    sc1, mn1 = _kquant_scale_min(w8, blk, 2 * c + 1, mask2)
+    d = tl.load(w16 + blk // 2, mask=mask2, other=0).to(tl.float32)
+    dmin = tl.load(w16 + blk // 2 + 1, mask=mask2, other=0).to(tl.float32)
+    part = d * (sc0 * dot0 + sc1 * dot1) - dmin * (mn0 * sum0 + mn1 * sum1)
+    return tl.sum(part, axis=1)
+
+
+@triton.jit
+def _q6k_dots(w8, w16, x_row, row_base, row_ok, u0, n_units, BLOCK_N: tl.constexpr, SB: tl.constexpr):
+    """Σ over blocks u0 .. u0+SB of Q6_K rows times x, per row [BLOCK_N].
+
+    Block: 128 bytes of low nibbles, 64 bytes of 2-bit pairs, 16 int8 scales, f16 d. Value (half, j, l)
+    (index 128·half + 32·j + l) has its low nibble in byte 64·half + 32·(j % 2) + l, shifted by 4·(j // 2),
+    and its top bits in byte 128 + 32·half + l, shifted by 2·j. Axis 1 walks (block, r = 2·half + j % 2),
+    whose 32 low-nibble bytes are contiguous; the two nibbles of each byte are j // 2 = 0 and 1."""
+    q = tl.arange(0, SB * 4)
+    l = tl.arange(0, 32)
+    u = u0 + q // 4
+    r = q % 4
+    half = r // 2
+    jlo = r % 2
+    u_ok = u < n_units
+    mask2 = row_ok[:, None] & u_ok[None, :]
+    mask3 = mask2[:, :, None]
+    blk = row_base[:, None] + (u * 210)[None, :]  # [BN, Q]
+    ql = _u8(w8, blk[:, :, None] + (32 * r)[None, :, None] + l[None, None, :], mask3)
+    qh = _u8(w8, blk[:, :, None] + (128 + 32 * half)[None, :, None] + l[None, None, :], mask3)
+    g = tl.arange(0, SB * 8)  # 16-value groups: (block, half, j % 2, l // 16)
+    gu = u0 + g // 8
+    gr = g % 8
+    gmask = row_ok[:, None] & (gu < n_units)[None, :]
+    gblk = row_base[:, None] + (gu * 210)[None, :]
+    acc = tl.zeros((BLOCK_N, SB * 8), dtype=tl.float32)
+    for jhi in tl.static_range(2):
+        j = 2 * jhi + jlo  # [Q]
+        val = ((ql >> (4 * jhi)) & 15) | (((qh >> (2 * j)[None, :, None]) & 3) << 4)
+        xo = (u * 256 + 128 * half + 32 * j)[:, None] + l[None, :]
+        x = tl.load(x_row + xo, mask=u_ok[:, None], other=0).to(tl.float32)
+        prod = (val - 32).to(tl.float32) * x[None, :, :]  # [BN, Q, 32]
+        grp = tl.sum(tl.reshape(prod, (BLOCK_N, SB * 8, 16)), axis=2)  # [BN, SB*8]
+        # group gr = 4·half + 2·(j % 2) + l // 16 has scale 8·half + 4·(j // 2) + 2·(j % 2) + l // 16
+        sc = tl.load(w8 + gblk + (192 + 8 * (gr // 4) + 4 * jhi + gr % 4)[None, :], mask=gmask, other=0)
+        acc += grp * sc.to(tl.int8, bitcast=True).to(tl.float32)
+    d = tl.load(w16 + (gblk + 208) // 2, mask=gmask, other=0).to(tl.float32)
+    return tl.sum(acc * d, axis=1)
+
+
+@triton.jit
+def _q8_q4_dots(w8, w16, x_row, row_base, row_ok, u0, n_units, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr,
+                SB: tl.constexpr):
+    """Σ over 32-value blocks u0 .. u0+SB of Q8_0 (f16 d, 32 int8) or Q4_0 (f16 d, 16 bytes: value i is
+    nibble i // 16 of byte i % 16, minus 8) rows times x, per row [BLOCK_N]."""
+    s = tl.arange(0, SB)
+    u = u0 + s
+    u_ok = u < n_units
+    mask2 = row_ok[:, None] & u_ok[None, :]
+    if QTYPE == 0:
+        blk = row_base[:, None] + (u * 34)[None, :]
+        l = tl.arange(0, 32)
+        qv = tl.load(w8 + blk[:, :, None] + 2 + l[None, None, :], mask=mask2[:, :, None], other=0)
+        x = tl.load(x_row + (u * 32)[:, None] + l[None, :], mask=u_ok[:, None], other=0).to(tl.float32)
+        dot = tl.sum(qv.to(tl.int8, bitcast=True).to(tl.float32) * x[None, :, :], axis=2)
+    else:
+        blk = row_base[:, None] + (u * 18)[None, :]
+        l = tl.arange(0, 16)
+        qv = _u8(w8, blk[:, :, None] + 2 + l[None, None, :], mask2[:, :, None])
+        xo = (u * 32)[:, None] + l[None, :]
+        x0 = tl.load(x_row + xo, mask=u_ok[:, None], other=0).to(tl.float32)
+        x1 = tl.load(x_row + xo + 16, mask=u_ok[:, None], other=0).to(tl.float32)
+        dot = tl.sum(((qv & 15) - 8).to(tl.float32) * x0[None, :, :] + ((qv >> 4) - 8).to(tl.float32) * x1[None, :, :],
+                     axis=2)
+    d = tl.load(w16 + blk // 2, mask=mask2, other=0).to(tl.float32)
+    return tl.sum(d * dot, axis=1)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w8, w16, out_ptr, expert_ptr, N, row_bytes, n_units, expert_bytes, x_stride, out_stride,
+                 QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr, HAS_EXPERTS: tl.constexpr):
+    """out[m, n] = Σ_k x[m, k] · W[n, k]; with experts, row m uses expert expert_ptr[m]'s weight."""
+    m = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    row_base = rows.to(tl.int64) * row_bytes
+    if HAS_EXPERTS:
+        row_base += tl.load(expert_ptr + m).to(tl.int64) * expert_bytes
+    x_row = x_ptr + m.to(tl.int64) * x_stride
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for u0 in range(0, n_units, SB):
+        if QTYPE == 4:
+            acc += _q6k_dots(w8, w16, x_row, row_base, row_ok, u0, n_units, BLOCK_N, SB)
+        elif QTYPE >= 2:
+            acc += _kquant_dots(w8, w16, x_row, row_base, row_ok, u0, n_units, QTYPE, BLOCK_N, SB)
+        else:
+            acc += _q8_q4_dots(w8, w16, x_row, row_base, row_ok, u0, n_units, QTYPE, BLOCK_N, SB)
+    tl.store(out_ptr + m.to(tl.int64) * out_stride + rows, acc.to(out_ptr.dtype.element_ty), mask=row_ok)
+
+
+# (BLOCK_N, blocks per step, warps) by type; 32-value types step over more (smaller) blocks.
+CONFIG = {"Q8_0": (8, 16, 4), "Q4_0": (8, 16, 4), "Q4_K": (8, 2, 4), "Q5_K": (8, 2, 4), "Q6_K": (8, 2, 4)}
+
+
+def gemv(x: torch.Tensor, raw: torch.Tensor, qtype: str, n: int, experts: torch.Tensor | None = None,
+         config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """x [M, K] times quantized rows raw [(E,) N, row_bytes] -> [M, N] in x's dtype.
+
+    With `experts` [M] (int32), row m of x is multiplied by expert experts[m] of a stacked [E, N, ...] weight.
+    """
+    x = x.contiguous()
+    m, k = x.shape
+    n_units = k // BLOCK_ELEMS[qtype]
+    rb = n_units * BLOCK_BYTES[qtype]
+    block_n, sb, warps = config or CONFIG[qtype]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    flat = raw.view(-1)
+    _gemv_kernel[(m, triton.cdiv(n, block_n))](
+        x, flat, flat.view(torch.float16), out, experts if experts is not None else flat, n, rb, n_units, n * rb,
+        x.stride(0), out.stride(0), QTYPE=QTYPE_ID[qtype], BLOCK_N=block_n, SB=sb,
+        HAS_EXPERTS=experts is not None, num_warps=warps)
+    return out
