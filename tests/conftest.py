@@ -12,6 +12,6 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 from tests.support.fixtures import (  # noqa: F401  (pytest finds fixtures by name here)
-    gguf_dense_bf16, gguf_dense_f32, gguf_dense_q8_0, gguf_moe_f32, gguf_moe_q8_0, hf_dense_dir, hf_model_dense,
-    hf_model_moe, hf_moe_dir,
+    gguf_dense_bf16, gguf_dense_f32, gguf_dense_q4_k_m, gguf_dense_q8_0, gguf_moe_f32, gguf_moe_q4_k_m, gguf_moe_q8_0,
+    hf_dense_dir, hf_model_dense, hf_model_moe, hf_moe_dir,
 )

@@ -1,5 +1,6 @@
-"""A Q8_0 GGUF loaded with its projection weights kept as blocks gives the dequantized model's logits:
-on CPU through the exact reference, on CUDA through the Triton kernels (greedy tokens over 32 steps)."""
+"""Q8_0 and Q4_K_M GGUFs loaded with their projection weights kept as blocks give the dequantized model's
+logits: on CPU through the exact reference, on CUDA through the Triton kernels (greedy tokens over 32
+steps). The Q4_K_M files mix Q4_K, Q6_K, Q8_0 and F32 tensors (tests/support/requantize.py)."""
 from __future__ import annotations
 
 import pytest
@@ -27,25 +28,33 @@ def test_cpu_default_path_stays_dense(gguf_dense_q8_0):
     assert quantized_linears(load(gguf_dense_q8_0, False)) == 0
 
 
-def test_cpu_kept_blocks_match_dequantized_logits(gguf_dense_q8_0):
-    dense, kept = load(gguf_dense_q8_0, False), load(gguf_dense_q8_0, True)
+@pytest.mark.parametrize("fixture", ["gguf_dense_q8_0", "gguf_dense_q4_k_m", "gguf_moe_q4_k_m"])
+def test_cpu_kept_blocks_match_dequantized_logits(fixture, request):
+    path = request.getfixturevalue(fixture)
+    dense, kept = load(path, False), load(path, True)
     assert quantized_linears(kept) > 10
+    if "q4_k_m" in fixture:
+        kinds = {m.qtype for m in kept.modules() if isinstance(m, Linear) and m.quantized}
+        assert {"Q4_K", "Q8_0"} <= kinds
     a, b = dense.logits(PROMPT), kept.logits(PROMPT)
     assert float((a - b).abs().max()) <= 1e-4 * float(a.abs().max())
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_kept_blocks_greedy_match(gguf_dense_q8_0):
-    """Kernels vs the same file dequantized, both bf16 on the GPU: identical greedy tokens, or a first
-    difference at a near-tie (margin below 2% of the logit scale)."""
-    dense = load(gguf_dense_q8_0, False, "cuda", torch.bfloat16)
-    kept = load(gguf_dense_q8_0, True, "cuda", torch.bfloat16)
+@pytest.mark.parametrize("fixture", ["gguf_dense_q8_0", "gguf_dense_q4_k_m", "gguf_moe_q4_k_m"])
+def test_gpu_kept_blocks_greedy_match(fixture, request):
+    """The served path (fast path, kernels on the blocks) against the same file dequantized on the eager
+    path, both bf16 on the GPU: identical greedy tokens, or a first difference at a near-tie (margin
+    below 2% of the logit scale)."""
+    path = request.getfixturevalue(fixture)
+    dense = load(path, False, "cuda", torch.bfloat16)
+    kept = load(path, True, "cuda", torch.bfloat16)
     assert quantized_linears(kept) > 10
-    with fast_path("off"):  # the packed-projection fast path reads dense weights only
+    with fast_path("off"):
         a, margins = greedy(dense, 32)
-        b, _ = greedy(kept, 32)
         scale = float(dense.logits(PROMPT).abs().max())
+    b, _ = greedy(kept, 32)
     if a != b:
         first = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
         assert margins[first] < 0.02 * scale, (first, margins[first], scale)

@@ -7,11 +7,12 @@ added here with the same shapes a real checkpoint carries.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
 
-from tests.support.tokenizer_dir import write_tokenizer_files
+from tests.support.tokenizer_dir import cached_tokenizer_dir
 
 VOCAB = 248320
 
@@ -98,5 +99,6 @@ def write_checkpoint(out_dir: Path, kind: str = "dense", seed: int = 0, tie: boo
     cfg = json.loads((out_dir / "config.json").read_text())
     cfg["mtp_num_hidden_layers"] = 1
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=1))
-    write_tokenizer_files(out_dir)
+    for f in cached_tokenizer_dir().glob("*.json"):  # built once per cache, copied into every checkpoint
+        shutil.copyfile(f, out_dir / f.name)
     return out_dir

@@ -25,6 +25,7 @@ from tests.support.llama_cpp_sources import SDIST_VERSION, SourcesUnavailable
 REPO = Path(__file__).resolve().parents[2]
 CHECKPOINT_SOURCES = ("tests/support/checkpoints.py", "tests/support/tokenizer_dir.py")
 CONVERTER_SOURCES = ("src/hf2q/checkpoint/convert.py",)
+REQUANTIZE_SOURCES = ("tests/support/requantize.py", "src/hf2q/quant.py")
 
 
 def _key(paths: tuple[str, ...], *extra: str) -> str:
@@ -42,12 +43,15 @@ def _key(paths: tuple[str, ...], *extra: str) -> str:
 def fixture_dir(kind: str) -> Path:
     """Cache folder of "hf" checkpoints, "ours" (GGUFs by our converter) or "llama.cpp" GGUFs.
 
-    Each is keyed by the code that makes it: a converter change rebuilds only our GGUFs.
+    Each is keyed by the code that makes it: a converter change rebuilds only our GGUFs (and the
+    "requantized" K-quant files made from them).
     """
     if kind == "hf":
         key = "hf-" + _key(CHECKPOINT_SOURCES)
     elif kind == "ours":
         key = _key(CHECKPOINT_SOURCES + CONVERTER_SOURCES)
+    elif kind == "requantized":
+        key = "requantized-" + _key(CHECKPOINT_SOURCES + CONVERTER_SOURCES + REQUANTIZE_SOURCES)
     else:
         key = "llama.cpp-" + _key(CHECKPOINT_SOURCES, SDIST_VERSION)
     return llama_cpp_sources.CACHE / "fixtures" / key
@@ -104,6 +108,14 @@ def our_gguf(kind: str, outtype: str) -> Path:
 
     src = hf_checkpoint(kind)
     return cached(fixture_dir("ours"), f"{kind}-{outtype}.gguf", lambda p: convert(src, p, outtype))
+
+
+def q4_k_m_gguf(kind: str) -> Path:
+    """Our f32 GGUF rewritten with llama.cpp's Q4_K_M types (tests/support/requantize.py)."""
+    from tests.support.requantize import write_q4_k_m
+
+    src = our_gguf(kind, "f32")
+    return cached(fixture_dir("requantized"), f"{kind}-q4_k_m.gguf", lambda p: write_q4_k_m(src, p))
 
 
 def llama_cpp_gguf(kind: str, outtype: str, no_mtp: bool = False) -> Path:
@@ -176,3 +188,13 @@ def gguf_dense_q8_0() -> Path:
 @pytest.fixture(scope="session")
 def gguf_moe_q8_0() -> Path:
     return our_gguf("moe", "q8_0")
+
+
+@pytest.fixture(scope="session")
+def gguf_dense_q4_k_m() -> Path:
+    return q4_k_m_gguf("dense")
+
+
+@pytest.fixture(scope="session")
+def gguf_moe_q4_k_m() -> Path:
+    return q4_k_m_gguf("moe")
