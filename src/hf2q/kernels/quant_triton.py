@@ -1,5 +1,6 @@
-"""Triton kernels reading GGUF blocks directly: fused dequantize-and-multiply for a few rows (decode), and
-dequantize-to-bf16 for many rows (prefill multiplies the result on tensor cores).
+"""Triton kernels reading GGUF blocks directly: fused dequantize-and-multiply for a tile of rows (batched
+decode), and dequantize-to-bf16 for many rows (prefill multiplies the result on tensor cores). One or a
+few rows go through quant_gemv_triton instead.
 
 Every kernel walks a weight row in tiles of 256 values: one K-quant super-block, or eight 32-value
 Q8_0/Q4_0 blocks. Layouts follow ggml's block structs byte for byte; the f16 fields are read through
@@ -86,16 +87,14 @@ def dequant_tile(w8, w16, row_base, row_ok, t, nblk, QTYPE: tl.constexpr):
 
 
 @triton.jit
-def _matvec_kernel(x_ptr, w8, w16, out_ptr, expert_ptr, M, N, K, row_bytes, nblk, n_tiles, expert_bytes,
-                   x_stride, out_stride, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                   HAS_EXPERTS: tl.constexpr, DOT_BF16: tl.constexpr):
-    """out[m, n] = Σ_k x[m, k] · W[n, k]; with experts, program column m uses expert expert_ptr[m]."""
+def _matvec_kernel(x_ptr, w8, w16, out_ptr, M, N, K, row_bytes, nblk, n_tiles, x_stride, out_stride,
+                   QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, DOT_BF16: tl.constexpr):
+    """out[m, n] = Σ_k x[m, k] · W[n, k] for a tile of BLOCK_M rows of x: each weight tile is dequantized
+    once for all of them."""
     pid_n, pid_m = tl.program_id(0), tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     row_base = rows.to(tl.int64) * row_bytes
-    if HAS_EXPERTS:
-        row_base += tl.load(expert_ptr + pid_m).to(tl.int64) * expert_bytes
     ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = ms < M
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -132,22 +131,17 @@ def _geometry(qtype: str, k: int) -> tuple[int, int, int]:
     return nblk * BLOCK_BYTES[qtype], nblk, triton.cdiv(k, TILE)
 
 
-def matvec(x: torch.Tensor, raw: torch.Tensor, qtype: str, n: int, experts: torch.Tensor | None = None,
-           block_n: int = 16) -> torch.Tensor:
-    """x [M, K] times quantized rows raw [(E,) N, row_bytes] -> [M, N] in x's dtype.
-
-    With `experts` [M] (int), row m of x is multiplied by expert experts[m] of a stacked [E, N, ...] weight.
-    """
+def matvec(x: torch.Tensor, raw: torch.Tensor, qtype: str, n: int, block_n: int = 16) -> torch.Tensor:
+    """x [M, K] times quantized rows raw [N, row_bytes] -> [M, N] in x's dtype (tensor cores on CUDA)."""
     x = x.contiguous()
     m, k = x.shape
     rb, nblk, n_tiles = _geometry(qtype, k)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     flat = raw.view(-1)
-    block_m = 1 if (m == 1 or experts is not None) else 16
+    block_m = 1 if m == 1 else 16
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
-    _matvec_kernel[grid](x, flat, flat.view(torch.float16), out, experts if experts is not None else flat,
-                         m, n, k, rb, nblk, n_tiles, n * rb, x.stride(0), out.stride(0), QTYPE=QTYPE_ID[qtype],
-                         BLOCK_N=block_n, BLOCK_M=block_m, HAS_EXPERTS=experts is not None,
+    _matvec_kernel[grid](x, flat, flat.view(torch.float16), out, m, n, k, rb, nblk, n_tiles, x.stride(0),
+                         out.stride(0), QTYPE=QTYPE_ID[qtype], BLOCK_N=block_n, BLOCK_M=block_m,
                          DOT_BF16=x.is_cuda, num_warps=4)
     return out
 
