@@ -13,6 +13,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from hf2q.kernels.conv import causal_conv1d_varlen
 from hf2q.kernels.gdn import gated_delta_rule_ref
 from hf2q.layers.norm import rms_norm
 from hf2q.layers.rotary import apply_rotary
@@ -148,6 +149,23 @@ def conv_decode_(x: torch.Tensor, weight: torch.Tensor, state_pool: torch.Tensor
     return F.silu(y)
 
 
+# ---- causal conv1d, many tokens per sequence ------------------------------------------------------
+def conv_varlen_(x: torch.Tensor, weight: torch.Tensor, state_pool, slots, cu_seqlens: torch.Tensor,
+                 seq_lens: list[int]) -> torch.Tensor:
+    """SiLU(causal conv) of N sequences end to end in x [T, C] -> [T, C] in x's dtype. Each sequence starts
+    from state_pool[slots] ([S, K-1, C]) and its new state is written back there; state_pool None: zero
+    states, nothing written."""
+    if (_triton(x) and weight.shape[1] == 4 and x.stride(1) == 1
+            and (state_pool is None or state_pool.stride(2) == 1)):
+        from hf2q.kernels.conv_varlen_triton import conv_varlen_ as kernel
+        return kernel(x, weight, state_pool, slots, cu_seqlens)
+    states = state_pool[slots] if state_pool is not None else None
+    y, new = causal_conv1d_varlen(x, states, weight, seq_lens)
+    if state_pool is not None:
+        state_pool.index_copy_(0, slots, new.to(state_pool.dtype))
+    return y.to(x.dtype)
+
+
 # ---- Gated DeltaNet, one token per sequence ---------------------------------------------------------
 def gdn_decode_(qkv, a_raw, b_raw, A, dt_bias, z, norm_w, state_pool, slots, nk: int, dk: int, eps: float,
                 out_dtype: torch.dtype) -> torch.Tensor:
@@ -191,6 +209,19 @@ def chunk_gdn(q, k, v, g, beta, initial_state, cu_seqlens, seq_lens: list[int], 
         out[r], row = o, row + n
         finals.append(s)
     return out, torch.stack(finals) if finals else initial_state.float()
+
+
+def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
+                   out_dtype: torch.dtype) -> torch.Tensor:
+    """Per-head rms_norm(o) * weight * silu(z) of the DeltaNet output: o [T, H, D], z [T, H * D]
+    -> [T, H * D] in out_dtype."""
+    if _triton(o) and o.stride(2) == 1 and z.stride(1) == 1:
+        from hf2q.kernels.gated_norm_triton import gated_rms_norm as kernel
+        return kernel(o, z, weight, eps, out_dtype)
+    of = o.float()
+    of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    of = of * F.silu(z.float().reshape(o.shape))
+    return of.to(out_dtype).reshape(o.shape[0], -1)
 
 
 # ---- paged attention, one query per sequence --------------------------------------------------------

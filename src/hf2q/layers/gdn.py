@@ -12,7 +12,6 @@ from torch import nn
 from hf2q.config import ModelConfig
 from hf2q.forward import ForwardBatch
 from hf2q.kernels import dispatch
-from hf2q.kernels.conv import causal_conv1d_varlen
 from hf2q.kernels.gdn import causal_conv1d_ref, gated_delta_rule_ref
 from hf2q.kernels.meta import fast_meta
 from hf2q.layers.linear import Linear
@@ -86,22 +85,18 @@ class GatedDeltaNet(nn.Module):
                                         cache.recurrent_state[j], meta.slots, self.nk, self.dk, self.eps, x.dtype)
             return self.out(core)
         n = len(meta.seq_lens)
-        conv_states = cache.conv_state[j][meta.slots] if cache is not None else None
-        conv_out, new_conv = causal_conv1d_varlen(mixed, conv_states, self.conv, meta.seq_lens)
+        conv_pool, slots = (cache.conv_state[j], meta.slots) if cache is not None else (None, None)
+        conv_out = dispatch.conv_varlen_(mixed, self.conv, conv_pool, slots, meta.cu_seqlens, meta.seq_lens)
         if cache is not None:
             rec = cache.recurrent_state[j][meta.slots].float()
         else:
             rec = x.new_zeros(n, self.nv, self.dk, self.dv, dtype=torch.float32)
-        q, k, v = torch.split(conv_out.to(x.dtype), [self.nk * self.dk, self.nk * self.dk, self.nv * self.dv], dim=-1)
+        q, k, v = torch.split(conv_out, [self.nk * self.dk, self.nk * self.dk, self.nv * self.dv], dim=-1)
         t = x.shape[0]
         g = self.a.float() * F.softplus(alpha.float() + self.dt_bias.float())
         o, final = dispatch.chunk_gdn(q.view(t, self.nk, self.dk), k.view(t, self.nk, self.dk),
                                       v.view(t, self.nv, self.dv), g, torch.sigmoid(beta_raw.float()), rec,
                                       meta.cu_seqlens, meta.seq_lens, self.dk ** -0.5, self.eps)
         if cache is not None:
-            cache.conv_state[j].index_copy_(0, meta.slots, new_conv.to(cache.conv_state[j].dtype))
             cache.recurrent_state[j].index_copy_(0, meta.slots, final.to(cache.recurrent_state[j].dtype))
-        of = o.float()
-        of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm.float()
-        of = of * F.silu(z.float().reshape(t, self.nv, self.dv))
-        return self.out(of.to(x.dtype).reshape(t, -1))
+        return self.out(dispatch.gated_rms_norm(o, z, self.norm, self.eps, x.dtype))

@@ -1,0 +1,148 @@
+"""The prefill Triton kernels of the DeltaNet layer (varlen causal conv with in-place state update, gated
+RMSNorm) against the dispatcher's torch versions, which are the exact CPU path.
+
+Runs on CPU through Triton's interpreter, and on a CUDA GPU at real 9B sizes in bf16."""
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hf2q.kernels import dispatch
+
+triton = pytest.importorskip("triton")
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@contextlib.contextmanager
+def torch_only():
+    """Run the dispatcher's torch versions even while the interpreter is on."""
+    old = os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        yield
+    finally:
+        if old is not None:
+            os.environ["TRITON_INTERPRET"] = old
+
+
+@pytest.fixture(scope="module", params=["interpret", "cuda"])
+def env(request):
+    """(device, dtype, tolerance, real sizes?)"""
+    if request.param == "interpret" and not INTERPRET:
+        pytest.skip("interpreter runs in its own process (test_kernels_under_the_interpreter)")
+    if request.param == "cuda" and (INTERPRET or not torch.cuda.is_available()):
+        pytest.skip("needs CUDA")
+    if request.param == "cuda":
+        return "cuda", torch.bfloat16, 1e-2, True
+    return "cpu", torch.float32, 1e-5, False
+
+
+@pytest.mark.skipif(INTERPRET, reason="this is the interpreter run")
+def test_kernels_under_the_interpreter():
+    """Triton's interpreter must be on before triton is imported, so the CPU run is a child process."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                           "interpret and not under_the_interpreter"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout.split("\n")[-2], proc.stdout[-500:]
+
+
+def rel(a, b) -> float:
+    return float((a.float().cpu() - b.float().cpu()).norm() / b.float().cpu().norm())
+
+
+def randn(*shape, dev, dtype, gen, scale=1.0):
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(dev)
+
+
+@pytest.mark.parametrize("with_cache", [False, True])
+def test_conv_varlen_and_state_update(env, with_cache):
+    from hf2q.kernels.conv_varlen_triton import conv_varlen_
+    dev, dtype, tol, real = env
+    gen = torch.Generator().manual_seed(0)
+    # real: 9B conv channels; else channels not a multiple of the block, sequences crossing token blocks
+    lens, c = ([2, 1500, 1, 2593], 8192) if real else ([1, 37, 2, 0, 70, 3], 200)
+    t, n, s = sum(lens), len(lens), 9
+    packed = randn(t, c + 72, dev=dev, dtype=dtype, gen=gen)  # x is a column slice of the fused GEMM output
+    x = packed[:, :c]
+    w = randn(c, 4, dev=dev, dtype=torch.float32, gen=gen, scale=0.5)
+    cu = torch.zeros(n + 1, dtype=torch.long)
+    cu[1:] = torch.cumsum(torch.tensor(lens), 0)
+    slots = torch.tensor([5, 0, 3, 8, 6, 2][:n])
+    pool = ref_pool = None
+    if with_cache:  # states rounded to x's dtype (they are past inputs); slot 0 holds a zero state
+        pool = randn(s, 3, c, dev=dev, dtype=dtype, gen=gen).float()
+        pool[0] = 0
+        ref_pool = pool.cpu().clone()
+    y = conv_varlen_(x, w, pool, slots.to(dev) if with_cache else None, cu.to(dev))
+    with torch_only():
+        ref = dispatch.conv_varlen_(x.cpu().float(), w.cpu(), ref_pool, slots if with_cache else None, cu, lens)
+    assert y.dtype == x.dtype and y.shape == (t, c)
+    assert rel(y, ref) <= tol
+    if with_cache:
+        assert torch.equal(pool.cpu(), ref_pool)
+
+
+@pytest.mark.parametrize("dv", [32, 24])
+def test_gated_rms_norm(env, dv):
+    from hf2q.kernels.gated_norm_triton import gated_rms_norm
+    dev, dtype, tol, real = env
+    gen = torch.Generator().manual_seed(1)
+    t, nv, dv = (4096, 32, 128) if real else (37, 4, dv)  # rows = t * nv, not a multiple of the block
+    o = randn(t, nv, dv, dev=dev, dtype=dtype, gen=gen)
+    z = randn(t, nv * dv + 40, dev=dev, dtype=dtype, gen=gen)[:, :nv * dv]  # a slice of the fused GEMM output
+    w = randn(dv, dev=dev, dtype=torch.float32, gen=gen)
+    y = gated_rms_norm(o, z, w, 1e-6, dtype)
+    with torch_only():
+        ref = dispatch.gated_rms_norm(o.cpu().float(), z.cpu().float(), w.cpu(), 1e-6, torch.float32)
+    assert y.dtype == dtype and y.shape == (t, nv * dv)
+    assert rel(y, ref) <= tol
+
+
+@torch.inference_mode()
+def test_prefill_over_cache_matches_torch_versions(env, monkeypatch):
+    """The model's fast path with these kernels, prefill then short mixed chunks over cached states, equals the
+    same path through the dispatcher's torch versions: logits at each step and the DeltaNet states after."""
+    from hf2q.bench_shapes import random_model, tiny_config
+    from hf2q.cache.hybrid import HybridCache
+    from hf2q.config import CacheConfig
+    from hf2q.forward import ForwardBatch
+    dev, _, _, _ = env
+    net = random_model(tiny_config(), device="cpu", dtype=torch.float32, std=0.08, seed=3).to(dev)
+    gen = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(0, net.config.vocab_size, (n,), generator=gen).tolist() for n in (9, 7)]
+
+    def run():
+        cache = HybridCache(net.config, CacheConfig(num_slots=3, num_blocks=16, block_size=4), device=dev)
+        cache.acquire()  # slot 0 stays unused: the sequences' slots are not their batch rows
+        slots, done, out = [cache.acquire() for _ in seqs], [0, 0], []
+        for sizes in ([5, 2], [1, 3], [3, 2]):  # short chunks continue from nonzero states
+            ids, pos = [], []
+            for i, (slot, n) in enumerate(zip(slots, sizes)):
+                ids += seqs[i][done[i]:done[i] + n]
+                pos += range(done[i], done[i] + n)
+                cache.reserve(slot, done[i] + n)
+            batch = ForwardBatch(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), list(sizes),
+                                 list(done), slots, cache)
+            with dispatch.fast_path("force"):
+                out.append(net.compute_logits(net(batch)).cpu())
+            for i, n in enumerate(sizes):
+                done[i] += n
+                cache.commit(slots[i], done[i])
+        return out, [s.cpu() for s in cache.conv_state + cache.recurrent_state]
+
+    logits, states = run()
+    with monkeypatch.context() as m:
+        m.setattr(dispatch, "_triton", lambda x: False)
+        ref_logits, ref_states = run()
+    tol = 1e-4 if dev == "cpu" else 1e-3
+    for a, b in zip(logits, ref_logits):
+        assert rel(a, b) <= tol
+    for a, b in zip(states, ref_states):
+        assert rel(a, b) <= tol
