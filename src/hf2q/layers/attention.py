@@ -94,11 +94,8 @@ class GatedAttention(nn.Module):
             rows = slice(row, row + n)
             row += n
             if start == 0:  # the whole prefix is new: causal attention over these rows alone
-                rep = self.nh // self.nkv
-                kh = k[rows].repeat_interleave(rep, dim=1).transpose(0, 1)[None]
-                vh = v[rows].repeat_interleave(rep, dim=1).transpose(0, 1)[None]
-                o = F.scaled_dot_product_attention(q[rows].transpose(0, 1)[None], kh, vh, is_causal=True,
-                                                   scale=self.hd ** -0.5)
+                qh, kh, vh = (a[rows].transpose(0, 1)[None] for a in (q, k, v))  # [1, heads, n, hd]
+                o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.hd ** -0.5, enable_gqa=True)
                 out[rows] = o[0].transpose(0, 1)
                 continue
             every = cache.token_indices(slot, 0, start + n)
