@@ -76,6 +76,24 @@ def test_quant_linear(qtype, rows, k, m):
         assert got_bf.dtype == torch.bfloat16 and rel(got_bf, want) < 1e-2
 
 
+def _gemv_cases():
+    from hf2q.kernels.quant_gemv_triton import candidates
+
+    return [(q, c) for q in QUANT_TYPES for c in candidates(q)]
+
+
+@kernels
+@pytest.mark.parametrize("qtype,config", _gemv_cases())
+def test_gemv_every_candidate_config(qtype, config):
+    """Every configuration the device may pick is exact: rows not a multiple of BLOCK_N, a partial step."""
+    from hf2q.kernels.quant_gemv_triton import gemv
+
+    raw, w = case(qtype, 9, 768, seed=3)
+    x = torch.randn(2, 768, generator=torch.Generator().manual_seed(3))
+    got = gemv(x.to(DEV), raw, qtype, 9, config=config)
+    assert rel(got, x @ w.T) < 1e-5
+
+
 @kernels
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0"] if CUDA else ["Q6_K"])
 def test_moe_experts_quant(qtype):

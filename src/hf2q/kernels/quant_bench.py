@@ -3,17 +3,16 @@
 Decode: each projection's mat-vec at 1 (and 4, 16) rows, against the weight-bytes ceiling (bytes /
 bandwidth). Prefill: dequantize-to-scratch + bf16 matmul at 4096 rows, against the plain bf16 matmul.
 Kernel times come from CUDA-graph replays, so host launch cost is not counted (a served decode step is
-a graph replay too). `--sweep` also tries every mat-vec configuration per projection and prints the best.
-Run: python -m hf2q.kernels.quant_bench [--sweep]
+a graph replay too). The mat-vec configuration is the one its first use picked on this device; each
+projection's line shows it. Run: python -m hf2q.kernels.quant_bench
 """
 from __future__ import annotations
 
 import argparse
-import itertools
 
 import torch
 
-from hf2q.kernels.quant_gemv_triton import CONFIG, gemv
+from hf2q.kernels import quant_gemv_triton
 from hf2q.kernels.quant_ops import quant_linear
 from hf2q.quant import random_blocks
 
@@ -30,40 +29,18 @@ LAYER_SET = [("gdn.qkv", 8192, H, "Q5_K", 24), ("gdn.z+a+b", 4096 + 64, H, "Q4_K
 def _us(fn) -> float:
     from triton.testing import do_bench_cudagraph
 
-    return do_bench_cudagraph(fn, rep=50) * 1e3
-
-
-def _configs(qtype: str):
-    sbs = (8, 16, 32) if qtype in ("Q8_0", "Q4_0") else (1, 2, 4)
-    return list(itertools.product((4, 8, 16, 32), sbs, (2, 4, 8)))
-
-
-def sweep(name, n, k, qtype, raw) -> tuple[tuple, float, float]:
-    x1 = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-    want = gemv(x1, raw, qtype, n).float()
-    best, best_us = None, float("inf")
-    default_us = _us(lambda: gemv(x1, raw, qtype, n))
-    for cfg in _configs(qtype):
-        try:
-            got = gemv(x1, raw, qtype, n, config=cfg).float()
-            assert float((got - want).norm() / want.norm()) < 1e-2, cfg
-            us = _us(lambda: gemv(x1, raw, qtype, n, config=cfg))
-        except Exception as e:  # noqa: BLE001 - a config that does not compile is skipped
-            print(f"  {name} {cfg}: {type(e).__name__} {str(e)[:80]}")
-            continue
-        if us < best_us:
-            best, best_us = cfg, us
-    return best, best_us, default_us
+    fn()  # eager first: compiles, and picks the mat-vec configuration outside graph capture
+    torch.cuda.synchronize()
+    return do_bench_cudagraph(fn, rep=20) * 1e3
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--sweep", action="store_true", help="try every mat-vec configuration per projection")
     p.add_argument("--no-prefill", action="store_true")
     args = p.parse_args(argv)
     print(f"{'proj':12} {'type':5} {'shape':>14} {'MB':>7} {'b=1 us':>8} {'%bw':>5} {'b=4 us':>8} {'b=16 us':>8} "
           f"{'4096 ms':>8} {'bf16 ms':>8}", flush=True)
-    tot = dict(dec=0.0, dec4=0.0, dec16=0.0, best=0.0, bytes=0.0, pre=0.0, bf=0.0)
+    tot = dict(dec=0.0, dec4=0.0, dec16=0.0, bytes=0.0, pre=0.0, bf=0.0)
     for name, n, k, qtype, times in LAYER_SET:
         raw = random_blocks(qtype, n, k, std=0.02, seed=n + k).cuda()
         xs = {m: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in (1, 4, 16)}
@@ -79,15 +56,11 @@ def main(argv=None) -> None:
         print(f"{name:12} {qtype:5} {f'{n}x{k}':>14} {nbytes / 1e6:7.1f} {dec[1]:8.1f} "
               f"{100 * nbytes / BANDWIDTH / (dec[1] * 1e-6):5.0f} {dec[4]:8.1f} {dec[16]:8.1f} {pre:8.2f} {bf:8.2f}",
               flush=True)
-        best_us = dec[1]
-        if args.sweep:
-            cfg, best_us, default_us = sweep(name, n, k, qtype, raw)
-            print(f"  sweep {name}: best {cfg} {best_us:.1f} us ({100 * nbytes / BANDWIDTH / (best_us * 1e-6):.0f}% bw),"
-                  f" default {CONFIG[qtype]} {default_us:.1f} us", flush=True)
+        picked = {key[3]: cfg for key, cfg in quant_gemv_triton._TUNED.items() if key[:3] == (qtype, n, k)}
+        print(f"  mat-vec configs by rows: {picked}", flush=True)
         tot["dec"] += dec[1] * times
         tot["dec4"] += dec[4] * times
         tot["dec16"] += dec[16] * times
-        tot["best"] += best_us * times
         tot["bytes"] += nbytes * times
         tot["pre"] += pre * times
         tot["bf"] += bf * times
@@ -95,7 +68,7 @@ def main(argv=None) -> None:
     ms = tot["dec"] / 1e3
     print(f"9B Q4_K_M projections: {tot['bytes'] / 1e9:.2f} GB; decode b=1 {ms:.3f} ms/token "
           f"({1e3 / ms:.0f} tok/s bound, {100 * tot['bytes'] / BANDWIDTH / (ms * 1e-3):.0f}% of bandwidth, "
-          f"ceiling {BANDWIDTH / tot['bytes']:.0f} tok/s); best configs {tot['best'] / 1e3:.3f} ms; "
+          f"ceiling {BANDWIDTH / tot['bytes']:.0f} tok/s); "
           f"b=4 {tot['dec4'] / 1e3:.3f} ms/step; b=16 {tot['dec16'] / 1e3:.3f} ms/step; "
           f"prefill 4096 {tot['pre']:.1f} ms ({4096e3 / max(tot['pre'], 1e-9):.0f} tok/s bound; "
           f"bf16 weights {tot['bf']:.1f} ms)", flush=True)

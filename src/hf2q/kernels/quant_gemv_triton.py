@@ -13,6 +13,8 @@ float16 view of the same bytes.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -78,6 +80,65 @@ def _kquant_dots(w8, w16, x_row, row_base, row_ok, u0, n_units, QTYPE: tl.conste
     dmin = tl.load(w16 + blk // 2 + 1, mask=mask2, other=0).to(tl.float32)
     part = d * (sc0 * dot0 + sc1 * dot1) - dmin * (mn0 * sum0 + mn1 * sum1)
     return tl.sum(part, axis=1)
+
+
+@triton.jit
+def _f16_bits(bits):
+    """float32 value of the f16 whose bits are the low 16 of int32 `bits`."""
+    return (bits & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _kquant_dots_blockwise(w8, w32, x_row, row_base, row_ok, u0, n_units, QTYPE: tl.constexpr,
+                           BLOCK_N: tl.constexpr, SB: tl.constexpr):
+    """_kquant_dots with tensors [BLOCK_N, SB, 4, 32] (row, block, chunk, byte): each block's 16-byte head
+    (d, dmin, 12 scale bytes) is read as four int32 words once, and its eight scales and mins are
+    unpacked from them in registers instead of byte by byte."""
+    BB: tl.constexpr = 144 if QTYPE == 2 else 176
+    QS: tl.constexpr = 16 if QTYPE == 2 else 48
+    sb = tl.arange(0, SB)
+    c = tl.arange(0, 4)
+    l = tl.arange(0, 32)
+    u = u0 + sb
+    u_ok = u < n_units
+    mask2 = row_ok[:, None] & u_ok[None, :]  # [BN, SB]
+    mask4 = mask2[:, :, None, None]
+    blk = row_base[:, None] + (u * BB)[None, :]  # [BN, SB] byte offsets, multiples of 16
+    qs = _u8(w8, blk[:, :, None, None] + (QS + 32 * c)[None, None, :, None] + l[None, None, None, :], mask4)
+    xo = (u * 256)[:, None, None] + (64 * c)[None, :, None] + l[None, None, :]  # [SB, 4, 32]
+    x0 = tl.load(x_row + xo, mask=u_ok[:, None, None], other=0).to(tl.float32)
+    x1 = tl.load(x_row + xo + 32, mask=u_ok[:, None, None], other=0).to(tl.float32)
+    lo = qs & 15
+    hi = qs >> 4
+    if QTYPE == 3:  # fifth bit of each value: bit s of byte l of the 32-byte qh field
+        qh = _u8(w8, blk[:, :, None, None] + 16 + l[None, None, None, :], mask4)
+        lo += ((qh >> (2 * c)[None, None, :, None]) & 1) << 4
+        hi += ((qh >> (2 * c + 1)[None, None, :, None]) & 1) << 4
+    dot0 = tl.sum(lo.to(tl.float32) * x0[None, :, :, :], axis=3)  # [BN, SB, 4]: sub-blocks 2c
+    dot1 = tl.sum(hi.to(tl.float32) * x1[None, :, :, :], axis=3)  # sub-blocks 2c + 1
+    sum0 = tl.sum(x0, axis=2)[None, :, :]
+    sum1 = tl.sum(x1, axis=2)[None, :, :]
+    word = blk // 4
+    head = tl.load(w32 + word, mask=mask2, other=0)
+    d = _f16_bits(head)[:, :, None]
+    dmin = _f16_bits(head >> 16)[:, :, None]
+    wa = tl.load(w32 + word + 1, mask=mask2, other=0)[:, :, None]  # scale bytes 0-3
+    wb = tl.load(w32 + word + 2, mask=mask2, other=0)[:, :, None]  # 4-7
+    wh = tl.load(w32 + word + 3, mask=mask2, other=0)[:, :, None]  # 8-11
+    low = (c < 2)[None, None, :]
+    acc = tl.zeros((BLOCK_N, SB, 4), dtype=tl.float32)
+    for nib in tl.static_range(2):  # sub-block s = 2c + nib; ggml's get_scale_min_k4 with i = s % 4
+        shift = (8 * ((2 * c + nib) % 4))[None, None, :]
+        a = (wa >> shift) & 255
+        b = (wb >> shift) & 255
+        h = (wh >> shift) & 255
+        sc = tl.where(low, a & 63, (h & 15) | ((a >> 6) << 4)).to(tl.float32)
+        mn = tl.where(low, b & 63, (h >> 4) | ((b >> 6) << 4)).to(tl.float32)
+        if nib == 0:
+            acc += d * sc * dot0 - dmin * mn * sum0
+        else:
+            acc += d * sc * dot1 - dmin * mn * sum1
+    return tl.sum(tl.sum(acc, axis=2), axis=1)
 
 
 @triton.jit
@@ -149,8 +210,9 @@ def _q8_q4_dots(w8, w16, x_row, row_base, row_ok, u0, n_units, QTYPE: tl.constex
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w8, w16, out_ptr, expert_ptr, N, row_bytes, n_units, expert_bytes, x_stride, out_stride,
-                 QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr, HAS_EXPERTS: tl.constexpr):
+def _gemv_kernel(x_ptr, w8, w16, w32, out_ptr, expert_ptr, N, row_bytes, n_units, expert_bytes, x_stride,
+                 out_stride, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr, BLOCKWISE: tl.constexpr,
+                 HAS_EXPERTS: tl.constexpr):
     """out[m, n] = Σ_k x[m, k] · W[n, k]; with experts, row m uses expert expert_ptr[m]'s weight."""
     m = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -163,6 +225,8 @@ def _gemv_kernel(x_ptr, w8, w16, out_ptr, expert_ptr, N, row_bytes, n_units, exp
     for u0 in range(0, n_units, SB):
         if QTYPE == 4:
             acc += _q6k_dots(w8, w16, x_row, row_base, row_ok, u0, n_units, BLOCK_N, SB)
+        elif QTYPE >= 2 and BLOCKWISE:
+            acc += _kquant_dots_blockwise(w8, w32, x_row, row_base, row_ok, u0, n_units, QTYPE, BLOCK_N, SB)
         elif QTYPE >= 2:
             acc += _kquant_dots(w8, w16, x_row, row_base, row_ok, u0, n_units, QTYPE, BLOCK_N, SB)
         else:
@@ -170,12 +234,55 @@ def _gemv_kernel(x_ptr, w8, w16, out_ptr, expert_ptr, N, row_bytes, n_units, exp
     tl.store(out_ptr + m.to(tl.int64) * out_stride + rows, acc.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
-# (BLOCK_N, blocks per step, warps) by type; 32-value types step over more (smaller) blocks.
-CONFIG = {"Q8_0": (8, 16, 4), "Q4_0": (8, 16, 4), "Q4_K": (8, 2, 4), "Q5_K": (8, 2, 4), "Q6_K": (8, 2, 4)}
+# (BLOCK_N, blocks per step, warps, blockwise head unpacking) by type: the defaults, and the candidates
+# timed on the device at a shape's first use (see best_config). 32-value types step over more blocks.
+CONFIG = {"Q8_0": (4, 16, 2, False), "Q4_0": (4, 16, 2, False), "Q4_K": (4, 4, 2, False),
+          "Q5_K": (4, 4, 2, False), "Q6_K": (4, 4, 2, False)}
+_K_CANDIDATES = [(4, 4, 2), (2, 4, 1), (2, 8, 2), (4, 8, 2), (8, 4, 4), (4, 2, 2), (1, 8, 1)]
+_B_CANDIDATES = [(4, 16, 2), (2, 16, 1), (4, 32, 2), (8, 16, 4), (2, 32, 2)]
+_TUNED: dict[tuple, tuple] = {}
+
+
+def candidates(qtype: str) -> list[tuple[int, int, int, bool]]:
+    if qtype in ("Q8_0", "Q4_0"):
+        return [(*c, False) for c in _B_CANDIDATES]
+    blockwise = (True, False) if qtype in ("Q4_K", "Q5_K") else (False,)
+    return [(*c, b) for b in blockwise for c in _K_CANDIDATES]
+
+
+def _time(fn, reps: int = 10) -> float:
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def best_config(x, raw, qtype: str, n: int, experts) -> tuple[int, int, int, bool]:
+    """The fastest candidate for this shape, timed once per (type, N, K, rows, experts) on CUDA outside
+    graph capture (the capture's warm-up step does it); the default elsewhere, or with HF2Q_GEMV_TUNE=0."""
+    if not x.is_cuda or os.environ.get("HF2Q_GEMV_TUNE", "1") == "0":
+        return CONFIG[qtype]
+    key = (qtype, n, x.shape[1], x.shape[0], experts is not None, x.dtype)
+    cfg = _TUNED.get(key)
+    if cfg is None:
+        if torch.cuda.is_current_stream_capturing():
+            return CONFIG[qtype]
+        timed = []
+        for c in candidates(qtype):
+            try:
+                timed.append((_time(lambda c=c: gemv(x, raw, qtype, n, experts, config=c)), c))
+            except Exception:  # noqa: BLE001 - a candidate the compiler rejects is skipped
+                continue
+        cfg = _TUNED[key] = min(timed)[1] if timed else CONFIG[qtype]
+    return cfg
 
 
 def gemv(x: torch.Tensor, raw: torch.Tensor, qtype: str, n: int, experts: torch.Tensor | None = None,
-         config: tuple[int, int, int] | None = None) -> torch.Tensor:
+         config: tuple[int, int, int, bool] | None = None) -> torch.Tensor:
     """x [M, K] times quantized rows raw [(E,) N, row_bytes] -> [M, N] in x's dtype.
 
     With `experts` [M] (int32), row m of x is multiplied by expert experts[m] of a stacked [E, N, ...] weight.
@@ -184,11 +291,12 @@ def gemv(x: torch.Tensor, raw: torch.Tensor, qtype: str, n: int, experts: torch.
     m, k = x.shape
     n_units = k // BLOCK_ELEMS[qtype]
     rb = n_units * BLOCK_BYTES[qtype]
-    block_n, sb, warps = config or CONFIG[qtype]
+    block_n, sb, warps, blockwise = config or best_config(x, raw, qtype, n, experts)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     flat = raw.view(-1)
+    words = flat.view(torch.int32) if blockwise else flat
     _gemv_kernel[(m, triton.cdiv(n, block_n))](
-        x, flat, flat.view(torch.float16), out, experts if experts is not None else flat, n, rb, n_units, n * rb,
-        x.stride(0), out.stride(0), QTYPE=QTYPE_ID[qtype], BLOCK_N=block_n, SB=sb,
+        x, flat, flat.view(torch.float16), words, out, experts if experts is not None else flat, n, rb, n_units,
+        n * rb, x.stride(0), out.stride(0), QTYPE=QTYPE_ID[qtype], BLOCK_N=block_n, SB=sb, BLOCKWISE=blockwise,
         HAS_EXPERTS=experts is not None, num_warps=warps)
     return out
