@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from hf2q.kernels import dispatch
 
 
 class Linear(nn.Module):
@@ -33,7 +34,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweight is None:
-            return F.linear(x, self.weight)
+            return dispatch.linear(x, self.weight)
         from hf2q.kernels.quant_ops import quant_linear
 
         return quant_linear(x, self.qweight, self.qtype, self.out_features)

@@ -105,10 +105,12 @@ class Qwen35Model(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits [T, vocab]; an untied head goes through its Linear, so it may stay quantized."""
-        if self.lm_head is None:
-            return F.linear(hidden, self.embed).float()
-        return self.lm_head(hidden).float()
+        """fp32 logits [T, vocab]; a quantized head goes through its Linear. A dense one asks for fp32 out
+        directly (the GEMV writes it, saving a cast kernel over the vocabulary)."""
+        if self.lm_head is not None and self.lm_head.quantized:
+            return self.lm_head(hidden).float()
+        weight = self.embed if self.lm_head is None else self.lm_head.weight
+        return dispatch.linear(hidden, weight, torch.float32)
 
     @torch.inference_mode()
     def logits(self, token_ids) -> torch.Tensor:

@@ -1,0 +1,122 @@
+"""Triton bf16 GEMV / skinny GEMM y = x Wᵀ for at most 4 rows of x (decode at batch ≤ 4).
+
+At M = 1 cuBLAS picks split-K tiles for most projections and adds a reduce kernel after them. Here each
+program owns BLOCK_N rows of W and walks all of K in BLOCK_K-wide tiles (16-byte loads along the
+contiguous rows of W), accumulating in fp32, so one launch writes the output and nothing is reduced
+afterwards. One row of x runs on the CUDA cores; 2..4 rows on the tensor cores (x padded to 16 rows),
+since the CUDA cores' multiply-adds per W element grow with the rows and a 4-row CUDA-core version
+measured twice as slow as cuBLAS. The configuration of an (N, K) comes from `TABLE` (filled from
+`python -m hf2q.kernels.gemv_bench`), else from `default_config`. STAGES > 1 software-pipelines the K
+loop (asynchronous copies into shared memory), which pays only when a program walks many K tiles. The
+K loop's trip count is a compile-time constant: one compilation per K of the model, a handful.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_ROWS = 4
+
+Config = tuple[int, int, int, int]  # (BLOCK_N, BLOCK_K, num_warps, STAGES)
+
+# (N, K, 1 for one row of x or MAX_ROWS for 2..MAX_ROWS rows) -> Config, from `gemv_bench` on an H200.
+TABLE: dict[tuple[int, int, int], Config] = {
+    (8224, 2048, 1): (2, 2048, 8, 1),  # 2b gdn.qkv+z+a+b: 9.7 µs, cuBLAS 11.3
+    (2048, 2048, 1): (1, 2048, 4, 1),  # 2b gdn.out, attn.o: 4.1 µs, cuBLAS 6.1
+    (5120, 2048, 1): (2, 2048, 8, 1),  # 2b attn.q+g+k+v: 6.9 µs, cuBLAS 8.1
+    (12288, 2048, 1): (1, 2048, 4, 1),  # 2b mlp.gate+up: 13.6 µs, cuBLAS 15.4
+    (2048, 6144, 1): (1, 2048, 4, 1),  # 2b mlp.down: 7.8 µs, cuBLAS 11.4
+    (248320, 2048, 1): (2, 1024, 4, 1),  # 2b lm_head: 224.0 µs, cuBLAS 254.8
+    (8224, 2048, 4): (64, 256, 4, 3),  # 2b gdn.qkv+z+a+b: 11.5 µs, cuBLAS 11.1
+    (2048, 2048, 4): (64, 128, 4, 5),  # 2b gdn.out, attn.o: 6.1 µs, cuBLAS 6.1
+    (5120, 2048, 4): (64, 128, 4, 5),  # 2b attn.q+g+k+v: 8.8 µs, cuBLAS 8.1
+    (12288, 2048, 4): (64, 128, 4, 5),  # 2b mlp.gate+up: 16.7 µs, cuBLAS 15.8
+    (2048, 6144, 4): (64, 128, 4, 5),  # 2b mlp.down: 13.6 µs, cuBLAS 11.5
+    (248320, 2048, 4): (64, 128, 4, 5),  # 2b lm_head: 239.6 µs, cuBLAS 250.2
+}
+
+
+@triton.jit
+def _load(ptrs, k_ok, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        return tl.load(ptrs)
+    else:
+        return tl.load(ptrs, mask=k_ok, other=0.0)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 K_TILES: tl.constexpr, STAGES: tl.constexpr, EVEN_K: tl.constexpr):
+    """One row of x: multiply-adds on the CUDA cores, one reduction over K per tile."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_K)
+    # Rows past N re-read row N-1 so W's loads need no row mask; only the stores are masked.
+    w_ptrs = w_ptr + tl.minimum(rows, N - 1).to(tl.int64)[:, None] * stride_wn + cols[None, :]
+    # x is re-read in W's own layout (from L1): no shuffle of x through shared memory every tile.
+    x_ptrs = x_ptr + (rows * 0)[:, None] + cols[None, :]
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for t in tl.range(0, K_TILES, num_stages=STAGES):
+        k_ok = (t * BLOCK_K + cols < K)[None, :]
+        w = _load(w_ptrs, k_ok, EVEN_K).to(tl.float32)
+        acc += tl.sum(w * _load(x_ptrs, k_ok, EVEN_K).to(tl.float32), 1)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    tl.store(y_ptr + rows, acc.to(y_ptr.dtype.element_ty), mask=rows < N)
+
+
+@triton.jit
+def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, STAGES: tl.constexpr, EVEN_K: tl.constexpr):
+    """2..16 rows of x: W tile [BLOCK_N, BLOCK_K] times xᵀ [BLOCK_K, 16] on the tensor cores, so each W
+    element costs no CUDA-core work per row of x."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_K)
+    ms = tl.arange(0, 16)
+    w_ptrs = w_ptr + tl.minimum(rows, N - 1).to(tl.int64)[:, None] * stride_wn + cols[None, :]
+    # Rows of x past M repeat row M-1 (their outputs are never stored), so x's loads need no row mask either.
+    x_ptrs = x_ptr + tl.minimum(ms, M - 1)[None, :] * stride_xm + cols[:, None]  # xᵀ [BLOCK_K, 16]
+    acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+    for t in tl.range(0, K_TILES, num_stages=STAGES):
+        k_ok = t * BLOCK_K + cols < K
+        acc = tl.dot(_load(w_ptrs, k_ok[None, :], EVEN_K), _load(x_ptrs, k_ok[:, None], EVEN_K), acc)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    y_ptrs = y_ptr + ms[None, :] * stride_ym + rows[:, None]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rows < N)[:, None] & (ms < M)[None, :])
+
+
+def default_config(n: int, k: int, m: int) -> Config:
+    """The configuration of a shape the table lacks. One row: one or two rows of W per program over K
+    tiles of up to 2048 (the 2B sweep's winners: many small programs, each loading its whole strip at
+    once). Several rows: 64 rows of W per program over 5-stage pipelined K tiles of 128 (the 2B sweep's
+    winner at 2 and 4 rows on every shape but one)."""
+    if m == 1:
+        return (2 if n >= 65536 else 1), min(2048, triton.next_power_of_2(k)), 4, 1
+    return 64, min(128, triton.next_power_of_2(k)), 4, 5
+
+
+def pick_config(n: int, k: int, m: int) -> Config:
+    return TABLE.get((n, k, 1 if m == 1 else MAX_ROWS)) or default_config(n, k, m)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None,
+         config: Config | None = None) -> torch.Tensor:
+    """x [..., K] with 1..4 rows in all, weight [N, K] with contiguous rows -> x Wᵀ [..., N] in out_dtype
+    (default x's dtype). `config` overrides the table (the bench sweeps it)."""
+    k = x.shape[-1]
+    n = weight.shape[0]
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    assert 1 <= m <= MAX_ROWS, f"gemv takes 1..{MAX_ROWS} rows, got {m}"
+    assert weight.shape[1] == k and weight.stride(1) == 1 and x2.stride(1) == 1
+    y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
+    block_n, block_k, num_warps, stages = config or pick_config(n, k, m)
+    meta = dict(BLOCK_N=block_n, BLOCK_K=block_k, K_TILES=triton.cdiv(k, block_k), STAGES=stages,
+                EVEN_K=k % block_k == 0, num_warps=num_warps)
+    grid = (triton.cdiv(n, block_n),)
+    if m == 1:
+        _gemv_kernel[grid](x2, weight, y, n, k, weight.stride(0), **meta)
+    else:
+        _skinny_kernel[grid](x2, weight, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0), **meta)
+    return y.view(*x.shape[:-1], n)
