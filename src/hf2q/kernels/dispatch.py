@@ -192,6 +192,19 @@ def conv_varlen_(x: torch.Tensor, weight: torch.Tensor, state_pool, slots, cu_se
 
 
 # ---- Gated DeltaNet, one token per sequence ---------------------------------------------------------
+def gdn_conv_decode_(x, conv_w, conv_pool, a_raw, b_raw, A, dt_bias, z, norm_w, state_pool, slots, nk: int, dk: int,
+                     eps: float, out_dtype: torch.dtype) -> torch.Tensor:
+    """conv_decode_ then gdn_decode_ of the qkv projection x [B, C], in one kernel where Triton runs (one
+    launch per layer fewer); conv_pool and state_pool updated in place at `slots`."""
+    if (_triton(x) and conv_w.shape[1] == 4 and state_pool.dtype == torch.float32 and x.stride(1) == 1
+            and conv_pool.stride(2) == 1):
+        from hf2q.kernels.gdn_decode_triton import gdn_conv_decode_ as kernel
+        return kernel(x, conv_w, conv_pool, a_raw, b_raw, A, dt_bias, z, norm_w, state_pool, slots, nk, dk, eps,
+                      out_dtype)
+    return gdn_decode_(conv_decode_(x, conv_w, conv_pool, slots), a_raw, b_raw, A, dt_bias, z, norm_w, state_pool,
+                       slots, nk, dk, eps, out_dtype)
+
+
 def gdn_decode_(qkv, a_raw, b_raw, A, dt_bias, z, norm_w, state_pool, slots, nk: int, dk: int, eps: float,
                 out_dtype: torch.dtype) -> torch.Tensor:
     """Fused decode step of every sequence (see gdn_decode_triton); state_pool[slots] updated in place."""

@@ -80,9 +80,9 @@ class GatedDeltaNet(nn.Module):
         mixed, z, alpha, beta_raw = dispatch.packed_linear(x, (self.qkv, self.z, self.alpha, self.beta))
         j = cache.linear_index(self.layer_id) if cache is not None else None
         if meta.decode and cache is not None:
-            conv_out = dispatch.conv_decode_(mixed, self.conv, cache.conv_state[j], meta.slots)
-            core = dispatch.gdn_decode_(conv_out, alpha, beta_raw, self.a, self.dt_bias, z, self.norm,
-                                        cache.recurrent_state[j], meta.slots, self.nk, self.dk, self.eps, x.dtype)
+            core = dispatch.gdn_conv_decode_(mixed, self.conv, cache.conv_state[j], alpha, beta_raw, self.a,
+                                             self.dt_bias, z, self.norm, cache.recurrent_state[j], meta.slots,
+                                             self.nk, self.dk, self.eps, x.dtype)
             return self.out(core)
         n = len(meta.seq_lens)
         conv_pool, slots = (cache.conv_state[j], meta.slots) if cache is not None else (None, None)

@@ -1,0 +1,212 @@
+"""The decode-step kernels: the Triton GEMV against F.linear, and the DeltaNet decode with the causal conv
+folded in against the conv + DeltaNet pair it replaces (the dispatcher's torch versions, and on a GPU
+the two Triton kernels too).
+
+Runs on CPU through Triton's interpreter (small odd sizes, fp32), and on a CUDA GPU at 2B/9B sizes in bf16."""
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hf2q.kernels import dispatch
+
+triton = pytest.importorskip("triton")
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@contextlib.contextmanager
+def torch_only():
+    """Run the dispatcher's torch versions even while the interpreter is on."""
+    old = os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        yield
+    finally:
+        if old is not None:
+            os.environ["TRITON_INTERPRET"] = old
+
+
+@pytest.fixture(scope="module", params=["interpret", "cuda"])
+def env(request):
+    """(device, dtype, real sizes?)"""
+    if request.param == "interpret" and not INTERPRET:
+        pytest.skip("interpreter runs in its own process (test_kernels_under_the_interpreter)")
+    if request.param == "cuda" and (INTERPRET or not torch.cuda.is_available()):
+        pytest.skip("needs CUDA")
+    if request.param == "cuda":
+        return "cuda", torch.bfloat16, True
+    return "cpu", torch.float32, False
+
+
+@pytest.mark.skipif(INTERPRET, reason="this is the interpreter run")
+def test_kernels_under_the_interpreter():
+    """Triton's interpreter must be on before triton is imported, so the CPU run is a child process."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                           "interpret and not under_the_interpreter"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout.split("\n")[-2], proc.stdout[-500:]
+
+
+def rel(a, b) -> float:
+    return float((a.float().cpu() - b.float().cpu()).norm() / b.float().cpu().norm())
+
+
+def randn(*shape, dev, dtype, gen, scale=1.0):
+    return (torch.randn(*shape, generator=gen) * scale).to(dev, dtype)
+
+
+# ---- GEMV ---------------------------------------------------------------------------------------------
+def _gemv_cases(real: bool):
+    """(N, K, config or None for the table/default)."""
+    if not real:  # N not a multiple of BLOCK_N, K not a multiple of BLOCK_K, one- and many-tile K loops
+        return [(37, 100, None), (37, 100, (8, 32, 4, 1)), (19, 300, (4, 64, 2, 3)), (5, 64, (16, 64, 4, 1)),
+                (70, 520, (2, 128, 4, 2)), (70, 520, (32, 128, 4, 2)), (37, 100, (64, 64, 4, 1))]
+    from hf2q.kernels.gemv_bench import decode_projections
+    shapes = {(n, k) for s in ("2b", "9b") for _, n, k, _ in decode_projections(s)}
+    return [(n, k, None) for n, k in sorted(shapes)] + [(8224, 2048, (4, 512, 4, 3)), (2048, 6144, (1, 4096, 8, 1)),
+                                                        (8224, 2048, (64, 128, 4, 4)), (2048, 6144, (32, 256, 8, 3))]
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+def test_gemv_matches_linear(env, m):
+    """Configs are (BLOCK_N, BLOCK_K, warps, stages): the one-row kernel takes any, the 2..4-row kernel
+    (tensor cores) needs BLOCK_N >= 16."""
+    from hf2q.kernels.gemv_triton import gemv
+
+    dev, dtype, real = env
+    gen = torch.Generator().manual_seed(m)
+    for n, k, cfg in _gemv_cases(real):
+        if cfg is not None and (m == 1) != (cfg[0] < 16):
+            continue
+        w = randn(n, k, dev=dev, dtype=dtype, gen=gen, scale=0.05)
+        x = randn(m, k, dev=dev, dtype=dtype, gen=gen)
+        y = gemv(x, w, config=cfg)
+        assert y.shape == (m, n) and y.dtype == dtype
+        ref = F.linear(x.float(), w.float())
+        assert rel(y, ref) <= (1e-2 if real else 1e-5), (n, k, cfg)
+        del w
+
+
+def test_gemv_row_strided_input_and_3d(env):
+    """A row-strided x (a slice of a wider buffer) and a [1, m, K] x give the same rows."""
+    from hf2q.kernels.gemv_triton import gemv
+
+    dev, dtype, real = env
+    gen = torch.Generator().manual_seed(7)
+    n, k = (4096, 2048) if real else (33, 96)
+    w = randn(n, k, dev=dev, dtype=dtype, gen=gen, scale=0.05)
+    wide = randn(3, k + 40, dev=dev, dtype=dtype, gen=gen)
+    x = wide[:, 40:]
+    ref = F.linear(x.float(), w.float())
+    assert rel(gemv(x, w), ref) <= (1e-2 if real else 1e-5)
+    y3 = gemv(x.contiguous()[None], w)
+    assert y3.shape == (1, 3, n) and rel(y3[0], ref) <= (1e-2 if real else 1e-5)
+
+
+# ---- DeltaNet decode with the causal conv folded in ----------------------------------------------------
+def _decode_inputs(dev, dtype, real: bool, nk: int, nv: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    d = 128 if real else 16
+    b, s = (4, 9) if real else (3, 6)
+    c = 2 * nk * d + nv * d
+    slots = torch.tensor([5, 0, 8, 2][:b] if real else [4, 0, 2])
+    mixed = randn(b, c, dev=dev, dtype=dtype, gen=gen)
+    conv_w = randn(c, 4, dev=dev, dtype=torch.float32, gen=gen, scale=0.5)
+    conv_pool = randn(s, 3, c, dev=dev, dtype=torch.float32, gen=gen)
+    a_raw, b_raw = randn(b, nv, dev=dev, dtype=dtype, gen=gen), randn(b, nv, dev=dev, dtype=dtype, gen=gen)
+    z = randn(b, nv * d, dev=dev, dtype=dtype, gen=gen)
+    A = -torch.rand(nv, generator=gen).to(dev) * 8
+    dt_bias, norm_w = randn(nv, dev=dev, dtype=torch.float32, gen=gen), randn(d, dev=dev, dtype=torch.float32, gen=gen)
+    state = randn(s, nv, d, d, dev=dev, dtype=torch.float32, gen=gen, scale=0.1)
+    return dict(x=mixed, conv_w=conv_w, conv_pool=conv_pool, a_raw=a_raw, b_raw=b_raw, A=A, dt_bias=dt_bias, z=z,
+                norm_w=norm_w, state_pool=state, slots=slots.to(dev), nk=nk, dk=d, eps=1e-6, out_dtype=torch.float32)
+
+
+def _on_cpu(args: dict) -> dict:
+    """fp32 CPU copies (never views: the pools are updated in place)."""
+    return {k: (v.cpu().float().clone() if isinstance(v, torch.Tensor) and v.is_floating_point() else
+                v.cpu().clone() if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
+
+
+@pytest.mark.parametrize("heads", [(2, 4), (2, 2)] if INTERPRET else [(16, 16), (16, 32)],
+                         ids=["nv=2nk", "nv=nk"] if INTERPRET else ["2b", "9b"])
+def test_fused_conv_gdn_decode_matches_two_step(env, heads):
+    """Two decode steps in a row (the second reads the conv state the first shifted), over several slots;
+    the slots no sequence owns are left alone."""
+    from hf2q.kernels.gdn_decode_triton import gdn_conv_decode_
+
+    dev, dtype, real = env
+    nk, nv = heads
+    args = _decode_inputs(dev, dtype, real, nk, nv, seed=nv)
+    ref = _on_cpu(args)
+    for step in range(2):
+        out = gdn_conv_decode_(**args)
+        with torch_only(), dispatch.fast_path("off"):
+            ref_out = dispatch.gdn_conv_decode_(**ref)
+        tol = 2e-3 if real else 1e-5
+        assert rel(out, ref_out) <= tol, step
+        assert rel(args["conv_pool"], ref["conv_pool"]) <= 1e-6, step
+        assert rel(args["state_pool"], ref["state_pool"]) <= tol, step
+        nxt = torch.randn(args["x"].shape, generator=torch.Generator().manual_seed(step))
+        args["x"], ref["x"] = nxt.to(dev, dtype), nxt.to(dtype).float()
+
+
+needs_cuda = pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.parametrize("heads", [(16, 16), (16, 32)], ids=["2b", "9b"])
+@pytest.mark.gpu
+@needs_cuda
+def test_fused_conv_gdn_decode_matches_two_triton_kernels(heads):
+    """The folded kernel against conv_decode_ + gdn_decode_ (the kernels it replaces), same inputs."""
+    from hf2q.kernels.conv_triton import conv_decode_
+    from hf2q.kernels.gdn_decode_triton import gdn_conv_decode_, gdn_decode_
+
+    nk, nv = heads
+    args = _decode_inputs("cuda", torch.bfloat16, True, nk, nv, seed=3)
+    conv2, state2 = args["conv_pool"].clone(), args["state_pool"].clone()
+    out = gdn_conv_decode_(**args)
+    y = conv_decode_(args["x"], args["conv_w"], conv2, args["slots"])
+    out2 = gdn_decode_(y, args["a_raw"], args["b_raw"], args["A"], args["dt_bias"], args["z"], args["norm_w"], state2,
+                       args["slots"], nk, args["dk"], args["eps"], torch.float32)
+    assert torch.equal(args["conv_pool"], conv2)
+    assert rel(out, out2) <= 1e-5 and rel(args["state_pool"], state2) <= 1e-6
+
+
+# ---- the GEMV in the model -------------------------------------------------------------------------------
+@pytest.mark.gpu
+@needs_cuda
+@torch.inference_mode()
+def test_dispatch_linear_and_model_logits_with_gemv():
+    """HF2Q_GEMV's path: dispatch.linear takes the GEMV for bf16 products of at most the switch's rows, and
+    a bf16 model's logits for 1 and 3 tokens (every projection and the tied head through the GEMV) match
+    the cuBLAS ones."""
+    from hf2q.bench_shapes import random_model, tiny_config
+    from hf2q.kernels.gemv_triton import gemv
+
+    w = torch.randn(1000, 512, device="cuda", dtype=torch.bfloat16)
+    for m in (1, 3, 5):
+        x = torch.randn(m, 512, device="cuda", dtype=torch.bfloat16)
+        with dispatch.gemv_switch(4):
+            assert torch.equal(dispatch.linear(x, w), gemv(x, w) if m <= 4 else F.linear(x, w))
+            logits = dispatch.linear(x, w, torch.float32)
+            assert logits.dtype == torch.float32 and rel(logits, F.linear(x.float(), w.float())) <= 1e-2
+        with dispatch.gemv_switch(1):
+            assert torch.equal(dispatch.linear(x, w), gemv(x, w) if m == 1 else F.linear(x, w))
+        with dispatch.gemv_switch(0):
+            assert torch.equal(dispatch.linear(x, w), F.linear(x, w))
+    net = random_model(tiny_config(), tie=True, device="cuda", dtype=torch.bfloat16, std=0.05, seed=1)
+    for ids in ([5], [5, 17, 300]):
+        with dispatch.gemv_switch(0):
+            ref = net.logits(ids)
+        with dispatch.gemv_switch(4):
+            got = net.logits(ids)
+        assert got.dtype == torch.float32 and rel(got, ref) <= 2e-2
