@@ -30,6 +30,14 @@ def _u8(w8, off, mask):
 
 
 @triton.jit
+def _exact_f32(v, offset):
+    """float32 of v - offset for int32 0 <= v < 2**23: OR-ing the exponent of 2**23 into v gives the float
+    2**23 + v exactly, so one integer OR and one float subtract replace an int-to-float conversion (an
+    eighth-rate instruction on Hopper that, once per weight, bounds the mat-vec)."""
+    return (v | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + offset)
+
+
+@triton.jit
 def _kquant_scale_min(w8, blk, s, mask):
     """6-bit scale and min of sub-block s of each K-quant block (ggml's get_scale_min_k4).
     blk: [BN, Q] byte offsets of the blocks; s: [Q] sub-block index 0..7."""
@@ -70,8 +78,8 @@ def _kquant_dots(w8, w16, x_row, row_base, row_ok, u0, n_units, QTYPE: tl.conste
         qh = _u8(w8, blk[:, :, None] + 16 + l[None, None, :], mask3)
         lo += ((qh >> (2 * c)[None, :, None]) & 1) << 4
         hi += ((qh >> (2 * c + 1)[None, :, None]) & 1) << 4
-    dot0 = tl.sum(lo.to(tl.float32) * x0[None, :, :], axis=2)  # [BN, Q]
-    dot1 = tl.sum(hi.to(tl.float32) * x1[None, :, :], axis=2)
+    dot0 = tl.sum(_exact_f32(lo, 0.0) * x0[None, :, :], axis=2)  # [BN, Q]
+    dot1 = tl.sum(_exact_f32(hi, 0.0) * x1[None, :, :], axis=2)
     sum0 = tl.sum(x0, axis=1)[None, :]
     sum1 = tl.sum(x1, axis=1)[None, :]
     sc0, mn0 = _kquant_scale_min(w8, blk, 2 * c, mask2)
@@ -114,8 +122,8 @@ def _kquant_dots_blockwise(w8, w32, x_row, row_base, row_ok, u0, n_units, QTYPE:
         qh = _u8(w8, blk[:, :, None, None] + 16 + l[None, None, None, :], mask4)
         lo += ((qh >> (2 * c)[None, None, :, None]) & 1) << 4
         hi += ((qh >> (2 * c + 1)[None, None, :, None]) & 1) << 4
-    dot0 = tl.sum(lo.to(tl.float32) * x0[None, :, :, :], axis=3)  # [BN, SB, 4]: sub-blocks 2c
-    dot1 = tl.sum(hi.to(tl.float32) * x1[None, :, :, :], axis=3)  # sub-blocks 2c + 1
+    dot0 = tl.sum(_exact_f32(lo, 0.0) * x0[None, :, :, :], axis=3)  # [BN, SB, 4]: sub-blocks 2c
+    dot1 = tl.sum(_exact_f32(hi, 0.0) * x1[None, :, :, :], axis=3)  # sub-blocks 2c + 1
     sum0 = tl.sum(x0, axis=2)[None, :, :]
     sum1 = tl.sum(x1, axis=2)[None, :, :]
     word = blk // 4
@@ -172,7 +180,7 @@ def _q6k_dots(w8, w16, x_row, row_base, row_ok, u0, n_units, BLOCK_N: tl.constex
         val = ((ql >> (4 * jhi)) & 15) | (((qh >> (2 * j)[None, :, None]) & 3) << 4)
         xo = (u * 256 + 128 * half + 32 * j)[:, None] + l[None, :]
         x = tl.load(x_row + xo, mask=u_ok[:, None], other=0).to(tl.float32)
-        prod = (val - 32).to(tl.float32) * x[None, :, :]  # [BN, Q, 32]
+        prod = _exact_f32(val, 32.0) * x[None, :, :]  # [BN, Q, 32]
         grp = tl.sum(tl.reshape(prod, (BLOCK_N, SB * 8, 16)), axis=2)  # [BN, SB*8]
         # group gr = 4·half + 2·(j % 2) + l // 16 has scale 8·half + 4·(j // 2) + 2·(j % 2) + l // 16
         sc = tl.load(w8 + gblk + (192 + 8 * (gr // 4) + 4 * jhi + gr % 4)[None, :], mask=gmask, other=0)
@@ -195,7 +203,7 @@ def _q8_q4_dots(w8, w16, x_row, row_base, row_ok, u0, n_units, QTYPE: tl.constex
         l = tl.arange(0, 32)
         qv = tl.load(w8 + blk[:, :, None] + 2 + l[None, None, :], mask=mask2[:, :, None], other=0)
         x = tl.load(x_row + (u * 32)[:, None] + l[None, :], mask=u_ok[:, None], other=0).to(tl.float32)
-        dot = tl.sum(qv.to(tl.int8, bitcast=True).to(tl.float32) * x[None, :, :], axis=2)
+        dot = tl.sum(_exact_f32(qv.to(tl.int32) ^ 128, 128.0) * x[None, :, :], axis=2)  # int8 = (u ^ 128) - 128
     else:
         blk = row_base[:, None] + (u * 18)[None, :]
         l = tl.arange(0, 16)
@@ -203,8 +211,7 @@ def _q8_q4_dots(w8, w16, x_row, row_base, row_ok, u0, n_units, QTYPE: tl.constex
         xo = (u * 32)[:, None] + l[None, :]
         x0 = tl.load(x_row + xo, mask=u_ok[:, None], other=0).to(tl.float32)
         x1 = tl.load(x_row + xo + 16, mask=u_ok[:, None], other=0).to(tl.float32)
-        dot = tl.sum(((qv & 15) - 8).to(tl.float32) * x0[None, :, :] + ((qv >> 4) - 8).to(tl.float32) * x1[None, :, :],
-                     axis=2)
+        dot = tl.sum(_exact_f32(qv & 15, 8.0) * x0[None, :, :] + _exact_f32(qv >> 4, 8.0) * x1[None, :, :], axis=2)
     d = tl.load(w16 + blk // 2, mask=mask2, other=0).to(tl.float32)
     return tl.sum(d * dot, axis=1)
 
