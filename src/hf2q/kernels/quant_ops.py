@@ -1,8 +1,8 @@
 """Multiplying by GGUF-quantized weights: picks the Triton kernel or the exact reference, by device.
 
 A few rows (decode) go through the mat-vec kernel that streams the blocks (quant_gemv_triton); up to
-DECODE_ROWS rows through the fused dequantize-and-multiply tile kernel, which reads each weight byte
-once for all rows. Many rows (prefill) dequantize the weight into a reused bf16 scratch buffer and multiply on
+DECODE_ROWS rows through the tile kernel (quant_tile_triton), which dequantizes each weight tile once in
+registers for all rows and multiplies on tensor cores. Many rows (prefill) dequantize the weight into a reused bf16 scratch buffer and multiply on
 tensor cores: the dequantization costs one pass over the weight, the matmul dominates. Off CUDA (and
 without Triton's interpreter) the reference dequantizes with gguf and multiplies in fp32.
 """
@@ -68,9 +68,9 @@ def quant_linear(x: torch.Tensor, raw: torch.Tensor, qtype: str, out_features: i
 
         y = gemv(x2, raw, qtype, out_features)
     elif x2.shape[0] <= DECODE_ROWS:
-        from hf2q.kernels import quant_triton
+        from hf2q.kernels.quant_tile_triton import tile_matmul
 
-        y = quant_triton.matvec(x2, raw, qtype, out_features)
+        y = tile_matmul(x2, raw, qtype, out_features)
     else:
         w = dequantize(raw, qtype, (out_features, k), x.dtype,
                        out=scratch("linear", out_features * k, x.dtype, x.device))

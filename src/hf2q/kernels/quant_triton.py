@@ -1,6 +1,5 @@
-"""Triton kernels reading GGUF blocks directly: fused dequantize-and-multiply for a tile of rows (batched
-decode), and dequantize-to-bf16 for many rows (prefill multiplies the result on tensor cores). One or a
-few rows go through quant_gemv_triton instead.
+"""Triton dequantization of GGUF blocks to bf16/fp32 for many rows (prefill multiplies the result on
+tensor cores). Decode rows go through quant_gemv_triton (a few) and quant_tile_triton (up to 16).
 
 Every kernel walks a weight row in tiles of 256 values: one K-quant super-block, or eight 32-value
 Q8_0/Q4_0 blocks. Layouts follow ggml's block structs byte for byte; the f16 fields are read through
@@ -87,34 +86,6 @@ def dequant_tile(w8, w16, row_base, row_ok, t, nblk, QTYPE: tl.constexpr):
 
 
 @triton.jit
-def _matvec_kernel(x_ptr, w8, w16, out_ptr, M, N, K, row_bytes, nblk, n_tiles, x_stride, out_stride,
-                   QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, DOT_BF16: tl.constexpr):
-    """out[m, n] = Σ_k x[m, k] · W[n, k] for a tile of BLOCK_M rows of x: each weight tile is dequantized
-    once for all of them."""
-    pid_n, pid_m = tl.program_id(0), tl.program_id(1)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-    row_base = rows.to(tl.int64) * row_bytes
-    ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_ok = ms < M
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for t in range(0, n_tiles):
-        w = dequant_tile(w8, w16, row_base, row_ok, t, nblk, QTYPE)  # [BLOCK_N, 256]
-        k = t * 256 + tl.arange(0, 256)
-        xt = tl.load(x_ptr + ms[:, None] * x_stride + k[None, :], mask=m_ok[:, None] & (k < K)[None, :],
-                     other=0).to(tl.float32)  # [BLOCK_M, 256]
-        if BLOCK_M == 1:
-            acc += tl.sum(w * xt, axis=1)[:, None]
-        else:
-            if DOT_BF16:  # tensor cores on the device
-                acc += tl.dot(w.to(tl.bfloat16), tl.trans(xt.to(tl.bfloat16)))
-            else:  # Triton's CPU interpreter mishandles bf16 dots
-                acc += tl.dot(w, tl.trans(xt), input_precision="ieee")
-    ptrs = out_ptr + ms[None, :] * out_stride + rows[:, None]
-    tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & m_ok[None, :])
-
-
-@triton.jit
 def _dequant_kernel(w8, w16, out_ptr, N, K, row_bytes, nblk, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_n, t = tl.program_id(0), tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -129,21 +100,6 @@ def _geometry(qtype: str, k: int) -> tuple[int, int, int]:
     elems = 32 if qtype in ("Q8_0", "Q4_0") else 256
     nblk = k // elems
     return nblk * BLOCK_BYTES[qtype], nblk, triton.cdiv(k, TILE)
-
-
-def matvec(x: torch.Tensor, raw: torch.Tensor, qtype: str, n: int, block_n: int = 16) -> torch.Tensor:
-    """x [M, K] times quantized rows raw [N, row_bytes] -> [M, N] in x's dtype (tensor cores on CUDA)."""
-    x = x.contiguous()
-    m, k = x.shape
-    rb, nblk, n_tiles = _geometry(qtype, k)
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    flat = raw.view(-1)
-    block_m = 1 if m == 1 else 16
-    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
-    _matvec_kernel[grid](x, flat, flat.view(torch.float16), out, m, n, k, rb, nblk, n_tiles, x.stride(0),
-                         out.stride(0), QTYPE=QTYPE_ID[qtype], BLOCK_N=block_n, BLOCK_M=block_m,
-                         DOT_BF16=x.is_cuda, num_warps=4)
-    return out
 
 
 def dequantize(raw: torch.Tensor, qtype: str, rows: int, k: int, out: torch.Tensor) -> torch.Tensor:
