@@ -97,11 +97,49 @@ def _f16_bits(bits):
 
 
 @triton.jit
+def _q4k_word_dots(w32, x_row, blk, u, u_ok, mask4, BLOCK_N: tl.constexpr, SB: tl.constexpr):
+    """Q4_K quants read as int32 words [BLOCK_N, SB, 4 chunks, 8 words]: byte b of word w of chunk c holds
+    values 64c + 4w + b (low nibble, sub-block 2c) and 64c + 32 + 4w + b (high nibble, sub-block 2c + 1).
+    Nibble p of a word becomes a float in place: masking it and OR-ing in the exponent of 2**23 gives
+    2**23 + q·16**p exactly (nibbles 5..7 are first shifted down 12 bits, clear of the exponent), so no
+    per-byte widening
+    and no conversion; the power of 16 comes off after the sum. Returns the dots and activation sums of
+    sub-blocks 2c and 2c + 1, each [BLOCK_N, SB, 4] / [1, SB, 4]."""
+    c = tl.arange(0, 4)
+    wi = tl.arange(0, 8)
+    words = tl.load(w32 + (blk // 4 + 4)[:, :, None, None] + (8 * c)[None, None, :, None] + wi[None, None, None, :],
+                    mask=mask4, other=0)
+    high = words >> 12  # nibbles 5..7 moved below bit 23, the first exponent bit
+    dot0 = tl.zeros((BLOCK_N, SB, 4), dtype=tl.float32)
+    dot1 = tl.zeros((BLOCK_N, SB, 4), dtype=tl.float32)
+    sum0 = tl.zeros((SB, 4), dtype=tl.float32)
+    sum1 = tl.zeros((SB, 4), dtype=tl.float32)
+    for p in tl.static_range(8):
+        if p < 5:
+            bits = words & (15 << (4 * p))
+            unit = 1.0 / (1 << (4 * p))
+        else:
+            bits = high & (15 << (4 * p - 12))
+            unit = 1.0 / (1 << (4 * p - 12))
+        f = (bits | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        xo = (u * 256)[:, None, None] + (64 * c + 32 * (p % 2))[None, :, None] + (4 * wi + p // 2)[None, None, :]
+        xp = tl.load(x_row + xo, mask=u_ok[:, None, None], other=0).to(tl.float32)  # [SB, 4, 8]
+        part = tl.sum(f * xp[None, :, :, :], axis=3) * unit
+        if p % 2 == 0:
+            dot0 += part
+            sum0 += tl.sum(xp, axis=2)
+        else:
+            dot1 += part
+            sum1 += tl.sum(xp, axis=2)
+    return dot0, dot1, sum0[None, :, :], sum1[None, :, :]
+
+
+@triton.jit
 def _kquant_dots_blockwise(w8, w32, x_row, row_base, row_ok, u0, n_units, QTYPE: tl.constexpr,
-                           BLOCK_N: tl.constexpr, SB: tl.constexpr):
+                           BLOCK_N: tl.constexpr, SB: tl.constexpr, WORDS: tl.constexpr):
     """_kquant_dots with tensors [BLOCK_N, SB, 4, 32] (row, block, chunk, byte): each block's 16-byte head
     (d, dmin, 12 scale bytes) is read as four int32 words once, and its eight scales and mins are
-    unpacked from them in registers instead of byte by byte."""
+    unpacked from them in registers instead of byte by byte. WORDS (Q4_K): quants as int32 words too."""
     BB: tl.constexpr = 144 if QTYPE == 2 else 176
     QS: tl.constexpr = 16 if QTYPE == 2 else 48
     sb = tl.arange(0, SB)
@@ -112,20 +150,23 @@ def _kquant_dots_blockwise(w8, w32, x_row, row_base, row_ok, u0, n_units, QTYPE:
     mask2 = row_ok[:, None] & u_ok[None, :]  # [BN, SB]
     mask4 = mask2[:, :, None, None]
     blk = row_base[:, None] + (u * BB)[None, :]  # [BN, SB] byte offsets, multiples of 16
-    qs = _u8(w8, blk[:, :, None, None] + (QS + 32 * c)[None, None, :, None] + l[None, None, None, :], mask4)
-    xo = (u * 256)[:, None, None] + (64 * c)[None, :, None] + l[None, None, :]  # [SB, 4, 32]
-    x0 = tl.load(x_row + xo, mask=u_ok[:, None, None], other=0).to(tl.float32)
-    x1 = tl.load(x_row + xo + 32, mask=u_ok[:, None, None], other=0).to(tl.float32)
-    lo = qs & 15
-    hi = qs >> 4
-    if QTYPE == 3:  # fifth bit of each value: bit s of byte l of the 32-byte qh field
-        qh = _u8(w8, blk[:, :, None, None] + 16 + l[None, None, None, :], mask4)
-        lo += ((qh >> (2 * c)[None, None, :, None]) & 1) << 4
-        hi += ((qh >> (2 * c + 1)[None, None, :, None]) & 1) << 4
-    dot0 = tl.sum(_exact_f32(lo, 0.0) * x0[None, :, :, :], axis=3)  # [BN, SB, 4]: sub-blocks 2c
-    dot1 = tl.sum(_exact_f32(hi, 0.0) * x1[None, :, :, :], axis=3)  # sub-blocks 2c + 1
-    sum0 = tl.sum(x0, axis=2)[None, :, :]
-    sum1 = tl.sum(x1, axis=2)[None, :, :]
+    if WORDS:
+        dot0, dot1, sum0, sum1 = _q4k_word_dots(w32, x_row, blk, u, u_ok, mask4, BLOCK_N, SB)
+    else:
+        qs = _u8(w8, blk[:, :, None, None] + (QS + 32 * c)[None, None, :, None] + l[None, None, None, :], mask4)
+        xo = (u * 256)[:, None, None] + (64 * c)[None, :, None] + l[None, None, :]  # [SB, 4, 32]
+        x0 = tl.load(x_row + xo, mask=u_ok[:, None, None], other=0).to(tl.float32)
+        x1 = tl.load(x_row + xo + 32, mask=u_ok[:, None, None], other=0).to(tl.float32)
+        lo = qs & 15
+        hi = qs >> 4
+        if QTYPE == 3:  # fifth bit of each value: bit s of byte l of the 32-byte qh field
+            qh = _u8(w8, blk[:, :, None, None] + 16 + l[None, None, None, :], mask4)
+            lo += ((qh >> (2 * c)[None, None, :, None]) & 1) << 4
+            hi += ((qh >> (2 * c + 1)[None, None, :, None]) & 1) << 4
+        dot0 = tl.sum(_exact_f32(lo, 0.0) * x0[None, :, :, :], axis=3)  # [BN, SB, 4]: sub-blocks 2c
+        dot1 = tl.sum(_exact_f32(hi, 0.0) * x1[None, :, :, :], axis=3)  # sub-blocks 2c + 1
+        sum0 = tl.sum(x0, axis=2)[None, :, :]
+        sum1 = tl.sum(x1, axis=2)[None, :, :]
     word = blk // 4
     head = tl.load(w32 + word, mask=mask2, other=0)
     d = _f16_bits(head)[:, :, None]
@@ -218,7 +259,7 @@ def _q8_q4_dots(w8, w16, x_row, row_base, row_ok, u0, n_units, QTYPE: tl.constex
 
 @triton.jit
 def _gemv_kernel(x_ptr, w8, w16, w32, out_ptr, expert_ptr, N, row_bytes, n_units, expert_bytes, x_stride,
-                 out_stride, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr, BLOCKWISE: tl.constexpr,
+                 out_stride, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr, MODE: tl.constexpr,
                  HAS_EXPERTS: tl.constexpr):
     """out[m, n] = Σ_k x[m, k] · W[n, k]; with experts, row m uses expert expert_ptr[m]'s weight."""
     m = tl.program_id(0)
@@ -232,8 +273,9 @@ def _gemv_kernel(x_ptr, w8, w16, w32, out_ptr, expert_ptr, N, row_bytes, n_units
     for u0 in range(0, n_units, SB):
         if QTYPE == 4:
             acc += _q6k_dots(w8, w16, x_row, row_base, row_ok, u0, n_units, BLOCK_N, SB)
-        elif QTYPE >= 2 and BLOCKWISE:
-            acc += _kquant_dots_blockwise(w8, w32, x_row, row_base, row_ok, u0, n_units, QTYPE, BLOCK_N, SB)
+        elif QTYPE >= 2 and MODE > 0:
+            acc += _kquant_dots_blockwise(w8, w32, x_row, row_base, row_ok, u0, n_units, QTYPE, BLOCK_N, SB,
+                                          MODE == 2)
         elif QTYPE >= 2:
             acc += _kquant_dots(w8, w16, x_row, row_base, row_ok, u0, n_units, QTYPE, BLOCK_N, SB)
         else:
@@ -241,20 +283,21 @@ def _gemv_kernel(x_ptr, w8, w16, w32, out_ptr, expert_ptr, N, row_bytes, n_units
     tl.store(out_ptr + m.to(tl.int64) * out_stride + rows, acc.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
-# (BLOCK_N, blocks per step, warps, blockwise head unpacking) by type: the defaults, and the candidates
-# timed on the device at a shape's first use (see best_config). 32-value types step over more blocks.
-CONFIG = {"Q8_0": (4, 16, 2, False), "Q4_0": (4, 16, 2, False), "Q4_K": (4, 4, 2, False),
-          "Q5_K": (4, 4, 2, False), "Q6_K": (4, 4, 2, False)}
+# (BLOCK_N, blocks per step, warps, mode) by type, mode 0: bytes; 1: K-quant block heads as int32 words;
+# 2: Q4_K quants as words too. The defaults, and the candidates timed on the device at a shape's first
+# use (see best_config). 32-value types step over more blocks.
+CONFIG = {"Q8_0": (4, 16, 2, 0), "Q4_0": (4, 16, 2, 0), "Q4_K": (4, 4, 2, 0), "Q5_K": (4, 4, 2, 0),
+          "Q6_K": (4, 4, 2, 0)}
 _K_CANDIDATES = [(4, 4, 2), (2, 4, 1), (2, 8, 2), (4, 8, 2), (8, 4, 4), (4, 2, 2), (1, 8, 1)]
 _B_CANDIDATES = [(4, 16, 2), (2, 16, 1), (4, 32, 2), (8, 16, 4), (2, 32, 2)]
 _TUNED: dict[tuple, tuple] = {}
 
 
-def candidates(qtype: str) -> list[tuple[int, int, int, bool]]:
+def candidates(qtype: str) -> list[tuple[int, int, int, int]]:
     if qtype in ("Q8_0", "Q4_0"):
-        return [(*c, False) for c in _B_CANDIDATES]
-    blockwise = (True, False) if qtype in ("Q4_K", "Q5_K") else (False,)
-    return [(*c, b) for b in blockwise for c in _K_CANDIDATES]
+        return [(*c, 0) for c in _B_CANDIDATES]
+    modes = {"Q4_K": (0, 1, 2), "Q5_K": (0, 1)}.get(qtype, (0,))
+    return [(*c, mode) for mode in modes for c in _K_CANDIDATES]
 
 
 def _time(fn, reps: int = 10) -> float:
@@ -268,7 +311,7 @@ def _time(fn, reps: int = 10) -> float:
     return start.elapsed_time(end) / reps
 
 
-def best_config(x, raw, qtype: str, n: int, experts) -> tuple[int, int, int, bool]:
+def best_config(x, raw, qtype: str, n: int, experts) -> tuple[int, int, int, int]:
     """The fastest candidate for this shape, timed once per (type, N, K, rows, experts) on CUDA outside
     graph capture (the capture's warm-up step does it); the default elsewhere, or with HF2Q_GEMV_TUNE=0."""
     if not x.is_cuda or os.environ.get("HF2Q_GEMV_TUNE", "1") == "0":
@@ -289,7 +332,7 @@ def best_config(x, raw, qtype: str, n: int, experts) -> tuple[int, int, int, boo
 
 
 def gemv(x: torch.Tensor, raw: torch.Tensor, qtype: str, n: int, experts: torch.Tensor | None = None,
-         config: tuple[int, int, int, bool] | None = None) -> torch.Tensor:
+         config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """x [M, K] times quantized rows raw [(E,) N, row_bytes] -> [M, N] in x's dtype.
 
     With `experts` [M] (int32), row m of x is multiplied by expert experts[m] of a stacked [E, N, ...] weight.
@@ -298,12 +341,12 @@ def gemv(x: torch.Tensor, raw: torch.Tensor, qtype: str, n: int, experts: torch.
     m, k = x.shape
     n_units = k // BLOCK_ELEMS[qtype]
     rb = n_units * BLOCK_BYTES[qtype]
-    block_n, sb, warps, blockwise = config or best_config(x, raw, qtype, n, experts)
+    block_n, sb, warps, mode = config or best_config(x, raw, qtype, n, experts)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     flat = raw.view(-1)
-    words = flat.view(torch.int32) if blockwise else flat
+    words = flat.view(torch.int32) if mode else flat
     _gemv_kernel[(m, triton.cdiv(n, block_n))](
         x, flat, flat.view(torch.float16), words, out, experts if experts is not None else flat, n, rb, n_units,
-        n * rb, x.stride(0), out.stride(0), QTYPE=QTYPE_ID[qtype], BLOCK_N=block_n, SB=sb, BLOCKWISE=blockwise,
+        n * rb, x.stride(0), out.stride(0), QTYPE=QTYPE_ID[qtype], BLOCK_N=block_n, SB=sb, MODE=mode,
         HAS_EXPERTS=experts is not None, num_warps=warps)
     return out
