@@ -316,7 +316,8 @@ def best_config(x, raw, qtype: str, n: int, experts) -> tuple[int, int, int, int
     graph capture (the capture's warm-up step does it); the default elsewhere, or with HF2Q_GEMV_TUNE=0."""
     if not x.is_cuda or os.environ.get("HF2Q_GEMV_TUNE", "1") == "0":
         return CONFIG[qtype]
-    key = (qtype, n, x.shape[1], x.shape[0], experts is not None, x.dtype)
+    rows = 1 << (x.shape[0] - 1).bit_length()  # MoE pair counts vary step to step: tune per power of two
+    key = (qtype, n, x.shape[1], rows, experts is not None, x.dtype)
     cfg = _TUNED.get(key)
     if cfg is None:
         if torch.cuda.is_current_stream_capturing():
