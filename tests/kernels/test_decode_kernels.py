@@ -5,62 +5,23 @@ the two Triton kernels too).
 Runs on CPU through Triton's interpreter (small odd sizes, fp32), and on a CUDA GPU at 2B/9B sizes in bf16."""
 from __future__ import annotations
 
-import contextlib
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from hf2q.kernels import dispatch
+from tests.support.triton_targets import INTERPRET, TARGETS, interpreter_child, randn, rel, target, torch_only
 
 triton = pytest.importorskip("triton")
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
-
-@contextlib.contextmanager
-def torch_only():
-    """Run the dispatcher's torch versions even while the interpreter is on."""
-    old = os.environ.pop("TRITON_INTERPRET", None)
-    try:
-        yield
-    finally:
-        if old is not None:
-            os.environ["TRITON_INTERPRET"] = old
-
-
-@pytest.fixture(scope="module", params=["interpret", "cuda"])
+@pytest.fixture(scope="module", params=TARGETS)
 def env(request):
     """(device, dtype, real sizes?)"""
-    if request.param == "interpret" and not INTERPRET:
-        pytest.skip("interpreter runs in its own process (test_kernels_under_the_interpreter)")
-    if request.param == "cuda" and (INTERPRET or not torch.cuda.is_available()):
-        pytest.skip("needs CUDA")
-    if request.param == "cuda":
-        return "cuda", torch.bfloat16, True
-    return "cpu", torch.float32, False
+    return target(request.param)
 
 
-@pytest.mark.skipif(INTERPRET, reason="this is the interpreter run")
-def test_kernels_under_the_interpreter():
-    """Triton's interpreter must be on before triton is imported, so the CPU run is a child process."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                           "interpret and not under_the_interpreter"],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout.split("\n")[-2], proc.stdout[-500:]
-
-
-def rel(a, b) -> float:
-    return float((a.float().cpu() - b.float().cpu()).norm() / b.float().cpu().norm())
-
-
-def randn(*shape, dev, dtype, gen, scale=1.0):
-    return (torch.randn(*shape, generator=gen) * scale).to(dev, dtype)
+test_kernels_under_the_interpreter = interpreter_child(__file__, timeout=600)
 
 
 # ---- GEMV ---------------------------------------------------------------------------------------------

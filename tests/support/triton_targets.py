@@ -1,0 +1,59 @@
+"""Where the Triton kernel tests run: under Triton's interpreter on CPU (small sizes, fp32), or on a CUDA
+GPU (real sizes, bf16). The interpreter must be switched on before triton is imported, so a CPU run
+re-runs the test file in a child process with TRITON_INTERPRET=1."""
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+TARGETS = ["interpret", "cuda"]
+
+
+@contextlib.contextmanager
+def torch_only():
+    """Run the dispatcher's torch versions even while the interpreter is on."""
+    old = os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        yield
+    finally:
+        if old is not None:
+            os.environ["TRITON_INTERPRET"] = old
+
+
+def target(name: str) -> tuple[str, torch.dtype, bool]:
+    """(device, dtype, real sizes?) of a target, skipping the test where that target cannot run."""
+    if name == "interpret" and not INTERPRET:
+        pytest.skip("interpreter runs in its own process (test_kernels_under_the_interpreter)")
+    if name == "cuda" and (INTERPRET or not torch.cuda.is_available()):
+        pytest.skip("needs CUDA")
+    return ("cuda", torch.bfloat16, True) if name == "cuda" else ("cpu", torch.float32, False)
+
+
+def interpreter_child(path: str, timeout: int = 300):
+    """A test that runs the file's interpreter cases in a child process (collected under the name it is
+    assigned to)."""
+
+    @pytest.mark.skipif(INTERPRET, reason="this is the interpreter run")
+    def test_kernels_under_the_interpreter():
+        env = dict(os.environ, TRITON_INTERPRET="1")
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", path, "-k",
+                               "interpret and not under_the_interpreter"],
+                              env=env, capture_output=True, text=True, timeout=timeout)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+        assert " passed" in proc.stdout and "skipped" not in proc.stdout.split("\n")[-2], proc.stdout[-500:]
+
+    return test_kernels_under_the_interpreter
+
+
+def rel(a, b) -> float:
+    return float((a.float().cpu() - b.float().cpu()).norm() / b.float().cpu().norm())
+
+
+def randn(*shape, dev, dtype, gen, scale=1.0):
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(dev)
