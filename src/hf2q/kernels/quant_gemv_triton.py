@@ -19,36 +19,11 @@ import torch
 import triton
 import triton.language as tl
 
+from hf2q.kernels.quant_fields_triton import exact_f32, f16_bits, kquant_scale_min, u8
+
 QTYPE_ID = {"Q8_0": 0, "Q4_0": 1, "Q4_K": 2, "Q5_K": 3, "Q6_K": 4}
 BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 BLOCK_ELEMS = {"Q8_0": 32, "Q4_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
-
-
-@triton.jit
-def _u8(w8, off, mask):
-    return tl.load(w8 + off, mask=mask, other=0).to(tl.int32)
-
-
-@triton.jit
-def _exact_f32(v, offset):
-    """float32 of v - offset for int32 0 <= v < 2**23: OR-ing the exponent of 2**23 into v gives the float
-    2**23 + v exactly, so one integer OR and one float subtract replace an int-to-float conversion (an
-    eighth-rate instruction on Hopper that, once per weight, bounds the mat-vec)."""
-    return (v | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + offset)
-
-
-@triton.jit
-def _kquant_scale_min(w8, blk, s, mask):
-    """6-bit scale and min of sub-block s of each K-quant block (ggml's get_scale_min_k4).
-    blk: [BN, Q] byte offsets of the blocks; s: [Q] sub-block index 0..7."""
-    i = (s % 4)[None, :]
-    a = _u8(w8, blk + 4 + i, mask)
-    b = _u8(w8, blk + 8 + i, mask)
-    h = _u8(w8, blk + 12 + i, mask)
-    low = (s < 4)[None, :]
-    sc = tl.where(low, a & 63, (h & 15) | ((a >> 6) << 4))
-    mn = tl.where(low, b & 63, (h >> 4) | ((b >> 6) << 4))
-    return sc.to(tl.float32), mn.to(tl.float32)
 
 
 @triton.jit
@@ -68,32 +43,26 @@ def _kquant_dots(w8, w16, x_row, row_base, row_ok, u0, n_units, QTYPE: tl.conste
     mask2 = row_ok[:, None] & u_ok[None, :]
     mask3 = mask2[:, :, None]
     blk = row_base[:, None] + (u * BB)[None, :]  # [BN, Q]
-    qs = _u8(w8, blk[:, :, None] + (QS + 32 * c)[None, :, None] + l[None, None, :], mask3)
+    qs = u8(w8, blk[:, :, None] + (QS + 32 * c)[None, :, None] + l[None, None, :], mask3)
     xo = (u * 256 + 64 * c)[:, None] + l[None, :]  # [Q, 32]
     x0 = tl.load(x_row + xo, mask=u_ok[:, None], other=0).to(tl.float32)
     x1 = tl.load(x_row + xo + 32, mask=u_ok[:, None], other=0).to(tl.float32)
     lo = qs & 15
     hi = qs >> 4
     if QTYPE == 3:  # fifth bit of each value: bit s of byte l of the 32-byte qh field
-        qh = _u8(w8, blk[:, :, None] + 16 + l[None, None, :], mask3)
+        qh = u8(w8, blk[:, :, None] + 16 + l[None, None, :], mask3)
         lo += ((qh >> (2 * c)[None, :, None]) & 1) << 4
         hi += ((qh >> (2 * c + 1)[None, :, None]) & 1) << 4
-    dot0 = tl.sum(_exact_f32(lo, 0.0) * x0[None, :, :], axis=2)  # [BN, Q]
-    dot1 = tl.sum(_exact_f32(hi, 0.0) * x1[None, :, :], axis=2)
+    dot0 = tl.sum(exact_f32(lo, 0.0) * x0[None, :, :], axis=2)  # [BN, Q]
+    dot1 = tl.sum(exact_f32(hi, 0.0) * x1[None, :, :], axis=2)
     sum0 = tl.sum(x0, axis=1)[None, :]
     sum1 = tl.sum(x1, axis=1)[None, :]
-    sc0, mn0 = _kquant_scale_min(w8, blk, 2 * c, mask2)
-    sc1, mn1 = _kquant_scale_min(w8, blk, 2 * c + 1, mask2)
+    sc0, mn0 = kquant_scale_min(w8, blk, 2 * c, mask2)
+    sc1, mn1 = kquant_scale_min(w8, blk, 2 * c + 1, mask2)
     d = tl.load(w16 + blk // 2, mask=mask2, other=0).to(tl.float32)
     dmin = tl.load(w16 + blk // 2 + 1, mask=mask2, other=0).to(tl.float32)
     part = d * (sc0 * dot0 + sc1 * dot1) - dmin * (mn0 * sum0 + mn1 * sum1)
     return tl.sum(part, axis=1)
-
-
-@triton.jit
-def _f16_bits(bits):
-    """float32 value of the f16 whose bits are the low 16 of int32 `bits`."""
-    return (bits & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
@@ -153,24 +122,24 @@ def _kquant_dots_blockwise(w8, w32, x_row, row_base, row_ok, u0, n_units, QTYPE:
     if WORDS:
         dot0, dot1, sum0, sum1 = _q4k_word_dots(w32, x_row, blk, u, u_ok, mask4, BLOCK_N, SB)
     else:
-        qs = _u8(w8, blk[:, :, None, None] + (QS + 32 * c)[None, None, :, None] + l[None, None, None, :], mask4)
+        qs = u8(w8, blk[:, :, None, None] + (QS + 32 * c)[None, None, :, None] + l[None, None, None, :], mask4)
         xo = (u * 256)[:, None, None] + (64 * c)[None, :, None] + l[None, None, :]  # [SB, 4, 32]
         x0 = tl.load(x_row + xo, mask=u_ok[:, None, None], other=0).to(tl.float32)
         x1 = tl.load(x_row + xo + 32, mask=u_ok[:, None, None], other=0).to(tl.float32)
         lo = qs & 15
         hi = qs >> 4
         if QTYPE == 3:  # fifth bit of each value: bit s of byte l of the 32-byte qh field
-            qh = _u8(w8, blk[:, :, None, None] + 16 + l[None, None, None, :], mask4)
+            qh = u8(w8, blk[:, :, None, None] + 16 + l[None, None, None, :], mask4)
             lo += ((qh >> (2 * c)[None, None, :, None]) & 1) << 4
             hi += ((qh >> (2 * c + 1)[None, None, :, None]) & 1) << 4
-        dot0 = tl.sum(_exact_f32(lo, 0.0) * x0[None, :, :, :], axis=3)  # [BN, SB, 4]: sub-blocks 2c
-        dot1 = tl.sum(_exact_f32(hi, 0.0) * x1[None, :, :, :], axis=3)  # sub-blocks 2c + 1
+        dot0 = tl.sum(exact_f32(lo, 0.0) * x0[None, :, :, :], axis=3)  # [BN, SB, 4]: sub-blocks 2c
+        dot1 = tl.sum(exact_f32(hi, 0.0) * x1[None, :, :, :], axis=3)  # sub-blocks 2c + 1
         sum0 = tl.sum(x0, axis=2)[None, :, :]
         sum1 = tl.sum(x1, axis=2)[None, :, :]
     word = blk // 4
     head = tl.load(w32 + word, mask=mask2, other=0)
-    d = _f16_bits(head)[:, :, None]
-    dmin = _f16_bits(head >> 16)[:, :, None]
+    d = f16_bits(head)[:, :, None]
+    dmin = f16_bits(head >> 16)[:, :, None]
     wa = tl.load(w32 + word + 1, mask=mask2, other=0)[:, :, None]  # scale bytes 0-3
     wb = tl.load(w32 + word + 2, mask=mask2, other=0)[:, :, None]  # 4-7
     wh = tl.load(w32 + word + 3, mask=mask2, other=0)[:, :, None]  # 8-11
@@ -208,8 +177,8 @@ def _q6k_dots(w8, w16, x_row, row_base, row_ok, u0, n_units, BLOCK_N: tl.constex
     mask2 = row_ok[:, None] & u_ok[None, :]
     mask3 = mask2[:, :, None]
     blk = row_base[:, None] + (u * 210)[None, :]  # [BN, Q]
-    ql = _u8(w8, blk[:, :, None] + (32 * r)[None, :, None] + l[None, None, :], mask3)
-    qh = _u8(w8, blk[:, :, None] + (128 + 32 * half)[None, :, None] + l[None, None, :], mask3)
+    ql = u8(w8, blk[:, :, None] + (32 * r)[None, :, None] + l[None, None, :], mask3)
+    qh = u8(w8, blk[:, :, None] + (128 + 32 * half)[None, :, None] + l[None, None, :], mask3)
     g = tl.arange(0, SB * 8)  # 16-value groups: (block, half, j % 2, l // 16)
     gu = u0 + g // 8
     gr = g % 8
@@ -221,7 +190,7 @@ def _q6k_dots(w8, w16, x_row, row_base, row_ok, u0, n_units, BLOCK_N: tl.constex
         val = ((ql >> (4 * jhi)) & 15) | (((qh >> (2 * j)[None, :, None]) & 3) << 4)
         xo = (u * 256 + 128 * half + 32 * j)[:, None] + l[None, :]
         x = tl.load(x_row + xo, mask=u_ok[:, None], other=0).to(tl.float32)
-        prod = _exact_f32(val, 32.0) * x[None, :, :]  # [BN, Q, 32]
+        prod = exact_f32(val, 32.0) * x[None, :, :]  # [BN, Q, 32]
         grp = tl.sum(tl.reshape(prod, (BLOCK_N, SB * 8, 16)), axis=2)  # [BN, SB*8]
         # group gr = 4·half + 2·(j % 2) + l // 16 has scale 8·half + 4·(j // 2) + 2·(j % 2) + l // 16
         sc = tl.load(w8 + gblk + (192 + 8 * (gr // 4) + 4 * jhi + gr % 4)[None, :], mask=gmask, other=0)
@@ -244,15 +213,15 @@ def _q8_q4_dots(w8, w16, x_row, row_base, row_ok, u0, n_units, QTYPE: tl.constex
         l = tl.arange(0, 32)
         qv = tl.load(w8 + blk[:, :, None] + 2 + l[None, None, :], mask=mask2[:, :, None], other=0)
         x = tl.load(x_row + (u * 32)[:, None] + l[None, :], mask=u_ok[:, None], other=0).to(tl.float32)
-        dot = tl.sum(_exact_f32(qv.to(tl.int32) ^ 128, 128.0) * x[None, :, :], axis=2)  # int8 = (u ^ 128) - 128
+        dot = tl.sum(exact_f32(qv.to(tl.int32) ^ 128, 128.0) * x[None, :, :], axis=2)  # int8 = (u ^ 128) - 128
     else:
         blk = row_base[:, None] + (u * 18)[None, :]
         l = tl.arange(0, 16)
-        qv = _u8(w8, blk[:, :, None] + 2 + l[None, None, :], mask2[:, :, None])
+        qv = u8(w8, blk[:, :, None] + 2 + l[None, None, :], mask2[:, :, None])
         xo = (u * 32)[:, None] + l[None, :]
         x0 = tl.load(x_row + xo, mask=u_ok[:, None], other=0).to(tl.float32)
         x1 = tl.load(x_row + xo + 16, mask=u_ok[:, None], other=0).to(tl.float32)
-        dot = tl.sum(_exact_f32(qv & 15, 8.0) * x0[None, :, :] + _exact_f32(qv >> 4, 8.0) * x1[None, :, :], axis=2)
+        dot = tl.sum(exact_f32(qv & 15, 8.0) * x0[None, :, :] + exact_f32(qv >> 4, 8.0) * x1[None, :, :], axis=2)
     d = tl.load(w16 + blk // 2, mask=mask2, other=0).to(tl.float32)
     return tl.sum(d * dot, axis=1)
 

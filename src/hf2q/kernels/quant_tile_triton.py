@@ -12,7 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from hf2q.kernels.quant_gemv_triton import BLOCK_BYTES, BLOCK_ELEMS, QTYPE_ID, _exact_f32, _kquant_scale_min, _u8
+from hf2q.kernels.quant_fields_triton import exact_f32, kquant_scale_min, u8
+from hf2q.kernels.quant_gemv_triton import BLOCK_BYTES, BLOCK_ELEMS, QTYPE_ID
 
 
 @triton.jit
@@ -41,19 +42,19 @@ def _kquant_tile(acc, w8, w16, x_rows, m_ok, row_base, row_ok, u, QTYPE: tl.cons
     l = tl.arange(0, 32)
     blk = row_base + u * BB  # [BN]
     m3 = row_ok[:, None, None]
-    qs = _u8(w8, blk[:, None, None] + (QS + 32 * c)[None, :, None] + l[None, None, :], m3)
+    qs = u8(w8, blk[:, None, None] + (QS + 32 * c)[None, :, None] + l[None, None, :], m3)
     lo = qs & 15
     hi = qs >> 4
     if QTYPE == 3:
-        qh = _u8(w8, blk[:, None, None] + 16 + l[None, None, :], m3)
+        qh = u8(w8, blk[:, None, None] + 16 + l[None, None, :], m3)
         lo += ((qh >> (2 * c)[None, :, None]) & 1) << 4
         hi += ((qh >> (2 * c + 1)[None, :, None]) & 1) << 4
     d = tl.load(w16 + blk // 2, mask=row_ok, other=0).to(tl.float32)[:, None, None]
     dmin = tl.load(w16 + blk // 2 + 1, mask=row_ok, other=0).to(tl.float32)[:, None, None]
-    sc0, mn0 = _kquant_scale_min(w8, blk[:, None], 2 * c, row_ok[:, None])
-    sc1, mn1 = _kquant_scale_min(w8, blk[:, None], 2 * c + 1, row_ok[:, None])
-    w_lo = d * sc0[:, :, None] * _exact_f32(lo, 0.0) - dmin * mn0[:, :, None]
-    w_hi = d * sc1[:, :, None] * _exact_f32(hi, 0.0) - dmin * mn1[:, :, None]
+    sc0, mn0 = kquant_scale_min(w8, blk[:, None], 2 * c, row_ok[:, None])
+    sc1, mn1 = kquant_scale_min(w8, blk[:, None], 2 * c + 1, row_ok[:, None])
+    w_lo = d * sc0[:, :, None] * exact_f32(lo, 0.0) - dmin * mn0[:, :, None]
+    w_hi = d * sc1[:, :, None] * exact_f32(hi, 0.0) - dmin * mn1[:, :, None]
     xo = (u * 256 + 64 * c)[:, None] + l[None, :]  # [4, 32]: value 64c + l (low), + 32 (high)
     ok = tl.full((128,), 1, tl.int1)
     acc += _dot(tl.reshape(w_lo, (BLOCK_N, 128)), _x(x_rows, m_ok, tl.reshape(xo, (128,)), ok), DOT_BF16)
@@ -70,8 +71,8 @@ def _q6k_tile(acc, w8, w16, x_rows, m_ok, row_base, row_ok, u, BLOCK_N: tl.const
     g = tl.arange(0, 8)
     blk = row_base + u * 210
     m3 = row_ok[:, None, None]
-    ql = _u8(w8, blk[:, None, None] + (32 * r)[None, :, None] + l[None, None, :], m3)
-    qh = _u8(w8, blk[:, None, None] + (128 + 32 * (r // 2))[None, :, None] + l[None, None, :], m3)
+    ql = u8(w8, blk[:, None, None] + (32 * r)[None, :, None] + l[None, None, :], m3)
+    qh = u8(w8, blk[:, None, None] + (128 + 32 * (r // 2))[None, :, None] + l[None, None, :], m3)
     d = tl.load(w16 + (blk + 208) // 2, mask=row_ok, other=0).to(tl.float32)[:, None]
     ok = tl.full((128,), 1, tl.int1)
     for jhi in tl.static_range(2):
@@ -80,7 +81,7 @@ def _q6k_tile(acc, w8, w16, x_rows, m_ok, row_base, row_ok, u, BLOCK_N: tl.const
         # 16-value group g = 2r + l // 16 has scale 8·(g // 4) + 4·jhi + g % 4
         sc = tl.load(w8 + blk[:, None] + (192 + 8 * (g // 4) + 4 * jhi + g % 4)[None, :], mask=row_ok[:, None],
                      other=0).to(tl.int8, bitcast=True).to(tl.float32)
-        w = tl.reshape(_exact_f32(val, 32.0), (BLOCK_N, 8, 16)) * sc[:, :, None]
+        w = tl.reshape(exact_f32(val, 32.0), (BLOCK_N, 8, 16)) * sc[:, :, None]
         xo = (u * 256 + 128 * (r // 2) + 32 * j)[:, None] + l[None, :]
         acc += _dot(tl.reshape(w, (BLOCK_N, 128)) * d, _x(x_rows, m_ok, tl.reshape(xo, (128,)), ok), DOT_BF16)
     return acc
@@ -97,22 +98,22 @@ def _q8_q4_tile(acc, w8, w16, x_rows, m_ok, row_base, row_ok, t, n_units, QTYPE:
     if QTYPE == 0:
         l = tl.arange(0, 32)
         blk = row_base[:, None] + (b * 34)[None, :]
-        q = _u8(w8, blk[:, :, None] + 2 + l[None, None, :], mask2[:, :, None])
+        q = u8(w8, blk[:, :, None] + 2 + l[None, None, :], mask2[:, :, None])
         d = tl.load(w16 + blk // 2, mask=mask2, other=0).to(tl.float32)
-        w = _exact_f32(q ^ 128, 128.0) * d[:, :, None]
+        w = exact_f32(q ^ 128, 128.0) * d[:, :, None]
         xo = (b * 32)[:, None] + l[None, :]
         okx = tl.reshape(b_ok[:, None] & (l < 32)[None, :], (256,))
         acc += _dot(tl.reshape(w, (BLOCK_N, 256)), _x(x_rows, m_ok, tl.reshape(xo, (256,)), okx), DOT_BF16)
     else:
         l = tl.arange(0, 16)
         blk = row_base[:, None] + (b * 18)[None, :]
-        q = _u8(w8, blk[:, :, None] + 2 + l[None, None, :], mask2[:, :, None])
+        q = u8(w8, blk[:, :, None] + 2 + l[None, None, :], mask2[:, :, None])
         d = tl.load(w16 + blk // 2, mask=mask2, other=0).to(tl.float32)[:, :, None]
         xo = (b * 32)[:, None] + l[None, :]
         okx = tl.reshape(b_ok[:, None] & (l < 16)[None, :], (128,))
-        acc += _dot(tl.reshape(_exact_f32(q & 15, 8.0) * d, (BLOCK_N, 128)),
+        acc += _dot(tl.reshape(exact_f32(q & 15, 8.0) * d, (BLOCK_N, 128)),
                     _x(x_rows, m_ok, tl.reshape(xo, (128,)), okx), DOT_BF16)
-        acc += _dot(tl.reshape(_exact_f32(q >> 4, 8.0) * d, (BLOCK_N, 128)),
+        acc += _dot(tl.reshape(exact_f32(q >> 4, 8.0) * d, (BLOCK_N, 128)),
                     _x(x_rows, m_ok, tl.reshape(xo + 16, (128,)), okx), DOT_BF16)
     return acc
 

@@ -11,28 +11,11 @@ import torch
 import triton
 import triton.language as tl
 
+from hf2q.kernels.quant_fields_triton import kquant_scale_min, u8
+
 QTYPE_ID = {"Q8_0": 0, "Q4_0": 1, "Q4_K": 2, "Q5_K": 3, "Q6_K": 4}
 BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 TILE = 256
-
-
-@triton.jit
-def _byte(w8, off, mask):
-    return tl.load(w8 + off, mask=mask, other=0).to(tl.int32)
-
-
-@triton.jit
-def _k_scale_min(w8, base, e, mask):
-    """Q4_K/Q5_K 6-bit scale and min of sub-block e // 32 (ggml's get_scale_min_k4), per value."""
-    j = e // 32
-    jj = (j % 4)[None, :]
-    a = _byte(w8, base + 4 + jj, mask)
-    c = _byte(w8, base + 8 + jj, mask)
-    h = _byte(w8, base + 12 + jj, mask)
-    low = (j < 4)[None, :]
-    sc = tl.where(low, a & 63, (h & 15) | ((a >> 6) << 4))
-    mn = tl.where(low, c & 63, (h >> 4) | ((c >> 6) << 4))
-    return sc.to(tl.float32), mn.to(tl.float32)
 
 
 @triton.jit
@@ -52,34 +35,34 @@ def dequant_tile(w8, w16, row_base, row_ok, t, nblk, QTYPE: tl.constexpr):
         base = row_base[:, None] + (b * 18)[None, :]
         d = tl.load(w16 + base // 2, mask=mask, other=0).to(tl.float32)
         i = e % 32
-        q = (_byte(w8, base + 2 + (i % 16)[None, :], mask) >> ((i // 16) * 4)[None, :]) & 15
+        q = (u8(w8, base + 2 + (i % 16)[None, :], mask) >> ((i // 16) * 4)[None, :]) & 15
         return d * (q - 8).to(tl.float32)
     elif QTYPE == 2:  # Q4_K: f16 d, f16 dmin, 12 scale bytes, 128 bytes of nibbles
         mask = row_ok[:, None]
         base = row_base[:, None] + t * 144
         d = tl.load(w16 + base // 2, mask=mask, other=0).to(tl.float32)
         dmin = tl.load(w16 + base // 2 + 1, mask=mask, other=0).to(tl.float32)
-        sc, mn = _k_scale_min(w8, base, e, mask)
+        sc, mn = kquant_scale_min(w8, base, e // 32, mask)
         qoff = (32 * (e // 64) + e % 32)[None, :]
-        q = (_byte(w8, base + 16 + qoff, mask) >> (4 * ((e // 32) % 2))[None, :]) & 15
+        q = (u8(w8, base + 16 + qoff, mask) >> (4 * ((e // 32) % 2))[None, :]) & 15
         return d * sc * q.to(tl.float32) - dmin * mn
     elif QTYPE == 3:  # Q5_K: as Q4_K plus 32 bytes of fifth bits (bit s of byte l for sub-block s)
         mask = row_ok[:, None]
         base = row_base[:, None] + t * 176
         d = tl.load(w16 + base // 2, mask=mask, other=0).to(tl.float32)
         dmin = tl.load(w16 + base // 2 + 1, mask=mask, other=0).to(tl.float32)
-        sc, mn = _k_scale_min(w8, base, e, mask)
+        sc, mn = kquant_scale_min(w8, base, e // 32, mask)
         qoff = (32 * (e // 64) + e % 32)[None, :]
-        q = (_byte(w8, base + 48 + qoff, mask) >> (4 * ((e // 32) % 2))[None, :]) & 15
-        hi = (_byte(w8, base + 16 + (e % 32)[None, :], mask) >> (e // 32)[None, :]) & 1
+        q = (u8(w8, base + 48 + qoff, mask) >> (4 * ((e // 32) % 2))[None, :]) & 15
+        hi = (u8(w8, base + 16 + (e % 32)[None, :], mask) >> (e // 32)[None, :]) & 1
         return d * sc * (q + 16 * hi).to(tl.float32) - dmin * mn
     else:  # Q6_K: 128 bytes low nibbles, 64 bytes high 2-bit pairs, 16 int8 scales, f16 d
         mask = row_ok[:, None]
         base = row_base[:, None] + t * 210
         half, r = e // 128, e % 128
         j, l = r // 32, r % 32
-        lo = (_byte(w8, base + (64 * half + l + 32 * (j % 2))[None, :], mask) >> (4 * (j // 2))[None, :]) & 15
-        hi = (_byte(w8, base + 128 + (32 * half + l)[None, :], mask) >> (2 * j)[None, :]) & 3
+        lo = (u8(w8, base + (64 * half + l + 32 * (j % 2))[None, :], mask) >> (4 * (j // 2))[None, :]) & 15
+        hi = (u8(w8, base + 128 + (32 * half + l)[None, :], mask) >> (2 * j)[None, :]) & 3
         sc = tl.load(w8 + base + 192 + (e // 16)[None, :], mask=mask, other=0).to(tl.int8, bitcast=True)
         d = tl.load(w16 + base // 2 + 104, mask=mask, other=0).to(tl.float32)
         return d * sc.to(tl.float32) * ((lo | (hi << 4)) - 32).to(tl.float32)
