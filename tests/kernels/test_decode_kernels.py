@@ -143,6 +143,19 @@ def test_fused_conv_gdn_decode_matches_two_triton_kernels(heads):
 
 
 # ---- the GEMV in the model -------------------------------------------------------------------------------
+def test_default_gemv_serves_only_shapes_measured_faster():
+    from hf2q.kernels import gemv_triton
+
+    faster = [key for key, (_, ours, cublas) in gemv_triton.TABLE.items() if ours < cublas]
+    slower = [key for key, (_, ours, cublas) in gemv_triton.TABLE.items() if ours >= cublas]
+    assert faster and slower
+    assert all(gemv_triton.measured_faster(*key) for key in faster)
+    assert not any(gemv_triton.measured_faster(*key) for key in slower)
+    assert gemv_triton.measured_faster(2048, 2048, 1) and not gemv_triton.measured_faster(2048, 2048, 3)
+    assert not gemv_triton.measured_faster(4096, 4096, 1)  # a 9B shape: never measured, cuBLAS
+
+
+
 @pytest.mark.gpu
 @needs_cuda
 @torch.inference_mode()
@@ -164,6 +177,12 @@ def test_dispatch_linear_and_model_logits_with_gemv():
             assert torch.equal(dispatch.linear(x, w), gemv(x, w) if m == 1 else F.linear(x, w))
         with dispatch.gemv_switch(0):
             assert torch.equal(dispatch.linear(x, w), F.linear(x, w))
+        with dispatch.gemv_switch("measured"):  # the default: only shapes the table has as faster
+            assert torch.equal(dispatch.linear(x, w), F.linear(x, w))
+    w2b = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)  # 2B gdn.out: GEMV measured faster
+    x1 = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
+    with dispatch.gemv_switch("measured"):
+        assert torch.equal(dispatch.linear(x1, w2b), gemv(x1, w2b))
     net = random_model(tiny_config(), tie=True, device="cuda", dtype=torch.bfloat16, std=0.05, seed=1)
     for ids in ([5], [5, 17, 300]):
         with dispatch.gemv_switch(0):

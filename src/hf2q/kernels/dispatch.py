@@ -19,9 +19,12 @@ from hf2q.layers.norm import rms_norm
 from hf2q.layers.rotary import apply_rotary
 
 _MODE = {"value": "auto"}  # auto: CUDA tensors only; off: never; force: every device
-# HF2Q_GEMV=N: the Triton GEMV for products of at most N (0..4) rows of x. Measured on 2B (H200): one row
-# 20% faster than cuBLAS, 2..4 rows 5-9% slower; off by default until 9B is measured too.
-_GEMV = {"rows": min(4, max(0, int(os.environ.get("HF2Q_GEMV", "0") or 0)))}
+# The Triton GEMV for few rows of x. By default ("measured") it serves the shapes its table records as
+# faster than cuBLAS on the device (2B, one row: 20% faster); HF2Q_GEMV=N sends every product of at most
+# N (0..4) rows to it, HF2Q_GEMV=0 none.
+_GEMV = {"rows": os.environ.get("HF2Q_GEMV", "measured")}
+if _GEMV["rows"] != "measured":
+    _GEMV["rows"] = min(4, max(0, int(_GEMV["rows"] or 0)))
 
 
 @contextlib.contextmanager
@@ -43,8 +46,9 @@ def use_fast_path(x: torch.Tensor) -> bool:
 
 
 @contextlib.contextmanager
-def gemv_switch(rows: int):
-    """Temporarily send products of at most `rows` rows (0: none) to the Triton GEMV, as HF2Q_GEMV does."""
+def gemv_switch(rows):
+    """Temporarily send products of at most `rows` rows (0: none; "measured": the table's faster shapes)
+    to the Triton GEMV, as HF2Q_GEMV does."""
     old, _GEMV["rows"] = _GEMV["rows"], rows
     try:
         yield
@@ -53,13 +57,16 @@ def gemv_switch(rows: int):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """x Wᵀ for a dense weight [N, K], in out_dtype (default x's): the Triton GEMV for bf16 rows on CUDA up
-    to the HF2Q_GEMV row count (one kernel, no split-K reduce), cuBLAS otherwise."""
+    """x Wᵀ for a dense weight [N, K], in out_dtype (default x's): the Triton GEMV for a few bf16 rows on
+    CUDA where the HF2Q_GEMV setting sends them (one kernel, no split-K reduce), cuBLAS otherwise."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if (1 <= rows <= _GEMV["rows"] and x.is_cuda and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
+    if (1 <= rows <= 4 and x.is_cuda and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
             and x.stride(-1) == 1 and weight.stride(-1) == 1):
-        from hf2q.kernels.gemv_triton import gemv
-        return gemv(x, weight, out_dtype)
+        from hf2q.kernels import gemv_triton
+        limit = _GEMV["rows"]
+        if (limit == "measured" and gemv_triton.measured_faster(weight.shape[0], x.shape[-1], rows)) or (
+                limit != "measured" and rows <= limit):
+            return gemv_triton.gemv(x, weight, out_dtype)
     y = F.linear(x, weight)
     return y if out_dtype is None else y.to(out_dtype)
 

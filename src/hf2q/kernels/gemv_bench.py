@@ -141,7 +141,7 @@ def main(argv=None) -> None:
                       f"default {default_config(n, k, m)} {d:7.1f} ({tbs(d):.2f})  best {cfg} {b:7.1f} ({tbs(b):.2f})")
             for m in (1, MAX_ROWS):
                 (cfg, b), c = res["best"][m], res["cublas"][m]
-                line = f"    ({n}, {k}, {m}): {cfg},  # {shape} {name}: {b:.1f} µs, cuBLAS {c:.1f}"
+                line = f"    ({n}, {k}, {m}): ({cfg}, {b:.1f}, {c:.1f}),  # {shape} {name}"
                 table.setdefault((n, k, m), line)
         for m in rows:
             t = totals

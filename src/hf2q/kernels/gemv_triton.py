@@ -20,20 +20,21 @@ MAX_ROWS = 4
 
 Config = tuple[int, int, int, int]  # (BLOCK_N, BLOCK_K, num_warps, STAGES)
 
-# (N, K, 1 for one row of x or MAX_ROWS for 2..MAX_ROWS rows) -> Config, from `gemv_bench` on an H200.
-TABLE: dict[tuple[int, int, int], Config] = {
-    (8224, 2048, 1): (2, 2048, 8, 1),  # 2b gdn.qkv+z+a+b: 9.7 µs, cuBLAS 11.3
-    (2048, 2048, 1): (1, 2048, 4, 1),  # 2b gdn.out, attn.o: 4.1 µs, cuBLAS 6.1
-    (5120, 2048, 1): (2, 2048, 8, 1),  # 2b attn.q+g+k+v: 6.9 µs, cuBLAS 8.1
-    (12288, 2048, 1): (1, 2048, 4, 1),  # 2b mlp.gate+up: 13.6 µs, cuBLAS 15.4
-    (2048, 6144, 1): (1, 2048, 4, 1),  # 2b mlp.down: 7.8 µs, cuBLAS 11.4
-    (248320, 2048, 1): (2, 1024, 4, 1),  # 2b lm_head: 224.0 µs, cuBLAS 254.8
-    (8224, 2048, 4): (64, 256, 4, 3),  # 2b gdn.qkv+z+a+b: 11.5 µs, cuBLAS 11.1
-    (2048, 2048, 4): (64, 128, 4, 5),  # 2b gdn.out, attn.o: 6.1 µs, cuBLAS 6.1
-    (5120, 2048, 4): (64, 128, 4, 5),  # 2b attn.q+g+k+v: 8.8 µs, cuBLAS 8.1
-    (12288, 2048, 4): (64, 128, 4, 5),  # 2b mlp.gate+up: 16.7 µs, cuBLAS 15.8
-    (2048, 6144, 4): (64, 128, 4, 5),  # 2b mlp.down: 13.6 µs, cuBLAS 11.5
-    (248320, 2048, 4): (64, 128, 4, 5),  # 2b lm_head: 239.6 µs, cuBLAS 250.2
+# (N, K, 1 for one row of x or MAX_ROWS for 2..MAX_ROWS rows) -> (Config, GEMV µs, cuBLAS µs), from
+# `gemv_bench` on an H200. By default the GEMV serves exactly the entries where it measured faster.
+TABLE: dict[tuple[int, int, int], tuple[Config, float, float]] = {
+    (8224, 2048, 1): ((2, 2048, 8, 1), 9.7, 11.3),  # 2b gdn.qkv+z+a+b
+    (2048, 2048, 1): ((1, 2048, 4, 1), 4.1, 6.1),  # 2b gdn.out, attn.o
+    (5120, 2048, 1): ((2, 2048, 8, 1), 6.9, 8.1),  # 2b attn.q+g+k+v
+    (12288, 2048, 1): ((1, 2048, 4, 1), 13.6, 15.4),  # 2b mlp.gate+up
+    (2048, 6144, 1): ((1, 2048, 4, 1), 7.8, 11.4),  # 2b mlp.down
+    (248320, 2048, 1): ((2, 1024, 4, 1), 224.0, 254.8),  # 2b lm_head
+    (8224, 2048, 4): ((64, 256, 4, 3), 11.5, 11.1),  # 2b gdn.qkv+z+a+b
+    (2048, 2048, 4): ((64, 128, 4, 5), 6.1, 6.1),  # 2b gdn.out, attn.o
+    (5120, 2048, 4): ((64, 128, 4, 5), 8.8, 8.1),  # 2b attn.q+g+k+v
+    (12288, 2048, 4): ((64, 128, 4, 5), 16.7, 15.8),  # 2b mlp.gate+up
+    (2048, 6144, 4): ((64, 128, 4, 5), 13.6, 11.5),  # 2b mlp.down
+    (248320, 2048, 4): ((64, 128, 4, 5), 239.6, 250.2),  # 2b lm_head
 }
 
 
@@ -96,8 +97,19 @@ def default_config(n: int, k: int, m: int) -> Config:
     return 64, min(128, triton.next_power_of_2(k)), 4, 5
 
 
+def _entry(n: int, k: int, m: int):
+    return TABLE.get((n, k, 1 if m == 1 else MAX_ROWS))
+
+
 def pick_config(n: int, k: int, m: int) -> Config:
-    return TABLE.get((n, k, 1 if m == 1 else MAX_ROWS)) or default_config(n, k, m)
+    entry = _entry(n, k, m)
+    return entry[0] if entry else default_config(n, k, m)
+
+
+def measured_faster(n: int, k: int, m: int) -> bool:
+    """Whether the table holds this shape with the GEMV faster than cuBLAS on the device."""
+    entry = _entry(n, k, m)
+    return entry is not None and entry[1] < entry[2]
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None,
