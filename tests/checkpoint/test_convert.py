@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import filecmp
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import gguf
 import numpy as np
@@ -17,7 +18,26 @@ import pytest
 
 from hf2q.checkpoint.convert import add_convert_args, convert, run_convert
 from hf2q.checkpoint.gguf_file import GGUFFile
-from tests.support.fixtures import llama_cpp_gguf
+from tests.support import llama_cpp_sources
+from tests.support.fixtures import hf_checkpoint, llama_cpp_gguf
+
+# (kind, outtype, no_mtp) of every reference file llama.cpp's converter makes for these tests.
+REFERENCES = [("dense", "f32", False), ("moe", "f32", False), ("dense", "q8_0", False), ("moe", "q8_0", False),
+              ("dense", "bf16", False), ("dense", "f32", True)]
+
+
+@pytest.fixture(scope="module")
+def llama_cpp_refs() -> dict:
+    """Every reference file, made two at a time: each is a converter subprocess of its own (about 20 s)."""
+    try:
+        llama_cpp_sources.llama_cpp_converter()  # fetch and unpack the sources once, before the threads
+    except llama_cpp_sources.SourcesUnavailable as exc:
+        pytest.skip(str(exc))
+    for kind in ("dense", "moe"):
+        hf_checkpoint(kind)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        made = {ref: pool.submit(llama_cpp_gguf, *ref) for ref in REFERENCES}
+    return {ref: future.result() for ref, future in made.items()}
 
 MISSING = object()
 
@@ -50,14 +70,14 @@ def assert_same_gguf(ours, ref) -> None:
 
 @pytest.mark.parametrize("kind,outtype", [("dense", "f32"), ("moe", "f32"), ("dense", "q8_0"),
                                           ("moe", "q8_0"), ("dense", "bf16")])
-def test_same_file_as_llama_cpp(kind, outtype, request):
-    ref = llama_cpp_gguf(kind, outtype)
+def test_same_file_as_llama_cpp(kind, outtype, request, llama_cpp_refs):
+    ref = llama_cpp_refs[(kind, outtype, False)]
     ours = request.getfixturevalue(f"gguf_{kind}_{outtype}")
     assert_same_gguf(ours, ref)
 
 
-def test_no_mtp_drops_mtp_layer(hf_dense_dir, tmp_path):
-    ref = llama_cpp_gguf("dense", "f32", no_mtp=True)
+def test_no_mtp_drops_mtp_layer(hf_dense_dir, tmp_path, llama_cpp_refs):
+    ref = llama_cpp_refs[("dense", "f32", True)]
     out = convert(hf_dense_dir, tmp_path / "nomtp.gguf", "f32", no_mtp=True)
     g = GGUFFile(out)
     n_layers = json.loads((hf_dense_dir / "config.json").read_text())["num_hidden_layers"]
