@@ -37,25 +37,20 @@ def dequant_tile(w8, w16, row_base, row_ok, t, nblk, QTYPE: tl.constexpr):
         i = e % 32
         q = (u8(w8, base + 2 + (i % 16)[None, :], mask) >> ((i // 16) * 4)[None, :]) & 15
         return d * (q - 8).to(tl.float32)
-    elif QTYPE == 2:  # Q4_K: f16 d, f16 dmin, 12 scale bytes, 128 bytes of nibbles
+    elif QTYPE <= 3:  # Q4_K: f16 d, f16 dmin, 12 scale bytes, 128 bytes of nibbles; Q5_K: 32 bytes of fifth
+        # bits (bit s of byte l for sub-block s) before the nibbles
+        BB: tl.constexpr = 144 if QTYPE == 2 else 176
+        QS: tl.constexpr = 16 if QTYPE == 2 else 48
         mask = row_ok[:, None]
-        base = row_base[:, None] + t * 144
+        base = row_base[:, None] + t * BB
         d = tl.load(w16 + base // 2, mask=mask, other=0).to(tl.float32)
         dmin = tl.load(w16 + base // 2 + 1, mask=mask, other=0).to(tl.float32)
         sc, mn = kquant_scale_min(w8, base, e // 32, mask)
         qoff = (32 * (e // 64) + e % 32)[None, :]
-        q = (u8(w8, base + 16 + qoff, mask) >> (4 * ((e // 32) % 2))[None, :]) & 15
+        q = (u8(w8, base + QS + qoff, mask) >> (4 * ((e // 32) % 2))[None, :]) & 15
+        if QTYPE == 3:
+            q += ((u8(w8, base + 16 + (e % 32)[None, :], mask) >> (e // 32)[None, :]) & 1) << 4
         return d * sc * q.to(tl.float32) - dmin * mn
-    elif QTYPE == 3:  # Q5_K: as Q4_K plus 32 bytes of fifth bits (bit s of byte l for sub-block s)
-        mask = row_ok[:, None]
-        base = row_base[:, None] + t * 176
-        d = tl.load(w16 + base // 2, mask=mask, other=0).to(tl.float32)
-        dmin = tl.load(w16 + base // 2 + 1, mask=mask, other=0).to(tl.float32)
-        sc, mn = kquant_scale_min(w8, base, e // 32, mask)
-        qoff = (32 * (e // 64) + e % 32)[None, :]
-        q = (u8(w8, base + 48 + qoff, mask) >> (4 * ((e // 32) % 2))[None, :]) & 15
-        hi = (u8(w8, base + 16 + (e % 32)[None, :], mask) >> (e // 32)[None, :]) & 1
-        return d * sc * (q + 16 * hi).to(tl.float32) - dmin * mn
     else:  # Q6_K: 128 bytes low nibbles, 64 bytes high 2-bit pairs, 16 int8 scales, f16 d
         mask = row_ok[:, None]
         base = row_base[:, None] + t * 210
