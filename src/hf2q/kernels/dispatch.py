@@ -22,9 +22,11 @@ _MODE = {"value": "auto"}  # auto: CUDA tensors only; off: never; force: every d
 # The Triton GEMV for few rows of x. By default ("measured") it serves the shapes its table records as
 # faster than cuBLAS on the device (2B, one row: 20% faster); HF2Q_GEMV=N sends every product of at most
 # N (0..4) rows to it, HF2Q_GEMV=0 none.
-_GEMV = {"rows": os.environ.get("HF2Q_GEMV", "measured")}
+_GEMV = {"rows": os.environ.get("HF2Q_GEMV") or "measured"}
 if _GEMV["rows"] != "measured":
-    _GEMV["rows"] = min(4, max(0, int(_GEMV["rows"] or 0)))
+    if _GEMV["rows"] not in ("0", "1", "2", "3", "4"):
+        raise ValueError(f"HF2Q_GEMV must be measured or a row count 0..4, not {_GEMV['rows']!r}")
+    _GEMV["rows"] = int(_GEMV["rows"])
 
 
 @contextlib.contextmanager

@@ -260,6 +260,9 @@ CONFIG = {"Q8_0": (4, 16, 2, 0), "Q4_0": (4, 16, 2, 0), "Q4_K": (4, 4, 2, 0), "Q
 _K_CANDIDATES = [(4, 4, 2), (2, 4, 1), (2, 8, 2), (4, 8, 2), (8, 4, 4), (4, 2, 2), (1, 8, 1)]
 _B_CANDIDATES = [(4, 16, 2), (2, 16, 1), (4, 32, 2), (8, 16, 4), (2, 32, 2)]
 _TUNED: dict[tuple, tuple] = {}
+_TUNE = (os.environ.get("HF2Q_GEMV_TUNE") or "1") == "1"
+if (os.environ.get("HF2Q_GEMV_TUNE") or "1") not in ("0", "1"):
+    raise ValueError(f"HF2Q_GEMV_TUNE must be 0 or 1, not {os.environ['HF2Q_GEMV_TUNE']!r}")
 
 
 def candidates(qtype: str) -> list[tuple[int, int, int, int]]:
@@ -283,7 +286,7 @@ def _time(fn, reps: int = 10) -> float:
 def best_config(x, raw, qtype: str, n: int, experts) -> tuple[int, int, int, int]:
     """The fastest candidate for this shape, timed once per (type, N, K, rows, experts) on CUDA outside
     graph capture (the capture's warm-up step does it); the default elsewhere, or with HF2Q_GEMV_TUNE=0."""
-    if not x.is_cuda or os.environ.get("HF2Q_GEMV_TUNE", "1") == "0":
+    if not x.is_cuda or not _TUNE:
         return CONFIG[qtype]
     rows = 1 << (x.shape[0] - 1).bit_length()  # MoE pair counts vary step to step: tune per power of two
     key = (qtype, n, x.shape[1], rows, experts is not None, x.dtype)
