@@ -11,7 +11,7 @@ out=${2:-.}
 mkdir -p "$out"
 bench() { python -m hf2q.bench --hf-new 0 "$@"; }
 case "$stage" in
-  tests) python -m pytest -q -p no:cacheprovider -m gpu tests
+  tests) python -m pytest -q -p no:cacheprovider -m gpu --ignore=tests/e2e --ignore=tests/server tests
          python -m pytest -q -p no:cacheprovider tests/quant/test_kernels.py tests/kernels ;;
   quant) bench --shape 9b --quant q4_k_m --batch 1 16 --new 48 --json "$out/9b_q4_k_m.json"
          python -m hf2q.kernels.quant_bench ;;

@@ -1,9 +1,10 @@
 """Multiplying by GGUF-quantized weights: picks the Triton kernel or the exact reference, by device.
 
-A few rows (decode) go through the mat-vec kernel that streams the blocks (quant_gemv_triton); up to
-DECODE_ROWS rows through the tile kernel (quant_tile_triton), which dequantizes each weight tile once in
-registers for all rows and multiplies on tensor cores. Many rows (prefill) dequantize the weight into a reused bf16 scratch buffer and multiply on
-tensor cores: the dequantization costs one pass over the weight, the matmul dominates. Off CUDA (and
+Up to DECODE_ROWS rows (decode, batched decode, MoE token-expert pairs) go through the mat-vec kernel
+that streams the blocks and multiplies them on 8-bit integer dot products against int8-quantized
+activations (quant_dp4a_triton). Many rows (prefill) dequantize the weight into a reused bf16 scratch
+buffer and multiply on tensor cores: the dequantization costs one pass over the weight, the matmul
+dominates. Off CUDA (and
 without Triton's interpreter) the reference dequantizes with gguf and multiplies in fp32.
 """
 from __future__ import annotations
@@ -15,8 +16,7 @@ import torch.nn.functional as F
 
 from hf2q.quant import dequantize_ref, row_bytes
 
-GEMV_ROWS = 4  # at most this many rows go through the streaming mat-vec kernel
-DECODE_ROWS = 16  # at most this many rows go through the fused dequantize-and-multiply tile kernel
+DECODE_ROWS = 16  # at most this many rows go through the streaming mat-vec kernel
 MOE_PAIRS = 1024  # token-expert pairs below which reading chosen experts beats dequantizing every expert
 _SCRATCH: dict[tuple, torch.Tensor] = {}
 
@@ -63,14 +63,10 @@ def quant_linear(x: torch.Tensor, raw: torch.Tensor, qtype: str, out_features: i
     if not _triton(x):
         w = dequantize_ref(raw, qtype, (out_features, k)).to(x.device)
         return F.linear(x2.float(), w).to(x.dtype).reshape(*x.shape[:-1], out_features)
-    if x2.shape[0] <= GEMV_ROWS:
-        from hf2q.kernels.quant_gemv_triton import gemv
+    if x2.shape[0] <= DECODE_ROWS:
+        from hf2q.kernels.quant_dp4a_triton import gemv
 
         y = gemv(x2, raw, qtype, out_features)
-    elif x2.shape[0] <= DECODE_ROWS:
-        from hf2q.kernels.quant_tile_triton import tile_matmul
-
-        y = tile_matmul(x2, raw, qtype, out_features)
     else:
         w = dequantize(raw, qtype, (out_features, k), x.dtype,
                        out=scratch("linear", out_features * k, x.dtype, x.device))
@@ -84,7 +80,7 @@ def expert_linear(x: torch.Tensor, experts: torch.Tensor, raw: torch.Tensor, qty
     if not _triton(x):
         w = dequantize_ref(raw, qtype, (raw.shape[0], out_features, x.shape[-1])).to(x.device)
         return torch.einsum("pk,pnk->pn", x.float(), w[experts]).to(x.dtype)
-    from hf2q.kernels.quant_gemv_triton import gemv
+    from hf2q.kernels.quant_dp4a_triton import gemv
 
     return gemv(x, raw, qtype, out_features, experts=experts.to(torch.int32).contiguous())
 
