@@ -30,7 +30,7 @@ QTYPE_ID = {"Q8_0": 0, "Q4_0": 1, "Q4_K": 2, "Q5_K": 3, "Q6_K": 4}
 BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 BLOCK_ELEMS = {"Q8_0": 32, "Q4_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
 EMULATE = os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter runs no PTX: dp4a in plain integer ops
-NIBBLES = 0x0F0F0F0F
+NIBBLES = tl.constexpr(0x0F0F0F0F)
 
 
 @triton.jit
