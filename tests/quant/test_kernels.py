@@ -67,9 +67,9 @@ def int8_exact(x):
     """x rounded to what the mat-vec's int8 activation groups hold, so that the kernel sees x exactly."""
     from hf2q.kernels.quant_dp4a_triton import quantize_rows
 
-    xq, dx, _, _ = quantize_rows(x.to(DEV))
-    q = xq.view(torch.int8).view(x.shape[0], -1, 32).float().cpu()
-    return (q * dx.cpu()[..., None]).view(x.shape)
+    xq, act = quantize_rows(x.to(DEV))
+    q = xq.view(torch.int8).view(x.shape[0], -1, 16).float().cpu()
+    return (q * act.cpu()[..., :1]).view(x.shape)
 
 
 @kernels
@@ -78,12 +78,14 @@ def test_quantize_rows():
 
     x = torch.randn(3, 96, generator=torch.Generator().manual_seed(0))
     x[1, 32:64] = 0  # an all-zero group
-    xq, dx, sx, s16 = (t.cpu() for t in quantize_rows(x.to(DEV)))
-    q = xq.view(torch.int8).view(3, 3, 32).float()
-    assert float(q.abs().max()) == 127 and float(q[1, 1].abs().max()) == 0 and float(dx[1, 1]) == 0
-    assert float((q * dx[..., None] - x.view(3, 3, 32)).abs().max()) <= float(dx.max()) / 2 * (1 + 1e-5)
-    assert torch.allclose(sx, x.view(3, 3, 32).sum(-1), atol=1e-5)
-    assert torch.equal(s16, q.view(3, 6, 16).sum(-1).int())
+    xq, act = (t.cpu() for t in quantize_rows(x.to(DEV)))
+    q = xq.view(torch.int8).view(3, 6, 16).float()
+    dx, fix, sx, sq = act.unbind(-1)  # per 16 values
+    assert torch.equal(dx[:, 0::2], dx[:, 1::2])  # one scale per 32 values
+    assert float(q.abs().max()) == 127 and float(q[1, 2:4].abs().max()) == 0 and float(dx[1, 2]) == 0
+    assert float((q * dx[..., None] - x.view(3, 6, 16)).abs().max()) <= float(dx.max()) / 2 * (1 + 1e-5)
+    assert torch.allclose(sx, x.view(3, 6, 16).sum(-1), atol=1e-5)
+    assert torch.allclose(sq, dx * q.sum(-1), atol=1e-5) and torch.allclose(fix, sx - sq, atol=1e-5)
 
 
 @kernels
@@ -111,7 +113,7 @@ def _gemv_cases():
     """Every candidate on the device; under the interpreter (slow) the extreme tile sizes."""
     from hf2q.kernels.quant_dp4a_triton import candidates
 
-    extremes = {(2, 4, 2), (8, 2, 4), (2, 16, 2), (4, 32, 4)}
+    extremes = {(4, 8, 1), (2, 2, 4), (4, 32, 1), (4, 4, 4)}
     return [(q, c) for q in QUANT_TYPES for c in candidates(q) if CUDA or c in extremes]
 
 
