@@ -1,13 +1,15 @@
 """Triton mat-vec for GGUF blocks on 8-bit integer dot products (dp4a), for decode's few rows.
 
-A float mat-vec spends a dozen instructions per weight unpacking, converting and multiplying, which
-keeps it at a quarter of the memory's speed. Here the activation rows are first quantized to int8 in
-32-value groups (scale dx = max|x| / 127, as llama.cpp's q8_1), then each 32-bit word of weights is
-unpacked to four bytes with a mask and a shift and multiplied against four activation bytes by one
-dp4a instruction. The integer sum of each weight sub-block is scaled once: d · scale · dx. K-quant
-mins use the exact float sum of the activations' group; Q6_K's and Q4_0's value offsets (32, 8) use
-the integer sum of the quantized group. The only rounding beyond fp32 accumulation is the
-activations' int8 quantization (about 0.5% relative per dot product).
+A float mat-vec spends a dozen instructions per weight unpacking, converting and multiplying. Here the
+activation rows are first quantized to int8 in 32-value groups (scale dx = max|x| / 127, as llama.cpp's
+q8_1), then each 32-bit word of weights is unpacked to four bytes with a mask and a shift and
+multiplied against four activation bytes by one dp4a instruction; the four words of a 16-value part
+are chained through dp4a's accumulator, so no sum crosses threads inside the loop. Each part's integer
+sum is scaled once (d · scale · dx). Values are centred on their range's middle (Q4_K 8, Q5_K 16,
+Q6_K 32, Q4_0 8) through the quantized group's sum, and K-quant mins and the centring of K-quants use
+the activations' exact float sums. The only rounding beyond fp32 accumulation is the activations'
+int8 quantization (about 0.5% relative per dot product; tests/quant/test_kernels.py states the
+tolerances).
 
 BLOCK_M activation rows share each unpacked weight word (batched decode). With `experts`, every row
 m has its own expert's weight (MoE token-expert pairs) and BLOCK_M is 1.
@@ -61,25 +63,17 @@ def _quantize_kernel(x_ptr, xq_ptr, act_ptr, n_groups, x_stride, GROUPS: tl.cons
 
 
 @triton.jit
-def _dp4a(a, b, SIGNED: tl.constexpr, EMULATE: tl.constexpr):
-    """Σ of the four byte products of int32 words a and b (b's bytes signed; a's signed if SIGNED)."""
-    if EMULATE:
-        acc = (a & 0) + (b & 0)
-        for i in tl.static_range(4):
-            bi = (b << (24 - 8 * i)) >> 24
-            if SIGNED:
-                ai = (a << (24 - 8 * i)) >> 24
-            else:
-                ai = (a >> (8 * i)) & 255
-            acc += ai * bi
-        return acc
-    else:
-        a, b = tl.broadcast(a, b)
+def _dp4a_emulated(a, b, SIGNED: tl.constexpr):
+    """Σ of the four byte products of int32 words a and b in plain integer ops (the interpreter runs no PTX)."""
+    acc = (a & 0) + (b & 0)
+    for i in tl.static_range(4):
+        bi = (b << (24 - 8 * i)) >> 24
         if SIGNED:
-            asm: tl.constexpr = "dp4a.s32.s32 $0, $1, $2, $3;"
+            ai = (a << (24 - 8 * i)) >> 24
         else:
-            asm: tl.constexpr = "dp4a.u32.s32 $0, $1, $2, $3;"
-        return tl.inline_asm_elementwise(asm, "=r,r,r,r", [a, b, a & 0], dtype=tl.int32, is_pure=True, pack=1)
+            ai = (a >> (8 * i)) & 255
+        acc += ai * bi
+    return acc
 
 
 @triton.jit
@@ -87,7 +81,7 @@ def _dp4a_acc(a, b, c, SIGNED: tl.constexpr, EMULATE: tl.constexpr):
     """c + Σ of the four byte products of int32 words a and b (b's bytes signed; a's signed if SIGNED).
     Dots are chained through c word by word, so no sum ever crosses threads."""
     if EMULATE:
-        return c + _dp4a(a, b, SIGNED, EMULATE)
+        return c + _dp4a_emulated(a, b, SIGNED)
     a, b = tl.broadcast(a, b)
     a, c = tl.broadcast(a, c)
     if SIGNED:
@@ -107,7 +101,8 @@ def _word_from_halves(w16, half, mask):
 
 @triton.jit
 def _quads(ptr, off, mask):
-    """The four consecutive 32-bit values at ptr + off [A, B] (16-byte aligned: one load), as four [A, B]."""
+    """The four consecutive 32-bit values at ptr + off [A, B], as four [A, B] (separate loads keep each in
+    the layout of off, where one [A, B, 4] load would need a layout change to split)."""
     v0 = tl.load(ptr + off, mask=mask, other=0)
     v1 = tl.load(ptr + off + 1, mask=mask, other=0)
     v2 = tl.load(ptr + off + 2, mask=mask, other=0)

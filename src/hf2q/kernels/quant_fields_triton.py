@@ -1,4 +1,4 @@
-"""Readers of GGUF block fields inside Triton kernels, shared by the dequantize, mat-vec and tile kernels."""
+"""Readers of GGUF block fields inside Triton kernels, shared by the dequantize and mat-vec kernels."""
 from __future__ import annotations
 
 import triton
@@ -9,14 +9,6 @@ import triton.language as tl
 def u8(w8, off, mask):
     """Bytes at w8 + off as int32 (0 where masked)."""
     return tl.load(w8 + off, mask=mask, other=0).to(tl.int32)
-
-
-@triton.jit
-def exact_f32(v, offset):
-    """float32 of v - offset for int32 0 <= v < 2**23: OR-ing the exponent of 2**23 into v gives the float
-    2**23 + v exactly, so one integer OR and one float subtract replace an int-to-float conversion (an
-    eighth-rate instruction on Hopper that, once per weight, bounds the mat-vec)."""
-    return (v | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + offset)
 
 
 @triton.jit

@@ -1,5 +1,5 @@
 """Triton dequantization of GGUF blocks to bf16/fp32 for many rows (prefill multiplies the result on
-tensor cores). Decode rows go through quant_gemv_triton (a few) and quant_tile_triton (up to 16).
+tensor cores). Decode rows (up to 16) go through quant_dp4a_triton.
 
 Every kernel walks a weight row in tiles of 256 values: one K-quant super-block, or eight 32-value
 Q8_0/Q4_0 blocks. Layouts follow ggml's block structs byte for byte; the f16 fields are read through
