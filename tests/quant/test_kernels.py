@@ -154,3 +154,34 @@ def test_moe_experts_quant(qtype):
             want[i] += weights[i, j] * (dense[2][e] @ h)
     got = quant_ops.moe_experts_quant(x.to(DEV), weights.to(DEV), experts.to(DEV), *stacks)
     assert rel(got, want) < INT8_TOL
+
+
+@pytest.mark.parametrize("qtype,rows", [(q, 1) for q in QUANT_TYPES] + [("Q4_K", 16), ("Q6_K", 16), ("Q5_K", "experts")])
+def test_int8_matvec_compiles_for_hopper(qtype, rows):
+    """The mat-vec compiles to sm_90 machine code with dp4a (Triton's interpreter runs no PTX, and a
+    construct only the compiler rejects, such as a non-constexpr global, would otherwise first show on a
+    GPU). Needs Triton's bundled ptxas, not a GPU."""
+    if INTERPRET:
+        pytest.skip("compiles natively")
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from hf2q.kernels import quant_dp4a_triton as k
+
+    experts = rows == "experts"
+    bn, sb, warps = k.candidates(qtype, 1 if experts else rows)[0]
+    sig = {"xq_ptr": "*i32", "act_ptr": "*fp32", "w16": "*i16", "w32": "*i32", "out_ptr": "*bf16",
+           "expert_ptr": "*i32", "M": "i32", "N": "i32", "row_units": "i32", "n_units": "i32",
+           "expert_units": "i32", "n_g16": "i32", "out_stride": "i32"}
+    const = dict(QTYPE=k.QTYPE_ID[qtype], BM=1 if experts else k._block_m(rows, None), BN=bn, SB=sb,
+                 HAS_EXPERTS=experts, EMULATE=False)
+    sig.update({name: "constexpr" for name in const})
+    try:
+        compiled = triton.compile(ASTSource(fn=k._gemv_dp4a_kernel, signature=sig, constexprs=const),
+                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    except (FileNotFoundError, RuntimeError) as err:
+        if "ptxas" in str(err):
+            pytest.skip(f"no ptxas: {err}")
+        raise
+    assert "dp4a" in compiled.asm["ptx"]

@@ -66,13 +66,14 @@ def main(argv=None) -> None:
         tot["bf"] += bf * times
         del raw
     ms = tot["dec"] / 1e3
-    print(f"9B Q4_K_M projections: {tot['bytes'] / 1e9:.2f} GB; decode b=1 {ms:.3f} ms/token "
-          f"({1e3 / ms:.0f} tok/s bound, {100 * tot['bytes'] / BANDWIDTH / (ms * 1e-3):.0f}% of bandwidth, "
-          f"ceiling {BANDWIDTH / tot['bytes']:.0f} tok/s); "
-          f"b=4 {tot['dec4'] / 1e3:.3f} ms/step; b=16 {tot['dec16'] / 1e3:.3f} ms/step; "
-          f"prefill 4096 {tot['pre']:.1f} ms ({4096e3 / max(tot['pre'], 1e-9):.0f} tok/s bound; "
-          f"bf16 weights {tot['bf']:.1f} ms)", flush=True)
-
+    line = (f"9B Q4_K_M projections: {tot['bytes'] / 1e9:.2f} GB; decode b=1 {ms:.3f} ms/token "
+            f"({1e3 / ms:.0f} tok/s bound, {100 * tot['bytes'] / BANDWIDTH / (ms * 1e-3):.0f}% of bandwidth, "
+            f"ceiling {BANDWIDTH / tot['bytes']:.0f} tok/s); "
+            f"b=4 {tot['dec4'] / 1e3:.3f} ms/step; b=16 {tot['dec16'] / 1e3:.3f} ms/step")
+    if not args.no_prefill:
+        line += (f"; prefill 4096 {tot['pre']:.1f} ms ({4096e3 / tot['pre']:.0f} tok/s bound; "
+                 f"bf16 weights {tot['bf']:.1f} ms)")
+    print(line, flush=True)
 
 if __name__ == "__main__":
     main()
