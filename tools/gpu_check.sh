@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks behind BENCHMARKS.md, in stages that each fit a few minutes:
-#   tools/gpu_check.sh tests|quant|bf16|moe|gemv [OUT_DIR]
+#   tools/gpu_check.sh tests|quant|bf16|moe|gemv|ncu [OUT_DIR]
 # tests: every GPU-marked test and the Triton kernel tests on the device;
 # quant: 9B Q4_K_M end to end and per projection; bf16: 9B and 2B; moe: 35B-A3B bf16 and Q4_K_M;
-# gemv: the bf16 GEMV sweep against cuBLAS at 9B and 2B shapes. Figures also go to OUT_DIR/*.json.
+# gemv: the bf16 GEMV sweep against cuBLAS at 9B and 2B shapes; ncu: Nsight Compute's view (bandwidth,
+# occupancy, stall reasons) of the int8 mat-vec on a small and a large 9B projection, at the default
+# configuration. Figures also go to OUT_DIR/*.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?stage: tests|quant|bf16|moe|gemv}
+stage=${1:?stage: tests|quant|bf16|moe|gemv|ncu}
 out=${2:-.}
 mkdir -p "$out"
 bench() { python -m hf2q.bench --hf-new 0 "$@"; }
@@ -20,5 +22,8 @@ case "$stage" in
   moe)   bench --shape 35b-a3b --batch 1 64 --json "$out/35b.json"
          bench --shape 35b-a3b --quant q4_k_m --batch 1 16 --new 48 --json "$out/35b_q4_k_m.json" ;;
   gemv)  python -m hf2q.kernels.gemv_bench --shape 9b 2b ;;
+  ncu)   HF2Q_GEMV_TUNE=0 ncu --kernel-name regex:_gemv_dp4a --launch-count 2 --section SpeedOfLight \
+           --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis --section LaunchStats \
+           python -m hf2q.kernels.quant_bench --no-prefill --only gdn.out ffn.gate+up ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

@@ -37,11 +37,14 @@ def _us(fn) -> float:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--no-prefill", action="store_true")
+    p.add_argument("--only", nargs="+", default=None, metavar="PROJ", help="time only these projections")
     args = p.parse_args(argv)
     print(f"{'proj':12} {'type':5} {'shape':>14} {'MB':>7} {'b=1 us':>8} {'%bw':>5} {'b=4 us':>8} {'b=16 us':>8} "
           f"{'4096 ms':>8} {'bf16 ms':>8}", flush=True)
     tot = dict(dec=0.0, dec4=0.0, dec16=0.0, bytes=0.0, pre=0.0, bf=0.0)
     for name, n, k, qtype, times in LAYER_SET:
+        if args.only and name not in args.only:
+            continue
         raw = random_blocks(qtype, n, k, std=0.02, seed=n + k).cuda()
         xs = {m: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in (1, 4, 16)}
         dec = {m: _us(lambda m=m: quant_linear(xs[m], raw, qtype, n)) for m in xs}

@@ -256,10 +256,12 @@ def _q8_q4(w16, xq32, act, x_g16, m_ok, row_h, row_ok, u0, n_units, QTYPE: tl.co
 @triton.jit
 def _gemv_dp4a_kernel(xq_ptr, act_ptr, w16, w32, out_ptr, expert_ptr, M, N, row_units, n_units, expert_units,
                       n_g16, out_stride, QTYPE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                      SB: tl.constexpr, HAS_EXPERTS: tl.constexpr, EMULATE: tl.constexpr):
+                      SB: tl.constexpr, STAGES: tl.constexpr, HAS_EXPERTS: tl.constexpr, EMULATE: tl.constexpr):
     """out[m, n] = Σ_k x[m, k] · W[n, k] for BM activation rows and BN weight rows per program. Row
     strides come in the unit the type's blocks are read in (words for Q4_K / Q5_K, else halves), so
-    that the compiler sees their alignment. Parts are summed elementwise; one reduction at the end."""
+    that the compiler sees their alignment. Parts are summed elementwise; one reduction at the end.
+    STAGES > 1 lets the compiler copy the next steps' weights asynchronously while this one computes
+    (more bytes in flight per SM, paid for in registers and shared memory)."""
     ms = tl.program_id(1) * BM + tl.arange(0, BM)
     m_ok = ms < M
     rows = tl.program_id(0) * BN + tl.arange(0, BN)  # axis 0: a vocabulary's rows outnumber axis 1's limit
@@ -270,7 +272,7 @@ def _gemv_dp4a_kernel(xq_ptr, act_ptr, w16, w32, out_ptr, expert_ptr, M, N, row_
     x_g16 = ms.to(tl.int64) * n_g16  # first 16-value group of each activation row
     PARTS: tl.constexpr = SB * 2 if QTYPE <= 1 else SB * 8
     acc = tl.zeros((BM, BN, PARTS), dtype=tl.float32)
-    for u0 in range(0, n_units, SB):
+    for u0 in tl.range(0, n_units, SB, num_stages=STAGES):
         if QTYPE == 2 or QTYPE == 3:
             acc += _kquant_q45(w32, xq_ptr, act_ptr, x_g16, m_ok, row_base, row_ok, u0, n_units, QTYPE, BM, BN, SB,
                                EMULATE)
@@ -295,13 +297,14 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return xq.view(torch.int32), act
 
 
-# (BLOCK_N, blocks per step, warps) candidates, most work per thread first: a mat-vec is fed by the bytes
-# each thread has in flight. Those that would give a thread more than MAX_PARTS (row, part) sums of
-# BLOCK_M activation rows spill registers and are left out (see candidates).
-_K_CANDIDATES = [(4, 8, 1), (4, 4, 1), (8, 8, 2), (8, 4, 2), (4, 8, 2), (2, 8, 1), (16, 4, 4), (4, 4, 4), (8, 2, 4),
-                 (4, 2, 4), (4, 1, 4), (2, 2, 4)]
-_B_CANDIDATES = [(4, 16, 1), (8, 16, 2), (4, 32, 1), (8, 32, 2), (4, 16, 4), (16, 16, 4), (8, 4, 4), (4, 8, 4),
-                 (4, 4, 4)]
+# (BLOCK_N, blocks per step, warps, stages) candidates, most work per thread first: a mat-vec is fed by
+# the bytes each thread has in flight. Those that would give a thread more than MAX_PARTS (row, part)
+# sums of BLOCK_M activation rows spill registers and are left out (see candidates).
+_K_CANDIDATES = [(4, 8, 1, 1), (4, 4, 1, 1), (8, 8, 2, 1), (8, 4, 2, 1), (4, 8, 2, 1), (2, 8, 1, 1), (16, 4, 4, 1),
+                 (4, 4, 4, 1), (8, 2, 4, 1), (4, 2, 4, 1), (4, 1, 4, 1), (2, 2, 4, 1),
+                 (4, 4, 1, 3), (8, 4, 2, 3), (16, 4, 4, 3), (8, 2, 4, 3)]
+_B_CANDIDATES = [(4, 16, 1, 1), (8, 16, 2, 1), (4, 32, 1, 1), (8, 32, 2, 1), (4, 16, 4, 1), (16, 16, 4, 1),
+                 (8, 4, 4, 1), (4, 8, 4, 1), (4, 4, 4, 1), (4, 16, 1, 3), (8, 16, 2, 3), (8, 4, 4, 3)]
 MAX_PARTS = 16
 _TUNED: dict[tuple, tuple] = {}
 _TUNE = (os.environ.get("HF2Q_GEMV_TUNE") or "1") == "1"
@@ -309,7 +312,7 @@ if (os.environ.get("HF2Q_GEMV_TUNE") or "1") not in ("0", "1"):
     raise ValueError(f"HF2Q_GEMV_TUNE must be 0 or 1, not {os.environ['HF2Q_GEMV_TUNE']!r}")
 
 
-def candidates(qtype: str, rows: int = 1) -> list[tuple[int, int, int]]:
+def candidates(qtype: str, rows: int = 1) -> list[tuple[int, int, int, int]]:
     """Configurations for `rows` activation rows (their BLOCK_M), default first."""
     blocky = qtype in ("Q8_0", "Q4_0")
     parts_per_block = 2 if blocky else 8
@@ -334,7 +337,7 @@ def _time(fn, reps: int = 10) -> float:
     return start.elapsed_time(end) / reps
 
 
-def best_config(xs, raw, qtype: str, n: int, experts) -> tuple[int, int, int]:
+def best_config(xs, raw, qtype: str, n: int, experts) -> tuple[int, int, int, int]:
     """The fastest candidate for this shape, timed once per (type, N, K, rows rounded up to a power of two,
     experts) on CUDA outside graph capture (a capture's warm-up step does it); the first candidate
     elsewhere, inside a capture, or with HF2Q_GEMV_TUNE=0."""
@@ -358,7 +361,7 @@ def _launch(xs, raw, qtype, n, experts, config, out_dtype=torch.float32) -> torc
     n_units = k // BLOCK_ELEMS[qtype]
     unit = 4 if qtype in ("Q4_K", "Q5_K") else 2  # bytes per addressing unit (see _gemv_dp4a_kernel)
     row_units = n_units * BLOCK_BYTES[qtype] // unit
-    block_n, sb, warps = config
+    block_n, sb, warps, stages = config
     bm = _block_m(m, experts)
     out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
     flat = raw.view(-1)
@@ -366,13 +369,14 @@ def _launch(xs, raw, qtype, n, experts, config, out_dtype=torch.float32) -> torc
     w32 = flat.view(torch.int32) if qtype in ("Q4_K", "Q5_K") else w16  # only those blocks are 4-byte multiples
     _gemv_dp4a_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, bm))](
         xq, act, w16, w32, out, experts if experts is not None else flat, m, n, row_units, n_units, n * row_units,
-        k // 16, out.stride(0), QTYPE=QTYPE_ID[qtype], BM=bm, BN=block_n, SB=sb, HAS_EXPERTS=experts is not None,
+        k // 16, out.stride(0), QTYPE=QTYPE_ID[qtype], BM=bm, BN=block_n, SB=sb, STAGES=stages,
+        HAS_EXPERTS=experts is not None,
         EMULATE=EMULATE, num_warps=warps)
     return out
 
 
 def gemv(x: torch.Tensor, raw: torch.Tensor, qtype: str, n: int, experts: torch.Tensor | None = None,
-         config: tuple[int, int, int] | None = None) -> torch.Tensor:
+         config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """x [M, K] times quantized rows raw [(E,) N, row_bytes] -> [M, N] in x's dtype.
 
     With `experts` [M] (int32), row m of x is multiplied by expert experts[m] of a stacked [E, N, ...] weight.
