@@ -132,6 +132,24 @@ def test_gemv_every_candidate_config(qtype, config):
 
 
 @kernels
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"] if CUDA else ["Q8_0"])
+def test_matvec_two_stacks_one_launch(qtype):
+    """Pairs p = (token p // 2, expert e_p): gate and up stacks in one launch give both products, each
+    against its own stack, from activations quantized once per token."""
+    from hf2q.kernels.quant_dp4a_triton import matvec, quantize_rows
+
+    n_exp, n, k = 3, 8, 256
+    raws = [random_blocks(qtype, n_exp * n, k, seed=20 + i) for i in range(2)]
+    dense = [dequantize_ref(r, qtype, (n_exp, n, k)) for r in raws]
+    x = int8_exact(torch.randn(2, k, generator=torch.Generator().manual_seed(4)))
+    experts = torch.tensor([2, 0, 1, 2], dtype=torch.int32)
+    got = matvec(quantize_rows(x.to(DEV)), raws[0].view(n_exp, n, -1).to(DEV), qtype, n, experts.to(DEV),
+                 second=(raws[1].view(n_exp, n, -1).to(DEV), n), rows_per_x=2).cpu()
+    want = torch.stack([torch.cat([d[e] @ x[p // 2] for d in dense]) for p, e in enumerate(experts.tolist())])
+    assert got.shape == (4, 2 * n) and rel(got, want) < 1e-5
+
+
+@kernels
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0"] if CUDA else ["Q8_0"])
 def test_moe_experts_quant(qtype):
     from hf2q.kernels import quant_ops
@@ -173,11 +191,11 @@ def test_int8_matvec_compiles_for_hopper(qtype, rows, stages):
 
     experts = rows == "experts"
     bn, sb, warps, _ = next(c for c in k.candidates(qtype, 1 if experts else rows) if c[3] == stages)
-    sig = {"xq_ptr": "*i32", "act_ptr": "*fp32", "w16": "*i16", "w32": "*i32", "out_ptr": "*bf16",
-           "expert_ptr": "*i32", "M": "i32", "N": "i32", "row_units": "i32", "n_units": "i32",
-           "expert_units": "i32", "n_g16": "i32", "out_stride": "i32"}
+    sig = {"xq_ptr": "*i32", "act_ptr": "*fp32", "w16": "*i16", "w32": "*i32", "w16b": "*i16", "w32b": "*i32",
+           "out_ptr": "*bf16", "expert_ptr": "*i32", "M": "i32", "N": "i32", "n_first": "i32", "row_units": "i32",
+           "n_units": "i32", "expert_units": "i32", "n_g16": "i32", "rows_per_x": "i32", "out_stride": "i32"}
     const = dict(QTYPE=k.QTYPE_ID[qtype], BM=1 if experts else k._block_m(rows, None), BN=bn, SB=sb,
-                 STAGES=stages, HAS_EXPERTS=experts, EMULATE=False)
+                 STAGES=stages, HAS_EXPERTS=experts, TWO=experts, EMULATE=False)
     sig.update({name: "constexpr" for name in const})
     try:
         compiled = triton.compile(ASTSource(fn=k._gemv_dp4a_kernel, signature=sig, constexprs=const),

@@ -254,22 +254,31 @@ def _q8_q4(w16, xq32, act, x_g16, m_ok, row_h, row_ok, u0, n_units, QTYPE: tl.co
 
 
 @triton.jit
-def _gemv_dp4a_kernel(xq_ptr, act_ptr, w16, w32, out_ptr, expert_ptr, M, N, row_units, n_units, expert_units,
-                      n_g16, out_stride, QTYPE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                      SB: tl.constexpr, STAGES: tl.constexpr, HAS_EXPERTS: tl.constexpr, EMULATE: tl.constexpr):
+def _gemv_dp4a_kernel(xq_ptr, act_ptr, w16, w32, w16b, w32b, out_ptr, expert_ptr, M, N, n_first, row_units, n_units,
+                      expert_units, n_g16, rows_per_x, out_stride, QTYPE: tl.constexpr, BM: tl.constexpr,
+                      BN: tl.constexpr, SB: tl.constexpr, STAGES: tl.constexpr, HAS_EXPERTS: tl.constexpr,
+                      TWO: tl.constexpr, EMULATE: tl.constexpr):
     """out[m, n] = Σ_k x[m, k] · W[n, k] for BM activation rows and BN weight rows per program. Row
     strides come in the unit the type's blocks are read in (words for Q4_K / Q5_K, else halves), so
     that the compiler sees their alignment. Parts are summed elementwise; one reduction at the end.
     STAGES > 1 lets the compiler copy the next steps' weights asynchronously while this one computes
-    (more bytes in flight per SM, paid for in registers and shared memory)."""
+    (more bytes in flight per SM, paid for in registers and shared memory). TWO: output columns from
+    n_first on come from a second weight of the same type (an MoE's gate and up stacks in one launch;
+    n_first is a multiple of BN). Output row m multiplies activation row m // rows_per_x."""
     ms = tl.program_id(1) * BM + tl.arange(0, BM)
     m_ok = ms < M
-    rows = tl.program_id(0) * BN + tl.arange(0, BN)  # axis 0: a vocabulary's rows outnumber axis 1's limit
-    row_ok = rows < N
+    cols = tl.program_id(0) * BN + tl.arange(0, BN)  # axis 0: a vocabulary's rows outnumber axis 1's limit
+    rows = cols
+    if TWO:
+        if tl.program_id(0) * BN >= n_first:
+            w16 = w16b
+            w32 = w32b
+            rows = cols - n_first
+    row_ok = cols < N
     row_base = rows.to(tl.int64) * row_units
     if HAS_EXPERTS:
         row_base += tl.load(expert_ptr + tl.program_id(1)).to(tl.int64) * expert_units
-    x_g16 = ms.to(tl.int64) * n_g16  # first 16-value group of each activation row
+    x_g16 = (ms // rows_per_x).to(tl.int64) * n_g16  # first 16-value group of each activation row
     PARTS: tl.constexpr = SB * 2 if QTYPE <= 1 else SB * 8
     acc = tl.zeros((BM, BN, PARTS), dtype=tl.float32)
     for u0 in tl.range(0, n_units, SB, num_stages=STAGES):
@@ -281,7 +290,7 @@ def _gemv_dp4a_kernel(xq_ptr, act_ptr, w16, w32, out_ptr, expert_ptr, M, N, row_
         else:
             acc += _q8_q4(w16, xq_ptr, act_ptr, x_g16, m_ok, row_base, row_ok, u0, n_units, QTYPE, BM, BN, SB,
                           EMULATE)
-    out = out_ptr + ms.to(tl.int64)[:, None] * out_stride + rows[None, :]
+    out = out_ptr + ms.to(tl.int64)[:, None] * out_stride + cols[None, :]
     tl.store(out, tl.sum(acc, axis=2).to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & row_ok[None, :])
 
 
@@ -337,42 +346,63 @@ def _time(fn, reps: int = 10) -> float:
     return start.elapsed_time(end) / reps
 
 
-def best_config(xs, raw, qtype: str, n: int, experts) -> tuple[int, int, int, int]:
+def best_config(xs, raw, qtype: str, n: int, experts, second=None, rows_per_x: int = 1) -> tuple[int, int, int, int]:
     """The fastest candidate for this shape, timed once per (type, N, K, rows rounded up to a power of two,
     experts) on CUDA outside graph capture (a capture's warm-up step does it); the first candidate
     elsewhere, inside a capture, or with HF2Q_GEMV_TUNE=0."""
     xq = xs[0]
-    m = xq.shape[0] if experts is None else 1
+    m = 1 if experts is not None else xq.shape[0]
+    ok = [c for c in candidates(qtype, m) if not second or n % c[0] == 0]
     if not xq.is_cuda or not _TUNE:
-        return candidates(qtype, m)[0]
-    key = (qtype, n, xq.shape[1] * 4, 1 << (m - 1).bit_length(), experts is not None)
+        return ok[0]
+    pairs = xq.shape[0] * rows_per_x if experts is None else len(experts)
+    key = (qtype, n, second[1] if second else 0, xq.shape[1] * 4, 1 << (pairs - 1).bit_length(), experts is not None)
     cfg = _TUNED.get(key)
     if cfg is None:
         if torch.cuda.is_current_stream_capturing():
-            return candidates(qtype, m)[0]
-        timed = [(_time(lambda c=c: _launch(xs, raw, qtype, n, experts, c)), c) for c in candidates(qtype, m)]
+            return ok[0]
+        timed = [(_time(lambda c=c: _launch(xs, raw, qtype, n, experts, c, second=second, rows_per_x=rows_per_x)), c)
+                 for c in ok]
         cfg = _TUNED[key] = min(timed)[1]
     return cfg
 
 
-def _launch(xs, raw, qtype, n, experts, config, out_dtype=torch.float32) -> torch.Tensor:
+def _launch(xs, raw, qtype, n, experts, config, out_dtype=torch.float32, second=None, rows_per_x=1) -> torch.Tensor:
     xq, act = xs
-    m, k = xq.shape[0], xq.shape[1] * 4
+    k = xq.shape[1] * 4
+    m = len(experts) if experts is not None else xq.shape[0] * rows_per_x
     n_units = k // BLOCK_ELEMS[qtype]
     unit = 4 if qtype in ("Q4_K", "Q5_K") else 2  # bytes per addressing unit (see _gemv_dp4a_kernel)
     row_units = n_units * BLOCK_BYTES[qtype] // unit
     block_n, sb, warps, stages = config
     bm = _block_m(m, experts)
-    out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
-    flat = raw.view(-1)
-    w16 = flat.view(torch.int16)
-    w32 = flat.view(torch.int32) if qtype in ("Q4_K", "Q5_K") else w16  # only those blocks are 4-byte multiples
-    _gemv_dp4a_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, bm))](
-        xq, act, w16, w32, out, experts if experts is not None else flat, m, n, row_units, n_units, n * row_units,
-        k // 16, out.stride(0), QTYPE=QTYPE_ID[qtype], BM=bm, BN=block_n, SB=sb, STAGES=stages,
-        HAS_EXPERTS=experts is not None,
-        EMULATE=EMULATE, num_warps=warps)
+    n_total = n + (second[1] if second else 0)
+    if second and (n % block_n or (experts is not None and second[1] != n)):
+        raise ValueError(f"two weights in one launch need the first's rows ({n}) a multiple of BLOCK_N "
+                         f"({block_n}) and, for expert stacks, equal row counts (got {second[1]})")
+    out = torch.empty(m, n_total, dtype=out_dtype, device=xq.device)
+    views = []
+    for w in (raw, second[0] if second else raw):
+        flat = w.view(-1)
+        w16 = flat.view(torch.int16)
+        views += [w16, flat.view(torch.int32) if qtype in ("Q4_K", "Q5_K") else w16]  # only those are 4-byte multiples
+    _gemv_dp4a_kernel[(triton.cdiv(n_total, block_n), triton.cdiv(m, bm))](
+        xq, act, *views, out, experts if experts is not None else views[0], m, n_total, n, row_units, n_units,
+        n * row_units, k // 16, rows_per_x, out.stride(0), QTYPE=QTYPE_ID[qtype], BM=bm, BN=block_n, SB=sb,
+        STAGES=stages, HAS_EXPERTS=experts is not None, TWO=second is not None, EMULATE=EMULATE, num_warps=warps)
     return out
+
+
+def matvec(xs, raw: torch.Tensor, qtype: str, n: int, experts: torch.Tensor | None = None,
+           config: tuple[int, int, int, int] | None = None, out_dtype: torch.dtype = torch.float32,
+           second: tuple[torch.Tensor, int] | None = None, rows_per_x: int = 1) -> torch.Tensor:
+    """Activations already quantized by quantize_rows (xs) times quantized rows raw [(E,) N, row_bytes].
+
+    With `experts` [P] (int32), output row p multiplies activation row p // rows_per_x by expert experts[p]
+    of a stacked [E, N, ...] weight. With `second` (raw2, n2) of the same type and stacking, the output
+    has n + n2 columns, the last n2 from raw2 (one launch for two projections of the same input)."""
+    cfg = config or best_config(xs, raw, qtype, n, experts, second, rows_per_x)
+    return _launch(xs, raw, qtype, n, experts, cfg, out_dtype, second, rows_per_x)
 
 
 def gemv(x: torch.Tensor, raw: torch.Tensor, qtype: str, n: int, experts: torch.Tensor | None = None,
@@ -381,5 +411,4 @@ def gemv(x: torch.Tensor, raw: torch.Tensor, qtype: str, n: int, experts: torch.
 
     With `experts` [M] (int32), row m of x is multiplied by expert experts[m] of a stacked [E, N, ...] weight.
     """
-    xs = quantize_rows(x)
-    return _launch(xs, raw, qtype, n, experts, config or best_config(xs, raw, qtype, n, experts), x.dtype)
+    return matvec(quantize_rows(x), raw, qtype, n, experts, config, x.dtype)

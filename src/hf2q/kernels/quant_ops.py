@@ -89,17 +89,32 @@ def moe_experts_quant(x: torch.Tensor, weights: torch.Tensor, experts: torch.Ten
                       down: tuple) -> torch.Tensor:
     """Σ_k weights · SwiGLU expert_k(x) with quantized stacked experts; gate/up/down: (raw, qtype).
 
-    x: [T, H]; weights/experts: [T, k]. Few token-expert pairs read only the chosen experts' blocks;
-    many pairs dequantize the stacks into scratch and run the grouped-GEMM path.
+    x: [T, H]; weights/experts: [T, k]. Few token-expert pairs read only the chosen experts' blocks: x is
+    quantized once, gate and up of every pair come from one launch when their types match, then the
+    down projection; many pairs dequantize the stacks into scratch and run the grouped-GEMM path.
     """
     t, top_k = experts.shape
     hidden, inter = x.shape[1], gate[0].shape[1]
     n_exp = gate[0].shape[0]
-    if t * top_k <= MOE_PAIRS or not _triton(x):
+    if not _triton(x):
         flat = experts.reshape(-1)
         xs = x.repeat_interleave(top_k, dim=0)  # [T*k, H], pair p is token p // k
         h = F.silu(expert_linear(xs, flat, *gate, inter)) * expert_linear(xs, flat, *up, inter)
         y = expert_linear(h, flat, *down, hidden)  # [T*k, H]
+        return (y.view(t, top_k, hidden) * weights[..., None].to(y.dtype)).sum(1)
+    if t * top_k <= MOE_PAIRS:
+        from hf2q.kernels.dispatch import silu_mul
+        from hf2q.kernels.quant_dp4a_triton import matvec, quantize_rows
+
+        flat = experts.reshape(-1).to(torch.int32)
+        xs = quantize_rows(x)
+        if gate[1] == up[1]:
+            gu = matvec(xs, gate[0], gate[1], inter, flat, out_dtype=x.dtype, second=(up[0], inter), rows_per_x=top_k)
+            h = silu_mul(gu[:, :inter], gu[:, inter:])
+        else:
+            h = silu_mul(matvec(xs, *gate, inter, flat, out_dtype=x.dtype, rows_per_x=top_k),
+                         matvec(xs, *up, inter, flat, out_dtype=x.dtype, rows_per_x=top_k))
+        y = matvec(quantize_rows(h), *down, hidden, flat, out_dtype=x.dtype)  # [T*k, H]
         return (y.view(t, top_k, hidden) * weights[..., None].to(y.dtype)).sum(1)
     stacks = []
     for slot, (raw, qtype), shape in (("gate_exps", gate, (n_exp, inter, hidden)), ("up_exps", up, (n_exp, inter, hidden)),
