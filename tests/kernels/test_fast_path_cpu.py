@@ -78,12 +78,13 @@ def test_varlen_conv_matches_per_sequence_reference():
 
 
 def test_grouped_gemm_moe_matches_expert_loop():
-    from hf2q.kernels.moe_grouped import moe_experts_grouped
+    from hf2q.kernels.dispatch import moe_combine
+    from hf2q.kernels.moe_grouped import moe_expert_pairs_grouped
     torch.manual_seed(4)
     net = random_model(tiny_config(True), device="cpu", dtype=torch.bfloat16, std=0.08, seed=4)
     moe = net.layers[0].ffn
     x = torch.randn(11, net.config.hidden_size, dtype=torch.bfloat16)
     weights, experts = moe.route(x)
-    got = moe_experts_grouped(x, weights, experts, moe.gate_exps, moe.up_exps, moe.down_exps)
+    got = moe_combine(moe_expert_pairs_grouped(x, experts, moe.gate_exps, moe.up_exps, moe.down_exps), weights)
     ref = moe(x) - torch.sigmoid(moe.shared_gate(x)) * moe.shared(x)
     assert rel(got.float(), ref.float()) <= 2e-2

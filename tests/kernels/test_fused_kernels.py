@@ -1,5 +1,6 @@
 """The fused Triton kernels (residual add + RMSNorm, SwiGLU, q/k norm + RoPE + K/V write, paged attention
-with the output gate) against the torch versions in the dispatcher, which are the exact CPU path.
+with the output gate, MoE routing and combine) against the torch versions in the dispatcher, which are
+the exact CPU path.
 
 Runs on CPU through Triton's interpreter, and on a CUDA GPU at real sizes in bf16."""
 from __future__ import annotations
@@ -14,7 +15,7 @@ from tests.support.triton_targets import TARGETS, interpreter_child, randn, rel,
 
 triton = pytest.importorskip("triton")
 
-MODULES = ("norm_triton", "swiglu_triton", "qk_rope_triton", "paged_attention_triton")
+MODULES = ("norm_triton", "swiglu_triton", "qk_rope_triton", "paged_attention_triton", "moe_triton")
 
 
 @pytest.fixture(scope="module", params=TARGETS)
@@ -100,3 +101,30 @@ def test_paged_attention_with_output_gate(env, gated):
         ref = dispatch.paged_decode_attention(q.cpu().float(), rows_k.cpu().float(), rows_v.cpu().float(), tables,
                                               lens, bs, hd ** -0.5, gate=None if gate is None else gate.cpu().float())
     assert rel(out, ref) <= max(tol, 2e-5)
+
+
+@pytest.mark.parametrize("n_exp,top_k", [(256, 8), (10, 3)])  # real routing; non-power-of-two counts
+def test_moe_route(env, n_exp, top_k):
+    dev, dtype, tol, k, real = env
+    logits = randn(5, n_exp, dev=dev, dtype=dtype, gen=torch.Generator().manual_seed(n_exp), scale=3.0)
+    weights, experts = k["moe_triton"].route(logits, top_k, dtype)
+    with torch_only():
+        ref_w, ref_e = dispatch.moe_route(logits.cpu(), top_k, torch.float32)
+    assert torch.equal(experts.cpu().long(), ref_e)  # random logits: no ties
+    assert weights.dtype == dtype and rel(weights, ref_w) < (1e-2 if real else 1e-6)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_moe_combine(env, shared):
+    dev, dtype, tol, k, real = env
+    gen = torch.Generator().manual_seed(2)
+    t, top_k, h = 3, (8 if real else 3), (2048 if real else 96)
+    pairs = randn(t * top_k, h, dev=dev, dtype=dtype, gen=gen)
+    weights = torch.softmax(torch.randn(t, top_k, generator=gen), -1).to(dev, dtype)
+    packed = randn(t, 1 + h, dev=dev, dtype=dtype, gen=gen)  # shared-expert gate logit and output side by side
+    gate, out = (packed[:, :1], packed[:, 1:]) if shared else (None, None)
+    got = k["moe_triton"].combine(pairs, weights, out, gate)
+    with torch_only():
+        want = dispatch.moe_combine(pairs.cpu().float(), weights.cpu().float(), out.cpu().float() if shared else None,
+                                    gate.cpu().float() if shared else None)
+    assert got.dtype == dtype and rel(got, want) < tol

@@ -171,7 +171,9 @@ def test_moe_experts_quant(qtype):
             e = experts[i, j]
             h = torch.nn.functional.silu(dense[0][e] @ x[i]) * (dense[1][e] @ x[i])
             want[i] += weights[i, j] * (dense[2][e] @ h)
-    got = quant_ops.moe_experts_quant(x.to(DEV), weights.to(DEV), experts.to(DEV), *stacks)
+    from hf2q.kernels.dispatch import moe_combine
+
+    got = moe_combine(quant_ops.moe_expert_pairs_quant(x.to(DEV), experts.to(DEV), *stacks), weights.to(DEV))
     assert rel(got, want) < INT8_TOL
 
 

@@ -290,10 +290,32 @@ def paged_decode_attention(q, k_rows, v_rows, block_tables, context_lens, block_
 
 
 # ---- MoE experts -------------------------------------------------------------------------------------
-def moe_experts(x, weights, experts, gate_exps, up_exps, down_exps):
-    """Σ_k weights · expert(x) through grouped GEMMs when the device supports them, else None."""
+def moe_expert_pairs(x, experts, gate_exps, up_exps, down_exps):
+    """Every token-expert pair's expert output [T·k, H] through grouped GEMMs when the device supports
+    them, else None."""
     if x.is_cuda:
-        from hf2q.kernels.moe_grouped import grouped_mm_available, moe_experts_grouped
+        from hf2q.kernels.moe_grouped import grouped_mm_available, moe_expert_pairs_grouped
         if grouped_mm_available(x):
-            return moe_experts_grouped(x, weights, experts, gate_exps, up_exps, down_exps)
+            return moe_expert_pairs_grouped(x, experts, gate_exps, up_exps, down_exps)
     return None
+
+
+def moe_route(logits: torch.Tensor, top_k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (weights [T, k] renormalised over the top k, in dtype; experts [T, k])."""
+    if _triton(logits) and logits.stride(-1) == 1:
+        from hf2q.kernels.moe_triton import route
+        return route(logits, top_k, dtype)
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    return (weights / weights.sum(dim=-1, keepdim=True)).to(dtype), experts
+
+
+def moe_combine(pairs: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None = None,
+                shared_gate: torch.Tensor | None = None) -> torch.Tensor:
+    """Σ_k weights · pairs (pair outputs [T·k, H]) plus sigmoid(shared_gate) · shared when given."""
+    if _triton(pairs) and pairs.is_contiguous() and (shared is None or shared.stride(-1) == 1):
+        from hf2q.kernels.moe_triton import combine
+        return combine(pairs, weights.contiguous(), shared, shared_gate)
+    t, top_k = weights.shape
+    out = (pairs.view(t, top_k, -1) * weights[..., None].to(pairs.dtype)).sum(1)
+    return out if shared is None else out + torch.sigmoid(shared_gate) * shared

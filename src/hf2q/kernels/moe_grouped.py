@@ -1,8 +1,9 @@
 """MoE experts as three grouped GEMMs (torch `_grouped_mm`), with no host synchronisation.
 
-Token-expert pairs are sorted by expert; each expert multiplies its contiguous run of rows. The
-combine is a reshape and a weighted sum over the top-k (deterministic, unlike an atomic index_add), so
-a CUDA graph replays exactly what eager execution computes.
+Token-expert pairs are sorted by expert; each expert multiplies its contiguous run of rows, and the
+outputs go back to pair order. The caller combines them (dispatch.moe_combine: a weighted sum over the
+top-k, deterministic unlike an atomic index_add), so a CUDA graph replays exactly what eager execution
+computes.
 """
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ def grouped_mm_available(x: torch.Tensor) -> bool:
     return hasattr(torch, "_grouped_mm") and x.dtype == torch.bfloat16
 
 
-def moe_experts_grouped(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_exps: torch.Tensor,
-                        up_exps: torch.Tensor, down_exps: torch.Tensor) -> torch.Tensor:
-    """x: [T, H]; weights/experts: [T, k]; *_exps: [E, out, in]. Returns Σ_k w · expert_k(x): [T, H]."""
+def moe_expert_pairs_grouped(x: torch.Tensor, experts: torch.Tensor, gate_exps: torch.Tensor, up_exps: torch.Tensor,
+                             down_exps: torch.Tensor) -> torch.Tensor:
+    """x: [T, H]; experts: [T, k]; *_exps: [E, out, in]. Returns expert_k(x) for every pair: [T·k, H], pair p
+    being token p // k and its (p % k)-th expert."""
     t, top_k = experts.shape
     flat = experts.reshape(-1)
     order = torch.argsort(flat, stable=True)
@@ -29,4 +31,4 @@ def moe_experts_grouped(x: torch.Tensor, weights: torch.Tensor, experts: torch.T
     y = torch._grouped_mm(h, down_exps.transpose(1, 2), offs=offs)
     unsorted = torch.empty_like(y)
     unsorted[order] = y
-    return (unsorted.view(t, top_k, -1) * weights[..., None].to(y.dtype)).sum(1)
+    return unsorted

@@ -85,28 +85,28 @@ def expert_linear(x: torch.Tensor, experts: torch.Tensor, raw: torch.Tensor, qty
     return gemv(x, raw, qtype, out_features, experts=experts.to(torch.int32).contiguous())
 
 
-def moe_experts_quant(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate: tuple, up: tuple,
-                      down: tuple) -> torch.Tensor:
-    """Σ_k weights · SwiGLU expert_k(x) with quantized stacked experts; gate/up/down: (raw, qtype).
+def moe_expert_pairs_quant(x: torch.Tensor, experts: torch.Tensor, gate: tuple, up: tuple,
+                           down: tuple) -> torch.Tensor:
+    """SwiGLU expert_k(x) of every token-expert pair [T·k, H] (pair p: token p // k, its (p % k)-th expert)
+    with quantized stacked experts; gate/up/down: (raw, qtype).
 
-    x: [T, H]; weights/experts: [T, k]. Few token-expert pairs read only the chosen experts' blocks: x is
-    quantized once, gate and up of every pair come from one launch when their types match, then the
-    down projection; many pairs dequantize the stacks into scratch and run the grouped-GEMM path.
+    Few pairs read only the chosen experts' blocks: x is quantized once, gate and up of every pair come
+    from one launch when their types match, then the down projection; many pairs dequantize the stacks
+    into scratch and run the grouped-GEMM path.
     """
     t, top_k = experts.shape
     hidden, inter = x.shape[1], gate[0].shape[1]
     n_exp = gate[0].shape[0]
+    flat = experts.reshape(-1)
     if not _triton(x):
-        flat = experts.reshape(-1)
         xs = x.repeat_interleave(top_k, dim=0)  # [T*k, H], pair p is token p // k
         h = F.silu(expert_linear(xs, flat, *gate, inter)) * expert_linear(xs, flat, *up, inter)
-        y = expert_linear(h, flat, *down, hidden)  # [T*k, H]
-        return (y.view(t, top_k, hidden) * weights[..., None].to(y.dtype)).sum(1)
+        return expert_linear(h, flat, *down, hidden)
     if t * top_k <= MOE_PAIRS:
         from hf2q.kernels.dispatch import silu_mul
         from hf2q.kernels.quant_dp4a_triton import matvec, quantize_rows
 
-        flat = experts.reshape(-1).to(torch.int32)
+        flat = flat.to(torch.int32)
         xs = quantize_rows(x)
         if gate[1] == up[1]:
             gu = matvec(xs, gate[0], gate[1], inter, flat, out_dtype=x.dtype, second=(up[0], inter), rows_per_x=top_k)
@@ -114,20 +114,19 @@ def moe_experts_quant(x: torch.Tensor, weights: torch.Tensor, experts: torch.Ten
         else:
             h = silu_mul(matvec(xs, *gate, inter, flat, out_dtype=x.dtype, rows_per_x=top_k),
                          matvec(xs, *up, inter, flat, out_dtype=x.dtype, rows_per_x=top_k))
-        y = matvec(quantize_rows(h), *down, hidden, flat, out_dtype=x.dtype)  # [T*k, H]
-        return (y.view(t, top_k, hidden) * weights[..., None].to(y.dtype)).sum(1)
+        return matvec(quantize_rows(h), *down, hidden, flat, out_dtype=x.dtype)
     stacks = []
     for slot, (raw, qtype), shape in (("gate_exps", gate, (n_exp, inter, hidden)), ("up_exps", up, (n_exp, inter, hidden)),
                                       ("down_exps", down, (n_exp, hidden, inter))):
         buf = scratch(slot, n_exp * shape[1] * shape[2], x.dtype, x.device)
         stacks.append(dequantize(raw, qtype, shape, x.dtype, out=buf))
-    from hf2q.kernels.moe_grouped import grouped_mm_available, moe_experts_grouped
+    from hf2q.kernels.moe_grouped import grouped_mm_available, moe_expert_pairs_grouped
 
     if grouped_mm_available(x):
-        return moe_experts_grouped(x, weights, experts, *stacks)
-    out = torch.zeros_like(x)
+        return moe_expert_pairs_grouped(x, experts, *stacks)
+    pairs = torch.empty(t * top_k, hidden, dtype=x.dtype, device=x.device)
     for e in torch.unique(experts).tolist():
         rows, slot = torch.where(experts == e)
         h = F.silu(F.linear(x[rows], stacks[0][e])) * F.linear(x[rows], stacks[1][e])
-        out.index_add_(0, rows, F.linear(h, stacks[2][e]) * weights[rows, slot, None].to(x.dtype))
-    return out
+        pairs[rows * top_k + slot] = F.linear(h, stacks[2][e])
+    return pairs

@@ -71,9 +71,15 @@ class MoE(nn.Module):
 
     def experts_quant(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Σ_k weights · expert_k(x) straight from the quantized stacks (requires `quantized`)."""
-        from hf2q.kernels.quant_ops import moe_experts_quant
+        from hf2q.kernels.dispatch import moe_combine
 
-        return moe_experts_quant(x, weights, experts, *(self.quant_stack(n) for n in EXPERT_STACKS))
+        return moe_combine(self.expert_pairs_quant(x, experts), weights)
+
+    def expert_pairs_quant(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """expert_k(x) of every token-expert pair [T·k, H] from the quantized stacks."""
+        from hf2q.kernels.quant_ops import moe_expert_pairs_quant
+
+        return moe_expert_pairs_quant(x, experts, *(self.quant_stack(n) for n in EXPERT_STACKS))
 
     def add_shared(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if self.shared is None:

@@ -59,21 +59,31 @@ class DecoderLayer(nn.Module):
         return x, self._ffn(h, batch)
 
     def _ffn(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """MoE on the fast path runs its experts as grouped GEMMs or straight from their quantized blocks
-        (no per-expert loop, no host sync)."""
-        if isinstance(self.ffn, MoE) and dispatch.use_fast_path(h):
-            weights, experts = self.ffn.route(h)
-            if self.ffn.quantized:
-                return self.ffn.add_shared(h, self.ffn.experts_quant(h, weights, experts))
-            if not self.ffn.exps_qtype:
-                y = dispatch.moe_experts(h, weights, experts, self.ffn.gate_exps, self.ffn.up_exps,
-                                         self.ffn.down_exps)
-                if y is not None:
-                    return self.ffn.add_shared(h, y)
+        """MoE on the fast path: router, shared-expert gate and shared gate+up in one packed GEMM, routing
+        and the combine in one kernel each, experts as grouped GEMMs or straight from their quantized
+        blocks (no per-expert loop, no host sync)."""
+        if isinstance(self.ffn, MoE) and dispatch.use_fast_path(h) and (self.ffn.quantized or not self.ffn.exps_qtype):
+            y = self._moe_fast(h)
+            if y is not None:
+                return y
         if isinstance(self.ffn, MLP) and dispatch.use_fast_path(h):
             gate, up = dispatch.packed_linear(h, (self.ffn.gate, self.ffn.up))  # one GEMM
             return self.ffn.down(dispatch.silu_mul(gate, up))
         return self.ffn(h)
+
+    def _moe_fast(self, h: torch.Tensor) -> torch.Tensor | None:
+        moe, shared = self.ffn, self.ffn.shared
+        outs = dispatch.packed_linear(h, (moe.router,) + ((moe.shared_gate, shared.gate, shared.up) if shared else ()))
+        weights, experts = dispatch.moe_route(outs[0], moe.top_k, h.dtype)
+        if moe.quantized:
+            pairs = moe.expert_pairs_quant(h, experts)
+        else:
+            pairs = dispatch.moe_expert_pairs(h, experts, moe.gate_exps, moe.up_exps, moe.down_exps)
+            if pairs is None:
+                return None
+        if shared is None:
+            return dispatch.moe_combine(pairs, weights)
+        return dispatch.moe_combine(pairs, weights, shared.down(dispatch.silu_mul(outs[2], outs[3])), outs[1])
 
 
 class Qwen35Model(nn.Module):
