@@ -6,6 +6,7 @@ Runs on CPU through Triton's interpreter, and on a CUDA GPU at real sizes in bf1
 from __future__ import annotations
 
 import importlib
+import os
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from tests.support.triton_targets import TARGETS, interpreter_child, randn, rel,
 
 triton = pytest.importorskip("triton")
 
-MODULES = ("norm_triton", "swiglu_triton", "qk_rope_triton", "paged_attention_triton", "moe_triton")
+MODULES = ("norm_triton", "swiglu_triton", "qk_rope_triton", "paged_attention_triton", "moe_triton", "gemv_triton")
 
 
 @pytest.fixture(scope="module", params=TARGETS)
@@ -128,3 +129,50 @@ def test_moe_combine(env, shared):
         want = dispatch.moe_combine(pairs.cpu().float(), weights.cpu().float(), out.cpu().float() if shared else None,
                                     gate.cpu().float() if shared else None)
     assert got.dtype == dtype and rel(got, want) < tol
+
+
+def test_moe_expert_pairs_by_gemv(env):
+    """Few pairs: gate and up of each pair's expert in one GEMV launch, SwiGLU, down, against the loop."""
+    dev, dtype, tol, k, real = env
+    gen = torch.Generator().manual_seed(3)
+    n_exp, hidden, inter, t, top_k = (16, 2048, 512, 2, 8) if real else (4, 64, 32, 2, 2)
+    stacks = [randn(n_exp, *shape, dev=dev, dtype=dtype, gen=gen, scale=0.05)
+              for shape in ((inter, hidden), (inter, hidden), (hidden, inter))]
+    x = randn(t, hidden, dev=dev, dtype=dtype, gen=gen)
+    experts = torch.stack([torch.randperm(n_exp, generator=gen)[:top_k] for _ in range(t)]).to(dev)
+    got = dispatch.moe_expert_pairs(x, experts, *stacks)
+    g, u, d = (s.cpu().float() for s in stacks)
+    want = torch.stack([d[e] @ (torch.nn.functional.silu(g[e] @ x[i].cpu().float()) * (u[e] @ x[i].cpu().float()))
+                        for i in range(t) for e in experts[i].tolist()])
+    assert got.shape == (t * top_k, hidden) and rel(got, want) < tol
+
+
+@pytest.mark.parametrize("kernel", ["route", "combine", "expert_gemv"])
+def test_moe_kernels_compile_for_hopper(kernel):
+    """The MoE kernels compile to sm_90 (the interpreter never runs the compiler). Needs Triton's bundled
+    ptxas, not a GPU."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("compiles natively")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from hf2q.kernels import gemv_triton, moe_triton
+
+    ptr, i32 = "*bf16", "i32"
+    fn, sig, const = {
+        "route": (moe_triton._route_kernel, dict(logit_ptr=ptr, w_ptr=ptr, e_ptr="*i32", E=i32, stride=i32),
+                  dict(TOPK=8, TOPK_P2=8, BLOCK_E=256)),
+        "combine": (moe_triton._combine_kernel, dict(y_ptr=ptr, w_ptr=ptr, s_ptr=ptr, g_ptr=ptr, out_ptr=ptr, H=i32,
+                                                     s_stride=i32, g_stride=i32), dict(TOPK=8, HAS_SHARED=True, BLOCK=2048)),
+        "expert_gemv": (gemv_triton._expert_gemv_kernel,
+                        dict(x_ptr=ptr, w_ptr=ptr, w2_ptr=ptr, y_ptr=ptr, experts_ptr="*i32", N=i32, n_first=i32, K=i32,
+                             rows_per_x=i32, stride_xm=i32, stride_we=i32, stride_wn=i32, stride_ym=i32),
+                        dict(BLOCK_N=1, BLOCK_K=2048, K_TILES=1, STAGES=1, EVEN_K=True, TWO=True)),
+    }[kernel]
+    sig.update({name: "constexpr" for name in const})
+    try:
+        triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32))
+    except (FileNotFoundError, RuntimeError) as err:
+        if "ptxas" in str(err):
+            pytest.skip(f"no ptxas: {err}")
+        raise

@@ -290,9 +290,19 @@ def paged_decode_attention(q, k_rows, v_rows, block_tables, context_lens, block_
 
 
 # ---- MoE experts -------------------------------------------------------------------------------------
+MOE_GEMV_PAIRS = 32  # token-expert pairs up to which each pair's experts are read by a GEMV (decode)
+
+
 def moe_expert_pairs(x, experts, gate_exps, up_exps, down_exps):
-    """Every token-expert pair's expert output [T·k, H] through grouped GEMMs when the device supports
-    them, else None."""
+    """Every token-expert pair's expert output [T·k, H]: a few pairs through the expert GEMV (gate and up
+    in one launch), many through grouped GEMMs where the device has them; else None."""
+    if (_triton(x) and experts.numel() <= MOE_GEMV_PAIRS and x.stride(-1) == 1 and gate_exps.stride(-1) == 1
+            and up_exps.stride() == gate_exps.stride() and down_exps.stride(-1) == 1):
+        from hf2q.kernels.gemv_triton import expert_gemv
+        flat = experts.reshape(-1).to(torch.int32)
+        inter = gate_exps.shape[1]
+        gu = expert_gemv(x, gate_exps, flat, experts.shape[1], second=up_exps)
+        return expert_gemv(silu_mul(gu[:, :inter], gu[:, inter:]), down_exps, flat)
     if x.is_cuda:
         from hf2q.kernels.moe_grouped import grouped_mm_available, moe_expert_pairs_grouped
         if grouped_mm_available(x):

@@ -87,6 +87,35 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rows < N)[:, None] & (ms < M)[None, :])
 
 
+@triton.jit
+def _expert_gemv_kernel(x_ptr, w_ptr, w2_ptr, y_ptr, experts_ptr, N, n_first, K, rows_per_x, stride_xm, stride_we,
+                        stride_wn, stride_ym, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
+                        STAGES: tl.constexpr, EVEN_K: tl.constexpr, TWO: tl.constexpr):
+    """_gemv_kernel for MoE token-expert pairs: program column p multiplies x row p // rows_per_x by expert
+    experts[p] of a stacked weight [E, N, K]; with TWO, output columns from n_first on come from a second
+    stack of the same shape (gate and up in one launch; n_first is a multiple of BLOCK_N)."""
+    p = tl.program_id(1)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = cols
+    base = w_ptr
+    if TWO:
+        if tl.program_id(0) * BLOCK_N >= n_first:
+            base = w2_ptr
+            rows = cols - n_first
+    n_rows = n_first if TWO else N
+    base += tl.load(experts_ptr + p).to(tl.int64) * stride_we
+    ks = tl.arange(0, BLOCK_K)
+    w_ptrs = base + tl.minimum(rows, n_rows - 1).to(tl.int64)[:, None] * stride_wn + ks[None, :]
+    x_ptrs = x_ptr + (p // rows_per_x).to(tl.int64) * stride_xm + (rows * 0)[:, None] + ks[None, :]
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for t in tl.range(0, K_TILES, num_stages=STAGES):
+        k_ok = (t * BLOCK_K + ks < K)[None, :]
+        acc += tl.sum(_load(w_ptrs, k_ok, EVEN_K).to(tl.float32) * _load(x_ptrs, k_ok, EVEN_K).to(tl.float32), 1)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    tl.store(y_ptr + p.to(tl.int64) * stride_ym + cols, acc.to(y_ptr.dtype.element_ty), mask=cols < N)
+
+
 def default_config(n: int, k: int, m: int) -> Config:
     """The configuration of a shape the table lacks. One row: one or two rows of W per program over K
     tiles of up to 2048 (the 2B sweep's winners: many small programs, each loading its whole strip at
@@ -132,3 +161,24 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = 
     else:
         _skinny_kernel[grid](x2, weight, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0), **meta)
     return y.view(*x.shape[:-1], n)
+
+
+def expert_gemv(x: torch.Tensor, stack: torch.Tensor, experts: torch.Tensor, rows_per_x: int = 1,
+                second: torch.Tensor | None = None, config: Config | None = None) -> torch.Tensor:
+    """MoE pairs: row p of the result is x[p // rows_per_x] times expert experts[p] of stack [E, N, K]
+    (with `second`, a stack of the same shape whose products fill columns N..2N) -> [P, N or 2N]."""
+    _, n, k = stack.shape
+    p = experts.numel()
+    assert stack.stride(2) == 1 and x.stride(1) == 1 and x.shape[1] == k
+    assert second is None or (second.shape == stack.shape and second.stride() == stack.stride())
+    n_total = n * (2 if second is not None else 1)
+    block_n, block_k, num_warps, stages = config or default_config(n, k, 1)
+    assert second is None or n % block_n == 0
+    y = torch.empty(p, n_total, dtype=x.dtype, device=x.device)
+    if p:
+        _expert_gemv_kernel[(triton.cdiv(n_total, block_n), p)](
+            x, stack, second if second is not None else stack, y, experts, n_total, n, k, rows_per_x, x.stride(0),
+            stack.stride(0), stack.stride(1), y.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
+            K_TILES=triton.cdiv(k, block_k), STAGES=stages, EVEN_K=k % block_k == 0, TWO=second is not None,
+            num_warps=num_warps)
+    return y

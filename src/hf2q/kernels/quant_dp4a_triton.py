@@ -309,11 +309,15 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # (BLOCK_N, blocks per step, warps, stages) candidates, most work per thread first: a mat-vec is fed by
 # the bytes each thread has in flight. Those that would give a thread more than MAX_PARTS (row, part)
 # sums of BLOCK_M activation rows spill registers and are left out (see candidates).
+# The whole-row ones ((1 or 2, 16, ...): a 4096-wide K-quant row in one step) follow the bf16 GEMV's
+# winners (kernels/gemv_triton.py): many small programs, each loading its whole strip at once.
 _K_CANDIDATES = [(4, 8, 1, 1), (4, 4, 1, 1), (8, 8, 2, 1), (8, 4, 2, 1), (4, 8, 2, 1), (2, 8, 1, 1), (16, 4, 4, 1),
                  (4, 4, 4, 1), (8, 2, 4, 1), (4, 2, 4, 1), (4, 1, 4, 1), (2, 2, 4, 1),
+                 (1, 16, 1, 1), (2, 16, 1, 1), (2, 16, 2, 1), (1, 16, 2, 1),
                  (4, 4, 1, 3), (8, 4, 2, 3), (16, 4, 4, 3), (8, 2, 4, 3)]
 _B_CANDIDATES = [(4, 16, 1, 1), (8, 16, 2, 1), (4, 32, 1, 1), (8, 32, 2, 1), (4, 16, 4, 1), (16, 16, 4, 1),
-                 (8, 4, 4, 1), (4, 8, 4, 1), (4, 4, 4, 1), (4, 16, 1, 3), (8, 16, 2, 3), (8, 4, 4, 3)]
+                 (8, 4, 4, 1), (4, 8, 4, 1), (4, 4, 4, 1), (1, 64, 2, 1), (1, 128, 4, 1), (2, 64, 4, 1),
+                 (4, 16, 1, 3), (8, 16, 2, 3), (8, 4, 4, 3)]
 MAX_PARTS = 16
 _TUNED: dict[tuple, tuple] = {}
 _TUNE = (os.environ.get("HF2Q_GEMV_TUNE") or "1") == "1"
