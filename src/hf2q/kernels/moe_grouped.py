@@ -20,7 +20,7 @@ def moe_expert_pairs_grouped(x: torch.Tensor, experts: torch.Tensor, gate_exps: 
     """x: [T, H]; experts: [T, k]; *_exps: [E, out, in]. Returns expert_k(x) for every pair: [T·k, H], pair p
     being token p // k and its (p % k)-th expert."""
     t, top_k = experts.shape
-    flat = experts.reshape(-1)
+    flat = experts.reshape(-1).long()  # the routing kernel gives int32
     order = torch.argsort(flat, stable=True)
     counts = torch.zeros(gate_exps.shape[0], dtype=torch.long, device=x.device)
     counts.index_add_(0, flat, torch.ones_like(flat))  # bincount would synchronise with the host
