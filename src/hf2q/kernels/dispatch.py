@@ -83,7 +83,7 @@ def packed_linear(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
         return _packed_by_type(x, linears)
     first = linears[0]
     packed = getattr(first, "_packed", None)
-    if packed is None or packed.data_ptr() != first.weight.data_ptr() or packed.device != x.device:
+    if packed is None or packed.device != x.device or not _views_of(packed, [lin.weight for lin in linears]):
         packed = torch.cat([lin.weight.data for lin in linears])
         row = 0
         for lin in linears:
@@ -93,6 +93,19 @@ def packed_linear(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
         first._packed = packed
     out = linear(x, packed)
     return torch.split(out, [lin.weight.shape[0] for lin in linears], dim=-1)
+
+
+def _views_of(packed: torch.Tensor, parts) -> bool:
+    """Whether `parts` are, in order, consecutive row blocks of `packed` (the pack made for exactly these
+    projections: a projection shared by two packs, such as a router replicated across tensor-parallel
+    shards, must not pick up another pack)."""
+    row_bytes = packed.stride(0) * packed.element_size()
+    ptr = packed.data_ptr()
+    for part in parts:
+        if part.data_ptr() != ptr:
+            return False
+        ptr += part.shape[0] * row_bytes
+    return ptr == packed.data_ptr() + packed.shape[0] * row_bytes
 
 
 def _packed_by_type(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
@@ -119,7 +132,7 @@ def _packed_quant_linear(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
 
     first = linears[0]
     packed = getattr(first, "_qpacked", None)
-    if packed is None or packed.data_ptr() != first.qweight.data_ptr() or packed.device != x.device:
+    if packed is None or packed.device != x.device or not _views_of(packed, [lin.qweight for lin in linears]):
         packed = torch.cat([lin.qweight for lin in linears])
         row = 0
         for lin in linears:
