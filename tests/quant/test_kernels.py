@@ -89,6 +89,20 @@ def test_quantize_rows():
 
 
 @kernels
+def test_quantize_rows_reuses_the_last_input_only_while_unchanged():
+    from hf2q.kernels.quant_dp4a_triton import quantize_rows
+
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(1)).to(DEV)
+    first = quantize_rows(x)
+    assert quantize_rows(x) is first  # a second pack of projections of the same input
+    assert quantize_rows(x.clone()) is not first  # equal values, another tensor
+    again = quantize_rows(x)
+    x.mul_(2)  # changed in place: its version counter moves
+    doubled = quantize_rows(x)
+    assert doubled is not again and torch.allclose(doubled[1][..., 2], 2 * again[1][..., 2])
+
+
+@kernels
 @pytest.mark.parametrize("m", [1, 3, 5, 16, 40])  # int8 mat-vec (1 to 16 rows), dequantize + matmul
 @pytest.mark.parametrize("rows,k", SHAPES)
 @pytest.mark.parametrize("qtype", QUANT_TYPES)

@@ -21,6 +21,7 @@ so their words are joined from two 16-bit halves.
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 import triton
@@ -294,16 +295,30 @@ def _gemv_dp4a_kernel(xq_ptr, act_ptr, w16, w32, w16b, w32b, out_ptr, expert_ptr
     tl.store(out, tl.sum(acc, axis=2).to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & row_ok[None, :])
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor, key: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (K a multiple of 32) -> int8 values as int32 words [M, K/4], and float32 [M, K/16, 4]:
-    per 16 values (dx, Σx - dx·Σxq, Σx, dx·Σxq)."""
-    x = x.contiguous()
-    m, k = x.shape
+    per 16 values (dx, Σx - dx·Σxq, Σx, dx·Σxq).
+
+    The last input's result is kept: projections of one input in several packs (a DeltaNet's Q5_K qkv
+    and Q4_K z/a/b; an MoE's shared expert and routed experts) quantize it once. The same tensor object
+    (`key`, the tensor x is a reshaped view of, else x), unmodified since (its version counter), is the
+    only hit."""
+    key = x if key is None else key
+    last = _LAST.get("x")
+    if last is not None and last[0]() is key and last[1] == key._version and last[2][0].shape[0] == x.shape[0]:
+        return last[2]
+    xc = x.contiguous()
+    m, k = xc.shape
     groups = k // 32
     xq = torch.empty(m, k, dtype=torch.int8, device=x.device)
     act = torch.empty(m, 2 * groups, 4, dtype=torch.float32, device=x.device)
-    _quantize_kernel[(m, triton.cdiv(groups, 16))](x, xq, act, groups, x.stride(0), GROUPS=16)
-    return xq.view(torch.int32), act
+    _quantize_kernel[(m, triton.cdiv(groups, 16))](xc, xq, act, groups, xc.stride(0), GROUPS=16)
+    out = (xq.view(torch.int32), act)
+    _LAST["x"] = (weakref.ref(key), key._version, out)
+    return out
+
+
+_LAST: dict[str, tuple] = {}
 
 
 # (BLOCK_N, blocks per step, warps, stages) candidates, most work per thread first: a mat-vec is fed by
@@ -410,9 +425,9 @@ def matvec(xs, raw: torch.Tensor, qtype: str, n: int, experts: torch.Tensor | No
 
 
 def gemv(x: torch.Tensor, raw: torch.Tensor, qtype: str, n: int, experts: torch.Tensor | None = None,
-         config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """x [M, K] times quantized rows raw [(E,) N, row_bytes] -> [M, N] in x's dtype.
+         config: tuple[int, int, int, int] | None = None, key: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] times quantized rows raw [(E,) N, row_bytes] -> [M, N] in x's dtype (`key`: see quantize_rows).
 
     With `experts` [M] (int32), row m of x is multiplied by expert experts[m] of a stacked [E, N, ...] weight.
     """
-    return matvec(quantize_rows(x), raw, qtype, n, experts, config, x.dtype)
+    return matvec(quantize_rows(x, key), raw, qtype, n, experts, config, x.dtype)

@@ -66,7 +66,7 @@ def quant_linear(x: torch.Tensor, raw: torch.Tensor, qtype: str, out_features: i
     if x2.shape[0] <= DECODE_ROWS:
         from hf2q.kernels.quant_dp4a_triton import gemv
 
-        y = gemv(x2, raw, qtype, out_features)
+        y = gemv(x2, raw, qtype, out_features, key=x)
     else:
         w = dequantize(raw, qtype, (out_features, k), x.dtype,
                        out=scratch("linear", out_features * k, x.dtype, x.device))
