@@ -45,6 +45,24 @@ def test_add_rms_norm(env):
     assert same is x and rel(h0, ref_h0) <= tol
 
 
+def test_add_rms_norm_writes_int8_groups(env):
+    """With quantize, the norm also writes its output's int8 groups, equal to quantizing it afterwards,
+    and the quantized mat-vec finds them (no second quantization)."""
+    from hf2q.kernels import quant_dp4a_triton as q8
+
+    dev, dtype, tol, k, real = env
+    gen = torch.Generator().manual_seed(5)
+    n = 4096 if real else 96
+    x, y = randn(2, n, dev=dev, dtype=dtype, gen=gen), randn(2, n, dev=dev, dtype=dtype, gen=gen)
+    w = randn(n, dev=dev, dtype=torch.float32, gen=gen)
+    _, h = k["norm_triton"].add_rms_norm(x, y, w, 1e-6, quantize=True)
+    assert q8._LAST["x"][0]() is h
+    xq, act = q8.quantize_rows(h)  # found, not recomputed
+    fresh_xq, fresh_act = q8.quantize_rows(h.clone())
+    assert torch.equal(xq.cpu(), fresh_xq.cpu())
+    assert torch.allclose(act.cpu(), fresh_act.cpu(), rtol=1e-5, atol=1e-6)
+
+
 def test_silu_mul_on_packed_halves(env):
     dev, dtype, tol, k, real = env
     gen = torch.Generator().manual_seed(1)
@@ -147,16 +165,16 @@ def test_moe_expert_pairs_by_gemv(env):
     assert got.shape == (t * top_k, hidden) and rel(got, want) < tol
 
 
-@pytest.mark.parametrize("kernel", ["route", "combine", "expert_gemv"])
-def test_moe_kernels_compile_for_hopper(kernel):
-    """The MoE kernels compile to sm_90 (the interpreter never runs the compiler). Needs Triton's bundled
-    ptxas, not a GPU."""
+@pytest.mark.parametrize("kernel", ["route", "combine", "expert_gemv", "norm_int8"])
+def test_new_kernels_compile_for_hopper(kernel):
+    """The MoE kernels and the int8-writing norm compile to sm_90 (the interpreter never runs the
+    compiler). Needs Triton's bundled ptxas, not a GPU."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("compiles natively")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from hf2q.kernels import gemv_triton, moe_triton
+    from hf2q.kernels import gemv_triton, moe_triton, norm_triton
 
     ptr, i32 = "*bf16", "i32"
     fn, sig, const = {
@@ -168,6 +186,10 @@ def test_moe_kernels_compile_for_hopper(kernel):
                         dict(x_ptr=ptr, w_ptr=ptr, w2_ptr=ptr, y_ptr=ptr, experts_ptr="*i32", N=i32, n_first=i32, K=i32,
                              rows_per_x=i32, stride_xm=i32, stride_we=i32, stride_wn=i32, stride_ym=i32),
                         dict(BLOCK_N=1, BLOCK_K=2048, K_TILES=1, STAGES=1, EVEN_K=True, TWO=True)),
+        "norm_int8": (norm_triton._add_rms_norm_kernel,
+                      dict(x_ptr=ptr, r_ptr=ptr, w_ptr="*fp32", res_ptr=ptr, y_ptr=ptr, xq_ptr="*i8", act_ptr="*fp32",
+                           N=i32, stride_x=i32, stride_r=i32, stride_res=i32, stride_y=i32, eps="fp32"),
+                      dict(HAS_R=True, BLOCK=4096, QUANT=True)),
     }[kernel]
     sig.update({name: "constexpr" for name in const})
     try:

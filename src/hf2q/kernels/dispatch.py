@@ -150,11 +150,14 @@ def _triton(x: torch.Tensor) -> bool:
 
 
 # ---- residual add + RMSNorm, activation -------------------------------------------------------------
-def add_rms_norm(x: torch.Tensor, add, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + add, rms_norm(x + add)): the new residual and the block input; add None: (x, rms_norm(x))."""
+def add_rms_norm(x: torch.Tensor, add, weight: torch.Tensor, eps: float,
+                 quantize: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + add, rms_norm(x + add)): the new residual and the block input; add None: (x, rms_norm(x)).
+    quantize: the block input feeds quantized projections; the kernel also writes its int8 groups."""
     if _triton(x) and x.dim() == 2 and x.stride(1) == 1 and (add is None or add.stride(1) == 1):
         from hf2q.kernels.norm_triton import add_rms_norm as kernel
-        return kernel(x, add, weight, eps)
+        from hf2q.kernels.quant_ops import DECODE_ROWS
+        return kernel(x, add, weight, eps, quantize and x.shape[0] <= DECODE_ROWS)
     if add is not None:
         x = x + add
     return x, rms_norm(x, weight, eps)

@@ -37,6 +37,35 @@ NIBBLES = tl.constexpr(0x0F0F0F0F)
 
 
 @triton.jit
+def int8_groups(x, GROUPS: tl.constexpr):
+    """x fp32 [GROUPS, 32] -> int8 values q (as fp32) with dx = max|x| / 127 per group [GROUPS, 1], and per
+    16-value half [GROUPS, 2]: Σx and dx·Σq."""
+    amax = tl.max(tl.abs(x), axis=1)
+    inv = tl.where(amax > 0, 127.0 / amax, 0.0)
+    v = x * inv[:, None]
+    q = tl.minimum(tl.maximum(tl.where(v >= 0, tl.floor(v + 0.5), -tl.floor(0.5 - v)), -127.0), 127.0)
+    dx = (amax / 127.0)[:, None]
+    sq = dx * tl.sum(tl.reshape(q, (GROUPS, 2, 16)), axis=2)
+    sx = tl.sum(tl.reshape(x, (GROUPS, 2, 16)), axis=2)
+    return q, dx, sx, sq
+
+
+@triton.jit
+def store_int8_groups(xq_ptr, act_ptr, row, g, ok, q, dx, sx, sq, GROUPS: tl.constexpr):
+    """Write int8_groups' results for groups g [GROUPS] of activation row `row` (n_groups groups a row
+    apart: row is the row's first group index)."""
+    l = tl.arange(0, 32)
+    tl.store(xq_ptr + (row + g[:, None]) * 32 + l[None, :], q.to(tl.int8), mask=ok[:, None])
+    h = tl.arange(0, 2)
+    base = act_ptr + (2 * (row + g[:, None]) + h[None, :]) * 4
+    hok = ok[:, None] & (h < 2)[None, :]
+    tl.store(base, tl.broadcast_to(dx, (GROUPS, 2)), mask=hok)
+    tl.store(base + 1, sx - sq, mask=hok)
+    tl.store(base + 2, sx, mask=hok)
+    tl.store(base + 3, sq, mask=hok)
+
+
+@triton.jit
 def _quantize_kernel(x_ptr, xq_ptr, act_ptr, n_groups, x_stride, GROUPS: tl.constexpr):
     """Row m, 32-value groups g: xq = round(x / dx) in int8 with dx = max|x| / 127, and per 16-value half
     h the four floats (dx, Σx - dx·Σxq, Σx, dx·Σxq) that the mat-vec's offset and min terms need."""
@@ -45,22 +74,8 @@ def _quantize_kernel(x_ptr, xq_ptr, act_ptr, n_groups, x_stride, GROUPS: tl.cons
     l = tl.arange(0, 32)
     ok = g < n_groups
     x = tl.load(x_ptr + m * x_stride + g[:, None] * 32 + l[None, :], mask=ok[:, None], other=0).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=1)
-    inv = tl.where(amax > 0, 127.0 / amax, 0.0)
-    v = x * inv[:, None]
-    q = tl.minimum(tl.maximum(tl.where(v >= 0, tl.floor(v + 0.5), -tl.floor(0.5 - v)), -127.0), 127.0)
-    row = m.to(tl.int64) * n_groups
-    tl.store(xq_ptr + row * 32 + g[:, None] * 32 + l[None, :], q.to(tl.int8), mask=ok[:, None])
-    dx = (amax / 127.0)[:, None]
-    sq = dx * tl.sum(tl.reshape(q, (GROUPS, 2, 16)), axis=2)  # [GROUPS, 2]: dx·Σxq per half
-    sx = tl.sum(tl.reshape(x, (GROUPS, 2, 16)), axis=2)
-    h = tl.arange(0, 2)
-    base = act_ptr + (2 * row + 2 * g[:, None] + h[None, :]) * 4
-    hok = ok[:, None] & (h < 2)[None, :]
-    tl.store(base, tl.broadcast_to(dx, (GROUPS, 2)), mask=hok)
-    tl.store(base + 1, sx - sq, mask=hok)
-    tl.store(base + 2, sx, mask=hok)
-    tl.store(base + 3, sq, mask=hok)
+    q, dx, sx, sq = int8_groups(x, GROUPS)
+    store_int8_groups(xq_ptr, act_ptr, m.to(tl.int64) * n_groups, g, ok, q, dx, sx, sq, GROUPS)
 
 
 @triton.jit
@@ -310,8 +325,7 @@ def quantize_rows(x: torch.Tensor, key: torch.Tensor | None = None) -> tuple[tor
     xc = x.contiguous()
     m, k = xc.shape
     groups = k // 32
-    xq = torch.empty(m, k, dtype=torch.int8, device=x.device)
-    act = torch.empty(m, 2 * groups, 4, dtype=torch.float32, device=x.device)
+    xq, act = int8_buffers(m, k, x.device)
     _quantize_kernel[(m, triton.cdiv(groups, 16))](xc, xq, act, groups, xc.stride(0), GROUPS=16)
     out = (xq.view(torch.int32), act)
     _LAST["x"] = (weakref.ref(key), key._version, out)
@@ -319,6 +333,17 @@ def quantize_rows(x: torch.Tensor, key: torch.Tensor | None = None) -> tuple[tor
 
 
 _LAST: dict[str, tuple] = {}
+
+
+def int8_buffers(m: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty (xq int8 [M, K], act float32 [M, K/16, 4]) for a kernel that quantizes rows as it writes them."""
+    return (torch.empty(m, k, dtype=torch.int8, device=device),
+            torch.empty(m, k // 16, 4, dtype=torch.float32, device=device))
+
+
+def remember(x: torch.Tensor, xq: torch.Tensor, act: torch.Tensor) -> None:
+    """Record (xq, act) as x's quantization (written by a kernel that produced x), for quantize_rows."""
+    _LAST["x"] = (weakref.ref(x), x._version, (xq.view(torch.int32), act))
 
 
 # (BLOCK_N, blocks per step, warps, stages) candidates, most work per thread first: a mat-vec is fed by

@@ -53,10 +53,20 @@ class DecoderLayer(nn.Module):
     def forward_fused(self, x: torch.Tensor, pending, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor):
         """The same block with each residual add fused into the following norm: `pending` (the previous
         block's FFN output, or None) is added here; returns (residual, this block's FFN output)."""
-        x, h = dispatch.add_rms_norm(x, pending, self.attn_norm.weight, self.attn_norm.eps)
+        int8_mixer, int8_ffn = self._int8_inputs()
+        x, h = dispatch.add_rms_norm(x, pending, self.attn_norm.weight, self.attn_norm.eps, int8_mixer)
         m = self.mixer(h, batch, cos, sin) if self.is_full_attention else self.mixer(h, batch)
-        x, h = dispatch.add_rms_norm(x, m, self.ffn_norm.weight, self.ffn_norm.eps)
+        x, h = dispatch.add_rms_norm(x, m, self.ffn_norm.weight, self.ffn_norm.eps, int8_ffn)
         return x, self._ffn(h, batch)
+
+    def _int8_inputs(self) -> tuple[bool, bool]:
+        """Whether the mixer and the FFN read their input through quantized projections (then each norm
+        also writes the int8 groups the quantized mat-vec reads). Worked out on first use, after loading."""
+        if getattr(self, "_int8", None) is None:
+            def quantized(module):
+                return any(getattr(m, "quantized", False) for m in module.modules() if isinstance(m, (Linear, MoE)))
+            self._int8 = (quantized(self.mixer), quantized(self.ffn))
+        return self._int8
 
     def _ffn(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """MoE on the fast path: router, shared-expert gate and shared gate+up in one packed GEMM, routing
