@@ -117,12 +117,12 @@ def _word_from_halves(w16, half, mask):
 
 @triton.jit
 def _quads(ptr, off, mask):
-    """The four consecutive 32-bit values at ptr + off [A, B], as four [A, B] (separate loads keep each in
-    the layout of off, where one [A, B, 4] load would need a layout change to split)."""
-    v0 = tl.load(ptr + off, mask=mask, other=0)
-    v1 = tl.load(ptr + off + 1, mask=mask, other=0)
-    v2 = tl.load(ptr + off + 2, mask=mask, other=0)
-    v3 = tl.load(ptr + off + 3, mask=mask, other=0)
+    """The four consecutive 32-bit values at ptr + off [A, B] (16-byte aligned), as four [A, B]: one
+    16-byte load per element, split in registers (no layout change: the four stay in one thread)."""
+    v = tl.load(ptr + off[:, :, None] + tl.arange(0, 4)[None, None, :], mask=mask[:, :, None], other=0)
+    ab, cd = tl.split(tl.reshape(v, (v.shape[0], v.shape[1], 2, 2)))  # components (0, 2) and (1, 3)
+    v0, v2 = tl.split(ab)
+    v1, v3 = tl.split(cd)
     return v0, v1, v2, v3
 
 
@@ -154,16 +154,21 @@ def _kquant_q45(w32, xq32, act, x_g16, m_ok, row_w, row_ok, u0, n_units, QTYPE: 
     qw = blk + (QS + 8 * c + 4 * hf)[None, :]
     acc_lo = tl.zeros((BM, BN, SB * 8), dtype=tl.int32)
     acc_hi = tl.zeros((BM, BN, SB * 8), dtype=tl.int32)
+    w_quad = _quads(w32, qw, mask2)
+    xlo_quad = _quads(xq32, xw, xmask)
+    xhi_quad = _quads(xq32, xw + 8, xmask)
+    if QTYPE == 3:
+        qh_quad = _quads(w32, blk + (4 + 4 * hf)[None, :], mask2)
     for i in tl.static_range(4):
-        words = tl.load(w32 + qw + i, mask=mask2, other=0)
+        words = w_quad[i]
         lo = words & NIBBLES
         hi = (words >> 4) & NIBBLES
         if QTYPE == 3:  # fifth bits: bit 2c (low) and 2c + 1 (high) of the matching qh byte
-            qh = tl.load(w32 + blk + (4 + 4 * hf + i)[None, :], mask=mask2, other=0)
+            qh = qh_quad[i]
             lo |= ((qh >> (2 * c)[None, :]) & 0x01010101) << 4
             hi |= ((qh >> (2 * c + 1)[None, :]) & 0x01010101) << 4
-        x_lo = tl.load(xq32 + xw + i, mask=xmask, other=0)[:, None, :]
-        x_hi = tl.load(xq32 + xw + 8 + i, mask=xmask, other=0)[:, None, :]
+        x_lo = xlo_quad[i][:, None, :]
+        x_hi = xhi_quad[i][:, None, :]
         acc_lo = _dp4a_acc(lo[None, :, :], x_lo, acc_lo, False, EMULATE)
         acc_hi = _dp4a_acc(hi[None, :, :], x_hi, acc_hi, False, EMULATE)
     dot_lo = acc_lo.to(tl.float32)
