@@ -223,12 +223,12 @@ def _q6k(w16, xq32, act, x_g16, m_ok, row_h, row_ok, u0, n_units, BM: tl.constex
         j = 2 * jhi + jlo  # [Q]
         xw = x_g16[:, None] * 4 + (64 * u + 32 * h + 8 * j + 4 * hf)[None, :]
         dot = tl.zeros((BM, BN, SB * 8), dtype=tl.int32)
+        x_quad = _quads(xq32, xw, xmask)
         for i in tl.static_range(4):
             ql = _word_from_halves(w16, ql_h + 2 * i, mask2)
             qh = _word_from_halves(w16, qh_h + 2 * i, mask2)
             vals = ((ql >> (4 * jhi)) & NIBBLES) | (((qh >> (2 * j)[None, :]) & 0x03030303) << 4)
-            x = tl.load(xq32 + xw + i, mask=xmask, other=0)[:, None, :]
-            dot = _dp4a_acc(vals[None, :, :], x, dot, False, EMULATE)
+            dot = _dp4a_acc(vals[None, :, :], x_quad[i][:, None, :], dot, False, EMULATE)
         dx, _, _, sq = _act(act, x_g16[:, None] + (16 * u + 8 * h + 2 * j + hf)[None, :], xmask)
         sc_pair = tl.load(w16 + blk + (96 + 4 * h + j)[None, :], mask=mask2, other=0).to(tl.int32)
         sc = ((sc_pair << (24 - 8 * hf)[None, :]) >> 24).to(tl.float32)[None, :, :]  # scale 8h + 2j + hf
@@ -256,16 +256,16 @@ def _q8_q4(w16, xq32, act, x_g16, m_ok, row_h, row_ok, u0, n_units, QTYPE: tl.co
     xw = x_g16[:, None] * 4 + (8 * u + 4 * hf)[None, :]
     qw = blk + (1 + 8 * hf)[None, :]
     dot = tl.zeros((BM, BN, SB * 2), dtype=tl.int32)
+    x0 = _quads(xq32, xw, xmask)
+    if QTYPE == 1:
+        x1 = _quads(xq32, xw + 4, xmask)
     for i in tl.static_range(4):
         words = _word_from_halves(w16, qw + 2 * i, mask2)
         if QTYPE == 0:
-            dot = _dp4a_acc(words[None, :, :], tl.load(xq32 + xw + i, mask=xmask, other=0)[:, None, :], dot, True,
-                            EMULATE)
+            dot = _dp4a_acc(words[None, :, :], x0[i][:, None, :], dot, True, EMULATE)
         else:
-            dot = _dp4a_acc((words & NIBBLES)[None, :, :], tl.load(xq32 + xw + i, mask=xmask, other=0)[:, None, :],
-                            dot, False, EMULATE)
-            dot = _dp4a_acc(((words >> 4) & NIBBLES)[None, :, :],
-                            tl.load(xq32 + xw + 4 + i, mask=xmask, other=0)[:, None, :], dot, False, EMULATE)
+            dot = _dp4a_acc((words & NIBBLES)[None, :, :], x0[i][:, None, :], dot, False, EMULATE)
+            dot = _dp4a_acc(((words >> 4) & NIBBLES)[None, :, :], x1[i][:, None, :], dot, False, EMULATE)
     dx, _, _, sq = _act(act, x_g16[:, None] + (2 * u + hf)[None, :], xmask)
     d = tl.load(w16 + blk, mask=mask2, other=0).to(tl.float16, bitcast=True).to(tl.float32)[None, :, :]
     if QTYPE == 0:
