@@ -116,6 +116,13 @@ def _word_from_halves(w16, half, mask):
 
 
 @triton.jit
+def _half_quads(w16, half, mask):
+    """The four consecutive int32 words at 16-bit offset `half` [A, B] (2-byte-aligned blocks), as four [A, B]."""
+    return (_word_from_halves(w16, half, mask), _word_from_halves(w16, half + 2, mask),
+            _word_from_halves(w16, half + 4, mask), _word_from_halves(w16, half + 6, mask))
+
+
+@triton.jit
 def _quads(ptr, off, mask):
     """The four consecutive 32-bit values at ptr + off [A, B] (16-byte aligned), as four [A, B]: one
     16-byte load per element, split in registers (no layout change: the four stay in one thread)."""
@@ -212,12 +219,11 @@ def _q6k(w16, xq32, act, x_g16, m_ok, row_h, row_ok, u0, n_units, BM: tl.constex
     jlo = r % 2
     u_ok = u < n_units
     mask2 = row_ok[:, None] & u_ok[None, :]
-    mask3 = mask2[:, :, None]
     blk = row_h[:, None] + (u * 105)[None, :]  # [BN, Q] offsets in 16-bit halves
     xmask = m_ok[:, None] & u_ok[None, :]
     d = tl.load(w16 + blk + 104, mask=mask2, other=0).to(tl.float16, bitcast=True).to(tl.float32)[None, :, :]
-    ql_h = blk + (16 * r + 8 * hf)[None, :]
-    qh_h = blk + (64 + 16 * h + 8 * hf)[None, :]
+    ql_quad = _half_quads(w16, blk + (16 * r + 8 * hf)[None, :], mask2)  # read once for both j // 2
+    qh_quad = _half_quads(w16, blk + (64 + 16 * h + 8 * hf)[None, :], mask2)
     part = tl.zeros((BM, BN, SB * 8), dtype=tl.float32)
     for jhi in tl.static_range(2):
         j = 2 * jhi + jlo  # [Q]
@@ -225,9 +231,7 @@ def _q6k(w16, xq32, act, x_g16, m_ok, row_h, row_ok, u0, n_units, BM: tl.constex
         dot = tl.zeros((BM, BN, SB * 8), dtype=tl.int32)
         x_quad = _quads(xq32, xw, xmask)
         for i in tl.static_range(4):
-            ql = _word_from_halves(w16, ql_h + 2 * i, mask2)
-            qh = _word_from_halves(w16, qh_h + 2 * i, mask2)
-            vals = ((ql >> (4 * jhi)) & NIBBLES) | (((qh >> (2 * j)[None, :]) & 0x03030303) << 4)
+            vals = ((ql_quad[i] >> (4 * jhi)) & NIBBLES) | (((qh_quad[i] >> (2 * j)[None, :]) & 0x03030303) << 4)
             dot = _dp4a_acc(vals[None, :, :], x_quad[i][:, None, :], dot, False, EMULATE)
         dx, _, _, sq = _act(act, x_g16[:, None] + (16 * u + 8 * h + 2 * j + hf)[None, :], xmask)
         sc_pair = tl.load(w16 + blk + (96 + 4 * h + j)[None, :], mask=mask2, other=0).to(tl.int32)
@@ -259,8 +263,9 @@ def _q8_q4(w16, xq32, act, x_g16, m_ok, row_h, row_ok, u0, n_units, QTYPE: tl.co
     x0 = _quads(xq32, xw, xmask)
     if QTYPE == 1:
         x1 = _quads(xq32, xw + 4, xmask)
+    w_quad = _half_quads(w16, qw, mask2)
     for i in tl.static_range(4):
-        words = _word_from_halves(w16, qw + 2 * i, mask2)
+        words = w_quad[i]
         if QTYPE == 0:
             dot = _dp4a_acc(words[None, :, :], x0[i][:, None, :], dot, True, EMULATE)
         else:
