@@ -63,6 +63,22 @@ def test_add_rms_norm_writes_int8_groups(env):
     assert torch.allclose(act.cpu(), fresh_act.cpu(), rtol=1e-5, atol=1e-6)
 
 
+def test_silu_mul_writes_int8_groups(env):
+    """With quantize, SwiGLU also writes its output's int8 groups (the down projection's input)."""
+    from hf2q.kernels import quant_dp4a_triton as q8
+
+    dev, dtype, tol, k, real = env
+    gen = torch.Generator().manual_seed(6)
+    n = 12288 if real else 160  # GPU: six programs per row; CPU: one, partly past N
+    gu = randn(3, 2 * n, dev=dev, dtype=dtype, gen=gen)
+    out = k["swiglu_triton"].silu_mul(gu[:, :n], gu[:, n:], quantize=True)
+    assert q8._LAST["x"][0]() is out
+    xq, act = q8.quantize_rows(out)
+    fresh_xq, fresh_act = q8.quantize_rows(out.clone())
+    assert torch.equal(xq.cpu(), fresh_xq.cpu())
+    assert torch.allclose(act.cpu(), fresh_act.cpu(), rtol=1e-5, atol=1e-6)
+
+
 def test_silu_mul_on_packed_halves(env):
     dev, dtype, tol, k, real = env
     gen = torch.Generator().manual_seed(1)
@@ -165,7 +181,7 @@ def test_moe_expert_pairs_by_gemv(env):
     assert got.shape == (t * top_k, hidden) and rel(got, want) < tol
 
 
-@pytest.mark.parametrize("kernel", ["route", "combine", "expert_gemv", "norm_int8"])
+@pytest.mark.parametrize("kernel", ["route", "combine", "expert_gemv", "norm_int8", "swiglu_int8"])
 def test_new_kernels_compile_for_hopper(kernel):
     """The MoE kernels and the int8-writing norm compile to sm_90 (the interpreter never runs the
     compiler). Needs Triton's bundled ptxas, not a GPU."""
@@ -174,7 +190,7 @@ def test_new_kernels_compile_for_hopper(kernel):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from hf2q.kernels import gemv_triton, moe_triton, norm_triton
+    from hf2q.kernels import gemv_triton, moe_triton, norm_triton, swiglu_triton
 
     ptr, i32 = "*bf16", "i32"
     fn, sig, const = {
@@ -190,6 +206,9 @@ def test_new_kernels_compile_for_hopper(kernel):
                       dict(x_ptr=ptr, r_ptr=ptr, w_ptr="*fp32", res_ptr=ptr, y_ptr=ptr, xq_ptr="*i8", act_ptr="*fp32",
                            N=i32, stride_x=i32, stride_r=i32, stride_res=i32, stride_y=i32, eps="fp32"),
                       dict(HAS_R=True, BLOCK=4096, QUANT=True)),
+        "swiglu_int8": (swiglu_triton._silu_mul_kernel,
+                        dict(g_ptr=ptr, u_ptr=ptr, o_ptr=ptr, xq_ptr="*i8", act_ptr="*fp32", N=i32, stride_g=i32,
+                             stride_u=i32, stride_o=i32), dict(BLOCK=2048, QUANT=True)),
     }[kernel]
     sig.update({name: "constexpr" for name in const})
     try:

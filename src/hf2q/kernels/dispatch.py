@@ -153,21 +153,22 @@ def _triton(x: torch.Tensor) -> bool:
 def add_rms_norm(x: torch.Tensor, add, weight: torch.Tensor, eps: float,
                  quantize: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + add, rms_norm(x + add)): the new residual and the block input; add None: (x, rms_norm(x)).
-    quantize: the block input feeds quantized projections; the kernel also writes its int8 groups."""
+    quantize: the block input feeds the int8 mat-vec (quant_ops.reads_int8); the kernel also writes its
+    int8 groups."""
     if _triton(x) and x.dim() == 2 and x.stride(1) == 1 and (add is None or add.stride(1) == 1):
         from hf2q.kernels.norm_triton import add_rms_norm as kernel
-        from hf2q.kernels.quant_ops import DECODE_ROWS
-        return kernel(x, add, weight, eps, quantize and x.shape[0] <= DECODE_ROWS)
+        return kernel(x, add, weight, eps, quantize)
     if add is not None:
         x = x + add
     return x, rms_norm(x, weight, eps)
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU activation silu(gate) * up."""
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, quantize: bool = False) -> torch.Tensor:
+    """SwiGLU activation silu(gate) * up. quantize: the result feeds the int8 mat-vec; the kernel also
+    writes its int8 groups."""
     if _triton(gate) and gate.stride(-1) == 1 and up.stride(-1) == 1:
         from hf2q.kernels.swiglu_triton import silu_mul as kernel
-        return kernel(gate, up)
+        return kernel(gate, up, quantize)
     return F.silu(gate) * up
 
 

@@ -21,6 +21,12 @@ MOE_PAIRS = 1024  # token-expert pairs below which reading chosen experts beats 
 _SCRATCH: dict[tuple, torch.Tensor] = {}
 
 
+def reads_int8(x: torch.Tensor, quantized: bool) -> bool:
+    """Whether a quantized projection (`quantized`) of x reads it through the int8 mat-vec, so that the
+    kernel producing x can write its int8 groups as well."""
+    return quantized and _triton(x) and x.numel() // max(x.shape[-1], 1) <= DECODE_ROWS
+
+
 def _triton(x: torch.Tensor) -> bool:
     return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -110,10 +116,10 @@ def moe_expert_pairs_quant(x: torch.Tensor, experts: torch.Tensor, gate: tuple, 
         xs = quantize_rows(x)
         if gate[1] == up[1]:
             gu = matvec(xs, gate[0], gate[1], inter, flat, out_dtype=x.dtype, second=(up[0], inter), rows_per_x=top_k)
-            h = silu_mul(gu[:, :inter], gu[:, inter:])
+            h = silu_mul(gu[:, :inter], gu[:, inter:], quantize=True)
         else:
             h = silu_mul(matvec(xs, *gate, inter, flat, out_dtype=x.dtype, rows_per_x=top_k),
-                         matvec(xs, *up, inter, flat, out_dtype=x.dtype, rows_per_x=top_k))
+                         matvec(xs, *up, inter, flat, out_dtype=x.dtype, rows_per_x=top_k), quantize=True)
         return matvec(quantize_rows(h), *down, hidden, flat, out_dtype=x.dtype)
     stacks = []
     for slot, (raw, qtype), shape in (("gate_exps", gate, (n_exp, inter, hidden)), ("up_exps", up, (n_exp, inter, hidden)),

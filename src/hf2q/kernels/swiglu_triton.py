@@ -1,28 +1,43 @@
 """Triton SwiGLU activation: silu(gate) * up in one kernel, reading the two halves of the packed
-gate+up GEMM output in place."""
+gate+up GEMM output in place. With QUANT the rounded output is also quantized to int8 groups for the
+quantized down projection that reads it next (quant_dp4a_triton), which then needs no quantizing launch."""
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
+from hf2q.kernels.quant_dp4a_triton import int8_buffers, int8_groups, remember, store_int8_groups
+
 
 @triton.jit
-def _silu_mul_kernel(g_ptr, u_ptr, o_ptr, N, stride_g, stride_u, stride_o, BLOCK: tl.constexpr):
+def _silu_mul_kernel(g_ptr, u_ptr, o_ptr, xq_ptr, act_ptr, N, stride_g, stride_u, stride_o, BLOCK: tl.constexpr,
+                     QUANT: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = c < N
     g = tl.load(g_ptr + row * stride_g + c, mask=m, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + row * stride_u + c, mask=m, other=0.0).to(tl.float32)
-    tl.store(o_ptr + row * stride_o + c, (g * tl.sigmoid(g) * u).to(o_ptr.dtype.element_ty), mask=m)
+    y = (g * tl.sigmoid(g) * u).to(o_ptr.dtype.element_ty)
+    tl.store(o_ptr + row * stride_o + c, y, mask=m)
+    if QUANT:  # N is a multiple of 32 (and BLOCK of 32): whole groups only
+        G: tl.constexpr = BLOCK // 32
+        grp = tl.program_id(1) * G + tl.arange(0, G)
+        q, dx, sx, sq = int8_groups(tl.reshape(y.to(tl.float32), (G, 32)), G)
+        store_int8_groups(xq_ptr, act_ptr, row * (N // 32), grp, grp < N // 32, q, dx, sx, sq, G)
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """gate, up: [T, N] (row-strided views are fine) -> silu(gate) * up [T, N] in gate's dtype."""
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, quantize: bool = False) -> torch.Tensor:
+    """gate, up: [T, N] (row-strided views are fine) -> silu(gate) * up [T, N] in gate's dtype.
+    quantize (N a multiple of 32): the output's int8 groups are written too and remembered for the mat-vec."""
     t, n = gate.shape
     assert gate.stride(1) == 1 and up.stride(1) == 1 and up.shape == gate.shape
+    quantize = quantize and n % 32 == 0
     out = torch.empty(t, n, dtype=gate.dtype, device=gate.device)
-    block = 2048
-    _silu_mul_kernel[(t, triton.cdiv(n, block))](gate, up, out, n, gate.stride(0), up.stride(0), out.stride(0),
-                                                 BLOCK=block, num_warps=8)
+    xq, act = int8_buffers(t, n, gate.device) if quantize else (out, out)
+    block = min(2048, triton.next_power_of_2(n))
+    _silu_mul_kernel[(t, triton.cdiv(n, block))](gate, up, out, xq, act, n, gate.stride(0), up.stride(0),
+                                                 out.stride(0), BLOCK=block, QUANT=quantize, num_warps=8)
+    if quantize:
+        remember(out, xq, act)
     return out

@@ -12,6 +12,7 @@ from torch import nn
 from hf2q.config import ModelConfig
 from hf2q.forward import ForwardBatch
 from hf2q.kernels import dispatch
+from hf2q.kernels.quant_ops import reads_int8
 from hf2q.layers.attention import GatedAttention
 from hf2q.layers.gdn import GatedDeltaNet
 from hf2q.layers.linear import Linear
@@ -54,9 +55,11 @@ class DecoderLayer(nn.Module):
         """The same block with each residual add fused into the following norm: `pending` (the previous
         block's FFN output, or None) is added here; returns (residual, this block's FFN output)."""
         int8_mixer, int8_ffn = self._int8_inputs()
-        x, h = dispatch.add_rms_norm(x, pending, self.attn_norm.weight, self.attn_norm.eps, int8_mixer)
+        norm = self.attn_norm
+        x, h = dispatch.add_rms_norm(x, pending, norm.weight, norm.eps, reads_int8(x, int8_mixer))
         m = self.mixer(h, batch, cos, sin) if self.is_full_attention else self.mixer(h, batch)
-        x, h = dispatch.add_rms_norm(x, m, self.ffn_norm.weight, self.ffn_norm.eps, int8_ffn)
+        norm = self.ffn_norm
+        x, h = dispatch.add_rms_norm(x, m, norm.weight, norm.eps, reads_int8(x, int8_ffn))
         return x, self._ffn(h, batch)
 
     def _int8_inputs(self) -> tuple[bool, bool]:
@@ -78,7 +81,7 @@ class DecoderLayer(nn.Module):
                 return y
         if isinstance(self.ffn, MLP) and dispatch.use_fast_path(h):
             gate, up = dispatch.packed_linear(h, (self.ffn.gate, self.ffn.up))  # one GEMM
-            return self.ffn.down(dispatch.silu_mul(gate, up))
+            return self.ffn.down(dispatch.silu_mul(gate, up, reads_int8(gate, self.ffn.down.quantized)))
         return self.ffn(h)
 
     def _moe_fast(self, h: torch.Tensor) -> torch.Tensor | None:
@@ -93,7 +96,8 @@ class DecoderLayer(nn.Module):
                 return None
         if shared is None:
             return dispatch.moe_combine(pairs, weights)
-        return dispatch.moe_combine(pairs, weights, shared.down(dispatch.silu_mul(outs[2], outs[3])), outs[1])
+        shared_out = shared.down(dispatch.silu_mul(outs[2], outs[3], reads_int8(outs[2], shared.down.quantized)))
+        return dispatch.moe_combine(pairs, weights, shared_out, outs[1])
 
 
 class Qwen35Model(nn.Module):
