@@ -43,40 +43,28 @@ def test_add_rms_norm(env):
     assert rel(res, ref_res) <= tol and rel(h, ref_h) <= tol
     same, h0 = k["norm_triton"].add_rms_norm(x, None, w, 1e-6)
     assert same is x and rel(h0, ref_h0) <= tol
+    _, hq = k["norm_triton"].add_rms_norm(x, y, w, 1e-6, quantize=True)  # also writes the int8 groups
+    assert torch.equal(hq, h)
+    _check_int8_groups(hq)
 
 
-def test_add_rms_norm_writes_int8_groups(env):
-    """With quantize, the norm also writes its output's int8 groups, equal to quantizing it afterwards,
-    and the quantized mat-vec finds them (no second quantization)."""
+def _check_int8_groups(out):
+    """The int8 groups a kernel wrote with its output `out` are remembered for the mat-vec and equal
+    quantizing `out` afterwards."""
     from hf2q.kernels import quant_dp4a_triton as q8
 
-    dev, dtype, tol, k, real = env
-    gen = torch.Generator().manual_seed(5)
-    n = 4096 if real else 96
-    x, y = randn(2, n, dev=dev, dtype=dtype, gen=gen), randn(2, n, dev=dev, dtype=dtype, gen=gen)
-    w = randn(n, dev=dev, dtype=torch.float32, gen=gen)
-    _, h = k["norm_triton"].add_rms_norm(x, y, w, 1e-6, quantize=True)
-    assert q8._LAST["x"][0]() is h
-    xq, act = q8.quantize_rows(h)  # found, not recomputed
-    fresh_xq, fresh_act = q8.quantize_rows(h.clone())
+    assert q8._LAST["x"][0]() is out
+    xq, act = q8.quantize_rows(out)  # found, not recomputed
+    fresh_xq, fresh_act = q8.quantize_rows(out.clone())
     assert torch.equal(xq.cpu(), fresh_xq.cpu())
     assert torch.allclose(act.cpu(), fresh_act.cpu(), rtol=1e-5, atol=1e-6)
 
 
 def test_silu_mul_writes_int8_groups(env):
-    """With quantize, SwiGLU also writes its output's int8 groups (the down projection's input)."""
-    from hf2q.kernels import quant_dp4a_triton as q8
-
     dev, dtype, tol, k, real = env
-    gen = torch.Generator().manual_seed(6)
     n = 12288 if real else 160  # GPU: six programs per row; CPU: one, partly past N
-    gu = randn(3, 2 * n, dev=dev, dtype=dtype, gen=gen)
-    out = k["swiglu_triton"].silu_mul(gu[:, :n], gu[:, n:], quantize=True)
-    assert q8._LAST["x"][0]() is out
-    xq, act = q8.quantize_rows(out)
-    fresh_xq, fresh_act = q8.quantize_rows(out.clone())
-    assert torch.equal(xq.cpu(), fresh_xq.cpu())
-    assert torch.allclose(act.cpu(), fresh_act.cpu(), rtol=1e-5, atol=1e-6)
+    gu = randn(3, 2 * n, dev=dev, dtype=dtype, gen=torch.Generator().manual_seed(6))
+    _check_int8_groups(k["swiglu_triton"].silu_mul(gu[:, :n], gu[:, n:], quantize=True))
 
 
 def test_silu_mul_on_packed_halves(env):
