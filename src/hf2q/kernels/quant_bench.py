@@ -59,8 +59,7 @@ def main(argv=None) -> None:
         print(f"{name:12} {qtype:5} {f'{n}x{k}':>14} {nbytes / 1e6:7.1f} {dec[1]:8.1f} "
               f"{100 * nbytes / BANDWIDTH / (dec[1] * 1e-6):5.0f} {dec[4]:8.1f} {dec[16]:8.1f} {pre:8.2f} {bf:8.2f}",
               flush=True)
-        picked = {key[3]: cfg for key, cfg in quant_dp4a_triton._TUNED.items() if key[:3] == (qtype, n, k)}
-        print(f"  mat-vec configs by rows: {picked}", flush=True)
+        print(f"  mat-vec configs by rows: {quant_dp4a_triton.tuned_configs(qtype, n, k)}", flush=True)
         tot["dec"] += dec[1] * times
         tot["dec4"] += dec[4] * times
         tot["dec16"] += dec[16] * times

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import weakref
+from typing import NamedTuple
 
 import torch
 import triton
@@ -369,7 +370,20 @@ _B_CANDIDATES = [(4, 16, 1, 1), (8, 16, 2, 1), (4, 32, 1, 1), (8, 32, 2, 1), (4,
                  (8, 4, 4, 1), (4, 8, 4, 1), (4, 4, 4, 1), (1, 64, 2, 1), (1, 128, 4, 1), (2, 64, 4, 1),
                  (4, 16, 1, 3), (8, 16, 2, 3), (8, 4, 4, 3)]
 MAX_PARTS = 16
-_TUNED: dict[tuple, tuple] = {}
+
+
+class TuneKey(NamedTuple):
+    """What a timed configuration is picked for: type, output rows (and a second weight's), K, activation
+    rows or token-expert pairs rounded up to a power of two, and whether the weight is an expert stack."""
+    qtype: str
+    n: int
+    n2: int
+    k: int
+    rows: int
+    experts: bool
+
+
+_TUNED: dict[TuneKey, tuple] = {}
 _TUNE = (os.environ.get("HF2Q_GEMV_TUNE") or "1") == "1"
 if (os.environ.get("HF2Q_GEMV_TUNE") or "1") not in ("0", "1"):
     raise ValueError(f"HF2Q_GEMV_TUNE must be 0 or 1, not {os.environ['HF2Q_GEMV_TUNE']!r}")
@@ -410,7 +424,8 @@ def best_config(xs, raw, qtype: str, n: int, experts, second=None, rows_per_x: i
     if not xq.is_cuda or not _TUNE:
         return ok[0]
     pairs = xq.shape[0] * rows_per_x if experts is None else len(experts)
-    key = (qtype, n, second[1] if second else 0, xq.shape[1] * 4, 1 << (pairs - 1).bit_length(), experts is not None)
+    key = TuneKey(qtype, n, second[1] if second else 0, xq.shape[1] * 4, 1 << (pairs - 1).bit_length(),
+                  experts is not None)
     cfg = _TUNED.get(key)
     if cfg is None:
         if torch.cuda.is_current_stream_capturing():
@@ -419,6 +434,13 @@ def best_config(xs, raw, qtype: str, n: int, experts, second=None, rows_per_x: i
                  for c in ok]
         cfg = _TUNED[key] = min(timed)[1]
     return cfg
+
+
+def tuned_configs(qtype: str, n: int, k: int) -> dict[int, tuple[int, int, int, int]]:
+    """The configurations the timing picked for single-weight products of an [n, k] `qtype` weight, by
+    activation rows (rounded up to a power of two)."""
+    return {key.rows: cfg for key, cfg in _TUNED.items()
+            if (key.qtype, key.n, key.n2, key.k, key.experts) == (qtype, n, 0, k, False)}
 
 
 def _launch(xs, raw, qtype, n, experts, config, out_dtype=torch.float32, second=None, rows_per_x=1) -> torch.Tensor:
