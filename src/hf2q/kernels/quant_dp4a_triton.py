@@ -29,10 +29,9 @@ import triton
 import triton.language as tl
 
 from hf2q.kernels.quant_fields_triton import f16_bits
+from hf2q.kernels.quant_triton import QTYPE_ID
+from hf2q.quant import block_layout
 
-QTYPE_ID = {"Q8_0": 0, "Q4_0": 1, "Q4_K": 2, "Q5_K": 3, "Q6_K": 4}
-BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
-BLOCK_ELEMS = {"Q8_0": 32, "Q4_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
 EMULATE = os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter runs no PTX: dp4a in plain integer ops
 NIBBLES = tl.constexpr(0x0F0F0F0F)
 
@@ -384,9 +383,10 @@ class TuneKey(NamedTuple):
 
 
 _TUNED: dict[TuneKey, tuple] = {}
-_TUNE = (os.environ.get("HF2Q_GEMV_TUNE") or "1") == "1"
-if (os.environ.get("HF2Q_GEMV_TUNE") or "1") not in ("0", "1"):
-    raise ValueError(f"HF2Q_GEMV_TUNE must be 0 or 1, not {os.environ['HF2Q_GEMV_TUNE']!r}")
+_TUNE_SETTING = os.environ.get("HF2Q_GEMV_TUNE") or "1"
+if _TUNE_SETTING not in ("0", "1"):
+    raise ValueError(f"HF2Q_GEMV_TUNE must be 0 or 1, not {_TUNE_SETTING!r}")
+_TUNE = _TUNE_SETTING == "1"
 
 
 def candidates(qtype: str, rows: int = 1) -> list[tuple[int, int, int, int]]:
@@ -447,9 +447,10 @@ def _launch(xs, raw, qtype, n, experts, config, out_dtype=torch.float32, second=
     xq, act = xs
     k = xq.shape[1] * 4
     m = len(experts) if experts is not None else xq.shape[0] * rows_per_x
-    n_units = k // BLOCK_ELEMS[qtype]
+    block_elems, block_bytes = block_layout(qtype)
+    n_units = k // block_elems
     unit = 4 if qtype in ("Q4_K", "Q5_K") else 2  # bytes per addressing unit (see _gemv_dp4a_kernel)
-    row_units = n_units * BLOCK_BYTES[qtype] // unit
+    row_units = n_units * block_bytes // unit
     block_n, sb, warps, stages = config
     bm = _block_m(m, experts)
     n_total = n + (second[1] if second else 0)
@@ -481,10 +482,7 @@ def matvec(xs, raw: torch.Tensor, qtype: str, n: int, experts: torch.Tensor | No
     return _launch(xs, raw, qtype, n, experts, cfg, out_dtype, second, rows_per_x)
 
 
-def gemv(x: torch.Tensor, raw: torch.Tensor, qtype: str, n: int, experts: torch.Tensor | None = None,
-         config: tuple[int, int, int, int] | None = None, key: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] times quantized rows raw [(E,) N, row_bytes] -> [M, N] in x's dtype (`key`: see quantize_rows).
-
-    With `experts` [M] (int32), row m of x is multiplied by expert experts[m] of a stacked [E, N, ...] weight.
-    """
-    return matvec(quantize_rows(x, key), raw, qtype, n, experts, config, x.dtype)
+def gemv(x: torch.Tensor, raw: torch.Tensor, qtype: str, n: int, config: tuple[int, int, int, int] | None = None,
+         key: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] times quantized rows raw [N, row_bytes] -> [M, N] in x's dtype (`key`: see quantize_rows)."""
+    return matvec(quantize_rows(x, key), raw, qtype, n, config=config, out_dtype=x.dtype)

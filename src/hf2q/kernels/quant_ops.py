@@ -80,15 +80,12 @@ def quant_linear(x: torch.Tensor, raw: torch.Tensor, qtype: str, out_features: i
     return y.reshape(*x.shape[:-1], out_features)
 
 
-def expert_linear(x: torch.Tensor, experts: torch.Tensor, raw: torch.Tensor, qtype: str,
-                  out_features: int) -> torch.Tensor:
-    """Row i of x [P, in] times expert experts[i] of a stacked quantized weight raw [E, out, row_bytes]."""
-    if not _triton(x):
-        w = dequantize_ref(raw, qtype, (raw.shape[0], out_features, x.shape[-1])).to(x.device)
-        return torch.einsum("pk,pnk->pn", x.float(), w[experts]).to(x.dtype)
-    from hf2q.kernels.quant_dp4a_triton import gemv
-
-    return gemv(x, raw, qtype, out_features, experts=experts.to(torch.int32).contiguous())
+def _expert_linear_ref(x: torch.Tensor, experts: torch.Tensor, raw: torch.Tensor, qtype: str,
+                       out_features: int) -> torch.Tensor:
+    """Row i of x [P, in] times expert experts[i] of a stacked quantized weight raw [E, out, row_bytes], by
+    the exact reference (the kernels' path is quant_dp4a_triton.matvec with experts)."""
+    w = dequantize_ref(raw, qtype, (raw.shape[0], out_features, x.shape[-1])).to(x.device)
+    return torch.einsum("pk,pnk->pn", x.float(), w[experts]).to(x.dtype)
 
 
 def moe_expert_pairs_quant(x: torch.Tensor, experts: torch.Tensor, gate: tuple, up: tuple,
@@ -106,8 +103,8 @@ def moe_expert_pairs_quant(x: torch.Tensor, experts: torch.Tensor, gate: tuple, 
     flat = experts.reshape(-1)
     if not _triton(x):
         xs = x.repeat_interleave(top_k, dim=0)  # [T*k, H], pair p is token p // k
-        h = F.silu(expert_linear(xs, flat, *gate, inter)) * expert_linear(xs, flat, *up, inter)
-        return expert_linear(h, flat, *down, hidden)
+        h = F.silu(_expert_linear_ref(xs, flat, *gate, inter)) * _expert_linear_ref(xs, flat, *up, inter)
+        return _expert_linear_ref(h, flat, *down, hidden)
     if t * top_k <= MOE_PAIRS:
         from hf2q.kernels.dispatch import silu_mul
         from hf2q.kernels.quant_dp4a_triton import matvec, quantize_rows
@@ -115,7 +112,8 @@ def moe_expert_pairs_quant(x: torch.Tensor, experts: torch.Tensor, gate: tuple, 
         flat = flat.to(torch.int32)
         xs = quantize_rows(x)
         if gate[1] == up[1]:
-            gu = matvec(xs, gate[0], gate[1], inter, flat, out_dtype=x.dtype, second=(up[0], inter), rows_per_x=top_k)
+            gu = matvec(xs, gate[0], gate[1], inter, flat, out_dtype=x.dtype, second=(up[0], inter),
+                        rows_per_x=top_k)
             h = silu_mul(gu[:, :inter], gu[:, inter:], quantize=True)
         else:
             h = silu_mul(matvec(xs, *gate, inter, flat, out_dtype=x.dtype, rows_per_x=top_k),
