@@ -47,23 +47,43 @@ def _load(ptrs, k_ok, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 K_TILES: tl.constexpr, STAGES: tl.constexpr, EVEN_K: tl.constexpr):
-    """One row of x: multiply-adds on the CUDA cores, one reduction over K per tile."""
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = tl.arange(0, BLOCK_K)
-    # Rows past N re-read row N-1 so W's loads need no row mask; only the stores are masked.
-    w_ptrs = w_ptr + tl.minimum(rows, N - 1).to(tl.int64)[:, None] * stride_wn + cols[None, :]
+def _gemv_kernel(x_ptr, w_ptr, w2_ptr, y_ptr, experts_ptr, N, n_first, K, rows_per_x, stride_xm, stride_we, stride_wn,
+                 stride_ym, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, STAGES: tl.constexpr,
+                 EVEN_K: tl.constexpr, HAS_EXPERTS: tl.constexpr, TWO: tl.constexpr):
+    """One row of x: multiply-adds on the CUDA cores, one reduction over K per tile.
+
+    HAS_EXPERTS (MoE token-expert pairs): program column p multiplies x row p // rows_per_x by expert
+    experts[p] of a stacked weight [E, N, K] into output row p. TWO: output columns from n_first on come
+    from a second stack of the same shape (gate and up in one launch; n_first is a multiple of BLOCK_N)."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = cols
+    w = w_ptr
+    n_rows = N
+    if TWO:
+        n_rows = n_first
+        if tl.program_id(0) * BLOCK_N >= n_first:
+            w = w2_ptr
+            rows = cols - n_first
+    x_row = x_ptr
+    y_row = y_ptr
+    if HAS_EXPERTS:
+        p = tl.program_id(1)
+        w += tl.load(experts_ptr + p).to(tl.int64) * stride_we
+        x_row += (p // rows_per_x).to(tl.int64) * stride_xm
+        y_row += p.to(tl.int64) * stride_ym
+    ks = tl.arange(0, BLOCK_K)
+    # Rows past the weight's last re-read that row so W's loads need no row mask; only the stores are masked.
+    w_ptrs = w + tl.minimum(rows, n_rows - 1).to(tl.int64)[:, None] * stride_wn + ks[None, :]
     # x is re-read in W's own layout (from L1): no shuffle of x through shared memory every tile.
-    x_ptrs = x_ptr + (rows * 0)[:, None] + cols[None, :]
+    x_ptrs = x_row + (rows * 0)[:, None] + ks[None, :]
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for t in tl.range(0, K_TILES, num_stages=STAGES):
-        k_ok = (t * BLOCK_K + cols < K)[None, :]
-        w = _load(w_ptrs, k_ok, EVEN_K).to(tl.float32)
-        acc += tl.sum(w * _load(x_ptrs, k_ok, EVEN_K).to(tl.float32), 1)
+        k_ok = (t * BLOCK_K + ks < K)[None, :]
+        w_tile = _load(w_ptrs, k_ok, EVEN_K).to(tl.float32)
+        acc += tl.sum(w_tile * _load(x_ptrs, k_ok, EVEN_K).to(tl.float32), 1)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    tl.store(y_ptr + rows, acc.to(y_ptr.dtype.element_ty), mask=rows < N)
+    tl.store(y_row + cols, acc.to(y_ptr.dtype.element_ty), mask=cols < N)
 
 
 @triton.jit
@@ -85,35 +105,6 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym
         x_ptrs += BLOCK_K
     y_ptrs = y_ptr + ms[None, :] * stride_ym + rows[:, None]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rows < N)[:, None] & (ms < M)[None, :])
-
-
-@triton.jit
-def _expert_gemv_kernel(x_ptr, w_ptr, w2_ptr, y_ptr, experts_ptr, N, n_first, K, rows_per_x, stride_xm, stride_we,
-                        stride_wn, stride_ym, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
-                        STAGES: tl.constexpr, EVEN_K: tl.constexpr, TWO: tl.constexpr):
-    """_gemv_kernel for MoE token-expert pairs: program column p multiplies x row p // rows_per_x by expert
-    experts[p] of a stacked weight [E, N, K]; with TWO, output columns from n_first on come from a second
-    stack of the same shape (gate and up in one launch; n_first is a multiple of BLOCK_N)."""
-    p = tl.program_id(1)
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = cols
-    base = w_ptr
-    if TWO:
-        if tl.program_id(0) * BLOCK_N >= n_first:
-            base = w2_ptr
-            rows = cols - n_first
-    n_rows = n_first if TWO else N
-    base += tl.load(experts_ptr + p).to(tl.int64) * stride_we
-    ks = tl.arange(0, BLOCK_K)
-    w_ptrs = base + tl.minimum(rows, n_rows - 1).to(tl.int64)[:, None] * stride_wn + ks[None, :]
-    x_ptrs = x_ptr + (p // rows_per_x).to(tl.int64) * stride_xm + (rows * 0)[:, None] + ks[None, :]
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for t in tl.range(0, K_TILES, num_stages=STAGES):
-        k_ok = (t * BLOCK_K + ks < K)[None, :]
-        acc += tl.sum(_load(w_ptrs, k_ok, EVEN_K).to(tl.float32) * _load(x_ptrs, k_ok, EVEN_K).to(tl.float32), 1)
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-    tl.store(y_ptr + p.to(tl.int64) * stride_ym + cols, acc.to(y_ptr.dtype.element_ty), mask=cols < N)
 
 
 def default_config(n: int, k: int, m: int) -> Config:
@@ -157,7 +148,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = 
                 EVEN_K=k % block_k == 0, num_warps=num_warps)
     grid = (triton.cdiv(n, block_n),)
     if m == 1:
-        _gemv_kernel[grid](x2, weight, y, n, k, weight.stride(0), **meta)
+        _gemv_kernel[grid](x2, weight, weight, y, weight, n, n, k, 1, 0, 0, weight.stride(0), 0, HAS_EXPERTS=False,
+                           TWO=False, **meta)
     else:
         _skinny_kernel[grid](x2, weight, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0), **meta)
     return y.view(*x.shape[:-1], n)
@@ -176,9 +168,9 @@ def expert_gemv(x: torch.Tensor, stack: torch.Tensor, experts: torch.Tensor, row
     assert second is None or n % block_n == 0
     y = torch.empty(p, n_total, dtype=x.dtype, device=x.device)
     if p:
-        _expert_gemv_kernel[(triton.cdiv(n_total, block_n), p)](
+        _gemv_kernel[(triton.cdiv(n_total, block_n), p)](
             x, stack, second if second is not None else stack, y, experts, n_total, n, k, rows_per_x, x.stride(0),
             stack.stride(0), stack.stride(1), y.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
-            K_TILES=triton.cdiv(k, block_k), STAGES=stages, EVEN_K=k % block_k == 0, TWO=second is not None,
-            num_warps=num_warps)
+            K_TILES=triton.cdiv(k, block_k), STAGES=stages, EVEN_K=k % block_k == 0, HAS_EXPERTS=True,
+            TWO=second is not None, num_warps=num_warps)
     return y
