@@ -311,8 +311,9 @@ MOE_GEMV_PAIRS = 32  # token-expert pairs up to which each pair's experts are re
 
 
 def moe_expert_pairs(x, experts, gate_exps, up_exps, down_exps):
-    """Every token-expert pair's expert output [T·k, H]: a few pairs through the expert GEMV (gate and up
-    in one launch), many through grouped GEMMs where the device has them; else None."""
+    """Every token-expert pair's expert output [T·k, H] (pair p: token p // k, its (p % k)-th expert): a few
+    pairs through the expert GEMV (gate and up in one launch), many through grouped GEMMs where the device
+    has them, else a loop over the chosen experts."""
     if (_triton(x) and experts.numel() <= MOE_GEMV_PAIRS and x.stride(-1) == 1 and gate_exps.stride(-1) == 1
             and up_exps.stride() == gate_exps.stride() and down_exps.stride(-1) == 1):
         from hf2q.kernels.gemv_triton import expert_gemv
@@ -324,7 +325,13 @@ def moe_expert_pairs(x, experts, gate_exps, up_exps, down_exps):
         from hf2q.kernels.moe_grouped import grouped_mm_available, moe_expert_pairs_grouped
         if grouped_mm_available(x):
             return moe_expert_pairs_grouped(x, experts, gate_exps, up_exps, down_exps)
-    return None
+    t, top_k = experts.shape
+    pairs = torch.empty(t * top_k, down_exps.shape[1], dtype=x.dtype, device=x.device)
+    for e in torch.unique(experts).tolist():
+        rows, slot = torch.where(experts == e)
+        h = F.silu(F.linear(x[rows], gate_exps[e])) * F.linear(x[rows], up_exps[e])
+        pairs[rows * top_k + slot] = F.linear(h, down_exps[e])
+    return pairs
 
 
 def moe_route(logits: torch.Tensor, top_k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -95,7 +95,7 @@ def moe_expert_pairs_quant(x: torch.Tensor, experts: torch.Tensor, gate: tuple, 
 
     Few pairs read only the chosen experts' blocks: x is quantized once, gate and up of every pair come
     from one launch when their types match, then the down projection; many pairs dequantize the stacks
-    into scratch and run the grouped-GEMM path.
+    into scratch and run the dense path (grouped GEMMs).
     """
     t, top_k = experts.shape
     hidden, inter = x.shape[1], gate[0].shape[1]
@@ -124,13 +124,6 @@ def moe_expert_pairs_quant(x: torch.Tensor, experts: torch.Tensor, gate: tuple, 
                                       ("down_exps", down, (n_exp, hidden, inter))):
         buf = scratch(slot, n_exp * shape[1] * shape[2], x.dtype, x.device)
         stacks.append(dequantize(raw, qtype, shape, x.dtype, out=buf))
-    from hf2q.kernels.moe_grouped import grouped_mm_available, moe_expert_pairs_grouped
+    from hf2q.kernels.dispatch import moe_expert_pairs
 
-    if grouped_mm_available(x):
-        return moe_expert_pairs_grouped(x, experts, *stacks)
-    pairs = torch.empty(t * top_k, hidden, dtype=x.dtype, device=x.device)
-    for e in torch.unique(experts).tolist():
-        rows, slot = torch.where(experts == e)
-        h = F.silu(F.linear(x[rows], stacks[0][e])) * F.linear(x[rows], stacks[1][e])
-        pairs[rows * top_k + slot] = F.linear(h, stacks[2][e])
-    return pairs
+    return moe_expert_pairs(x, experts, *stacks)

@@ -76,15 +76,13 @@ class DecoderLayer(nn.Module):
         and the combine in one kernel each, experts as grouped GEMMs or straight from their quantized
         blocks (no per-expert loop, no host sync)."""
         if isinstance(self.ffn, MoE) and dispatch.use_fast_path(h) and (self.ffn.quantized or not self.ffn.exps_qtype):
-            y = self._moe_fast(h)
-            if y is not None:
-                return y
+            return self._moe_fast(h)
         if isinstance(self.ffn, MLP) and dispatch.use_fast_path(h):
             gate, up = dispatch.packed_linear(h, (self.ffn.gate, self.ffn.up))  # one GEMM
             return self.ffn.down(dispatch.silu_mul(gate, up, reads_int8(gate, self.ffn.down.quantized)))
         return self.ffn(h)
 
-    def _moe_fast(self, h: torch.Tensor) -> torch.Tensor | None:
+    def _moe_fast(self, h: torch.Tensor) -> torch.Tensor:
         moe, shared = self.ffn, self.ffn.shared
         outs = dispatch.packed_linear(h, (moe.router,) + ((moe.shared_gate, shared.gate, shared.up) if shared else ()))
         weights, experts = dispatch.moe_route(outs[0], moe.top_k, h.dtype)
@@ -92,8 +90,6 @@ class DecoderLayer(nn.Module):
             pairs = moe.expert_pairs_quant(h, experts)
         else:
             pairs = dispatch.moe_expert_pairs(h, experts, moe.gate_exps, moe.up_exps, moe.down_exps)
-            if pairs is None:
-                return None
         if shared is None:
             return dispatch.moe_combine(pairs, weights)
         shared_out = shared.down(dispatch.silu_mul(outs[2], outs[3], reads_int8(outs[2], shared.down.quantized)))
