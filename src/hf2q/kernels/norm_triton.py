@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf2q.kernels.quant_dp4a_triton import int8_buffers, int8_groups, remember, store_int8_groups
+from hf2q.kernels.quant_dp4a_triton import int8_buffers, quantize_and_store, remember
 
 
 @triton.jit
@@ -33,10 +33,7 @@ def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, res_ptr, y_ptr, xq_ptr, act_ptr, N
     y = (xf * inv * w).to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + row * stride_y + c, y, mask=m)
     if QUANT:  # N is a multiple of 32: whole groups only
-        G: tl.constexpr = BLOCK // 32
-        g = tl.arange(0, G)
-        q, dx, sx, sq = int8_groups(tl.reshape(y.to(tl.float32), (G, 32)), G)
-        store_int8_groups(xq_ptr, act_ptr, row * (N // 32), g, g < N // 32, q, dx, sx, sq, G)
+        quantize_and_store(xq_ptr, act_ptr, y, row, 0, N // 32, BLOCK)
 
 
 def add_rms_norm(x: torch.Tensor, add: Optional[torch.Tensor], weight: torch.Tensor, eps: float,

@@ -66,6 +66,16 @@ def store_int8_groups(xq_ptr, act_ptr, row, g, ok, q, dx, sx, sq, GROUPS: tl.con
 
 
 @triton.jit
+def quantize_and_store(xq_ptr, act_ptr, y, row, first, n_groups, BLOCK: tl.constexpr):
+    """For a kernel that has just produced y [BLOCK], values first·32 .. of activation row `row` (of
+    n_groups groups): write their int8 groups as quantize_rows would (groups past n_groups skipped)."""
+    G: tl.constexpr = BLOCK // 32
+    g = first + tl.arange(0, G)
+    q, dx, sx, sq = int8_groups(tl.reshape(y.to(tl.float32), (G, 32)), G)
+    store_int8_groups(xq_ptr, act_ptr, row * n_groups, g, g < n_groups, q, dx, sx, sq, G)
+
+
+@triton.jit
 def _quantize_kernel(x_ptr, xq_ptr, act_ptr, n_groups, x_stride, GROUPS: tl.constexpr):
     """Row m, 32-value groups g: xq = round(x / dx) in int8 with dx = max|x| / 127, and per 16-value half
     h the four floats (dx, Σx - dx·Σxq, Σx, dx·Σxq) that the mat-vec's offset and min terms need."""

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf2q.kernels.quant_dp4a_triton import int8_buffers, int8_groups, remember, store_int8_groups
+from hf2q.kernels.quant_dp4a_triton import int8_buffers, quantize_and_store, remember
 
 
 @triton.jit
@@ -21,10 +21,7 @@ def _silu_mul_kernel(g_ptr, u_ptr, o_ptr, xq_ptr, act_ptr, N, stride_g, stride_u
     y = (g * tl.sigmoid(g) * u).to(o_ptr.dtype.element_ty)
     tl.store(o_ptr + row * stride_o + c, y, mask=m)
     if QUANT:  # N is a multiple of 32 (and BLOCK of 32): whole groups only
-        G: tl.constexpr = BLOCK // 32
-        grp = tl.program_id(1) * G + tl.arange(0, G)
-        q, dx, sx, sq = int8_groups(tl.reshape(y.to(tl.float32), (G, 32)), G)
-        store_int8_groups(xq_ptr, act_ptr, row * (N // 32), grp, grp < N // 32, q, dx, sx, sq, G)
+        quantize_and_store(xq_ptr, act_ptr, y, row, tl.program_id(1) * (BLOCK // 32), N // 32, BLOCK)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, quantize: bool = False) -> torch.Tensor:
