@@ -37,7 +37,8 @@ def _us(fn) -> float:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--no-prefill", action="store_true")
-    p.add_argument("--only", nargs="+", default=None, metavar="PROJ", help="time only these projections")
+    p.add_argument("--only", nargs="+", default=None, choices=[row[0] for row in LAYER_SET], metavar="PROJ",
+                   help="time only these projections: " + ", ".join(row[0] for row in LAYER_SET))
     args = p.parse_args(argv)
     print(f"{'proj':12} {'type':5} {'shape':>14} {'MB':>7} {'b=1 us':>8} {'%bw':>5} {'b=4 us':>8} {'b=16 us':>8} "
           f"{'4096 ms':>8} {'bf16 ms':>8}", flush=True)
@@ -68,7 +69,8 @@ def main(argv=None) -> None:
         tot["bf"] += bf * times
         del raw
     ms = tot["dec"] / 1e3
-    line = (f"9B Q4_K_M projections: {tot['bytes'] / 1e9:.2f} GB; decode b=1 {ms:.3f} ms/token "
+    what = "9B Q4_K_M projections" if not args.only else "the chosen projections' share of a 9B token"
+    line = (f"{what}: {tot['bytes'] / 1e9:.2f} GB; decode b=1 {ms:.3f} ms/token "
             f"({1e3 / ms:.0f} tok/s bound, {100 * tot['bytes'] / BANDWIDTH / (ms * 1e-3):.0f}% of bandwidth, "
             f"ceiling {BANDWIDTH / tot['bytes']:.0f} tok/s); "
             f"b=4 {tot['dec4'] / 1e3:.3f} ms/step; b=16 {tot['dec16'] / 1e3:.3f} ms/step")
