@@ -22,7 +22,7 @@ case "$stage" in
   moe)   bench --shape 35b-a3b --batch 1 64 --json "$out/35b.json"
          bench --shape 35b-a3b --quant q4_k_m --batch 1 16 --new 48 --json "$out/35b_q4_k_m.json" ;;
   gemv)  python -m hf2q.kernels.gemv_bench --shape 9b 2b ;;
-  ncu)   HF2Q_GEMV_TUNE=0 ncu --kernel-name regex:_gemv_dp4a --launch-count 2 --section SpeedOfLight \
+  ncu)   HF2Q_GEMV_TUNE=0 ncu --clock-control none --kernel-name regex:_gemv_dp4a --launch-count 2 --section SpeedOfLight \
            --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis --section LaunchStats \
            python -m hf2q.kernels.quant_bench --no-prefill --only gdn.out ffn.gate+up ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
