@@ -102,6 +102,20 @@ def test_quantize_rows_reuses_the_last_input_only_while_unchanged():
     assert doubled is not again and torch.allclose(doubled[1][..., 2], 2 * again[1][..., 2])
 
 
+
+@kernels
+def test_quantize_rows_under_inference_mode():
+    """The engine and the bench run under torch.inference_mode, whose tensors have no version counter:
+    quantizing them works, and a second pack of projections of the same input reuses the result."""
+    from hf2q.kernels.quant_dp4a_triton import quantize_rows
+
+    with torch.inference_mode():
+        x = torch.randn(2, 64, generator=torch.Generator().manual_seed(2)).to(DEV)
+        first = quantize_rows(x)
+        assert quantize_rows(x) is first
+        assert quantize_rows(x.clone()) is not first
+    assert torch.equal(first[0], quantize_rows(x.detach().clone())[0])
+
 @kernels
 @pytest.mark.parametrize("m", [1, 3, 5, 16, 40])  # int8 mat-vec (1 to 16 rows), dequantize + matmul
 @pytest.mark.parametrize("rows,k", SHAPES)

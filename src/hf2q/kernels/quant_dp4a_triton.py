@@ -337,10 +337,10 @@ def quantize_rows(x: torch.Tensor, key: torch.Tensor | None = None) -> tuple[tor
     The last input's result is kept: projections of one input in several packs (a DeltaNet's Q5_K qkv
     and Q4_K z/a/b; an MoE's shared expert and routed experts) quantize it once. The same tensor object
     (`key`, the tensor x is a reshaped view of, else x), unmodified since (its version counter), is the
-    only hit."""
+    only hit (see _stamp for tensors made under inference mode)."""
     key = x if key is None else key
     last = _LAST.get("x")
-    if last is not None and last[0]() is key and last[1] == key._version and last[2][0].shape[0] == x.shape[0]:
+    if last is not None and last[0]() is key and last[1] == _stamp(key) and last[2][0].shape[0] == x.shape[0]:
         return last[2]
     xc = x.contiguous()
     m, k = xc.shape
@@ -348,11 +348,19 @@ def quantize_rows(x: torch.Tensor, key: torch.Tensor | None = None) -> tuple[tor
     xq, act = int8_buffers(m, k, x.device)
     _quantize_kernel[(m, triton.cdiv(groups, 16))](xc, xq, act, groups, xc.stride(0), GROUPS=16)
     out = (xq.view(torch.int32), act)
-    _LAST["x"] = (weakref.ref(key), key._version, out)
+    _LAST["x"] = (weakref.ref(key), _stamp(key), out)
     return out
 
 
 _LAST: dict[str, tuple] = {}
+
+
+def _stamp(t: torch.Tensor):
+    """What tells a cached quantization of t from a stale one: t's version counter, bumped by every
+    in-place write. Tensors made under inference mode have none (torch does not track them); for those
+    the object's identity is the whole key, which holds because a projection's input is never written in
+    place after it is produced (norm, SwiGLU and mixer outputs are fresh tensors each step)."""
+    return None if t.is_inference() else t._version
 
 
 def int8_buffers(m: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -363,7 +371,7 @@ def int8_buffers(m: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
 
 def remember(x: torch.Tensor, xq: torch.Tensor, act: torch.Tensor) -> None:
     """Record (xq, act) as x's quantization (written by a kernel that produced x), for quantize_rows."""
-    _LAST["x"] = (weakref.ref(x), x._version, (xq.view(torch.int32), act))
+    _LAST["x"] = (weakref.ref(x), _stamp(x), (xq.view(torch.int32), act))
 
 
 # (BLOCK_N, blocks per step, warps, stages) candidates, most work per thread first: a mat-vec is fed by
