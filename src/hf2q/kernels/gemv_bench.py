@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from hf2q.bench_shapes import SHAPES
 from hf2q.kernels.gemv_triton import MAX_ROWS, default_config, gemv
+from hf2q.kernels.timing import graph_time_us
 
 
 def decode_projections(shape: str) -> list[tuple[str, int, int, int]]:
@@ -62,28 +63,6 @@ def sweep_configs(k: int, m: int, quick: bool) -> list[tuple[int, int, int, int]
     return out
 
 
-def time_us(fn, weights: list[torch.Tensor], reps: int = 10) -> float:
-    """µs per call of fn(w), from replays of one CUDA graph over every copy in `weights`."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for w in weights:
-            fn(w)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for w in weights:
-            fn(w)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (reps * len(weights))
-
-
 def bench_shape(name: str, n: int, k: int, rows: tuple[int, ...], quick: bool) -> dict:
     """Times of cuBLAS, the default config and every swept config at each row count (the 2..4-row sweep
     runs at MAX_ROWS rows; smaller counts time its winner)."""
@@ -94,11 +73,11 @@ def bench_shape(name: str, n: int, k: int, rows: tuple[int, ...], quick: bool) -
     for m in sorted(rows, key=lambda r: (r != 1, r != MAX_ROWS)):  # 1, then MAX_ROWS, then the others
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
         want = F.linear(x, weights[0]).float()
-        res["cublas"][m] = time_us(lambda w: F.linear(x, w), weights)
-        res["default"][m] = time_us(lambda w: gemv(x, w), weights)
+        res["cublas"][m] = graph_time_us(lambda w: F.linear(x, w), weights)
+        res["default"][m] = graph_time_us(lambda w: gemv(x, w), weights)
         if m not in (1, MAX_ROWS):
             cfg = res["best"][MAX_ROWS][0]
-            res["best"][m] = (cfg, time_us(lambda w: gemv(x, w, config=cfg), weights))
+            res["best"][m] = (cfg, graph_time_us(lambda w: gemv(x, w, config=cfg), weights))
             continue
         times = res["sweep"][m]
         for cfg in sweep_configs(k, m, quick):
@@ -108,7 +87,7 @@ def bench_shape(name: str, n: int, k: int, rows: tuple[int, ...], quick: bool) -
                 if err > 1e-2:
                     print(f"  {name} M={m} {cfg}: relative error {err:.2e}, skipped")
                     continue
-                times[cfg] = time_us(lambda w: gemv(x, w, config=cfg), weights)
+                times[cfg] = graph_time_us(lambda w: gemv(x, w, config=cfg), weights)
             except Exception as e:  # noqa: BLE001 - a config that does not fit (shared memory) is skipped
                 print(f"  {name} M={m} {cfg}: {type(e).__name__} {str(e)[:80]}")
         ranked = sorted(times, key=times.get)

@@ -30,6 +30,7 @@ import triton.language as tl
 
 from hf2q.kernels.quant_fields_triton import f16_bits
 from hf2q.kernels.quant_triton import QTYPE_ID
+from hf2q.kernels.timing import cold_copies, graph_time_us
 from hf2q.quant import block_layout
 
 EMULATE = os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter runs no PTX: dp4a in plain integer ops
@@ -421,21 +422,13 @@ def _block_m(m: int, experts) -> int:
     return 1 if experts is not None else min(16, 1 << (m - 1).bit_length())
 
 
-def _time(fn, reps: int = 10) -> float:
-    fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / reps
-
-
 def best_config(xs, raw, qtype: str, n: int, experts, second=None, rows_per_x: int = 1) -> tuple[int, int, int, int]:
     """The fastest candidate for this shape, timed once per (type, N, K, rows rounded up to a power of two,
     experts) on CUDA outside graph capture (a capture's warm-up step does it); the first candidate
-    elsewhere, inside a capture, or with HF2Q_GEMV_TUNE=0."""
+    elsewhere, inside a capture, or with HF2Q_GEMV_TUNE=0. Timed from graph replays over copies of the
+    weight that overflow L2 (kernels/timing.py): eager launches of a 10 µs kernel measure the host's
+    launch rate, and a weight left in L2 by the previous call favours configurations that need a warm
+    cache. (An expert stack is one copy: its few chosen experts stay warm.)"""
     xq = xs[0]
     m = 1 if experts is not None else xq.shape[0]
     ok = [c for c in candidates(qtype, m) if not second or n % c[0] == 0]
@@ -448,8 +441,12 @@ def best_config(xs, raw, qtype: str, n: int, experts, second=None, rows_per_x: i
     if cfg is None:
         if torch.cuda.is_current_stream_capturing():
             return ok[0]
-        timed = [(_time(lambda c=c: _launch(xs, raw, qtype, n, experts, c, second=second, rows_per_x=rows_per_x)), c)
-                 for c in ok]
+        copies = cold_copies(raw, 256e6)
+        seconds = [second] + [(second[0].clone(), second[1]) for _ in copies[1:]] if second else [None] * len(copies)
+        weights = list(zip(copies, seconds))
+        timed = [(graph_time_us(lambda w, c=c: _launch(xs, w[0], qtype, n, experts, c, second=w[1],
+                                                       rows_per_x=rows_per_x), weights), c) for c in ok]
+        del copies, seconds, weights
         cfg = _TUNED[key] = min(timed)[1]
     return cfg
 

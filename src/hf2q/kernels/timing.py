@@ -1,0 +1,37 @@
+"""Kernel timing as a served decode step sees it: from CUDA-graph replays (no host launch cost) over
+copies of the weight that together overflow the L2 cache (each weight read from memory, as when the
+rest of the model's weights pass between two uses of it)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def cold_copies(w: torch.Tensor, limit_bytes: float = 512e6) -> list[torch.Tensor]:
+    """w and enough clones of it to span three L2 caches (at most limit_bytes in all, w included)."""
+    l2 = torch.cuda.get_device_properties(w.device).L2_cache_size
+    n = max(1, min(math.ceil(3 * l2 / w.nbytes), int(limit_bytes // w.nbytes)))
+    return [w] + [w.clone() for _ in range(n - 1)]
+
+
+def graph_time_us(fn, weights: list, reps: int = 10) -> float:
+    """µs per call of fn(w), from replays of one CUDA graph that calls it on every entry of `weights`."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for w in weights:
+            fn(w)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for w in weights:
+            fn(w)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / (reps * len(weights))
