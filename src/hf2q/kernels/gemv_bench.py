@@ -28,13 +28,19 @@ def decode_projections(shape: str) -> list[tuple[str, int, int, int]]:
     h, n_lin, n_full = cfg.hidden_size, len(cfg.linear_layers), len(cfg.full_attention_layers)
     nv_dv = cfg.linear_num_v_heads * cfg.linear_v_head_dim
     q_dim = cfg.num_heads * cfg.head_dim
+    if cfg.is_moe:  # the dense products of an MoE block (its routed experts have kernels of their own)
+        shared = cfg.shared_expert_intermediate_size
+        ffn = [("moe.router+shared", cfg.num_experts + (1 + 2 * shared if shared else 0), h, cfg.num_layers)]
+        ffn += [("moe.shared.down", h, shared, cfg.num_layers)] if shared else []
+    else:
+        ffn = [("mlp.gate+up", 2 * cfg.intermediate_size, h, cfg.num_layers),
+               ("mlp.down", h, cfg.intermediate_size, cfg.num_layers)]
     return [
         ("gdn.qkv+z+a+b", cfg.conv_channels + nv_dv + 2 * cfg.linear_num_v_heads, h, n_lin),
         ("gdn.out", h, nv_dv, n_lin),
         ("attn.q+g+k+v", 2 * q_dim + 2 * cfg.num_kv_heads * cfg.head_dim, h, n_full),
         ("attn.o", h, q_dim, n_full),
-        ("mlp.gate+up", 2 * cfg.intermediate_size, h, cfg.num_layers),
-        ("mlp.down", h, cfg.intermediate_size, cfg.num_layers),
+        *ffn,
         ("lm_head", cfg.vocab_size, h, 1),
     ]
 
@@ -100,7 +106,7 @@ def bench_shape(name: str, n: int, k: int, rows: tuple[int, ...], quick: bool) -
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shape", nargs="+", default=["2b", "9b"], choices=["2b", "9b"])
+    p.add_argument("--shape", nargs="+", default=["2b", "9b"], choices=["2b", "9b", "35b-a3b"])
     p.add_argument("--quick", action="store_true", help="a few configurations per shape")
     args = p.parse_args(argv)
     rows = (1, 2, MAX_ROWS)
