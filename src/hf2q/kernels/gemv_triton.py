@@ -21,7 +21,7 @@ MAX_ROWS = 4
 Config = tuple[int, int, int, int]  # (BLOCK_N, BLOCK_K, num_warps, STAGES)
 
 # (N, K, 1 for one row of x or MAX_ROWS for 2..MAX_ROWS rows) -> (Config, GEMV µs, cuBLAS µs), from
-# `gemv_bench` on an H200. By default the GEMV serves exactly the entries where it measured faster.
+# `gemv_bench` on an H200 (2B: full sweep; 35B-A3B: `--quick`, its LM head shares the 2B entries). By default the GEMV serves exactly the entries where it measured faster.
 TABLE: dict[tuple[int, int, int], tuple[Config, float, float]] = {
     (8224, 2048, 1): ((2, 2048, 8, 1), 9.7, 11.3),  # 2b gdn.qkv+z+a+b
     (2048, 2048, 1): ((1, 2048, 4, 1), 4.1, 6.1),  # 2b gdn.out, attn.o
@@ -35,6 +35,16 @@ TABLE: dict[tuple[int, int, int], tuple[Config, float, float]] = {
     (12288, 2048, 4): ((64, 128, 4, 5), 16.7, 15.8),  # 2b mlp.gate+up
     (2048, 6144, 4): ((64, 128, 4, 5), 13.6, 11.5),  # 2b mlp.down
     (248320, 2048, 4): ((64, 128, 4, 5), 239.6, 250.2),  # 2b lm_head
+    (12352, 2048, 1): ((1, 2048, 4, 1), 13.6, 16.1),  # 35b-a3b gdn.qkv+z+a+b
+    (12352, 2048, 4): ((64, 128, 4, 5), 17.4, 16.2),  # 35b-a3b gdn.qkv+z+a+b
+    (2048, 4096, 1): ((2, 2048, 4, 1), 6.0, 9.2),  # 35b-a3b gdn.out
+    (2048, 4096, 4): ((64, 128, 4, 5), 10.3, 9.3),  # 35b-a3b gdn.out
+    (9216, 2048, 1): ((1, 2048, 4, 1), 10.7, 11.9),  # 35b-a3b attn.q+g+k+v
+    (9216, 2048, 4): ((64, 128, 4, 5), 14.3, 12.0),  # 35b-a3b attn.q+g+k+v
+    (1281, 2048, 1): ((1, 2048, 4, 1), 3.3, 4.4),  # 35b-a3b moe.router+shared
+    (1281, 2048, 4): ((64, 128, 4, 5), 5.9, 11.8),  # 35b-a3b moe.router+shared
+    (2048, 512, 1): ((2, 1024, 4, 1), 2.6, 3.7),  # 35b-a3b moe.shared.down
+    (2048, 512, 4): ((64, 128, 4, 5), 3.2, 3.7),  # 35b-a3b moe.shared.down
 }
 
 
