@@ -20,8 +20,10 @@ so their words are joined from two 16-bit halves.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import weakref
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -29,6 +31,7 @@ import triton
 import triton.language as tl
 
 from hf2q.kernels.quant_fields_triton import f16_bits
+from hf2q.kernels import tune_cache
 from hf2q.kernels.quant_triton import QTYPE_ID
 from hf2q.kernels.timing import cold_copies, graph_time_us
 from hf2q.quant import block_layout
@@ -425,7 +428,8 @@ def _block_m(m: int, experts) -> int:
 def best_config(xs, raw, qtype: str, n: int, experts, second=None, rows_per_x: int = 1) -> tuple[int, int, int, int]:
     """The fastest candidate for this shape, timed once per (type, N, K, rows rounded up to a power of two,
     experts) on CUDA outside graph capture (a capture's warm-up step does it); the first candidate
-    elsewhere, inside a capture, or with HF2Q_GEMV_TUNE=0. Timed from graph replays over copies of the
+    elsewhere, inside a capture, or with HF2Q_GEMV_TUNE=0. A choice stored by an earlier start on the
+    same card (kernels/tune_cache.py) is taken without timing. Timed from graph replays over copies of the
     weight that overflow L2 (kernels/timing.py): eager launches of a 10 µs kernel measure the host's
     launch rate, and a weight left in L2 by the previous call favours configurations that need a warm
     cache. (An expert stack is one copy: its few chosen experts stay warm.)"""
@@ -439,6 +443,11 @@ def best_config(xs, raw, qtype: str, n: int, experts, second=None, rows_per_x: i
                   experts is not None)
     cfg = _TUNED.get(key)
     if cfg is None:
+        scope = _tune_scope(xq.device)
+        stored = tune_cache.load(scope).get(_key_text(key))
+        if stored is not None and tuple(stored) in ok:
+            cfg = _TUNED[key] = tuple(stored)
+            return cfg
         if torch.cuda.is_current_stream_capturing():
             return ok[0]
         copies = cold_copies(raw, 256e6)
@@ -448,7 +457,20 @@ def best_config(xs, raw, qtype: str, n: int, experts, second=None, rows_per_x: i
                                                        rows_per_x=rows_per_x), weights), c) for c in ok]
         del copies, seconds, weights
         cfg = _TUNED[key] = min(timed)[1]
+        tune_cache.store(scope, _key_text(key), cfg)
     return cfg
+
+
+def _tune_scope(device) -> str:
+    """Where stored choices apply: this card, this Triton, this module's source (kernel and candidates)."""
+    return f"{torch.cuda.get_device_name(device)} | triton {triton.__version__} | {_SOURCE_HASH}"
+
+
+_SOURCE_HASH = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+
+
+def _key_text(key: TuneKey) -> str:
+    return "|".join(str(v) for v in key)
 
 
 def tuned_configs(qtype: str, n: int, k: int) -> dict[int, tuple[int, int, int, int]]:
