@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks behind BENCHMARKS.md, in stages that each fit a few minutes:
 #   tools/gpu_check.sh tests|quant|bf16|moe|gemv|ncu [OUT_DIR]
-# tests: every GPU-marked test and the Triton kernel tests on the device;
+# tests: every GPU-marked test (the quantized greedy-token test first) and the Triton kernel tests on the device;
 # quant: 9B Q4_K_M end to end and per projection; bf16: 9B and 2B; moe: 35B-A3B bf16 and Q4_K_M;
 # gemv: the bf16 GEMV sweep against cuBLAS at 9B and 2B shapes; ncu: Nsight Compute's view (bandwidth,
 # occupancy, stall reasons) of the int8 mat-vec on a small and a large 9B projection, at the default
@@ -13,14 +13,16 @@ out=${2:-.}
 mkdir -p "$out"
 bench() { python -m hf2q.bench --hf-new 0 "$@"; }
 case "$stage" in
-  tests) python -m pytest -q -p no:cacheprovider -m gpu --ignore=tests/e2e --ignore=tests/server tests
+  tests) python -m pytest -q -p no:cacheprovider -m gpu tests/quant/test_loader.py
+         python -m pytest -q -p no:cacheprovider -m gpu --ignore=tests/e2e --ignore=tests/server \
+           --ignore=tests/quant/test_loader.py tests
          python -m pytest -q -p no:cacheprovider tests/quant/test_kernels.py tests/kernels ;;
   quant) bench --shape 9b --quant q4_k_m --batch 1 16 --new 48 --json "$out/9b_q4_k_m.json"
          python -m hf2q.kernels.quant_bench ;;
   bf16)  bench --shape 9b --batch 1 64 --json "$out/9b.json"
          bench --shape 2b --batch 1 64 --json "$out/2b.json" ;;
-  moe)   bench --shape 35b-a3b --batch 1 64 --json "$out/35b.json"
-         bench --shape 35b-a3b --quant q4_k_m --batch 1 16 --new 48 --json "$out/35b_q4_k_m.json" ;;
+  moe)   bench --shape 35b-a3b --quant q4_k_m --batch 1 16 --new 48 --json "$out/35b_q4_k_m.json"
+         bench --shape 35b-a3b --batch 1 64 --json "$out/35b.json" ;;
   gemv)  python -m hf2q.kernels.gemv_bench --shape 9b 2b ;;
   ncu)   HF2Q_GEMV_TUNE=0 ncu --clock-control none --kernel-name regex:_gemv_dp4a --launch-count 2 --section SpeedOfLight \
            --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis --section LaunchStats \
