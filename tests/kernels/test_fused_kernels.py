@@ -169,16 +169,17 @@ def test_moe_expert_pairs_by_gemv(env):
     assert got.shape == (t * top_k, hidden) and rel(got, want) < tol
 
 
-@pytest.mark.parametrize("kernel", ["route", "combine", "expert_gemv", "norm_int8", "swiglu_int8"])
+@pytest.mark.parametrize("kernel", ["route", "combine", "expert_gemv", "norm_int8", "swiglu_int8", "gdn_columns",
+                                    "gdn_finish"])
 def test_new_kernels_compile_for_hopper(kernel):
-    """The MoE kernels and the int8-writing norm compile to sm_90 (the interpreter never runs the
-    compiler). Needs Triton's bundled ptxas, not a GPU."""
+    """The MoE kernels, the int8-writing norm and the two-launch DeltaNet decode step compile to sm_90 (the
+    interpreter never runs the compiler). Needs Triton's bundled ptxas, not a GPU."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("compiles natively")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from hf2q.kernels import gemv_triton, moe_triton, norm_triton, swiglu_triton
+    from hf2q.kernels import gdn_decode_triton, gemv_triton, moe_triton, norm_triton, swiglu_triton
 
     ptr, i32 = "*bf16", "i32"
     fn, sig, const = {
@@ -197,6 +198,15 @@ def test_new_kernels_compile_for_hopper(kernel):
         "swiglu_int8": (swiglu_triton._silu_mul_kernel,
                         dict(g_ptr=ptr, u_ptr=ptr, o_ptr=ptr, xq_ptr="*i8", act_ptr="*fp32", N=i32, stride_g=i32,
                              stride_u=i32, stride_o=i32), dict(BLOCK=2048, QUANT=True)),
+        "gdn_columns": (gdn_decode_triton._gdn_conv_columns_kernel,
+                        dict(x_ptr=ptr, cw_ptr="*fp32", conv_ptr=ptr, a_ptr=ptr, b_ptr=ptr, A_ptr="*fp32",
+                             dtb_ptr="*fp32", state_ptr="*fp32", slot_ptr="*i64", o_ptr="*fp32", ss_ptr="*fp32",
+                             stride_x=i32, stride_conv=i32, stride_ab=i32, stride_bb=i32, C=i32, NK=i32, NV=i32,
+                             scale="fp32", eps="fp32"), dict(DK=128, DV=128, SPLIT=4)),
+        "gdn_finish": (gdn_decode_triton._gdn_conv_finish_kernel,
+                       dict(x_ptr=ptr, conv_ptr=ptr, z_ptr=ptr, nw_ptr="*fp32", slot_ptr="*i64", o_ptr="*fp32",
+                            ss_ptr="*fp32", out_ptr=ptr, stride_x=i32, stride_conv=i32, stride_z=i32,
+                            stride_out=i32, C=i32, NK=i32, NV=i32, eps="fp32"), dict(DK=128, DV=128, SPLIT=4)),
     }[kernel]
     sig.update({name: "constexpr" for name in const})
     try:

@@ -7,10 +7,14 @@ delta-rule update of that slot's fp32 state in place, the read-out, and the gate
 norm(o) * w * SiLU(z). fla's recurrent kernel takes dense per-batch state; this one indexes the
 per-slot state pool directly, so nothing is gathered or scattered.
 
-The folded kernel runs one program per (sequence, key head) instead: the conv state of a q/k channel
-is shared by the n_v / n_k value heads of that key head, and a program that read it while another
-shifted it would race, so the program that owns the key head also owns its value heads and is the only
-one that reads or writes any of their conv channels.
+With the causal conv folded in, the step is two kernels. The first runs one program per (sequence,
+value head, quarter of the head's columns): at batch 1 a 9B layer's 2 MB of state is then walked by 128
+programs instead of 16, and each column of the delta rule needs only its own column of the state. It
+reads the q/k conv channels without shifting them (every program of a key head reads them) and shifts
+only the value channels it owns; it leaves its columns' read-out and their sum of squares in scratch.
+The second, one program per (sequence, value head), applies the gated RMSNorm over the whole head, and
+the programs of the first n_k heads shift their key head's q/k conv channels, now that every reader has
+finished (a launch boundary is the only grid-wide barrier Triton has).
 """
 from __future__ import annotations
 
@@ -20,24 +24,55 @@ import triton.language as tl
 
 
 @triton.jit
-def _conv_silu(row, conv, w_ptr, c, C):
-    """SiLU(causal conv, width 4) of channels c from the slot's old state rows [3, C] and the new input,
-    then the state shifted by one (the new input becomes its last row)."""
+def _conv_out(row, conv, w_ptr, c, C):
+    """SiLU(causal conv, width 4) of channels c from the slot's state rows [3, C] and the new input."""
     x = tl.load(row + c).to(tl.float32)
-    s0 = tl.load(conv + c)
+    acc = x * tl.load(w_ptr + c * 4 + 3).to(tl.float32)
+    for i in tl.static_range(3):
+        acc += tl.load(conv + i * C + c).to(tl.float32) * tl.load(w_ptr + c * 4 + i).to(tl.float32)
+    return acc * tl.sigmoid(acc)
+
+
+@triton.jit
+def _conv_shift(row, conv, c, C):
+    """Shift channels c of the slot's conv state by one: the new input becomes its last row."""
+    x = tl.load(row + c)
     s1 = tl.load(conv + C + c)
     s2 = tl.load(conv + 2 * C + c)
-    w0 = tl.load(w_ptr + c * 4).to(tl.float32)
-    w1 = tl.load(w_ptr + c * 4 + 1).to(tl.float32)
-    w2 = tl.load(w_ptr + c * 4 + 2).to(tl.float32)
-    w3 = tl.load(w_ptr + c * 4 + 3).to(tl.float32)
-    acc = s0.to(tl.float32) * w0 + s1.to(tl.float32) * w1 + s2.to(tl.float32) * w2 + x * w3
     # Threads may hold copies of the same channel: all reads of the old rows finish before any is overwritten.
     tl.debug_barrier()
     tl.store(conv + c, s1)
     tl.store(conv + C + c, s2)
     tl.store(conv + 2 * C + c, x)
-    return acc * tl.sigmoid(acc)
+
+
+@triton.jit
+def _decay_beta(a_ptr, b_ptr, A_ptr, dtb_ptr, b, h, stride_ab, stride_bb):
+    """Head h's decay exp(A · softplus(alpha + dt_bias)) and beta = sigmoid(b) for sequence b."""
+    a = tl.load(a_ptr + b * stride_ab + h).to(tl.float32) + tl.load(dtb_ptr + h).to(tl.float32)
+    softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))
+    decay = tl.exp(tl.load(A_ptr + h).to(tl.float32) * softplus)
+    return decay, tl.sigmoid(tl.load(b_ptr + b * stride_bb + h).to(tl.float32))
+
+
+@triton.jit
+def _delta_columns(q, k, v, decay, beta, state, dk, dv, DV: tl.constexpr):
+    """Columns dv of one head's fp32 state [DK, DV] at `state`: the gated delta-rule update in place (each
+    column needs only itself), and their read-out o[dv] = Σ_k state'[k, dv] q[k]."""
+    sp = state + dk[:, None] * DV + dv[None, :]
+    s = tl.load(sp) * decay
+    delta = (v - tl.sum(s * k[:, None], 0)) * beta
+    s = s + k[:, None] * delta[None, :]
+    tl.store(sp, s)
+    return tl.sum(s * q[:, None], 0)
+
+
+@triton.jit
+def _gated_norm_store(o, ss, b, h, dv, z_ptr, nw_ptr, out_ptr, stride_z, stride_out, eps, DV: tl.constexpr):
+    """norm(o) · w · SiLU(z) of head h's read-out o [DV] (ss = Σ o²), stored at the head's columns."""
+    o = o * tl.rsqrt(ss / DV + eps) * tl.load(nw_ptr + dv).to(tl.float32)
+    z = tl.load(z_ptr + b * stride_z + h * DV + dv).to(tl.float32)
+    tl.store(out_ptr + b * stride_out + h * DV + dv, o * z * tl.sigmoid(z))
 
 
 @triton.jit
@@ -47,19 +82,9 @@ def _delta_step(q, k, v, b, h, slot, a_ptr, b_ptr, A_ptr, dtb_ptr, z_ptr, nw_ptr
     the slot's state in place, read-out, gated RMSNorm, store."""
     dk = tl.arange(0, DK)
     dv = tl.arange(0, DV)
-    a = tl.load(a_ptr + b * stride_ab + h).to(tl.float32) + tl.load(dtb_ptr + h).to(tl.float32)
-    softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))
-    decay = tl.exp(tl.load(A_ptr + h).to(tl.float32) * softplus)
-    beta = tl.sigmoid(tl.load(b_ptr + b * stride_bb + h).to(tl.float32))
-    sp = state_ptr + (slot * NV + h) * (DK * DV) + dk[:, None] * DV + dv[None, :]
-    s = tl.load(sp) * decay
-    delta = (v - tl.sum(s * k[:, None], 0)) * beta
-    s = s + k[:, None] * delta[None, :]
-    tl.store(sp, s)
-    o = tl.sum(s * q[:, None], 0)
-    o = o * tl.rsqrt(tl.sum(o * o, 0) / DV + eps) * tl.load(nw_ptr + dv).to(tl.float32)
-    z = tl.load(z_ptr + b * stride_z + h * DV + dv).to(tl.float32)
-    tl.store(out_ptr + b * stride_out + h * DV + dv, o * z * tl.sigmoid(z))
+    decay, beta = _decay_beta(a_ptr, b_ptr, A_ptr, dtb_ptr, b, h, stride_ab, stride_bb)
+    o = _delta_columns(q, k, v, decay, beta, state_ptr + (slot * NV + h) * (DK * DV), dk, dv, DV)
+    _gated_norm_store(o, tl.sum(o * o, 0), b, h, dv, z_ptr, nw_ptr, out_ptr, stride_z, stride_out, eps, DV)
 
 
 @triton.jit
@@ -83,25 +108,55 @@ def _gdn_decode_kernel(qkv_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, z_ptr, nw_ptr, sta
 
 
 @triton.jit
-def _gdn_conv_decode_kernel(x_ptr, cw_ptr, conv_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, z_ptr, nw_ptr, state_ptr,
-                            slot_ptr, out_ptr, stride_x, stride_conv, stride_ab, stride_bb, stride_z, stride_out,
-                            C, NK, NV, scale, eps, DK: tl.constexpr, DV: tl.constexpr, REP: tl.constexpr):
+def _gdn_conv_columns_kernel(x_ptr, cw_ptr, conv_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, state_ptr, slot_ptr, o_ptr,
+                             ss_ptr, stride_x, stride_conv, stride_ab, stride_bb, C, NK, NV, scale, eps, DK: tl.constexpr,
+                             DV: tl.constexpr, SPLIT: tl.constexpr):
+    """Program (b, h, j): columns j·DV/SPLIT .. of value head h for sequence b, up to the read-out (o and
+    its partial Σ o² into scratch); shifts the conv state of its own value channels only."""
     b = tl.program_id(0)
-    kh = tl.program_id(1)
+    h = tl.program_id(1)
+    j = tl.program_id(2)
+    kh = h % NK  # tiled order: value head h reads key head h % n_k
+    BDV: tl.constexpr = DV // SPLIT
     dk = tl.arange(0, DK)
-    dv = tl.arange(0, DV)
+    dv = j * BDV + tl.arange(0, BDV)
     slot = tl.load(slot_ptr + b).to(tl.int64)
     row = x_ptr + b * stride_x
     conv = conv_ptr + slot * stride_conv
-    q = _conv_silu(row, conv, cw_ptr, kh * DK + dk, C)
-    k = _conv_silu(row, conv, cw_ptr, NK * DK + kh * DK + dk, C)
+    q = _conv_out(row, conv, cw_ptr, kh * DK + dk, C)
+    k = _conv_out(row, conv, cw_ptr, NK * DK + kh * DK + dk, C)
     q = q * tl.rsqrt(tl.sum(q * q, 0) + eps) * scale
     k = k * tl.rsqrt(tl.sum(k * k, 0) + eps)
-    for i in tl.static_range(REP):  # the value heads of key head kh (tiled order: h = kh + i * n_k)
-        h = kh + i * NK
-        v = _conv_silu(row, conv, cw_ptr, 2 * NK * DK + h * DV + dv, C)
-        _delta_step(q, k, v, b, h, slot, a_ptr, b_ptr, A_ptr, dtb_ptr, z_ptr, nw_ptr, state_ptr, out_ptr,
-                    stride_ab, stride_bb, stride_z, stride_out, NV, eps, DK, DV)
+    v_ch = 2 * NK * DK + h * DV + dv
+    v = _conv_out(row, conv, cw_ptr, v_ch, C)
+    _conv_shift(row, conv, v_ch, C)
+    decay, beta = _decay_beta(a_ptr, b_ptr, A_ptr, dtb_ptr, b, h, stride_ab, stride_bb)
+    o = _delta_columns(q, k, v, decay, beta, state_ptr + (slot * NV + h) * (DK * DV), dk, dv, DV)
+    pair = b * NV + h
+    tl.store(o_ptr + pair * DV + dv, o)
+    tl.store(ss_ptr + pair * SPLIT + j, tl.sum(o * o, 0))
+
+
+@triton.jit
+def _gdn_conv_finish_kernel(x_ptr, conv_ptr, z_ptr, nw_ptr, slot_ptr, o_ptr, ss_ptr, out_ptr, stride_x, stride_conv,
+                            stride_z, stride_out, C, NK, NV, eps, DK: tl.constexpr, DV: tl.constexpr,
+                            SPLIT: tl.constexpr):
+    """Program (b, h): the gated RMSNorm of head h's read-out; programs h < n_k also shift key head h's
+    q/k conv channels (every reader of them ran in the previous launch)."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    dv = tl.arange(0, DV)
+    pair = b * NV + h
+    ss = tl.sum(tl.load(ss_ptr + pair * SPLIT + tl.arange(0, SPLIT)), 0)
+    _gated_norm_store(tl.load(o_ptr + pair * DV + dv), ss, b, h, dv, z_ptr, nw_ptr, out_ptr, stride_z, stride_out,
+                      eps, DV)
+    if h < NK:
+        dk = tl.arange(0, DK)
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+        row = x_ptr + b * stride_x
+        conv = conv_ptr + slot * stride_conv
+        _conv_shift(row, conv, h * DK + dk, C)
+        _conv_shift(row, conv, NK * DK + h * DK + dk, C)
 
 
 def _check(a_raw, b_raw, z, state_pool, dk):
@@ -138,8 +193,17 @@ def gdn_conv_decode_(x: torch.Tensor, conv_w: torch.Tensor, conv_pool: torch.Ten
     assert conv_w.shape == (c, 4) and conv_pool.shape[1:] == (3, c) and conv_pool.stride(2) == 1
     assert conv_pool.stride(1) == c
     out = torch.empty(bsz, nv * dv, dtype=out_dtype, device=x.device)
-    _gdn_conv_decode_kernel[(bsz, nk)](x, conv_w.contiguous(), conv_pool, a_raw, b_raw, A, dt_bias, z, norm_w,
-                                       state_pool, slots, out, x.stride(0), conv_pool.stride(0),
-                                       a_raw.stride(0), b_raw.stride(0), z.stride(0), out.stride(0), c, nk, nv,
-                                       dk ** -0.5, eps, DK=dk, DV=dv, REP=nv // nk, num_warps=4)
+    split = SPLIT if dv % SPLIT == 0 else 1
+    o = torch.empty(bsz, nv, dv, dtype=torch.float32, device=x.device)
+    ss = torch.empty(bsz, nv, split, dtype=torch.float32, device=x.device)
+    _gdn_conv_columns_kernel[(bsz, nv, split)](x, conv_w.contiguous(), conv_pool, a_raw, b_raw, A, dt_bias,
+                                               state_pool, slots, o, ss, x.stride(0), conv_pool.stride(0),
+                                               a_raw.stride(0), b_raw.stride(0), c, nk,
+                                               nv, dk ** -0.5, eps, DK=dk, DV=dv, SPLIT=split, num_warps=4)
+    _gdn_conv_finish_kernel[(bsz, nv)](x, conv_pool, z, norm_w, slots, o, ss, out, x.stride(0), conv_pool.stride(0),
+                                       z.stride(0), out.stride(0), c, nk, nv, eps, DK=dk, DV=dv, SPLIT=split,
+                                       num_warps=4)
     return out
+
+
+SPLIT = 4  # column parts per value head in the folded step (a 128-wide head: 32 columns, 16 KB of state)
