@@ -109,8 +109,8 @@ def _gdn_decode_kernel(qkv_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, z_ptr, nw_ptr, sta
 
 @triton.jit
 def _gdn_conv_columns_kernel(x_ptr, cw_ptr, conv_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, state_ptr, slot_ptr, o_ptr,
-                             ss_ptr, stride_x, stride_conv, stride_ab, stride_bb, C, NK, NV, scale, eps, DK: tl.constexpr,
-                             DV: tl.constexpr, SPLIT: tl.constexpr):
+                             ss_ptr, stride_x, stride_conv, stride_ab, stride_bb, C, NK, NV, scale, eps,
+                             DK: tl.constexpr, DV: tl.constexpr, SPLIT: tl.constexpr):
     """Program (b, h, j): columns j·DV/SPLIT .. of value head h for sequence b, up to the read-out (o and
     its partial Σ o² into scratch); shifts the conv state of its own value channels only."""
     b = tl.program_id(0)

@@ -30,8 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from hf2q.kernels.quant_fields_triton import f16_bits
 from hf2q.kernels import tune_cache
+from hf2q.kernels.quant_fields_triton import f16_bits
 from hf2q.kernels.quant_triton import QTYPE_ID
 from hf2q.kernels.timing import cold_copies, graph_time_us
 from hf2q.quant import block_layout
