@@ -28,15 +28,24 @@ def free_port() -> int:
 
 class Server:
     def __init__(self, model: Path, extra: list[str], log_path: Path):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "hf2q.cli", "serve", "--model", str(model), "--port", str(self.port),
-               "--log-level", "warning", *extra]
         self.log_path = log_path
-        self._log = open(log_path, "w")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
-        self._wait_ready()
+        for attempt in range(3):
+            # The port is free when chosen but not held until the server binds it after loading; another
+            # process (a tensor-parallel group's own sockets among them) can take it first. Then: a new port.
+            self.port = free_port()
+            self.url = f"http://127.0.0.1:{self.port}"
+            cmd = [sys.executable, "-m", "hf2q.cli", "serve", "--model", str(model), "--port", str(self.port),
+                   "--log-level", "warning", *extra]
+            self._log = open(log_path, "w")
+            env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+            self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+            try:
+                self._wait_ready()
+                return
+            except RuntimeError:
+                if attempt == 2 or "address already in use" not in self.log():
+                    raise
+                self.stop()
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
