@@ -1,9 +1,16 @@
-"""`hf2q serve`: flags, model loading, engine start, and binding only once the model is ready."""
+"""`hf2q serve`: flags, model loading, engine start, and listening only once the model is ready.
+
+The port is taken (bound, not yet listening) before anything loads: a port in use fails in a second, not
+after minutes of loading, and nothing started meanwhile (a tensor-parallel group's sockets) can take
+it. Until the model is ready, connections to it are refused.
+"""
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
+import socket
 import time
 from pathlib import Path
 
@@ -123,12 +130,33 @@ def run_serve(args: argparse.Namespace) -> int:
     from hf2q.server.app import build_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    state = build_state(args)
+    sock = reserve_port(args.host, args.port)
+    try:
+        state = build_state(args)
+    except BaseException:
+        sock.close()
+        raise
     app = build_app(state)
     if state.scripted_replies:
         log.warning("--scripted-replies is on: replies are scripted, not sampled (testing aid)")
     demo = " (DEMO model)" if state.config.is_demo else ""
     log.info("serving %r%s at http://%s:%d/v1 (max_model_len %d, max_num_seqs %d)", state.config.model_name, demo,
              args.host, args.port, state.config.max_model_len, args.max_num_seqs)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5))
+    server.run(sockets=[sock])
     return 0
+
+
+def reserve_port(host: str, port: int) -> socket.socket:
+    """A socket bound to (host, port), not listening yet. OSError with a plain message when it is taken."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: restarts reuse TIME_WAIT ports
+    try:
+        sock.bind(address)
+    except OSError as err:
+        sock.close()
+        if err.errno == errno.EADDRINUSE:
+            raise OSError(f"port {port} on {host} is in use (choose another with --port)") from None
+        raise OSError(f"cannot bind {host}:{port}: {err.strerror}") from None
+    return sock
