@@ -122,7 +122,8 @@ def bench_ours(net, cfg, args, report: dict) -> None:
             print("prefill kernel", row, flush=True)
     cache.release(slot)
 
-    graphs = DecodeGraphs(net, cache, max_context=ctx)
+    # one graph per measured batch size: the serving buckets would also compile and tune sizes not timed here
+    graphs = DecodeGraphs(net, cache, buckets=sorted(set(args.batch)), max_context=ctx)
     t = time.perf_counter()
     graphs.capture()
     _put(report, "graph_capture_s", time.perf_counter() - t)
