@@ -113,7 +113,8 @@ def linears(qtypes, k=256, rows=(64, 32, 8), seed=0):
     return kept, dense
 
 
-@pytest.mark.parametrize("qtypes", [("Q4_K", "Q4_K", "Q4_K"), ("Q4_K", "Q6_K", "Q4_K"), ("Q8_0", None, "Q8_0")])
+@pytest.mark.parametrize("qtypes", [("Q4_K", "Q4_K", "Q4_K"), ("Q4_K", "Q6_K", "Q4_K"), ("Q8_0", None, "Q8_0"),
+                                    (None, "Q4_K", None)])
 def test_packed_linear_with_quantized_projections(qtypes):
     kept, dense = linears(qtypes)
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(1))
@@ -126,6 +127,10 @@ def test_packed_linear_with_quantized_projections(qtypes):
         assert packed.shape[0] == sum(d.out_features for d in dense)
         assert kept[1].qweight.data_ptr() == packed[64:].data_ptr()
         assert all(rel(a, b) == 0 for a, b in zip(packed_linear(x, kept), got))
+    if qtypes == (None, "Q4_K", None):  # a MoE's float router and shared gate: one product, not two
+        packed = kept[0]._packed
+        assert packed.shape[0] == 64 + 8
+        assert kept[2].weight.data_ptr() == packed[64:].data_ptr()
 
 
 # ---- MoE experts -------------------------------------------------------------------------------------

@@ -78,7 +78,8 @@ def packed_linear(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
     once and each Linear's weight becomes a view of the packed matrix (no second copy). Quantized
     projections of one type pack their blocks the same way (rows are whole blocks); a pack mixing
     types packs each type's projections together (llama.cpp's Q4_K_M gives the DeltaNet qkv Q5_K and
-    its z, alpha and beta Q4_K); dense projections in a quantized pack run one by one."""
+    its z, alpha and beta Q4_K), and its dense projections together (a MoE's router and shared-expert
+    gate, kept in float: one product instead of two)."""
     if any(lin.quantized for lin in linears):
         return _packed_by_type(x, linears)
     first = linears[0]
@@ -116,8 +117,10 @@ def _packed_by_type(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
         return _packed_quant_linear(x, linears)
     out: list = [None] * len(linears)
     for qtype, idx in groups.items():
-        if qtype is None or len(idx) == 1:
-            results = [linears[i](x) for i in idx]
+        if len(idx) == 1:
+            results = [linears[idx[0]](x)]
+        elif qtype is None:
+            results = packed_linear(x, [linears[i] for i in idx])
         else:
             results = _packed_quant_linear(x, [linears[i] for i in idx])
         for i, r in zip(idx, results):

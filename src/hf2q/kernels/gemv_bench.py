@@ -6,7 +6,7 @@ cuBLAS, the GEMV's default configuration and the best of a sweep (one sweep for 
 2..4 rows, as the two run different kernels). Each timing replays a CUDA graph
 that multiplies by enough distinct copies of W to overflow the L2, as a decode step reads cold weights
 with no host gaps. Ends with the per-step sums and the TABLE lines for gemv_triton.
-Run: python -m hf2q.kernels.gemv_bench [--shape 2b 9b] [--quick]
+Run: python -m hf2q.kernels.gemv_bench [--shape 2b 9b] [--quick] [--only lm_head ...]
 """
 from __future__ import annotations
 
@@ -32,6 +32,9 @@ def decode_projections(shape: str) -> list[tuple[str, int, int, int]]:
         shared = cfg.shared_expert_intermediate_size
         ffn = [("moe.router+shared", cfg.num_experts + (1 + 2 * shared if shared else 0), h, cfg.num_layers)]
         ffn += [("moe.shared.down", h, shared, cfg.num_layers)] if shared else []
+        # A quantized file keeps the router and shared gate in float and its shared gate+up as blocks: the
+        # float two are packed alone. Timed for the table; no part of the bf16 step's sum (0 calls).
+        ffn += [("moe.router+gate", cfg.num_experts + 1, h, 0)] if shared else []
     else:
         ffn = [("mlp.gate+up", 2 * cfg.intermediate_size, h, cfg.num_layers),
                ("mlp.down", h, cfg.intermediate_size, cfg.num_layers)]
@@ -108,6 +111,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", nargs="+", default=["2b", "9b"], choices=["2b", "9b", "35b-a3b"])
     p.add_argument("--quick", action="store_true", help="a few configurations per shape")
+    p.add_argument("--only", nargs="+", default=None, help="time just these projections (names as printed)")
     args = p.parse_args(argv)
     rows = (1, 2, MAX_ROWS)
     table: dict[tuple[int, int, int], str] = {}
@@ -115,6 +119,8 @@ def main(argv=None) -> None:
         totals = {key: {m: 0.0 for m in rows} for key in ("cublas", "default", "best")}
         print(f"== {shape}: µs per call (TB/s of weight bytes)")
         for name, n, k, calls in decode_projections(shape):
+            if args.only and name not in args.only:
+                continue
             res = bench_shape(name, n, k, rows, args.quick)
             tbs = lambda us: n * k * 2 / us / 1e6  # noqa: E731
             for m in rows:
