@@ -39,8 +39,10 @@ def route(logits: torch.Tensor, top_k: int, dtype: torch.dtype) -> tuple[torch.T
     weights = torch.empty(t, top_k, dtype=dtype, device=logits.device)
     experts = torch.empty(t, top_k, dtype=torch.int32, device=logits.device)
     if t:
+        # One warp a token: its 2·k dependent reductions over the experts stay in warp shuffles (four warps
+        # would add a shared-memory round trip and a barrier to each).
         _route_kernel[(t,)](logits, weights, experts, e, logits.stride(0), TOPK=top_k,
-                            TOPK_P2=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(e))
+                            TOPK_P2=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(e), num_warps=1)
     return weights, experts
 
 
