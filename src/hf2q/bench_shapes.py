@@ -135,7 +135,7 @@ def random_quant_model(cfg: ModelConfig, mix: str, tie: bool = False, device="cu
     for the 20 GB of a 35B-A3B Q4_K_M."""
     from hf2q.layers.rotary import RotaryEmbedding
     from hf2q.models.qwen35 import Qwen35Model
-    from hf2q.quant import random_blocks, row_bytes
+    from hf2q.quant import keep_blocks, planar_on, planar_row_words, random_blocks, row_bytes
 
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -147,7 +147,10 @@ def random_quant_model(cfg: ModelConfig, mix: str, tie: bool = False, device="cu
     plan = quant_plan(net, mix)
     for m, stack, qtype in plan:  # meta blocks drop the dense weights before anything is allocated
         shape = m.stack_shape(stack) if stack else (m.out_features, m.in_features)
-        raw = torch.empty(*shape[:-1], row_bytes(qtype, shape[-1]), dtype=torch.uint8, device="meta")
+        if planar_on(qtype, device):  # the layout keep_blocks gives these blocks on `device`
+            raw = torch.empty(*shape[:-1], planar_row_words(shape[-1]), dtype=torch.int32, device="meta")
+        else:
+            raw = torch.empty(*shape[:-1], row_bytes(qtype, shape[-1]), dtype=torch.uint8, device="meta")
         if stack:
             m.set_quantized(stack, raw, qtype)
         else:
@@ -165,8 +168,8 @@ def random_quant_model(cfg: ModelConfig, mix: str, tie: bool = False, device="cu
         in_features = (m.stack_shape(stack) if stack else (m.in_features,))[-1]
         pool = pools.get((qtype, in_features))
         if pool is None:
-            pool = pools[qtype, in_features] = random_blocks(qtype, POOL_ROWS, in_features, std=std,
-                                                             seed=seed + i).to(device)
+            pool = pools[qtype, in_features] = keep_blocks(random_blocks(qtype, POOL_ROWS, in_features, std=std,
+                                                                         seed=seed + i), qtype, device)
         # Rows are drawn from the pool in a different order per weight: every byte is still its own in
         # memory and read as such, and a 20 GB model builds in seconds instead of minutes.
         pick = (torch.arange(rows, device=device) * 7 + 131 * i) % POOL_ROWS
@@ -196,7 +199,8 @@ def weight_bytes(net, active_experts: float | None = None) -> int:
     input embedding (unless tied), with MoE expert stacks counted for `active_experts` experts per
     layer (None: all)."""
     tensors = list(net.named_parameters())
-    tensors += [(n, b) for n, b in net.named_buffers() if b is not None and b.dtype == torch.uint8]
+    # kept blocks: ggml bytes (uint8) or planar Q6_K rows (int32 words)
+    tensors += [(n, b) for n, b in net.named_buffers() if b is not None and b.dtype in (torch.uint8, torch.int32)]
     total = 0
     for name, p in tensors:
         if name == "embed" and not net.tie_embeddings:

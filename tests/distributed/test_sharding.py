@@ -90,3 +90,17 @@ def test_quantized_linear_splits_by_whole_blocks(qtype):
     assert torch.equal(dequantize_ref(cols.qweight, qtype, (6, elems)), dense[:, elems:])
     with pytest.raises(ShardingError, match="block"):
         shard_linear(full, 1, torch.arange(elems // 2, elems // 2 + elems))
+
+
+def test_planar_q6_k_splits_by_whole_blocks():
+    """Q6_K kept as planar rows (the GPU's layout) splits like ggml's blocks: rows stay rows, a column slice
+    holds the chosen blocks' planes, padded as a planar row of its own width."""
+    from hf2q.quant import q6_k_from_planar, q6_k_to_planar, random_blocks
+
+    raw = random_blocks("Q6_K", 6, 3 * 256, seed=2)  # 3 blocks a row, 2 after the cut: both padded
+    full = Linear(3 * 256, 6)
+    full.set_quantized(q6_k_to_planar(raw), "Q6_K")
+    rows = shard_linear(full, 0, torch.tensor([1, 4]))
+    cols = shard_linear(full, 1, torch.arange(256, 3 * 256))
+    assert torch.equal(q6_k_from_planar(rows.qweight, 3 * 256), raw[[1, 4]])
+    assert torch.equal(q6_k_from_planar(cols.qweight, 2 * 256), raw[:, 210:])

@@ -47,3 +47,41 @@ def test_quantized_linear_drops_dense_weight_and_matches_reference():
     assert torch.allclose(lin(x), want, atol=1e-6, rtol=0)
     with pytest.raises(ValueError):
         Linear(256, 21).set_quantized(raw, "Q5_K")
+
+
+@pytest.mark.parametrize("rows,k", [(21, 256), (5, 768), (3, 4096), (7, 5120), (3, 12288)])
+def test_planar_q6_k_round_trips_byte_for_byte(rows, k):
+    """Planar rows (the GPU's Q6_K layout) give back ggml's blocks exactly; every plane and every row starts
+    on a 16-byte boundary, the row padded only where its block count is not a multiple of 8."""
+    from hf2q.quant import planar_row_words, q6_k_from_planar, q6_k_to_planar
+
+    raw = random_blocks("Q6_K", rows, k, seed=rows)
+    planar = q6_k_to_planar(raw)
+    nb = k // 256
+    assert planar.dtype == torch.int32 and planar.shape == (rows, planar_row_words(k))
+    assert planar.shape[1] * 4 % 16 == 0 and planar.shape[1] * 4 - 210 * nb == (-210 * nb) % 16
+    assert all(start % 16 == 0 for start in (128 * nb, 192 * nb, 208 * nb))
+    assert torch.equal(q6_k_from_planar(planar, k), raw)
+    flat = planar.view(torch.uint8)
+    blocks = raw.view(rows, nb, 210)
+    assert torch.equal(flat[:, :128 * nb], blocks[:, :, :128].reshape(rows, -1))  # ql of every block first
+    assert torch.equal(flat[:, 208 * nb:210 * nb], blocks[:, :, 208:].reshape(rows, -1))  # d of every block last
+    assert not flat[:, 210 * nb:].any()  # padding
+    stack = raw.view(rows, 1, -1).expand(rows, 2, -1).contiguous()  # expert stacks: rows stay rows
+    assert torch.equal(q6_k_from_planar(q6_k_to_planar(stack), k), stack)
+
+
+def test_planar_q6_k_layout_is_told_by_dtype():
+    """ggml-order Q6_K (uint8) is read by the CPU reference only; planar rows (int32) by the kernels only."""
+    from hf2q.kernels.quant_ops import check_raw
+    from hf2q.quant import keep_blocks, q6_k_to_planar
+
+    raw = random_blocks("Q6_K", 4, 512)
+    planar = q6_k_to_planar(raw)
+    with pytest.raises(ValueError, match="planar"):
+        dequantize_ref(planar, "Q6_K", (4, 512))
+    check_raw(planar, "Q6_K", (4, 512))
+    check_raw(raw, "Q6_K", (4, 512))
+    with pytest.raises(ValueError):
+        check_raw(planar, "Q4_K", (4, 512))
+    assert keep_blocks(raw, "Q6_K", "cpu") is raw and keep_blocks(raw, "Q8_0", "meta").dtype == torch.uint8

@@ -10,13 +10,14 @@ on activations that int8 represents exactly it is within 1e-5 relative; on any a
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from hf2q.quant import QUANT_TYPES, dequantize_ref, random_blocks
+from hf2q.quant import QUANT_TYPES, dequantize_ref, q6_k_to_planar, random_blocks
 
 CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -29,9 +30,14 @@ def rel(a, b) -> float:
     return float((a.float().cpu() - b.float().cpu()).norm() / b.float().cpu().norm())
 
 
+def kernel_blocks(raw, qtype):
+    """Blocks as the kernels read them: Q6_K in planar rows (what keep_blocks gives on CUDA), on DEV."""
+    return q6_k_to_planar(raw).to(DEV) if qtype == "Q6_K" else raw.to(DEV)
+
+
 def case(qtype, rows, k, seed=0):
     raw = random_blocks(qtype, rows, k, seed=seed)
-    return raw.to(DEV), dequantize_ref(raw, qtype, (rows, k))
+    return kernel_blocks(raw, qtype), dequantize_ref(raw, qtype, (rows, k))
 
 
 def test_interpreter_child_process():
@@ -49,7 +55,8 @@ def test_interpreter_child_process():
 
 @kernels
 @pytest.mark.parametrize("qtype,rows,k", [(q, *s) for q in QUANT_TYPES for s in SHAPES]
-                         + [("Q8_0", 5, 96), ("Q4_0", 5, 96)])  # a partial tile of 32-value blocks
+                         + [("Q8_0", 5, 96), ("Q4_0", 5, 96)]  # a partial tile of 32-value blocks
+                         + [("Q6_K", 3, 4096), ("Q6_K", 2, 5120)])  # planar rows: 16-byte multiple, padded
 def test_dequantize_kernel(qtype, rows, k):
     from hf2q.kernels.quant_ops import dequantize
 
@@ -155,12 +162,12 @@ def test_gemv_every_candidate_config(qtype, config):
     raw, w = case(qtype, 9, 768, seed=3)
     for m in (1, 3) if CUDA else (3,):
         x = int8_exact(torch.randn(m, 768, generator=torch.Generator().manual_seed(m)))
-        got = gemv(x.to(DEV), raw.to(DEV), qtype, 9, config=config)
+        got = gemv(x.to(DEV), raw, qtype, 9, config=config)
         assert rel(got, x.double() @ w.double().T) < 1e-5, m
 
 
 @kernels
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"] if CUDA else ["Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"] if CUDA else ["Q8_0", "Q6_K"])
 def test_matvec_two_stacks_one_launch(qtype):
     """Pairs p = (token p // 2, expert e_p): gate and up stacks in one launch give both products, each
     against its own stack, from activations quantized once per token."""
@@ -171,24 +178,29 @@ def test_matvec_two_stacks_one_launch(qtype):
     dense = [dequantize_ref(r, qtype, (n_exp, n, k)) for r in raws]
     x = int8_exact(torch.randn(2, k, generator=torch.Generator().manual_seed(4)))
     experts = torch.tensor([2, 0, 1, 2], dtype=torch.int32)
-    got = matvec(quantize_rows(x.to(DEV)), raws[0].view(n_exp, n, -1).to(DEV), qtype, n, experts.to(DEV),
-                 second=(raws[1].view(n_exp, n, -1).to(DEV), n), rows_per_x=2).cpu()
+    stacks = [kernel_blocks(r.view(n_exp, n, -1), qtype) for r in raws]
+    got = matvec(quantize_rows(x.to(DEV)), stacks[0], qtype, n, experts.to(DEV), second=(stacks[1], n),
+                 rows_per_x=2).cpu()
     want = torch.stack([torch.cat([d[e] @ x[p // 2] for d in dense]) for p, e in enumerate(experts.tolist())])
     assert got.shape == (4, 2 * n) and rel(got, want) < 1e-5
 
 
 @kernels
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0"] if CUDA else ["Q8_0"])
-def test_moe_experts_quant(qtype):
-    from hf2q.kernels import quant_ops
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0"] if CUDA else ["Q8_0", "Q6_K"])
+def test_moe_experts_quant(qtype, monkeypatch):
+    from hf2q.kernels import quant_dp4a_triton, quant_ops
 
-    # the interpreter runs every program serially: one token, 32-value blocks, small experts
-    n_exp, hidden, inter, t, top_k = (4, 256, 256, 3, 2) if CUDA else (4, 64, 96, 1, 2)
+    # the interpreter runs every program serially: one token, small experts (32-value blocks where it can),
+    # and K-quants in few programs of many rows each
+    n_exp, hidden, inter, t, top_k = (4, 256, 256, 3, 2) if CUDA else (4, 64, 96, 1, 2) if qtype == "Q8_0" \
+        else (3, 256, 256, 1, 2)
+    if not CUDA and qtype == "Q6_K":
+        monkeypatch.setattr(quant_dp4a_triton, "candidates", lambda *a: [(64, 1, 4, 1)])
     stacks, dense = [], []
     for i, (out, inp) in enumerate([(inter, hidden), (inter, hidden), (hidden, inter)]):
         raw = random_blocks(qtype, n_exp * out, inp, std=0.05, seed=10 + i)
         dense.append(dequantize_ref(raw, qtype, (n_exp, out, inp)))
-        stacks.append((raw.view(n_exp, out, -1).to(DEV), qtype))
+        stacks.append((kernel_blocks(raw.view(n_exp, out, -1), qtype), qtype))
     g = torch.Generator().manual_seed(0)
     x = torch.randn(t, hidden, generator=g)
     experts = torch.stack([torch.randperm(n_exp, generator=g)[:top_k] for _ in range(t)])
@@ -205,18 +217,86 @@ def test_moe_experts_quant(qtype):
     assert rel(got, want) < INT8_TOL
 
 
-@pytest.mark.parametrize("qtype,rows,stages", [(q, 1, 1) for q in QUANT_TYPES]
-                         + [("Q4_K", 16, 1), ("Q6_K", 16, 1), ("Q5_K", "experts", 1), ("Q4_K", 1, 3), ("Q8_0", 1, 3)])
-def test_int8_matvec_compiles_for_hopper(qtype, rows, stages):
-    """The mat-vec compiles to sm_90 machine code with dp4a (Triton's interpreter runs no PTX, and a
-    construct only the compiler rejects, such as a non-constexpr global, would otherwise first show on a
-    GPU). Needs Triton's bundled ptxas, not a GPU."""
+def test_q6_k_kernels_refuse_ggml_order_blocks():
+    """The kernels read Q6_K only as planar int32 rows: ggml's bytes (the CPU reference's layout), a planar
+    second stack next to a ggml first one, or planar rows under another type are refused before launch."""
+    from hf2q.kernels import quant_triton
+    from hf2q.kernels.quant_dp4a_triton import matvec
+
+    raw = random_blocks("Q6_K", 4, 512)
+    planar = q6_k_to_planar(raw)
+    with pytest.raises(ValueError, match="planar"):
+        quant_triton.dequantize(raw, "Q6_K", 4, 512, torch.empty(4, 512))
+    xs = (torch.zeros(1, 128, dtype=torch.int32), torch.zeros(1, 32, 4))
+    with pytest.raises(ValueError, match="planar"):
+        matvec(xs, raw, "Q6_K", 4, config=(4, 8, 1, 1))
+    with pytest.raises(ValueError, match="planar"):
+        matvec(xs, planar, "Q6_K", 4, config=(4, 8, 1, 1), second=(raw, 4))
+    with pytest.raises(ValueError, match="uint8"):
+        quant_triton.dequantize(planar, "Q8_0", 4, 512, torch.empty(4, 512))
+
+
+@kernels
+def test_q6_k_kernels_misread_the_other_layout(monkeypatch):
+    """Planted: with the layout check bypassed, ggml's blocks handed over as planar rows (zero-padded to a
+    planar row) come out wrong, so the equality tests above fail on a kernel that reads the wrong layout."""
+    from hf2q.kernels import quant_dp4a_triton, quant_triton
+    from hf2q.kernels.quant_ops import dequantize
+    from hf2q.quant import planar_row_words
+
+    monkeypatch.setattr(quant_triton, "check_layout", lambda *a: None)
+    monkeypatch.setattr(quant_dp4a_triton, "check_layout", lambda *a: None)
+    raw = random_blocks("Q6_K", 9, 512, seed=5)
+    want = dequantize_ref(raw, "Q6_K", (9, 512))
+    disguised = torch.nn.functional.pad(raw, (0, 4 * planar_row_words(512) - raw.shape[1])).view(torch.int32)
+    x = int8_exact(torch.randn(1, 512, generator=torch.Generator().manual_seed(5)))
+    for blocks, right in ((q6_k_to_planar(raw).to(DEV), True), (disguised.to(DEV), False)):
+        values = dequantize(blocks, "Q6_K", (9, 512))
+        product = quant_dp4a_triton.gemv(x.to(DEV), blocks, "Q6_K", 9, config=(4, 8, 1, 1))
+        errors = rel(values, want), rel(product, x.double() @ want.double().T)
+        assert all(e < 1e-5 for e in errors) if right else all(e > 0.1 for e in errors), errors
+
+
+def _compile_for_hopper(fn, sig: dict, const: dict, warps: int) -> str:
+    """PTX of kernel fn for sm_90, its pointers 16-byte aligned (as Triton's launcher finds torch's
+    allocations). Needs Triton's bundled ptxas, not a GPU."""
     if INTERPRET:
         pytest.skip("compiles natively")
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    sig = {**sig, **{name: "constexpr" for name in const}}
+    names = list(sig)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if sig[n].startswith("*")}
+    try:
+        compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
+                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    except (FileNotFoundError, RuntimeError) as err:
+        if "ptxas" in str(err):
+            pytest.skip(f"no ptxas: {err}")
+        raise
+    return compiled.asm["ptx"]
+
+
+def _global_read_bytes(ptx: str) -> set[int]:
+    """Sizes in bytes of the global-memory reads in PTX: loads to registers, and asynchronous copies to
+    shared memory (pipelined configurations)."""
+    sizes = set()
+    for vec, bits in re.findall(r"ld\.global(?:\.[a-z]+)*?\.(?:v([248])\.)?[bsuf](8|16|32|64)\b", ptx):
+        sizes.add(int(vec or 1) * int(bits) // 8)
+    copies = re.findall(r"cp\.async\.c[ag]\.shared\.global \[[^]]*\], \[[^]]*\], (0x[0-9a-f]+)", ptx)
+    sizes.update(int(n, 16) for n in copies)
+    return sizes
+
+
+@pytest.mark.parametrize("qtype,rows,stages", [(q, 1, 1) for q in QUANT_TYPES]
+                         + [("Q4_K", 16, 1), ("Q6_K", 16, 1), ("Q5_K", "experts", 1), ("Q6_K", "experts", 1),
+                            ("Q4_K", 1, 3), ("Q6_K", 1, 3), ("Q8_0", 1, 3)])
+def test_int8_matvec_compiles_for_hopper(qtype, rows, stages):
+    """The mat-vec compiles to sm_90 machine code with dp4a (Triton's interpreter runs no PTX, and a
+    construct only the compiler rejects, such as a non-constexpr global, would otherwise first show on a
+    GPU). Planar Q6_K rows are read in 32-bit words, the quants in 16-byte vectors: no 16-bit loads."""
     from hf2q.kernels import quant_dp4a_triton as k
 
     experts = rows == "experts"
@@ -226,12 +306,21 @@ def test_int8_matvec_compiles_for_hopper(qtype, rows, stages):
            "n_units": "i32", "expert_units": "i32", "n_g16": "i32", "rows_per_x": "i32", "out_stride": "i32"}
     const = dict(QTYPE=k.QTYPE_ID[qtype], BM=1 if experts else k._block_m(rows, None), BN=bn, SB=sb,
                  STAGES=stages, HAS_EXPERTS=experts, TWO=experts, EMULATE=False)
-    sig.update({name: "constexpr" for name in const})
-    try:
-        compiled = triton.compile(ASTSource(fn=k._gemv_dp4a_kernel, signature=sig, constexprs=const),
-                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-    except (FileNotFoundError, RuntimeError) as err:
-        if "ptxas" in str(err):
-            pytest.skip(f"no ptxas: {err}")
-        raise
-    assert "dp4a" in compiled.asm["ptx"]
+    ptx = _compile_for_hopper(k._gemv_dp4a_kernel, sig, const, warps)
+    assert "dp4a" in ptx
+    if qtype == "Q6_K":
+        assert min(_global_read_bytes(ptx)) == 4 and 16 in _global_read_bytes(ptx)
+
+
+@pytest.mark.parametrize("qtype", QUANT_TYPES)
+def test_dequantize_compiles_for_hopper(qtype):
+    """The prefill dequantization compiles to sm_90 machine code; planar Q6_K reads only 32-bit words."""
+    from hf2q.kernels import quant_triton as qt
+
+    sig = {"w8": "*u8", "w16": "*fp16", "w32": "*i32", "out_ptr": "*bf16", "N": "i32", "K": "i32",
+           "row_stride": "i32", "nblk": "i32"}
+    ptx = _compile_for_hopper(qt._dequant_kernel, sig, dict(QTYPE=qt.QTYPE_ID[qtype], BLOCK_N=8), 4)
+    sizes = _global_read_bytes(ptx)
+    assert sizes
+    if qtype == "Q6_K":
+        assert min(sizes) == 4, sizes

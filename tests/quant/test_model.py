@@ -10,7 +10,7 @@ import torch
 from hf2q.bench_shapes import random_model, tiny_config
 from hf2q.kernels.dispatch import fast_path
 from hf2q.layers.linear import Linear
-from hf2q.quant import dequantize_ref, random_blocks
+from hf2q.quant import dequantize_ref, keep_blocks, random_blocks
 
 DEVICES = ["cpu"] + [pytest.param("cuda", marks=pytest.mark.gpu)] * torch.cuda.is_available()
 PROMPT = [1, 5, 9, 200, 17, 3, 88, 41]
@@ -24,21 +24,23 @@ def cfg():  # every projection's input a multiple of 256 (K-quant super-blocks)
 def twins(mix: str, device: str, dtype):
     dense = random_model(cfg(), device="cpu", dtype=torch.float32, std=0.08, seed=2)
     kept = random_model(cfg(), device="cpu", dtype=torch.float32, std=0.08, seed=2)
-    n = 0
+    blocks = []
     for (name, d), (_, q) in zip(dense.named_modules(), kept.named_modules()):
         if not isinstance(d, Linear) or name == "lm_head" or d.out_features < 16:
             continue
         qtype = "Q8_0" if mix == "q8_0" else ("Q6_K" if name.endswith(("down", "mixer.v")) else "Q4_K")
-        raw = random_blocks(qtype, d.out_features, d.in_features, std=0.08, seed=n)
+        raw = random_blocks(qtype, d.out_features, d.in_features, std=0.08, seed=len(blocks))
         d.weight.data = dequantize_ref(raw, qtype, (d.out_features, d.in_features))
-        q.set_quantized(raw, qtype)
-        n += 1
-    assert n > 10
+        blocks.append((q, raw, qtype))
+    assert len(blocks) > 10
     for net in (dense, kept):
         for p in net.parameters():
             if p.dim() >= 2 and p.dtype == torch.float32 and dtype != torch.float32 and p.shape[-1] != 4:
                 p.data = p.data.to(dtype)
-    return dense.to(device), kept.to(device)
+    dense, kept = dense.to(device), kept.to(device)
+    for q, raw, qtype in blocks:  # laid out for the device as a loaded model's are
+        q.set_quantized(keep_blocks(raw, qtype, device), qtype)
+    return dense, kept
 
 
 def greedy(net, n: int):

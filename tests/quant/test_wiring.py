@@ -16,7 +16,7 @@ from hf2q.kernels import dispatch, quant_ops
 from hf2q.kernels.dispatch import fast_path, packed_linear
 from hf2q.layers.linear import Linear
 from hf2q.layers.moe import EXPERT_STACKS, MoE
-from hf2q.quant import dequantize_ref, random_blocks
+from hf2q.quant import dequantize_ref, keep_blocks, random_blocks
 
 PROMPT = [1, 5, 9, 200, 17, 3, 88, 41]
 DEVICES = ["cpu"] + [pytest.param("cuda", marks=pytest.mark.gpu)] * torch.cuda.is_available()
@@ -139,12 +139,16 @@ def moe_twins(qtypes, device):
     dense, kept = MoE(hidden, n_exp, 2, inter, 0), MoE(hidden, n_exp, 2, inter, 0)
     router = torch.randn(n_exp, hidden, generator=torch.Generator().manual_seed(5)) * 0.1
     dense.router.weight.data, kept.router.weight.data = router.clone(), router.clone()
+    blocks = []
     for i, (name, qtype) in enumerate(zip(EXPERT_STACKS, qtypes)):
         shape = dense.stack_shape(name)
         raw = random_blocks(qtype, shape[0] * shape[1], shape[2], std=0.05, seed=10 + i).view(*shape[:2], -1)
         getattr(dense, name).data = dequantize_ref(raw, qtype, shape)
-        kept.set_quantized(name, raw.contiguous(), qtype)
-    return dense.to(device), kept.to(device)
+        blocks.append((name, raw.contiguous(), qtype))
+    dense, kept = dense.to(device), kept.to(device)
+    for name, raw, qtype in blocks:  # laid out for the device as a loaded model's are
+        kept.set_quantized(name, keep_blocks(raw, qtype, device), qtype)
+    return dense, kept
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -93,7 +93,7 @@ def _assign_quantized(model: nn.Module, target: str, name: str, gguf: GGUFFile, 
     the dense path (other types, other targets, shape mismatches)."""
     from hf2q.layers.linear import Linear
     from hf2q.layers.moe import EXPERT_STACKS, MoE
-    from hf2q.quant import QUANT_TYPES
+    from hf2q.quant import QUANT_TYPES, keep_blocks
 
     info = gguf.info(name)
     owner_path, _, attr = target.rpartition(".")
@@ -108,7 +108,8 @@ def _assign_quantized(model: nn.Module, target: str, name: str, gguf: GGUFFile, 
         return False
     if info.shape != shape:
         return False
-    raw = torch.from_numpy(np.array(gguf.raw(name), dtype=np.uint8).reshape(*shape[:-1], -1)).to(device)
+    raw = keep_blocks(torch.from_numpy(np.array(gguf.raw(name), dtype=np.uint8).reshape(*shape[:-1], -1)),
+                      info.type_name, device)
     if isinstance(owner, MoE):
         owner.set_quantized(attr, raw, info.type_name)
     else:

@@ -186,6 +186,8 @@ def shard_linear(full: Linear, dim: int | None, idx: torch.Tensor | None) -> Lin
 
     Quantized weights are cut by whole GGUF blocks: a column slice must cover complete blocks.
     """
+    from hf2q.quant import is_planar, q6_k_from_planar, q6_k_to_planar
+
     if dim is None:
         return full
     n = int(idx.numel())
@@ -194,9 +196,12 @@ def shard_linear(full: Linear, dim: int | None, idx: torch.Tensor | None) -> Lin
         out.weight = nn.Parameter(full.weight.index_select(dim, idx.to(full.weight.device)), requires_grad=False)
         return out
     raw = full.qweight
-    if dim == 1:
+    if dim == 1 and is_planar(raw, full.qtype):  # planar Q6_K rows: cut ggml's blocks, then regroup the planes
+        cols = _block_bytes(idx, full.qtype).to(raw.device)
+        raw = q6_k_to_planar(q6_k_from_planar(raw, full.in_features).index_select(1, cols))
+    elif dim == 1:
         raw = raw.index_select(1, _block_bytes(idx, full.qtype).to(raw.device))
-    else:
+    else:  # rows stay rows in either layout
         raw = raw.index_select(0, idx.to(raw.device))
     out.set_quantized(raw.contiguous(), full.qtype)
     return out

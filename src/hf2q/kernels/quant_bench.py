@@ -16,7 +16,7 @@ import torch
 from hf2q.kernels import quant_dp4a_triton
 from hf2q.kernels.quant_ops import quant_linear
 from hf2q.kernels.timing import cold_copies, graph_time_us
-from hf2q.quant import random_blocks
+from hf2q.quant import keep_blocks, random_blocks
 
 H, I = 4096, 12288
 # (name, out, in, type, times per 9B model): 24 DeltaNet + 8 attention layers, 32 FFNs, the head.
@@ -49,7 +49,7 @@ def main(argv=None) -> None:
     for name, n, k, qtype, times in LAYER_SET:
         if args.only and name not in args.only:
             continue
-        raw = random_blocks(qtype, n, k, std=0.02, seed=n + k).cuda()
+        raw = keep_blocks(random_blocks(qtype, n, k, std=0.02, seed=n + k), qtype, "cuda")
         xs = {m: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in (1, 4, 16)}
         copies = cold_copies(raw)
         dec = {m: _us(lambda w, m=m: quant_linear(xs[m], w, qtype, n), copies) for m in xs}
@@ -60,7 +60,7 @@ def main(argv=None) -> None:
             pre = _us(lambda w: quant_linear(xp, w, qtype, n), [raw]) / 1e3
             bf = _us(lambda w: torch.nn.functional.linear(xp, w), [wd]) / 1e3
             del xp, wd
-        nbytes = raw.numel()
+        nbytes = raw.nbytes
         print(f"{name:12} {qtype:5} {f'{n}x{k}':>14} {nbytes / 1e6:7.1f} {dec[1]:8.1f} "
               f"{100 * nbytes / bandwidth / (dec[1] * 1e-6):5.0f} {dec[4]:8.1f} {dec[16]:8.1f} {pre:8.2f} {bf:8.2f}",
               flush=True)

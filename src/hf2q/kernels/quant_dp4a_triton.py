@@ -14,9 +14,11 @@ tolerances).
 BLOCK_M activation rows share each unpacked weight word (batched decode). With `experts`, every row
 m has its own expert's weight (MoE token-expert pairs) and BLOCK_M is 1.
 
-Layouts follow ggml's block structs byte for byte (see quant_triton.py). Q4_K and Q5_K blocks are
-multiples of 16 bytes and are read as int32 words; Q6_K, Q8_0 and Q4_0 blocks are only 2-byte aligned,
-so their words are joined from two 16-bit halves.
+Layouts follow ggml's block structs byte for byte (see quant_triton.py), except Q6_K. Q4_K and Q5_K
+blocks are multiples of 16 bytes and are read as int32 words; Q6_K's 210-byte blocks would be only
+2-byte aligned, so the GPU keeps them as planar rows (hf2q.quant.q6_k_to_planar) whose fields are read
+as aligned int32 words too; Q8_0 and Q4_0 blocks are only 2-byte aligned, so their words are joined
+from two 16-bit halves.
 """
 from __future__ import annotations
 
@@ -32,9 +34,9 @@ import triton.language as tl
 
 from hf2q.kernels import tune_cache
 from hf2q.kernels.quant_fields_triton import f16_bits
-from hf2q.kernels.quant_triton import QTYPE_ID
+from hf2q.kernels.quant_triton import QTYPE_ID, check_layout
 from hf2q.kernels.timing import cold_copies, graph_time_us
-from hf2q.quant import block_layout
+from hf2q.quant import block_layout, planar_row_words
 
 EMULATE = os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter runs no PTX: dp4a in plain integer ops
 NIBBLES = tl.constexpr(0x0F0F0F0F)
@@ -219,12 +221,14 @@ def _kquant_q45(w32, xq32, act, x_g16, m_ok, row_w, row_ok, u0, n_units, QTYPE: 
 
 
 @triton.jit
-def _q6k(w16, xq32, act, x_g16, m_ok, row_h, row_ok, u0, n_units, BM: tl.constexpr, BN: tl.constexpr,
+def _q6k(w32, xq32, act, x_g16, m_ok, row_q, row_ok, u0, n_units, BM: tl.constexpr, BN: tl.constexpr,
          SB: tl.constexpr, EMULATE: tl.constexpr):
-    """Q6_K blocks u0 .. u0+SB: W·x per (row, part) [BM, BN, SB·8]. Block: 128 bytes of low nibbles, 64 bytes
-    of 2-bit tops, 16 int8 scales (one per 16 values), f16 d. Value 128h + 32j + l has its low nibble in
-    byte 64h + 32(j % 2) + l, shifted by 4(j // 2), and its top bits in byte 128 + 32h + l, shifted by 2j.
-    Part q = (block, r = 2h + j % 2, half of l); the static loop walks j // 2. Values are stored + 32."""
+    """Q6_K blocks u0 .. u0+SB of planar rows (hf2q.quant.q6_k_to_planar; row_q: row offsets in 16-byte
+    units): W·x per (row, part) [BM, BN, SB·8]. A row of B blocks holds every block's 128 bytes of low
+    nibbles, then their 64 bytes of 2-bit tops, 16 int8 scales (one per 16 values) and f16 d, each plane
+    16-byte aligned. Value 128h + 32j + l of block u has its low nibble in ql byte 128u + 64h + 32(j % 2) + l,
+    shifted by 4(j // 2), and its top bits in qh byte 64u + 32h + l, shifted by 2j. Part q = (block,
+    r = 2h + j % 2, half of l); the static loop walks j // 2. Values are stored + 32."""
     q = tl.arange(0, SB * 8)
     u = u0 + q // 8
     r = (q // 2) % 4
@@ -233,11 +237,12 @@ def _q6k(w16, xq32, act, x_g16, m_ok, row_h, row_ok, u0, n_units, BM: tl.constex
     jlo = r % 2
     u_ok = u < n_units
     mask2 = row_ok[:, None] & u_ok[None, :]
-    blk = row_h[:, None] + (u * 105)[None, :]  # [BN, Q] offsets in 16-bit halves
+    row = row_q[:, None] * 4  # [BN, 1] word offsets (multiples of 4: 16-byte aligned)
     xmask = m_ok[:, None] & u_ok[None, :]
-    d = tl.load(w16 + blk + 104, mask=mask2, other=0).to(tl.float16, bitcast=True).to(tl.float32)[None, :, :]
-    ql_quad = _half_quads(w16, blk + (16 * r + 8 * hf)[None, :], mask2)  # read once for both j // 2
-    qh_quad = _half_quads(w16, blk + (64 + 16 * h + 8 * hf)[None, :], mask2)
+    d_word = tl.load(w32 + row + (52 * n_units + u // 2)[None, :], mask=mask2, other=0)
+    d = f16_bits(d_word >> (16 * (u % 2))[None, :])[None, :, :]
+    ql_quad = _quads(w32, row + (32 * u + 8 * r + 4 * hf)[None, :], mask2)  # read once for both j // 2
+    qh_quad = _quads(w32, row + (32 * n_units + 16 * u + 8 * h + 4 * hf)[None, :], mask2)
     part = tl.zeros((BM, BN, SB * 8), dtype=tl.float32)
     for jhi in tl.static_range(2):
         j = 2 * jhi + jlo  # [Q]
@@ -248,8 +253,9 @@ def _q6k(w16, xq32, act, x_g16, m_ok, row_h, row_ok, u0, n_units, BM: tl.constex
             vals = ((ql_quad[i] >> (4 * jhi)) & NIBBLES) | (((qh_quad[i] >> (2 * j)[None, :]) & 0x03030303) << 4)
             dot = _dp4a_acc(vals[None, :, :], x_quad[i][:, None, :], dot, False, EMULATE)
         dx, _, _, sq = _act(act, x_g16[:, None] + (16 * u + 8 * h + 2 * j + hf)[None, :], xmask)
-        sc_pair = tl.load(w16 + blk + (96 + 4 * h + j)[None, :], mask=mask2, other=0).to(tl.int32)
-        sc = ((sc_pair << (24 - 8 * hf)[None, :]) >> 24).to(tl.float32)[None, :, :]  # scale 8h + 2j + hf
+        # scale 8h + 2j + hf = byte 2(j % 2) + hf of scale word 2h + j // 2
+        sc_word = tl.load(w32 + row + (48 * n_units + 4 * u + 2 * h + jhi)[None, :], mask=mask2, other=0)
+        sc = ((sc_word << (24 - 8 * (2 * jlo + hf))[None, :]) >> 24).to(tl.float32)[None, :, :]
         part += sc * (dx * dot.to(tl.float32) - 32 * sq)
     return part * d
 
@@ -299,12 +305,12 @@ def _gemv_dp4a_kernel(xq_ptr, act_ptr, w16, w32, w16b, w32b, out_ptr, expert_ptr
                       BN: tl.constexpr, SB: tl.constexpr, STAGES: tl.constexpr, HAS_EXPERTS: tl.constexpr,
                       TWO: tl.constexpr, EMULATE: tl.constexpr):
     """out[m, n] = Σ_k x[m, k] · W[n, k] for BM activation rows and BN weight rows per program. Row
-    strides come in the unit the type's blocks are read in (words for Q4_K / Q5_K, else halves), so
-    that the compiler sees their alignment. Parts are summed elementwise; one reduction at the end.
-    STAGES > 1 lets the compiler copy the next steps' weights asynchronously while this one computes
-    (more bytes in flight per SM, paid for in registers and shared memory). TWO: output columns from
-    n_first on come from a second weight of the same type (an MoE's gate and up stacks in one launch;
-    n_first is a multiple of BN). Output row m multiplies activation row m // rows_per_x."""
+    strides come in the unit the type's blocks are read in (words for Q4_K / Q5_K, 16 bytes for planar
+    Q6_K, else halves), so that the compiler sees their alignment. Parts are summed elementwise; one
+    reduction at the end. STAGES > 1 lets the compiler copy the next steps' weights asynchronously while
+    this one computes (more bytes in flight per SM, paid for in registers and shared memory). TWO: output
+    columns from n_first on come from a second weight of the same type (an MoE's gate and up stacks in one
+    launch; n_first is a multiple of BN). Output row m multiplies activation row m // rows_per_x."""
     ms = tl.program_id(1) * BM + tl.arange(0, BM)
     m_ok = ms < M
     cols = tl.program_id(0) * BN + tl.arange(0, BN)  # axis 0: a vocabulary's rows outnumber axis 1's limit
@@ -326,7 +332,7 @@ def _gemv_dp4a_kernel(xq_ptr, act_ptr, w16, w32, w16b, w32b, out_ptr, expert_ptr
             acc += _kquant_q45(w32, xq_ptr, act_ptr, x_g16, m_ok, row_base, row_ok, u0, n_units, QTYPE, BM, BN, SB,
                                EMULATE)
         elif QTYPE == 4:
-            acc += _q6k(w16, xq_ptr, act_ptr, x_g16, m_ok, row_base, row_ok, u0, n_units, BM, BN, SB, EMULATE)
+            acc += _q6k(w32, xq_ptr, act_ptr, x_g16, m_ok, row_base, row_ok, u0, n_units, BM, BN, SB, EMULATE)
         else:
             acc += _q8_q4(w16, xq_ptr, act_ptr, x_g16, m_ok, row_base, row_ok, u0, n_units, QTYPE, BM, BN, SB,
                           EMULATE)
@@ -486,8 +492,12 @@ def _launch(xs, raw, qtype, n, experts, config, out_dtype=torch.float32, second=
     m = len(experts) if experts is not None else xq.shape[0] * rows_per_x
     block_elems, block_bytes = block_layout(qtype)
     n_units = k // block_elems
-    unit = 4 if qtype in ("Q4_K", "Q5_K") else 2  # bytes per addressing unit (see _gemv_dp4a_kernel)
-    row_units = n_units * block_bytes // unit
+    for w in (raw, second[0] if second else raw):
+        check_layout(w, qtype, k)
+    if qtype == "Q6_K":  # planar rows, in 16-byte units (see _gemv_dp4a_kernel)
+        row_units = planar_row_words(k) // 4
+    else:  # bytes per addressing unit: words for Q4_K / Q5_K, else halves
+        row_units = n_units * block_bytes // (4 if qtype in ("Q4_K", "Q5_K") else 2)
     block_n, sb, warps, stages = config
     bm = _block_m(m, experts)
     n_total = n + (second[1] if second else 0)
@@ -499,7 +509,8 @@ def _launch(xs, raw, qtype, n, experts, config, out_dtype=torch.float32, second=
     for w in (raw, second[0] if second else raw):
         flat = w.view(-1)
         w16 = flat.view(torch.int16)
-        views += [w16, flat.view(torch.int32) if qtype in ("Q4_K", "Q5_K") else w16]  # only those are 4-byte multiples
+        # Q4_K / Q5_K blocks and planar Q6_K rows are 4-byte multiples; the others are read in halves
+        views += [w16, flat.view(torch.int32) if qtype in ("Q4_K", "Q5_K", "Q6_K") else w16]
     _gemv_dp4a_kernel[(triton.cdiv(n_total, block_n), triton.cdiv(m, bm))](
         xq, act, *views, out, experts if experts is not None else views[0], m, n_total, n, row_units, n_units,
         n * row_units, k // 16, rows_per_x, out.stride(0), QTYPE=QTYPE_ID[qtype], BM=bm, BN=block_n, SB=sb,

@@ -9,12 +9,13 @@ without Triton's interpreter) the reference dequantizes with gguf and multiplies
 """
 from __future__ import annotations
 
+import math
 import os
 
 import torch
 import torch.nn.functional as F
 
-from hf2q.quant import dequantize_ref, row_bytes
+from hf2q.quant import dequantize_ref, is_planar, planar_row_words, row_bytes
 
 DECODE_ROWS = 16  # at most this many rows go through the streaming mat-vec kernel
 MOE_PAIRS = 1024  # token-expert pairs below which reading chosen experts beats dequantizing every expert
@@ -32,11 +33,16 @@ def _triton(x: torch.Tensor) -> bool:
 
 
 def check_raw(raw: torch.Tensor, qtype: str, shape: tuple[int, ...]) -> None:
-    """Fail loudly unless raw [..., rows, row_bytes] uint8 holds exactly `shape` values of `qtype`."""
-    want = (*shape[:-1], row_bytes(qtype, shape[-1]))
-    if raw.dtype != torch.uint8 or tuple(raw.shape) != want or not raw.is_contiguous():
-        raise ValueError(f"{qtype} weight of shape {tuple(shape)} needs contiguous uint8 {want}, "
+    """Fail loudly unless raw holds exactly `shape` values of `qtype` as a kept weight: uint8 [..., rows,
+    row_bytes] in ggml's order, or for Q6_K planar int32 rows (hf2q.quant.keep_blocks), which CUDA needs."""
+    planar = is_planar(raw, qtype)
+    dtype = torch.int32 if planar else torch.uint8
+    want = (*shape[:-1], planar_row_words(shape[-1]) if planar else row_bytes(qtype, shape[-1]))
+    if raw.dtype != dtype or tuple(raw.shape) != want or not raw.is_contiguous():
+        raise ValueError(f"{qtype} weight of shape {tuple(shape)} needs contiguous {dtype} {want}, "
                          f"got {raw.dtype} {tuple(raw.shape)}")
+    if qtype == "Q6_K" and raw.is_cuda and not planar:
+        raise ValueError("Q6_K blocks on CUDA are kept as planar rows: lay them out with hf2q.quant.keep_blocks")
 
 
 def scratch(slot: str, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -56,7 +62,7 @@ def dequantize(raw: torch.Tensor, qtype: str, shape: tuple[int, ...], dtype: tor
         return value if out is None else out.view(shape).copy_(value)
     from hf2q.kernels import quant_triton
 
-    rows, k = raw.numel() // row_bytes(qtype, shape[-1]), shape[-1]
+    rows, k = math.prod(shape[:-1]), shape[-1]
     out = torch.empty(shape, dtype=dtype, device=raw.device) if out is None else out.view(shape)
     quant_triton.dequantize(raw, qtype, rows, k, out)
     return out

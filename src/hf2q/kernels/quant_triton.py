@@ -2,8 +2,9 @@
 tensor cores). Decode rows (up to 16) go through quant_dp4a_triton.
 
 Every kernel walks a weight row in tiles of 256 values: one K-quant super-block, or eight 32-value
-Q8_0/Q4_0 blocks. Layouts follow ggml's block structs byte for byte; the f16 fields are read through
-a float16 view of the same bytes (every block size and field offset is even).
+Q8_0/Q4_0 blocks. Layouts follow ggml's block structs byte for byte (the f16 fields are read through
+a float16 view of the same bytes: every block size and field offset is even), except Q6_K, which the
+GPU keeps as planar rows read in 32-bit words (hf2q.quant.q6_k_to_planar says why).
 """
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from hf2q.kernels.quant_fields_triton import kquant_scale_min, u8
+from hf2q.kernels.quant_fields_triton import f16_bits, kquant_scale_min, u8
+from hf2q.quant import planar_row_words, row_bytes
 
 QTYPE_ID = {"Q8_0": 0, "Q4_0": 1, "Q4_K": 2, "Q5_K": 3, "Q6_K": 4}
 BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
@@ -19,8 +21,9 @@ TILE = 256
 
 
 @triton.jit
-def dequant_tile(w8, w16, row_base, row_ok, t, nblk, QTYPE: tl.constexpr):
-    """fp32 values [BLOCK_N, 256] of tile t of each row; row_base: int64 byte offset of each row."""
+def dequant_tile(w8, w16, w32, row_base, row_ok, t, nblk, QTYPE: tl.constexpr):
+    """fp32 values [BLOCK_N, 256] of tile t of each row; row_base: int64 offset of each row (bytes; Q6_K:
+    16-byte units)."""
     e = tl.arange(0, 256)
     if QTYPE == 0:  # Q8_0: f16 d, 32 x int8
         b = t * 8 + e // 32
@@ -51,40 +54,66 @@ def dequant_tile(w8, w16, row_base, row_ok, t, nblk, QTYPE: tl.constexpr):
         if QTYPE == 3:
             q += ((u8(w8, base + 16 + (e % 32)[None, :], mask) >> (e // 32)[None, :]) & 1) << 4
         return d * sc * q.to(tl.float32) - dmin * mn
-    else:  # Q6_K: 128 bytes low nibbles, 64 bytes high 2-bit pairs, 16 int8 scales, f16 d
+    else:  # Q6_K in planar rows (hf2q.quant.q6_k_to_planar; row_base in 16-byte units). Value
+        # 128h + 32j + l, l = 4w + b: low nibble in byte b of ql word 16h + 8(j % 2) + w of the block, shifted
+        # by 4(j // 2); top bits in byte b of qh word 8h + w, shifted by 2j; scale 8h + 2j + w // 4. So each
+        # (h, j, w) reads one ql, one qh and one scale word for its four values.
         mask = row_ok[:, None]
-        base = row_base[:, None] + t * 210
-        half, r = e // 128, e % 128
-        j, l = r // 32, r % 32
-        lo = (u8(w8, base + (64 * half + l + 32 * (j % 2))[None, :], mask) >> (4 * (j // 2))[None, :]) & 15
-        hi = (u8(w8, base + 128 + (32 * half + l)[None, :], mask) >> (2 * j)[None, :]) & 3
-        sc = tl.load(w8 + base + 192 + (e // 16)[None, :], mask=mask, other=0).to(tl.int8, bitcast=True)
-        d = tl.load(w16 + base // 2 + 104, mask=mask, other=0).to(tl.float32)
-        return d * sc.to(tl.float32) * ((lo | (hi << 4)) - 32).to(tl.float32)
+        row = row_base[:, None] * 4  # word offset of each row
+        v = tl.arange(0, 64)
+        h, j, w = v // 32, (v // 8) % 4, v % 8
+        ql = tl.load(w32 + row + (32 * t + 16 * h + 8 * (j % 2) + w)[None, :], mask=mask, other=0)
+        qh = tl.load(w32 + row + (32 * nblk + 16 * t + 8 * h + w)[None, :], mask=mask, other=0)
+        sw = tl.load(w32 + row + (48 * nblk + 4 * t + 2 * h + j // 2)[None, :], mask=mask, other=0)
+        dw = tl.load(w32 + row_base * 4 + 52 * nblk + t // 2, mask=row_ok, other=0)
+        d = f16_bits(dw >> (16 * (t % 2)))[:, None]
+        sc = (sw << (24 - 8 * (2 * (j % 2) + w // 4))[None, :]) >> 24  # signed byte
+        b = 8 * tl.arange(0, 4)[None, None, :]
+        lo = (ql[:, :, None] >> (b + (4 * (j // 2))[None, :, None])) & 15
+        hi = (qh[:, :, None] >> (b + (2 * j)[None, :, None])) & 3
+        q = (sc[:, :, None] * ((lo | (hi << 4)) - 32)).to(tl.float32)
+        return d * tl.reshape(q, (q.shape[0], 256))
 
 
 @triton.jit
-def _dequant_kernel(w8, w16, out_ptr, N, K, row_bytes, nblk, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
+def _dequant_kernel(w8, w16, w32, out_ptr, N, K, row_stride, nblk, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_n, t = tl.program_id(0), tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
-    w = dequant_tile(w8, w16, rows.to(tl.int64) * row_bytes, row_ok, t, nblk, QTYPE)
+    w = dequant_tile(w8, w16, w32, rows.to(tl.int64) * row_stride, row_ok, t, nblk, QTYPE)
     k = t * 256 + tl.arange(0, 256)
     ptrs = out_ptr + rows.to(tl.int64)[:, None] * K + k[None, :]
     tl.store(ptrs, w.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (k < K)[None, :])
 
 
 def _geometry(qtype: str, k: int) -> tuple[int, int, int]:
+    """(row stride in the kernel's unit: bytes, or 16-byte units for planar Q6_K; blocks a row; tiles)."""
     elems = 32 if qtype in ("Q8_0", "Q4_0") else 256
     nblk = k // elems
-    return nblk * BLOCK_BYTES[qtype], nblk, triton.cdiv(k, TILE)
+    stride = planar_row_words(k) // 4 if qtype == "Q6_K" else nblk * BLOCK_BYTES[qtype]
+    return stride, nblk, triton.cdiv(k, TILE)
+
+
+def check_layout(raw: torch.Tensor, qtype: str, k: int) -> None:
+    """Refuse blocks in the layout these kernels do not read: Q6_K as planar int32 rows
+    (hf2q.quant.keep_blocks), every other type as ggml's uint8 bytes, rows of k values."""
+    planar = qtype == "Q6_K"
+    want = (torch.int32, planar_row_words(k)) if planar else (torch.uint8, row_bytes(qtype, k))
+    if (raw.dtype, raw.shape[-1]) != want:
+        layout = "planar int32 rows (hf2q.quant.keep_blocks)" if planar else "ggml's uint8 bytes"
+        raise ValueError(f"the Triton {qtype} kernels read {layout} of {want[1]} a row of {k} values; "
+                         f"got {raw.dtype} {tuple(raw.shape)}")
 
 
 def dequantize(raw: torch.Tensor, qtype: str, rows: int, k: int, out: torch.Tensor) -> torch.Tensor:
-    """Write the values of quantized rows raw [rows, row_bytes] into out [rows, k] (any float dtype)."""
-    rb, nblk, n_tiles = _geometry(qtype, k)
+    """Write the values of quantized rows raw [rows, row_bytes] (Q6_K: planar int32 rows) into out [rows, k]
+    (any float dtype)."""
+    check_layout(raw, qtype, k)
+    stride, nblk, n_tiles = _geometry(qtype, k)
     flat = raw.view(-1)
+    w8, w16 = flat.view(torch.uint8), flat.view(torch.float16)
     block_n = 8
-    _dequant_kernel[(triton.cdiv(rows, block_n), n_tiles)](flat, flat.view(torch.float16), out, rows, k, rb, nblk,
-                                                           QTYPE=QTYPE_ID[qtype], BLOCK_N=block_n, num_warps=4)
+    _dequant_kernel[(triton.cdiv(rows, block_n), n_tiles)](w8, w16, flat if qtype == "Q6_K" else w16, out, rows, k,
+                                                           stride, nblk, QTYPE=QTYPE_ID[qtype], BLOCK_N=block_n,
+                                                           num_warps=4)
     return out
