@@ -72,6 +72,69 @@ def test_gemv_row_strided_input_and_3d(env):
     assert y3.shape == (1, 3, n) and rel(y3[0], ref) <= (1e-2 if real else 1e-5)
 
 
+# ---- the GEMV with the SwiGLU epilogue ----------------------------------------------------------------------
+def _swiglu_ref(x, gate_w, up_w):
+    """silu(x Wgᵀ) · (x Wuᵀ) in fp32 from the bf16 inputs."""
+    x = x.float().cpu()
+    return F.silu(x @ gate_w.float().cpu().T) * (x @ up_w.float().cpu().T)
+
+
+def _assert_bf16_rounding_of(y, want):
+    """The kernel rounds its fp32 result once to bf16: each value within one bf16 rounding of the fp32
+    reference (2⁻⁸ relative when rounding to nearest as the GPU does, 2⁻⁷ under the interpreter, whose
+    conversion truncates), plus 1e-5 · the largest value for fp32 summation-order differences."""
+    y, want = y.float().cpu(), want.float()
+    err = (y - want).abs()
+    bound = (2 ** -7 if INTERPRET else 2 ** -8) * want.abs() + 1e-5 * want.abs().max()
+    assert bool((err <= bound).all()), float((err - bound).max())
+
+
+def _glu_cases(real: bool):
+    """(n_first, I, K, config or None for the pack's table/default config)."""
+    if not real:  # I not a multiple of BLOCK_N, K not a multiple of BLOCK_K, one- and many-tile K loops
+        return [(0, 37, 100, None), (0, 37, 100, (8, 32, 4, 1)), (5, 19, 300, (4, 64, 2, 3)),
+                (3, 21, 64, (16, 64, 4, 1)), (9, 6, 520, (2, 128, 4, 2))]
+    return [(0, 6144, 2048, None), (257, 512, 2048, None), (0, 6144, 2048, (2, 512, 4, 3))]  # 2B mlp, 35B-A3B moe pack
+
+
+def test_gemv_glu_matches_swiglu_of_products(env):
+    """A pack [n_first rows of other projections; I gate rows; I up rows] at one row of x: the first n_first
+    outputs are the plain products, the rest silu(gate)·up from the unrounded fp32 products, rounded
+    once to bf16."""
+    from hf2q.kernels.gemv_triton import gemv_glu
+
+    dev, _, real = env
+    gen = torch.Generator().manual_seed(11)
+    for n_first, inter, k, cfg in _glu_cases(real):
+        w = randn(n_first + 2 * inter, k, dev=dev, dtype=torch.bfloat16, gen=gen, scale=0.05)
+        x = randn(1, k, dev=dev, dtype=torch.bfloat16, gen=gen)
+        y = gemv_glu(x, w, n_first, config=cfg)
+        assert y.shape == (1, n_first + inter) and y.dtype == torch.bfloat16
+        if n_first:
+            _assert_bf16_rounding_of(y[:, :n_first], x.float().cpu() @ w[:n_first].float().cpu().T)
+        _assert_bf16_rounding_of(y[:, n_first:], _swiglu_ref(x, w[n_first:n_first + inter], w[n_first + inter:]))
+
+
+def test_expert_gemv_glu_matches_swiglu_of_products(env):
+    """MoE pairs with gate and up as separate stacks [E, I, K]: pair p (token p // rows_per_x, expert
+    experts[p]) gets silu(x·gate_e)·(x·up_e); several experts, some picked twice, odd I and K."""
+    from hf2q.kernels.gemv_triton import expert_gemv
+
+    dev, _, real = env
+    gen = torch.Generator().manual_seed(12)
+    cases = [(16, 512, 2048, 2, 8, None)] if real else [(5, 37, 100, 3, 2, None), (5, 19, 300, 2, 3, (4, 64, 2, 3)),
+                                                         (4, 21, 64, 1, 4, (16, 64, 4, 1))]
+    for n_exp, inter, k, t, top_k, cfg in cases:
+        gate, up = (randn(n_exp, inter, k, dev=dev, dtype=torch.bfloat16, gen=gen, scale=0.05) for _ in range(2))
+        x = randn(t, k, dev=dev, dtype=torch.bfloat16, gen=gen)
+        experts = torch.randint(0, n_exp, (t * top_k,), generator=gen, dtype=torch.int32)
+        experts[-1] = experts[0]
+        y = expert_gemv(x, gate, experts.to(dev), top_k, second=up, config=cfg)
+        assert y.shape == (t * top_k, inter) and y.dtype == torch.bfloat16
+        want = torch.cat([_swiglu_ref(x[p // top_k][None], gate[e], up[e]) for p, e in enumerate(experts.tolist())])
+        _assert_bf16_rounding_of(y, want)
+
+
 # ---- DeltaNet decode with the causal conv folded in ----------------------------------------------------
 def _decode_inputs(dev, dtype, real: bool, nk: int, nv: int, seed: int):
     gen = torch.Generator().manual_seed(seed)
@@ -190,3 +253,59 @@ def test_dispatch_linear_and_model_logits_with_gemv():
         with dispatch.gemv_switch(4):
             got = net.logits(ids)
         assert got.dtype == torch.float32 and rel(got, ref) <= 2e-2
+
+
+@torch.inference_mode()
+def test_swiglu_epilogue_wiring_at_one_row(env, monkeypatch):
+    """On the fast path, a one-row gate+up product that the GEMV serves ends in its SwiGLU epilogue: the
+    dense MLP and the MoE layer (the shared expert's gate+up in the router's pack, the experts through
+    the pairs GEMV) match the exact path and the unfused one, with no separate SiLU-mul launch. Two rows,
+    a pack the table has cuBLAS faster for, and an int8-reading down projection keep product + silu_mul."""
+    from hf2q.bench_shapes import random_model, tiny_config
+    from hf2q.kernels import gemv_triton
+
+    dev = env[0]
+    calls = {}
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(gemv_triton, "gemv_glu", counted("glu", gemv_triton.gemv_glu))
+    monkeypatch.setattr(dispatch, "silu_mul", counted("silu_mul", dispatch.silu_mul))
+    if INTERPRET:  # 16 rows per program instead of 1: a sixteenth of the programs to interpret
+        one_row = gemv_triton.default_config
+        monkeypatch.setattr(gemv_triton, "default_config", lambda n, k, m: (16, *one_row(n, k, m)[1:]) if m == 1
+                            else one_row(n, k, m))
+
+    def fast_ffn(layer, h, gemv_rows):
+        calls.update(glu=0, silu_mul=0)
+        with dispatch.fast_path("force"), dispatch.gemv_switch(gemv_rows):
+            return layer._ffn(h, None), dict(calls)
+
+    gen = torch.Generator().manual_seed(6)
+    for moe in (False, True):
+        net = random_model(tiny_config(moe), device=dev, dtype=torch.bfloat16, std=0.08, seed=5)
+        layer, hidden = net.layers[0], net.config.hidden_size
+        for rows in (1, 2):
+            h = randn(rows, hidden, dev=dev, dtype=torch.bfloat16, gen=gen)
+            with dispatch.fast_path("off"), dispatch.gemv_switch(0):
+                exact = layer.ffn(h)
+            got, n = fast_ffn(layer, h, 1)
+            unfused, n0 = fast_ffn(layer, h, 0)  # every product by torch/cuBLAS: product, then silu_mul
+            assert rel(got, exact) <= 2e-2 and rel(got, unfused) <= 2e-2, (moe, rows)
+            assert n0 == {"glu": 0, "silu_mul": 1}
+            assert n == ({"glu": 1, "silu_mul": 0} if rows == 1 else {"glu": 0, "silu_mul": 1}), (moe, rows)
+        # The default: only packs the table has as faster go to the GEMV, and with it to the epilogue.
+        pack = (8 + 1 + 2 * 48) if moe else 2 * 96
+        for gemv_us, cublas_us, fused in ((1.0, 2.0, True), (2.0, 1.0, False)):
+            monkeypatch.setitem(gemv_triton.TABLE, (pack, hidden, 1), ((16, 64, 4, 1), gemv_us, cublas_us))
+            _, n = fast_ffn(layer, h[:1], "measured")
+            assert n == ({"glu": 1, "silu_mul": 0} if fused else {"glu": 0, "silu_mul": 1}), (moe, fused)
+    mlp = random_model(tiny_config(), device=dev, dtype=torch.bfloat16, std=0.08, seed=5).layers[0].ffn
+    calls.update(glu=0, silu_mul=0)
+    with dispatch.gemv_switch(1):  # the down projection reads int8 groups that only silu_mul writes
+        (act,) = dispatch.packed_swiglu(h[:1], (mlp.gate, mlp.up), quantize=True)
+    assert calls == {"glu": 0, "silu_mul": 1} and act.shape == (1, 96)

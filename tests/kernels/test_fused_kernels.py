@@ -169,11 +169,12 @@ def test_moe_expert_pairs_by_gemv(env):
     assert got.shape == (t * top_k, hidden) and rel(got, want) < tol
 
 
-@pytest.mark.parametrize("kernel", ["route", "combine", "expert_gemv", "norm_int8", "swiglu_int8", "gdn_columns",
-                                    "gdn_finish"])
+@pytest.mark.parametrize("kernel", ["route", "combine", "gemv", "gemv_glu", "gemv_glu_pipelined", "expert_gemv",
+                                    "norm_int8", "swiglu_int8", "gdn_columns", "gdn_finish"])
 def test_new_kernels_compile_for_hopper(kernel):
-    """The MoE kernels, the int8-writing norm and the two-launch DeltaNet decode step compile to sm_90 (the
-    interpreter never runs the compiler). Needs Triton's bundled ptxas, not a GPU."""
+    """The MoE kernels, the one-row GEMV (plain, with the SwiGLU epilogue, for MoE pairs), the int8-writing
+    norm and the two-launch DeltaNet decode step compile to sm_90 (the interpreter never runs the
+    compiler). Needs Triton's bundled ptxas, not a GPU."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("compiles natively")
     from triton.backends.compiler import GPUTarget
@@ -182,15 +183,20 @@ def test_new_kernels_compile_for_hopper(kernel):
     from hf2q.kernels import gdn_decode_triton, gemv_triton, moe_triton, norm_triton, swiglu_triton
 
     ptr, i32 = "*bf16", "i32"
+    gemv_sig = dict(x_ptr=ptr, w_ptr=ptr, w2_ptr=ptr, y_ptr=ptr, experts_ptr="*i32", N=i32, n_first=i32, K=i32,
+                    rows_per_x=i32, stride_xm=i32, stride_we=i32, stride_wn=i32, stride_ym=i32)
+    one_tile = dict(BLOCK_N=1, BLOCK_K=2048, K_TILES=1, STAGES=1, EVEN_K=True)
     fn, sig, const = {
         "route": (moe_triton._route_kernel, dict(logit_ptr=ptr, w_ptr=ptr, e_ptr="*i32", E=i32, stride=i32),
                   dict(TOPK=8, TOPK_P2=8, BLOCK_E=256)),
         "combine": (moe_triton._combine_kernel, dict(y_ptr=ptr, w_ptr=ptr, s_ptr=ptr, g_ptr=ptr, out_ptr=ptr, H=i32,
                                                      s_stride=i32, g_stride=i32), dict(TOPK=8, HAS_SHARED=True, BLOCK=2048)),
-        "expert_gemv": (gemv_triton._gemv_kernel,
-                        dict(x_ptr=ptr, w_ptr=ptr, w2_ptr=ptr, y_ptr=ptr, experts_ptr="*i32", N=i32, n_first=i32, K=i32,
-                             rows_per_x=i32, stride_xm=i32, stride_we=i32, stride_wn=i32, stride_ym=i32),
-                        dict(BLOCK_N=1, BLOCK_K=2048, K_TILES=1, STAGES=1, EVEN_K=True, HAS_EXPERTS=True, TWO=True)),
+        "gemv": (gemv_triton._gemv_kernel, gemv_sig, dict(one_tile, HAS_EXPERTS=False, GLU=False)),
+        "gemv_glu": (gemv_triton._gemv_kernel, gemv_sig, dict(one_tile, HAS_EXPERTS=False, GLU=True)),
+        "gemv_glu_pipelined": (gemv_triton._gemv_kernel, gemv_sig,
+                               dict(BLOCK_N=2, BLOCK_K=256, K_TILES=3, STAGES=3, EVEN_K=False, HAS_EXPERTS=False,
+                                    GLU=True)),
+        "expert_gemv": (gemv_triton._gemv_kernel, gemv_sig, dict(one_tile, HAS_EXPERTS=True, GLU=True)),
         "norm_int8": (norm_triton._add_rms_norm_kernel,
                       dict(x_ptr=ptr, r_ptr=ptr, w_ptr="*fp32", res_ptr=ptr, y_ptr=ptr, xq_ptr="*i8", act_ptr="*fp32",
                            N=i32, stride_x=i32, stride_r=i32, stride_res=i32, stride_y=i32, eps="fp32"),

@@ -58,17 +58,26 @@ def gemv_switch(rows):
         _GEMV["rows"] = old
 
 
+def _gemv_serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether x Wᵀ goes to the Triton GEMV: a few bf16 rows where Triton runs and the HF2Q_GEMV setting
+    sends them."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if not (1 <= rows <= 4 and _triton(x) and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
+            and x.stride(-1) == 1 and weight.stride(-1) == 1):
+        return False
+    from hf2q.kernels import gemv_triton
+    limit = _GEMV["rows"]
+    if limit == "measured":
+        return gemv_triton.measured_faster(weight.shape[0], x.shape[-1], rows)
+    return rows <= limit
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x Wᵀ for a dense weight [N, K], in out_dtype (default x's): the Triton GEMV for a few bf16 rows on
     CUDA where the HF2Q_GEMV setting sends them (one kernel, no split-K reduce), cuBLAS otherwise."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if (1 <= rows <= 4 and x.is_cuda and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
-            and x.stride(-1) == 1 and weight.stride(-1) == 1):
-        from hf2q.kernels import gemv_triton
-        limit = _GEMV["rows"]
-        if (limit == "measured" and gemv_triton.measured_faster(weight.shape[0], x.shape[-1], rows)) or (
-                limit != "measured" and rows <= limit):
-            return gemv_triton.gemv(x, weight, out_dtype)
+    if _gemv_serves(x, weight):
+        from hf2q.kernels.gemv_triton import gemv
+        return gemv(x, weight, out_dtype)
     y = F.linear(x, weight)
     return y if out_dtype is None else y.to(out_dtype)
 
@@ -82,6 +91,30 @@ def packed_linear(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
     gate, kept in float: one product instead of two)."""
     if any(lin.quantized for lin in linears):
         return _packed_by_type(x, linears)
+    out = linear(x, _pack(x, linears))
+    return torch.split(out, [lin.weight.shape[0] for lin in linears], dim=-1)
+
+
+def packed_swiglu(x: torch.Tensor, linears, quantize: bool = False) -> tuple[torch.Tensor, ...]:
+    """packed_linear of `linears` whose last two are a SwiGLU's gate and up -> the other projections'
+    outputs, then silu(gate) * up. Where the GEMV serves the pack at one row, the SwiGLU is its epilogue
+    (gemv_triton.gemv_glu): one launch, no activation launch after it. Elsewhere the pack's product and
+    silu_mul run as two steps; with quantize (the result feeds the int8 mat-vec) too, since silu_mul also
+    writes the int8 groups."""
+    gate, up = linears[-2], linears[-1]
+    if (not quantize and not any(lin.quantized for lin in linears) and x.numel() == x.shape[-1]
+            and gate.weight.shape == up.weight.shape):
+        packed = _pack(x, linears)
+        if _gemv_serves(x, packed):
+            from hf2q.kernels.gemv_triton import gemv_glu
+            sizes = [lin.weight.shape[0] for lin in linears[:-1]]
+            return torch.split(gemv_glu(x, packed, sum(sizes[:-1])), sizes, dim=-1)
+    *others, g, u = packed_linear(x, linears)
+    return (*others, silu_mul(g, u, quantize))
+
+
+def _pack(x: torch.Tensor, linears) -> torch.Tensor:
+    """The dense projections' weights concatenated (made on first use; each weight then a view of it)."""
     first = linears[0]
     packed = getattr(first, "_packed", None)
     if packed is None or packed.device != x.device or not _views_of(packed, [lin.weight for lin in linears]):
@@ -92,8 +125,7 @@ def packed_linear(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
             lin.weight = torch.nn.Parameter(packed[row:row + n], requires_grad=False)
             row += n
         first._packed = packed
-    out = linear(x, packed)
-    return torch.split(out, [lin.weight.shape[0] for lin in linears], dim=-1)
+    return packed
 
 
 def _views_of(packed: torch.Tensor, parts) -> bool:
@@ -315,15 +347,14 @@ MOE_GEMV_PAIRS = 32  # token-expert pairs up to which each pair's experts are re
 
 def moe_expert_pairs(x, experts, gate_exps, up_exps, down_exps):
     """Every token-expert pair's expert output [T·k, H] (pair p: token p // k, its (p % k)-th expert): a few
-    pairs through the expert GEMV (gate and up in one launch), many through grouped GEMMs where the device
+    pairs through the expert GEMV (gate, up and the SwiGLU in one launch), many through grouped GEMMs where the device
     has them, else a loop over the chosen experts."""
     if (_triton(x) and experts.numel() <= MOE_GEMV_PAIRS and x.stride(-1) == 1 and gate_exps.stride(-1) == 1
             and up_exps.stride() == gate_exps.stride() and down_exps.stride(-1) == 1):
         from hf2q.kernels.gemv_triton import expert_gemv
         flat = experts.reshape(-1).to(torch.int32)
-        inter = gate_exps.shape[1]
-        gu = expert_gemv(x, gate_exps, flat, experts.shape[1], second=up_exps)
-        return expert_gemv(silu_mul(gu[:, :inter], gu[:, inter:]), down_exps, flat)
+        h = expert_gemv(x, gate_exps, flat, experts.shape[1], second=up_exps)  # silu(gate)·up per pair
+        return expert_gemv(h, down_exps, flat)
     if x.is_cuda:
         from hf2q.kernels.moe_grouped import grouped_mm_available, moe_expert_pairs_grouped
         if grouped_mm_available(x):

@@ -9,6 +9,11 @@ measured twice as slow as cuBLAS. The configuration of an (N, K) comes from `TAB
 `python -m hf2q.kernels.gemv_bench`), else from `default_config`. STAGES > 1 software-pipelines the K
 loop (asynchronous copies into shared memory), which pays only when a program walks many K tiles. The
 K loop's trip count is a compile-time constant: one compilation per K of the model, a handful.
+
+At one row the SwiGLU after a gate+up product can run as the kernel's epilogue (GLU: `gemv_glu` for a
+dense pack, `expert_gemv` with two stacks for MoE pairs): each program multiplies BLOCK_N gate rows and
+the matching BLOCK_N up rows over the same x tiles and writes silu(gate)·up, so neither product is
+stored and no activation kernel is launched after it.
 """
 from __future__ import annotations
 
@@ -57,35 +62,10 @@ def _load(ptrs, k_ok, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, w2_ptr, y_ptr, experts_ptr, N, n_first, K, rows_per_x, stride_xm, stride_we, stride_wn,
-                 stride_ym, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, STAGES: tl.constexpr,
-                 EVEN_K: tl.constexpr, HAS_EXPERTS: tl.constexpr, TWO: tl.constexpr):
-    """One row of x: multiply-adds on the CUDA cores, one reduction over K per tile.
-
-    HAS_EXPERTS (MoE token-expert pairs): program column p multiplies x row p // rows_per_x by expert
-    experts[p] of a stacked weight [E, N, K] into output row p. TWO: output columns from n_first on come
-    from a second stack of the same shape (gate and up in one launch; n_first is a multiple of BLOCK_N)."""
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = cols
-    w = w_ptr
-    n_rows = N
-    if TWO:
-        n_rows = n_first
-        if tl.program_id(0) * BLOCK_N >= n_first:
-            w = w2_ptr
-            rows = cols - n_first
-    x_row = x_ptr
-    y_row = y_ptr
-    if HAS_EXPERTS:
-        p = tl.program_id(1)
-        w += tl.load(experts_ptr + p).to(tl.int64) * stride_we
-        x_row += (p // rows_per_x).to(tl.int64) * stride_xm
-        y_row += p.to(tl.int64) * stride_ym
+def _dot_rows(w_ptrs, x_ptrs, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
+              STAGES: tl.constexpr, EVEN_K: tl.constexpr):
+    """BLOCK_N rows of W times x, both as [BLOCK_N, BLOCK_K] pointer tiles at K offset 0 -> fp32 [BLOCK_N]."""
     ks = tl.arange(0, BLOCK_K)
-    # Rows past the weight's last re-read that row so W's loads need no row mask; only the stores are masked.
-    w_ptrs = w + tl.minimum(rows, n_rows - 1).to(tl.int64)[:, None] * stride_wn + ks[None, :]
-    # x is re-read in W's own layout (from L1): no shuffle of x through shared memory every tile.
-    x_ptrs = x_row + (rows * 0)[:, None] + ks[None, :]
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for t in tl.range(0, K_TILES, num_stages=STAGES):
         k_ok = (t * BLOCK_K + ks < K)[None, :]
@@ -93,7 +73,73 @@ def _gemv_kernel(x_ptr, w_ptr, w2_ptr, y_ptr, experts_ptr, N, n_first, K, rows_p
         acc += tl.sum(w_tile * _load(x_ptrs, k_ok, EVEN_K).to(tl.float32), 1)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    tl.store(y_row + cols, acc.to(y_ptr.dtype.element_ty), mask=cols < N)
+    return acc
+
+
+@triton.jit
+def _dot_row_pairs(g_ptrs, u_ptrs, x_ptrs, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
+                   STAGES: tl.constexpr, EVEN_K: tl.constexpr):
+    """_dot_rows of two weights' rows over the same x tiles (each x tile loaded once) -> (fp32, fp32)."""
+    ks = tl.arange(0, BLOCK_K)
+    acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for t in tl.range(0, K_TILES, num_stages=STAGES):
+        k_ok = (t * BLOCK_K + ks < K)[None, :]
+        x_tile = _load(x_ptrs, k_ok, EVEN_K).to(tl.float32)
+        acc_g += tl.sum(_load(g_ptrs, k_ok, EVEN_K).to(tl.float32) * x_tile, 1)
+        acc_u += tl.sum(_load(u_ptrs, k_ok, EVEN_K).to(tl.float32) * x_tile, 1)
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    return acc_g, acc_u
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, w2_ptr, y_ptr, experts_ptr, N, n_first, K, rows_per_x, stride_xm, stride_we, stride_wn,
+                 stride_ym, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, STAGES: tl.constexpr,
+                 EVEN_K: tl.constexpr, HAS_EXPERTS: tl.constexpr, GLU: tl.constexpr):
+    """One row of x: multiply-adds on the CUDA cores, one reduction over K per tile.
+
+    HAS_EXPERTS (MoE token-expert pairs): program column p multiplies x row p // rows_per_x by expert
+    experts[p] of stacked weights [E, rows, K] into output row p.
+    GLU (SwiGLU in the epilogue, so gate and up never reach memory and no activation kernel follows):
+    output columns n_first + j (j < N - n_first) are silu(g)·u with g from row n_first + j of w and u
+    from row j of w2; the first cdiv(n_first, BLOCK_N) programs write columns 0..n_first from the
+    first rows of w as usual (a pack's other projections)."""
+    x_row = x_ptr
+    y_row = y_ptr
+    w = w_ptr
+    w2 = w2_ptr
+    if HAS_EXPERTS:
+        p = tl.program_id(1)
+        expert = tl.load(experts_ptr + p).to(tl.int64) * stride_we
+        w += expert
+        w2 += expert
+        x_row += (p // rows_per_x).to(tl.int64) * stride_xm
+        y_row += p.to(tl.int64) * stride_ym
+    lanes = tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    # x is re-read in W's own layout (from L1): no shuffle of x through shared memory every tile.
+    x_ptrs = x_row + (lanes * 0)[:, None] + ks[None, :]
+    n_plain = N
+    glu_program = False
+    if GLU:
+        n_plain = n_first
+        glu_program = tl.program_id(0) >= tl.cdiv(n_first, BLOCK_N)
+    if glu_program:
+        j = (tl.program_id(0) - tl.cdiv(n_first, BLOCK_N)) * BLOCK_N + lanes
+        n_glu = N - n_first
+        j_ok = tl.minimum(j, n_glu - 1)  # as below: rows past the last re-read it, only the store is masked
+        g_ptrs = w + (n_first + j_ok).to(tl.int64)[:, None] * stride_wn + ks[None, :]
+        u_ptrs = w2 + j_ok.to(tl.int64)[:, None] * stride_wn + ks[None, :]
+        g, u = _dot_row_pairs(g_ptrs, u_ptrs, x_ptrs, K, BLOCK_N, BLOCK_K, K_TILES, STAGES, EVEN_K)
+        tl.store(y_row + n_first + j, (g * tl.sigmoid(g) * u).to(y_ptr.dtype.element_ty), mask=j < n_glu)
+    else:
+        cols = tl.program_id(0) * BLOCK_N + lanes
+        # Rows past the weight's last re-read that row so W's loads need no row mask; only the stores are masked.
+        w_ptrs = w + tl.minimum(cols, n_plain - 1).to(tl.int64)[:, None] * stride_wn + ks[None, :]
+        acc = _dot_rows(w_ptrs, x_ptrs, K, BLOCK_N, BLOCK_K, K_TILES, STAGES, EVEN_K)
+        tl.store(y_row + cols, acc.to(y_ptr.dtype.element_ty), mask=cols < n_plain)
 
 
 @triton.jit
@@ -142,6 +188,12 @@ def measured_faster(n: int, k: int, m: int) -> bool:
     return entry is not None and entry[1] < entry[2]
 
 
+def _meta(k: int, config: Config) -> dict:
+    block_n, block_k, num_warps, stages = config
+    return dict(BLOCK_N=block_n, BLOCK_K=block_k, K_TILES=triton.cdiv(k, block_k), STAGES=stages,
+                EVEN_K=k % block_k == 0, num_warps=num_warps)
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None,
          config: Config | None = None) -> torch.Tensor:
     """x [..., K] with 1..4 rows in all, weight [N, K] with contiguous rows -> x Wᵀ [..., N] in out_dtype
@@ -153,34 +205,49 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = 
     assert 1 <= m <= MAX_ROWS, f"gemv takes 1..{MAX_ROWS} rows, got {m}"
     assert weight.shape[1] == k and weight.stride(1) == 1 and x2.stride(1) == 1
     y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
-    block_n, block_k, num_warps, stages = config or pick_config(n, k, m)
-    meta = dict(BLOCK_N=block_n, BLOCK_K=block_k, K_TILES=triton.cdiv(k, block_k), STAGES=stages,
-                EVEN_K=k % block_k == 0, num_warps=num_warps)
-    grid = (triton.cdiv(n, block_n),)
+    meta = _meta(k, config or pick_config(n, k, m))
+    grid = (triton.cdiv(n, meta["BLOCK_N"]),)
     if m == 1:
         _gemv_kernel[grid](x2, weight, weight, y, weight, n, n, k, 1, 0, 0, weight.stride(0), 0, HAS_EXPERTS=False,
-                           TWO=False, **meta)
+                           GLU=False, **meta)
     else:
         _skinny_kernel[grid](x2, weight, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0), **meta)
     return y.view(*x.shape[:-1], n)
 
 
+def gemv_glu(x: torch.Tensor, weight: torch.Tensor, n_first: int = 0, config: Config | None = None) -> torch.Tensor:
+    """One row x [..., K] times a pack weight [n_first + 2I, K] (n_first rows of other projections, then
+    I gate rows, then I up rows) -> [..., n_first + I] in x's dtype: the first n_first products, then
+    silu(gate)·up computed in fp32 from unrounded products (the SwiGLU as the GEMV's epilogue). The
+    configuration is the whole pack's (table or default): a program covers BLOCK_N gate and BLOCK_N up rows."""
+    k = x.shape[-1]
+    rows = weight.shape[0]
+    inter = (rows - n_first) // 2
+    x2 = x.reshape(-1, k)
+    assert x2.shape[0] == 1 and inter > 0 and n_first + 2 * inter == rows
+    assert weight.shape[1] == k and weight.stride(1) == 1 and x2.stride(1) == 1
+    y = torch.empty(1, n_first + inter, dtype=x.dtype, device=x.device)
+    meta = _meta(k, config or pick_config(rows, k, 1))
+    grid = (triton.cdiv(n_first, meta["BLOCK_N"]) + triton.cdiv(inter, meta["BLOCK_N"]),)
+    _gemv_kernel[grid](x2, weight, weight[n_first + inter:], y, weight, n_first + inter, n_first, k, 1, 0, 0,
+                       weight.stride(0), 0, HAS_EXPERTS=False, GLU=True, **meta)
+    return y.view(*x.shape[:-1], n_first + inter)
+
+
 def expert_gemv(x: torch.Tensor, stack: torch.Tensor, experts: torch.Tensor, rows_per_x: int = 1,
                 second: torch.Tensor | None = None, config: Config | None = None) -> torch.Tensor:
     """MoE pairs: row p of the result is x[p // rows_per_x] times expert experts[p] of stack [E, N, K]
-    (with `second`, a stack of the same shape whose products fill columns N..2N) -> [P, N or 2N]."""
+    -> [P, N]. With `second` (the up stack, same shape; `stack` is the gate stack) row p is the pair's
+    SwiGLU silu(x·gate)·(x·up) instead, in one launch (a program covers BLOCK_N rows of each)."""
     _, n, k = stack.shape
     p = experts.numel()
     assert stack.stride(2) == 1 and x.stride(1) == 1 and x.shape[1] == k
     assert second is None or (second.shape == stack.shape and second.stride() == stack.stride())
-    n_total = n * (2 if second is not None else 1)
-    block_n, block_k, num_warps, stages = config or default_config(n, k, 1)
-    assert second is None or n % block_n == 0
-    y = torch.empty(p, n_total, dtype=x.dtype, device=x.device)
+    meta = _meta(k, config or default_config(n, k, 1))
+    y = torch.empty(p, n, dtype=x.dtype, device=x.device)
     if p:
-        _gemv_kernel[(triton.cdiv(n_total, block_n), p)](
-            x, stack, second if second is not None else stack, y, experts, n_total, n, k, rows_per_x, x.stride(0),
-            stack.stride(0), stack.stride(1), y.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
-            K_TILES=triton.cdiv(k, block_k), STAGES=stages, EVEN_K=k % block_k == 0, HAS_EXPERTS=True,
-            TWO=second is not None, num_warps=num_warps)
+        _gemv_kernel[(triton.cdiv(n, meta["BLOCK_N"]), p)](
+            x, stack, second if second is not None else stack, y, experts, n, 0 if second is not None else n, k,
+            rows_per_x, x.stride(0), stack.stride(0), stack.stride(1), y.stride(0), HAS_EXPERTS=True,
+            GLU=second is not None, **meta)
     return y

@@ -74,17 +74,23 @@ class DecoderLayer(nn.Module):
     def _ffn(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """MoE on the fast path: router, shared-expert gate and shared gate+up in one packed GEMM, routing
         and the combine in one kernel each, experts as grouped GEMMs or straight from their quantized
-        blocks (no per-expert loop, no host sync)."""
+        blocks (no per-expert loop, no host sync). The dense MLP's and the shared expert's SwiGLU follow
+        their gate+up product (dispatch.packed_swiglu: at one row the GEMV's epilogue)."""
         if isinstance(self.ffn, MoE) and dispatch.use_fast_path(h) and (self.ffn.quantized or not self.ffn.exps_qtype):
             return self._moe_fast(h)
         if isinstance(self.ffn, MLP) and dispatch.use_fast_path(h):
-            gate, up = dispatch.packed_linear(h, (self.ffn.gate, self.ffn.up))  # one GEMM
-            return self.ffn.down(dispatch.silu_mul(gate, up, reads_int8(gate, self.ffn.down.quantized)))
+            ffn = self.ffn
+            (act,) = dispatch.packed_swiglu(h, (ffn.gate, ffn.up), reads_int8(h, ffn.down.quantized))  # one GEMM
+            return ffn.down(act)
         return self.ffn(h)
 
     def _moe_fast(self, h: torch.Tensor) -> torch.Tensor:
         moe, shared = self.ffn, self.ffn.shared
-        outs = dispatch.packed_linear(h, (moe.router,) + ((moe.shared_gate, shared.gate, shared.up) if shared else ()))
+        if shared is None:
+            outs = dispatch.packed_linear(h, (moe.router,))
+        else:  # router, shared-expert gate and the shared expert's SwiGLU
+            outs = dispatch.packed_swiglu(h, (moe.router, moe.shared_gate, shared.gate, shared.up),
+                                          reads_int8(h, shared.down.quantized))
         weights, experts = dispatch.moe_route(outs[0], moe.top_k, h.dtype)
         if moe.quantized:
             pairs = moe.expert_pairs_quant(h, experts)
@@ -92,8 +98,7 @@ class DecoderLayer(nn.Module):
             pairs = dispatch.moe_expert_pairs(h, experts, moe.gate_exps, moe.up_exps, moe.down_exps)
         if shared is None:
             return dispatch.moe_combine(pairs, weights)
-        shared_out = shared.down(dispatch.silu_mul(outs[2], outs[3], reads_int8(outs[2], shared.down.quantized)))
-        return dispatch.moe_combine(pairs, weights, shared_out, outs[1])
+        return dispatch.moe_combine(pairs, weights, shared.down(outs[2]), outs[1])
 
 
 class Qwen35Model(nn.Module):
