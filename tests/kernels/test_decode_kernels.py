@@ -135,6 +135,119 @@ def test_expert_gemv_glu_matches_swiglu_of_products(env):
         _assert_bf16_rounding_of(y, want)
 
 
+# ---- the experts' down projections, the shared down and the combine in one launch ----------------------------
+def _down_combine_ref(h, down, experts, weights, shared_act=None, shared_down=None, shared_gate=None):
+    """Σ_k w · (W_e h_pair) (+ sigmoid(g) · (W_s h_s)) in fp32 from the bf16 inputs, on CPU."""
+    t, top_k = weights.shape
+    h, down, w = h.float().cpu(), down.float().cpu(), weights.float().cpu()
+    out = torch.stack([sum(w[i, j] * (down[e] @ h[i * top_k + j]) for j, e in enumerate(experts[i].tolist()))
+                       for i in range(t)])
+    if shared_act is not None:
+        gate = torch.sigmoid(shared_gate.float().cpu())
+        out = out + gate * (shared_act.float().cpu() @ shared_down.float().cpu().T)
+    return out
+
+
+def test_expert_down_combine_matches_fp32_sum(env):
+    """One launch for the MoE block's end: each pair's down projection weighted by its route weight, plus the
+    gated shared expert's down, summed in fp32 and rounded once. Tolerance: one bf16 rounding of the fp32
+    reference (_assert_bf16_rounding_of). Tokens 1..3, top-k > 1 with an expert picked twice by one token,
+    H (N) not a multiple of BLOCK_N, expert and shared widths (K) not multiples of BLOCK_K and unequal."""
+    from hf2q.kernels.gemv_triton import expert_down_combine
+
+    dev, _, real = env
+    gen = torch.Generator().manual_seed(13)
+    bf = dict(dev=dev, dtype=torch.bfloat16, gen=gen)
+    # (experts, H, I, I_shared, top_k, config or None for the default)
+    cases = ([(16, 2048, 512, 512, 8, None), (16, 2048, 512, 384, 8, (2, 256, 4, 2))] if real else
+             [(5, 37, 100, 70, 3, (8, 32, 4, 1)), (4, 21, 64, 48, 2, (16, 64, 4, 1)), (5, 19, 40, 40, 2, (32, 64, 4, 1)),
+              (3, 13, 300, 130, 2, (4, 64, 2, 3))])
+    for n_exp, hidden, inter, inter_s, top_k, cfg in cases:
+        down = randn(n_exp, hidden, inter, **bf, scale=0.05)
+        w_shared = randn(hidden, inter_s, **bf, scale=0.05)
+        for t in (1, 2, 3):
+            h = randn(t * top_k, inter, **bf)
+            experts = torch.stack([torch.randperm(n_exp, generator=gen)[:top_k] for _ in range(t)]).to(torch.int32)
+            experts[-1, -1] = experts[-1, 0]
+            weights = torch.softmax(torch.randn(t, top_k, generator=gen), -1).to(dev, torch.bfloat16)
+            packed = randn(t, 1 + inter_s + 5, **bf)  # gate logit and shared activations as row-strided views
+            gate, act = packed[:, :1], packed[:, 1:1 + inter_s]
+            experts = experts.to(dev)
+            y = expert_down_combine(h, down, experts, weights, config=cfg)
+            assert y.shape == (t, hidden) and y.dtype == torch.bfloat16
+            _assert_bf16_rounding_of(y, _down_combine_ref(h, down, experts, weights))
+            y = expert_down_combine(h, down, experts, weights, act, w_shared, gate, config=cfg)
+            _assert_bf16_rounding_of(y, _down_combine_ref(h, down, experts, weights, act, w_shared, gate))
+
+
+@torch.inference_mode()
+def test_moe_down_combine_wiring_at_one_token(env, monkeypatch):
+    """On the fast path a bf16 MoE layer at one token whose pairs go through the expert GEMV ends in one
+    expert_down_combine launch (no down GEMV, no shared down, no combine kernel) and matches the unfused
+    three launches (within 1e-2 relative: those round each pair's and the shared output to bf16 first) and
+    the exact path. The unfused path stays where the shared down is not a Triton GEMV, the experts are
+    quantized, or there are too many pairs for the GEMV."""
+    import dataclasses
+
+    from hf2q.bench_shapes import random_model, tiny_config
+    from hf2q.kernels import gemv_triton, moe_triton
+    from hf2q.quant import random_blocks
+
+    dev = env[0]
+    calls = {}
+
+    def counted(module, name):
+        fn = getattr(module, name)
+
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        monkeypatch.setattr(module, name, wrapper)
+
+    counted(gemv_triton, "expert_down_combine")
+    counted(gemv_triton, "expert_gemv")
+    counted(moe_triton, "combine")
+
+    def fast_ffn(layer, h, gemv_rows):
+        calls.update(expert_down_combine=0, expert_gemv=0, combine=0)
+        with dispatch.fast_path("force"), dispatch.gemv_switch(gemv_rows):
+            return layer._ffn(h, None), dict(calls)
+
+    fused = {"expert_down_combine": 1, "expert_gemv": 1, "combine": 0}  # expert_gemv: gate+up of the pairs
+    unfused = {"expert_down_combine": 0, "expert_gemv": 2, "combine": 1}
+    gen = torch.Generator().manual_seed(9)
+    cfg = tiny_config(True)
+    for shared in (True, False):
+        net = random_model(cfg if shared else dataclasses.replace(cfg, shared_expert_intermediate_size=0),
+                           device=dev, dtype=torch.bfloat16, std=0.08, seed=5)
+        layer = net.layers[0]
+        assert (layer.ffn.shared is not None) == shared
+        h = randn(1, cfg.hidden_size, dev=dev, dtype=torch.bfloat16, gen=gen)
+        with dispatch.fast_path("off"), dispatch.gemv_switch(0):
+            exact = layer.ffn(h)
+        got, n = fast_ffn(layer, h, 1)
+        assert n == fused, (shared, n)
+        assert rel(got, exact) <= 2e-2, shared
+        if shared:  # the shared down by torch/cuBLAS: the three launches
+            ref, n0 = fast_ffn(layer, h, 0)
+            assert n0 == unfused, n0
+            assert rel(got, ref) <= 1e-2
+        monkeypatch.setattr(dispatch, "MOE_GEMV_PAIRS", 1)  # 2 pairs: too many for the GEMV
+        many, n = fast_ffn(layer, h, 1)
+        monkeypatch.setattr(dispatch, "MOE_GEMV_PAIRS", 32)
+        assert n["expert_down_combine"] == 0 and n["combine"] == 1, n
+        assert rel(many, exact) <= 2e-2
+    moe = layer.ffn  # quantized experts (Q8_0 blocks, dequantized for the exact path): the int8 mat-vec
+    for i, name in enumerate(("gate_exps", "up_exps", "down_exps")):
+        e, rows, k = moe.stack_shape(name)
+        moe.set_quantized(name, random_blocks("Q8_0", e * rows, k, std=0.05, seed=i).view(e, rows, -1).to(dev), "Q8_0")
+    with dispatch.fast_path("off"):
+        exact = moe(h)
+    got, n = fast_ffn(layer, h, 1)
+    assert n == {"expert_down_combine": 0, "expert_gemv": 0, "combine": 1}, n
+    assert rel(got, exact) <= 3e-2
+
+
 # ---- DeltaNet decode with the causal conv folded in ----------------------------------------------------
 def _decode_inputs(dev, dtype, real: bool, nk: int, nv: int, seed: int):
     gen = torch.Generator().manual_seed(seed)

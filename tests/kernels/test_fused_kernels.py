@@ -170,11 +170,11 @@ def test_moe_expert_pairs_by_gemv(env):
 
 
 @pytest.mark.parametrize("kernel", ["route", "combine", "gemv", "gemv_glu", "gemv_glu_pipelined", "expert_gemv",
-                                    "norm_int8", "swiglu_int8", "gdn_columns", "gdn_finish"])
+                                    "down_combine", "down_combine_pipelined", "norm_int8", "swiglu_int8", "gdn_columns", "gdn_finish"])
 def test_new_kernels_compile_for_hopper(kernel):
-    """The MoE kernels, the one-row GEMV (plain, with the SwiGLU epilogue, for MoE pairs), the int8-writing
-    norm and the two-launch DeltaNet decode step compile to sm_90 (the interpreter never runs the
-    compiler). Needs Triton's bundled ptxas, not a GPU."""
+    """The MoE kernels, the one-row GEMV (plain, with the SwiGLU epilogue, for MoE pairs, for the pairs' down
+    projections with the combine), the int8-writing norm and the two-launch DeltaNet decode step compile to
+    sm_90 (the interpreter never runs the compiler). Needs Triton's bundled ptxas, not a GPU."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("compiles natively")
     from triton.backends.compiler import GPUTarget
@@ -185,6 +185,9 @@ def test_new_kernels_compile_for_hopper(kernel):
     ptr, i32 = "*bf16", "i32"
     gemv_sig = dict(x_ptr=ptr, w_ptr=ptr, w2_ptr=ptr, y_ptr=ptr, experts_ptr="*i32", N=i32, n_first=i32, K=i32,
                     rows_per_x=i32, stride_xm=i32, stride_we=i32, stride_wn=i32, stride_ym=i32)
+    down_sig = dict(h_ptr=ptr, w_ptr=ptr, experts_ptr="*i32", route_ptr=ptr, hs_ptr=ptr, ws_ptr=ptr, g_ptr=ptr,
+                    y_ptr=ptr, N=i32, K=i32, KS=i32, stride_hp=i32, stride_we=i32, stride_wn=i32, stride_hs=i32,
+                    stride_wsn=i32, stride_g=i32, stride_ym=i32)
     one_tile = dict(BLOCK_N=1, BLOCK_K=2048, K_TILES=1, STAGES=1, EVEN_K=True)
     fn, sig, const = {
         "route": (moe_triton._route_kernel, dict(logit_ptr=ptr, w_ptr=ptr, e_ptr="*i32", E=i32, stride=i32),
@@ -197,6 +200,11 @@ def test_new_kernels_compile_for_hopper(kernel):
                                dict(BLOCK_N=2, BLOCK_K=256, K_TILES=3, STAGES=3, EVEN_K=False, HAS_EXPERTS=False,
                                     GLU=True)),
         "expert_gemv": (gemv_triton._gemv_kernel, gemv_sig, dict(one_tile, HAS_EXPERTS=True, GLU=True)),
+        "down_combine": (gemv_triton._down_combine_kernel, down_sig,
+                         dict(one_tile, TOPK=8, KS_TILES=1, EVEN_KS=True, HAS_SHARED=True)),
+        "down_combine_pipelined": (gemv_triton._down_combine_kernel, down_sig,
+                                   dict(BLOCK_N=2, BLOCK_K=256, K_TILES=2, KS_TILES=3, STAGES=2, EVEN_K=True,
+                                        EVEN_KS=False, TOPK=8, HAS_SHARED=True)),
         "norm_int8": (norm_triton._add_rms_norm_kernel,
                       dict(x_ptr=ptr, r_ptr=ptr, w_ptr="*fp32", res_ptr=ptr, y_ptr=ptr, xq_ptr="*i8", act_ptr="*fp32",
                            N=i32, stride_x=i32, stride_r=i32, stride_res=i32, stride_y=i32, eps="fp32"),

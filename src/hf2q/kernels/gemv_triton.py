@@ -14,6 +14,10 @@ At one row the SwiGLU after a gate+up product can run as the kernel's epilogue (
 dense pack, `expert_gemv` with two stacks for MoE pairs): each program multiplies BLOCK_N gate rows and
 the matching BLOCK_N up rows over the same x tiles and writes silu(gate)·up, so neither product is
 stored and no activation kernel is launched after it.
+
+A MoE block's end at few pairs is one launch too (`expert_down_combine`): a program takes BLOCK_N output
+columns of one token and walks its k pairs' down rows (and the shared expert's), weighting each product
+in fp32, so neither the pair outputs nor the shared output are stored and no combine kernel follows.
 """
 from __future__ import annotations
 
@@ -143,6 +147,37 @@ def _gemv_kernel(x_ptr, w_ptr, w2_ptr, y_ptr, experts_ptr, N, n_first, K, rows_p
 
 
 @triton.jit
+def _down_combine_kernel(h_ptr, w_ptr, experts_ptr, route_ptr, hs_ptr, ws_ptr, g_ptr, y_ptr, N, K, KS, stride_hp,
+                         stride_we, stride_wn, stride_hs, stride_wsn, stride_g, stride_ym, TOPK: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
+                         KS_TILES: tl.constexpr, STAGES: tl.constexpr, EVEN_K: tl.constexpr, EVEN_KS: tl.constexpr,
+                         HAS_SHARED: tl.constexpr):
+    """Program (BLOCK_N output columns, token t): the MoE block's last step at once, in fp32,
+    Σ_j route[t, j] · (down_exps[experts[t, j]] · h[t·TOPK + j]) + sigmoid(g[t]) · (W_shared · hs[t]),
+    stored once. Neither the pair outputs nor the shared output reach memory, and no combine kernel follows."""
+    t = tl.program_id(1)
+    lanes = tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    cols = tl.program_id(0) * BLOCK_N + lanes
+    rows = tl.minimum(cols, N - 1).to(tl.int64)[:, None]  # rows past the last re-read it; only the store is masked
+    x_cols = (lanes * 0)[:, None] + ks[None, :]
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        p = t * TOPK + j
+        expert = tl.load(experts_ptr + p).to(tl.int64)
+        route = tl.load(route_ptr + p).to(tl.float32)
+        w_ptrs = w_ptr + expert * stride_we + rows * stride_wn + ks[None, :]
+        x_ptrs = h_ptr + p.to(tl.int64) * stride_hp + x_cols
+        acc += route * _dot_rows(w_ptrs, x_ptrs, K, BLOCK_N, BLOCK_K, K_TILES, STAGES, EVEN_K)
+    if HAS_SHARED:
+        gate = tl.sigmoid(tl.load(g_ptr + t.to(tl.int64) * stride_g).to(tl.float32))
+        w_ptrs = ws_ptr + rows * stride_wsn + ks[None, :]
+        x_ptrs = hs_ptr + t.to(tl.int64) * stride_hs + x_cols
+        acc += gate * _dot_rows(w_ptrs, x_ptrs, KS, BLOCK_N, BLOCK_K, KS_TILES, STAGES, EVEN_KS)
+    tl.store(y_ptr + t.to(tl.int64) * stride_ym + cols, acc.to(y_ptr.dtype.element_ty), mask=cols < N)
+
+
+@triton.jit
 def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, STAGES: tl.constexpr, EVEN_K: tl.constexpr):
     """2..16 rows of x: W tile [BLOCK_N, BLOCK_K] times xᵀ [BLOCK_K, 16] on the tensor cores, so each W
@@ -250,4 +285,37 @@ def expert_gemv(x: torch.Tensor, stack: torch.Tensor, experts: torch.Tensor, row
             x, stack, second if second is not None else stack, y, experts, n, 0 if second is not None else n, k,
             rows_per_x, x.stride(0), stack.stride(0), stack.stride(1), y.stride(0), HAS_EXPERTS=True,
             GLU=second is not None, **meta)
+    return y
+
+
+def expert_down_combine(h: torch.Tensor, down: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+                        shared_act: torch.Tensor | None = None, shared_down: torch.Tensor | None = None,
+                        shared_gate: torch.Tensor | None = None, config: Config | None = None) -> torch.Tensor:
+    """The MoE output [T, H] from the pairs' SwiGLU activations h [T·k, I] in one launch: Σ_k weights[t, k] ·
+    (down[experts[t, k]] · h[t·k + k]) (+ sigmoid(shared_gate[t]) · (shared_down · shared_act[t])), summed in
+    fp32 from unrounded products and rounded once to h's dtype (expert_gemv + the shared down + moe_triton.combine
+    round each product first). down [E, H, I]; experts and weights [T, k]; shared_act [T, I_s] and shared_gate
+    [T, 1] may be row-strided views; shared_down [H, I_s]. A program covers BLOCK_N outputs of one token."""
+    t, top_k = weights.shape
+    _, n, k = down.shape
+    has_shared = shared_act is not None
+    assert h.shape == (t * top_k, k) and h.stride(1) == 1 and down.stride(2) == 1 and experts.shape == (t, top_k)
+    ks = k
+    if has_shared:
+        ks = shared_act.shape[1]
+        assert shared_down.shape == (n, ks) and shared_down.stride(1) == 1 and shared_act.stride(1) == 1
+        assert shared_act.shape[0] == t and shared_gate.shape[0] == t
+    block_n, block_k, num_warps, stages = config or default_config(n, max(k, ks), 1)
+    flat = experts.reshape(-1).to(torch.int32)
+    route = weights.contiguous()
+    hs = shared_act if has_shared else h
+    ws = shared_down if has_shared else down
+    g = shared_gate if has_shared else h
+    y = torch.empty(t, n, dtype=h.dtype, device=h.device)
+    if t:
+        _down_combine_kernel[(triton.cdiv(n, block_n), t)](
+            h, down, flat, route, hs, ws, g, y, n, k, ks, h.stride(0), down.stride(0), down.stride(1), hs.stride(0),
+            ws.stride(0), g.stride(0), y.stride(0), TOPK=top_k, BLOCK_N=block_n, BLOCK_K=block_k,
+            K_TILES=triton.cdiv(k, block_k), KS_TILES=triton.cdiv(ks, block_k), STAGES=stages,
+            EVEN_K=k % block_k == 0, EVEN_KS=ks % block_k == 0, HAS_SHARED=has_shared, num_warps=num_warps)
     return y

@@ -92,6 +92,14 @@ class DecoderLayer(nn.Module):
             outs = dispatch.packed_swiglu(h, (moe.router, moe.shared_gate, shared.gate, shared.up),
                                           reads_int8(h, shared.down.quantized))
         weights, experts = dispatch.moe_route(outs[0], moe.top_k, h.dtype)
+        if (not moe.quantized and (shared is None or not shared.down.quantized)
+                and dispatch.moe_pairs_by_gemv(h, experts, moe.gate_exps, moe.up_exps, moe.down_exps)):
+            # Few pairs, dense shared down: the pairs' down projections, the shared down and the combine
+            # can be one launch.
+            act = dispatch.moe_pairs_swiglu(h, experts, moe.gate_exps, moe.up_exps)
+            if shared is None:
+                return dispatch.moe_down_combine(act, experts, weights, moe.down_exps)
+            return dispatch.moe_down_combine(act, experts, weights, moe.down_exps, outs[2], shared.down.weight, outs[1])
         if moe.quantized:
             pairs = moe.expert_pairs_quant(h, experts)
         else:
