@@ -305,7 +305,8 @@ def expert_down_combine(h: torch.Tensor, down: torch.Tensor, experts: torch.Tens
         ks = shared_act.shape[1]
         assert shared_down.shape == (n, ks) and shared_down.stride(1) == 1 and shared_act.stride(1) == 1
         assert shared_act.shape[0] == t and shared_gate.shape[0] == t
-    block_n, block_k, num_warps, stages = config or default_config(n, max(k, ks), 1)
+    meta = _meta(k, config or default_config(n, max(k, ks), 1))
+    block_k = meta["BLOCK_K"]
     flat = experts.reshape(-1).to(torch.int32)
     route = weights.contiguous()
     hs = shared_act if has_shared else h
@@ -313,9 +314,8 @@ def expert_down_combine(h: torch.Tensor, down: torch.Tensor, experts: torch.Tens
     g = shared_gate if has_shared else h
     y = torch.empty(t, n, dtype=h.dtype, device=h.device)
     if t:
-        _down_combine_kernel[(triton.cdiv(n, block_n), t)](
+        _down_combine_kernel[(triton.cdiv(n, meta["BLOCK_N"]), t)](
             h, down, flat, route, hs, ws, g, y, n, k, ks, h.stride(0), down.stride(0), down.stride(1), hs.stride(0),
-            ws.stride(0), g.stride(0), y.stride(0), TOPK=top_k, BLOCK_N=block_n, BLOCK_K=block_k,
-            K_TILES=triton.cdiv(k, block_k), KS_TILES=triton.cdiv(ks, block_k), STAGES=stages,
-            EVEN_K=k % block_k == 0, EVEN_KS=ks % block_k == 0, HAS_SHARED=has_shared, num_warps=num_warps)
+            ws.stride(0), g.stride(0), y.stride(0), TOPK=top_k, KS_TILES=triton.cdiv(ks, block_k),
+            EVEN_KS=ks % block_k == 0, HAS_SHARED=has_shared, **meta)
     return y
