@@ -5,6 +5,8 @@ the two Triton kernels too).
 Runs on CPU through Triton's interpreter (small odd sizes, fp32), and on a CUDA GPU at 2B/9B sizes in bf16."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -70,6 +72,25 @@ def test_gemv_row_strided_input_and_3d(env):
     assert rel(gemv(x, w), ref) <= (1e-2 if real else 1e-5)
     y3 = gemv(x.contiguous()[None], w)
     assert y3.shape == (1, 3, n) and rel(y3[0], ref) <= (1e-2 if real else 1e-5)
+
+
+# ---- wiring: which kernels a fast-path FFN step launches -----------------------------------------------------
+def _count_calls(monkeypatch, calls: dict, module, name: str, key: str | None = None) -> None:
+    """Count calls of module.name in calls[key or name] (the call still runs)."""
+    fn = getattr(module, name)
+    key = key or name
+
+    def wrapper(*args, **kwargs):
+        calls[key] += 1
+        return fn(*args, **kwargs)
+    monkeypatch.setattr(module, name, wrapper)
+
+
+def _fast_ffn(layer, h, gemv_rows, calls: dict):
+    """The layer's FFN on the forced fast path with HF2Q_GEMV=gemv_rows -> (output, the counted calls)."""
+    calls.update(dict.fromkeys(calls, 0))
+    with dispatch.fast_path("force"), dispatch.gemv_switch(gemv_rows):
+        return layer._ffn(h, None), dict(calls)
 
 
 # ---- the GEMV with the SwiGLU epilogue ----------------------------------------------------------------------
@@ -194,24 +215,11 @@ def test_moe_down_combine_wiring_at_one_token(env, monkeypatch):
     from hf2q.quant import random_blocks
 
     dev = env[0]
-    calls = {}
-
-    def counted(module, name):
-        fn = getattr(module, name)
-
-        def wrapper(*args, **kwargs):
-            calls[name] += 1
-            return fn(*args, **kwargs)
-        monkeypatch.setattr(module, name, wrapper)
-
-    counted(gemv_triton, "expert_down_combine")
-    counted(gemv_triton, "expert_gemv")
-    counted(moe_triton, "combine")
-
-    def fast_ffn(layer, h, gemv_rows):
-        calls.update(expert_down_combine=0, expert_gemv=0, combine=0)
-        with dispatch.fast_path("force"), dispatch.gemv_switch(gemv_rows):
-            return layer._ffn(h, None), dict(calls)
+    calls = dict(expert_down_combine=0, expert_gemv=0, combine=0)
+    _count_calls(monkeypatch, calls, gemv_triton, "expert_down_combine")
+    _count_calls(monkeypatch, calls, gemv_triton, "expert_gemv")
+    _count_calls(monkeypatch, calls, moe_triton, "combine")
+    fast_ffn = functools.partial(_fast_ffn, calls=calls)
 
     fused = {"expert_down_combine": 1, "expert_gemv": 1, "combine": 0}  # expert_gemv: gate+up of the pairs
     unfused = {"expert_down_combine": 0, "expert_gemv": 2, "combine": 1}
@@ -378,25 +386,14 @@ def test_swiglu_epilogue_wiring_at_one_row(env, monkeypatch):
     from hf2q.kernels import gemv_triton
 
     dev = env[0]
-    calls = {}
-
-    def counted(name, fn):
-        def wrapper(*args, **kwargs):
-            calls[name] += 1
-            return fn(*args, **kwargs)
-        return wrapper
-
-    monkeypatch.setattr(gemv_triton, "gemv_glu", counted("glu", gemv_triton.gemv_glu))
-    monkeypatch.setattr(dispatch, "silu_mul", counted("silu_mul", dispatch.silu_mul))
+    calls = dict(glu=0, silu_mul=0)
+    _count_calls(monkeypatch, calls, gemv_triton, "gemv_glu", "glu")
+    _count_calls(monkeypatch, calls, dispatch, "silu_mul")
+    fast_ffn = functools.partial(_fast_ffn, calls=calls)
     if INTERPRET:  # 16 rows per program instead of 1: a sixteenth of the programs to interpret
         one_row = gemv_triton.default_config
         monkeypatch.setattr(gemv_triton, "default_config", lambda n, k, m: (16, *one_row(n, k, m)[1:]) if m == 1
                             else one_row(n, k, m))
-
-    def fast_ffn(layer, h, gemv_rows):
-        calls.update(glu=0, silu_mul=0)
-        with dispatch.fast_path("force"), dispatch.gemv_switch(gemv_rows):
-            return layer._ffn(h, None), dict(calls)
 
     gen = torch.Generator().manual_seed(6)
     for moe in (False, True):
