@@ -135,7 +135,7 @@ def random_quant_model(cfg: ModelConfig, mix: str, tie: bool = False, device="cu
     for the 20 GB of a 35B-A3B Q4_K_M."""
     from hf2q.layers.rotary import RotaryEmbedding
     from hf2q.models.qwen35 import Qwen35Model
-    from hf2q.quant import keep_blocks, planar_on, planar_row_words, random_blocks, row_bytes
+    from hf2q.quant import keep_blocks, kept_row, planar_on, random_blocks
 
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -147,10 +147,8 @@ def random_quant_model(cfg: ModelConfig, mix: str, tie: bool = False, device="cu
     plan = quant_plan(net, mix)
     for m, stack, qtype in plan:  # meta blocks drop the dense weights before anything is allocated
         shape = m.stack_shape(stack) if stack else (m.out_features, m.in_features)
-        if planar_on(qtype, device):  # the layout keep_blocks gives these blocks on `device`
-            raw = torch.empty(*shape[:-1], planar_row_words(shape[-1]), dtype=torch.int32, device="meta")
-        else:
-            raw = torch.empty(*shape[:-1], row_bytes(qtype, shape[-1]), dtype=torch.uint8, device="meta")
+        dtype_kept, width = kept_row(qtype, shape[-1], planar_on(qtype, device))  # as keep_blocks lays them out
+        raw = torch.empty(*shape[:-1], width, dtype=dtype_kept, device="meta")
         if stack:
             m.set_quantized(stack, raw, qtype)
         else:

@@ -56,6 +56,13 @@ def planar_row_words(in_features: int) -> int:
     return -(-nbytes // 16) * 4
 
 
+def kept_row(qtype: str, in_features: int, planar: bool) -> tuple[torch.dtype, int]:
+    """(dtype, elements) of one kept row of `qtype`: planar Q6_K int32 words, else ggml's uint8 bytes."""
+    if planar:
+        return torch.int32, planar_row_words(in_features)
+    return torch.uint8, row_bytes(qtype, in_features)
+
+
 def is_planar(raw: torch.Tensor, qtype: str) -> bool:
     return qtype == "Q6_K" and raw.dtype == torch.int32
 

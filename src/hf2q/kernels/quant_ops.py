@@ -15,7 +15,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from hf2q.quant import dequantize_ref, is_planar, planar_row_words, row_bytes
+from hf2q.quant import dequantize_ref, is_planar, kept_row
 
 DECODE_ROWS = 16  # at most this many rows go through the streaming mat-vec kernel
 MOE_PAIRS = 1024  # token-expert pairs below which reading chosen experts beats dequantizing every expert
@@ -36,8 +36,8 @@ def check_raw(raw: torch.Tensor, qtype: str, shape: tuple[int, ...]) -> None:
     """Fail loudly unless raw holds exactly `shape` values of `qtype` as a kept weight: uint8 [..., rows,
     row_bytes] in ggml's order, or for Q6_K planar int32 rows (hf2q.quant.keep_blocks), which CUDA needs."""
     planar = is_planar(raw, qtype)
-    dtype = torch.int32 if planar else torch.uint8
-    want = (*shape[:-1], planar_row_words(shape[-1]) if planar else row_bytes(qtype, shape[-1]))
+    dtype, width = kept_row(qtype, shape[-1], planar)
+    want = (*shape[:-1], width)
     if raw.dtype != dtype or tuple(raw.shape) != want or not raw.is_contiguous():
         raise ValueError(f"{qtype} weight of shape {tuple(shape)} needs contiguous {dtype} {want}, "
                          f"got {raw.dtype} {tuple(raw.shape)}")

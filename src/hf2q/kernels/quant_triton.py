@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from hf2q.kernels.quant_fields_triton import f16_bits, kquant_scale_min, u8
-from hf2q.quant import planar_row_words, row_bytes
+from hf2q.quant import kept_row, planar_row_words
 
 QTYPE_ID = {"Q8_0": 0, "Q4_0": 1, "Q4_K": 2, "Q5_K": 3, "Q6_K": 4}
 BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
@@ -98,7 +98,7 @@ def check_layout(raw: torch.Tensor, qtype: str, k: int) -> None:
     """Refuse blocks in the layout these kernels do not read: Q6_K as planar int32 rows
     (hf2q.quant.keep_blocks), every other type as ggml's uint8 bytes, rows of k values."""
     planar = qtype == "Q6_K"
-    want = (torch.int32, planar_row_words(k)) if planar else (torch.uint8, row_bytes(qtype, k))
+    want = kept_row(qtype, k, planar)
     if (raw.dtype, raw.shape[-1]) != want:
         layout = "planar int32 rows (hf2q.quant.keep_blocks)" if planar else "ggml's uint8 bytes"
         raise ValueError(f"the Triton {qtype} kernels read {layout} of {want[1]} a row of {k} values; "
