@@ -38,6 +38,16 @@ def _gemv_cases(real: bool):
                                                         (8224, 2048, (64, 128, 4, 4)), (2048, 6144, (32, 256, 8, 3))]
 
 
+def test_gemv_bench_refuses_unknown_projection(capsys):
+    """`gemv_bench --only` names projections of the chosen shapes; a name none has is an error, not a
+    sweep that times nothing."""
+    from hf2q.kernels import gemv_bench
+
+    with pytest.raises(SystemExit) as exit_info:
+        gemv_bench.main(["--shape", "2b", "--only", "lm_head", "nope"])
+    assert exit_info.value.code == 2 and "nope" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
 def test_gemv_matches_linear(env, m):
     """Configs are (BLOCK_N, BLOCK_K, warps, stages): the one-row kernel takes any, the 2..4-row kernel

@@ -113,6 +113,9 @@ def main(argv=None) -> None:
     p.add_argument("--quick", action="store_true", help="a few configurations per shape")
     p.add_argument("--only", nargs="+", default=None, help="time just these projections (names as printed)")
     args = p.parse_args(argv)
+    known = {name for shape in args.shape for name, *_ in decode_projections(shape)}
+    if args.only and set(args.only) - known:
+        p.error(f"--only: no projection {sorted(set(args.only) - known)} in {args.shape}; known: {sorted(known)}")
     rows = (1, 2, MAX_ROWS)
     table: dict[tuple[int, int, int], str] = {}
     for shape in args.shape:
