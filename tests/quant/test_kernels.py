@@ -87,12 +87,15 @@ def test_quantize_rows():
     x[1, 32:64] = 0  # an all-zero group
     xq, act = (t.cpu() for t in quantize_rows(x.to(DEV)))
     q = xq.view(torch.int8).view(3, 6, 16).float()
-    dx, fix, sx, sq = act.unbind(-1)  # per 16 values
-    assert torch.equal(dx[:, 0::2], dx[:, 1::2])  # one scale per 32 values
+    dx, sq, fix, sx = act.unbind(-1)  # per 16 values; fix and sx of their 32-value group
+    for per_group in (dx, fix, sx):
+        assert torch.equal(per_group[:, 0::2], per_group[:, 1::2])
     assert float(q.abs().max()) == 127 and float(q[1, 2:4].abs().max()) == 0 and float(dx[1, 2]) == 0
     assert float((q * dx[..., None] - x.view(3, 6, 16)).abs().max()) <= float(dx.max()) / 2 * (1 + 1e-5)
-    assert torch.allclose(sx, x.view(3, 6, 16).sum(-1), atol=1e-5)
-    assert torch.allclose(sq, dx * q.sum(-1), atol=1e-5) and torch.allclose(fix, sx - sq, atol=1e-5)
+    assert torch.allclose(sq, dx * q.sum(-1), atol=1e-5)
+    group_sum = x.view(3, 3, 32).sum(-1)
+    assert torch.allclose(sx[:, 0::2], group_sum, atol=1e-5)
+    assert torch.allclose(fix[:, 0::2], group_sum - sq[:, 0::2] - sq[:, 1::2], atol=1e-5)
 
 
 @kernels
@@ -164,6 +167,19 @@ def test_gemv_every_candidate_config(qtype, config):
         x = int8_exact(torch.randn(m, 768, generator=torch.Generator().manual_seed(m)))
         got = gemv(x.to(DEV), raw, qtype, 9, config=config)
         assert rel(got, x.double() @ w.double().T) < 1e-5, m
+
+
+@kernels
+@pytest.mark.parametrize("qtype", QUANT_TYPES)
+def test_gemv_unmasked_when_the_tiles_divide(qtype):
+    """Rows, blocks a row and activation rows that are multiples of the tile: the launch drops every mask
+    (the kernel's EVEN path), and reads exactly the blocks there are."""
+    from hf2q.kernels.quant_dp4a_triton import gemv
+
+    raw, w = case(qtype, 8, 1024, seed=4)
+    x = int8_exact(torch.randn(1, 1024, generator=torch.Generator().manual_seed(4)))
+    got = gemv(x.to(DEV), raw, qtype, 8, config=(4, 2, 1, 1))
+    assert rel(got, x.double() @ w.double().T) < 1e-5
 
 
 @kernels

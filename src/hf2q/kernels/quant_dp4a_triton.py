@@ -40,35 +40,38 @@ from hf2q.quant import block_layout, planar_row_words
 
 EMULATE = os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter runs no PTX: dp4a in plain integer ops
 NIBBLES = tl.constexpr(0x0F0F0F0F)
+HIGH_NIBBLES = tl.constexpr(-0x0F0F0F10)  # 0xF0F0F0F0 as int32
 
 
 @triton.jit
 def int8_groups(x, GROUPS: tl.constexpr):
-    """x fp32 [GROUPS, 32] -> int8 values q (as fp32) with dx = max|x| / 127 per group [GROUPS, 1], and per
-    16-value half [GROUPS, 2]: Σx and dx·Σq."""
+    """x fp32 [GROUPS, 32] -> int8 values q (as fp32) with dx = max|x| / 127 per group [GROUPS, 1], dx·Σq
+    per 16-value half [GROUPS, 2], and per group Σx - dx·Σq and Σx [GROUPS, 1]."""
     amax = tl.max(tl.abs(x), axis=1)
     inv = tl.where(amax > 0, 127.0 / amax, 0.0)
     v = x * inv[:, None]
     q = tl.minimum(tl.maximum(tl.where(v >= 0, tl.floor(v + 0.5), -tl.floor(0.5 - v)), -127.0), 127.0)
     dx = (amax / 127.0)[:, None]
     sq = dx * tl.sum(tl.reshape(q, (GROUPS, 2, 16)), axis=2)
-    sx = tl.sum(tl.reshape(x, (GROUPS, 2, 16)), axis=2)
-    return q, dx, sx, sq
+    sx = tl.sum(x, axis=1)[:, None]
+    fix = sx - tl.sum(sq, axis=1)[:, None]
+    return q, dx, sq, fix, sx
 
 
 @triton.jit
-def store_int8_groups(xq_ptr, act_ptr, row, g, ok, q, dx, sx, sq, GROUPS: tl.constexpr):
+def store_int8_groups(xq_ptr, act_ptr, row, g, ok, q, dx, sq, fix, sx, GROUPS: tl.constexpr):
     """Write int8_groups' results for groups g [GROUPS] of activation row `row` (n_groups groups a row
-    apart: row is the row's first group index)."""
+    apart: row is the row's first group index): the int8 values, and per 16-value half the quad
+    (dx, dx·Σxq of the half, Σx - dx·Σxq of the group, Σx of the group)."""
     l = tl.arange(0, 32)
     tl.store(xq_ptr + (row + g[:, None]) * 32 + l[None, :], q.to(tl.int8), mask=ok[:, None])
     h = tl.arange(0, 2)
     base = act_ptr + (2 * (row + g[:, None]) + h[None, :]) * 4
     hok = ok[:, None] & (h < 2)[None, :]
     tl.store(base, tl.broadcast_to(dx, (GROUPS, 2)), mask=hok)
-    tl.store(base + 1, sx - sq, mask=hok)
-    tl.store(base + 2, sx, mask=hok)
-    tl.store(base + 3, sq, mask=hok)
+    tl.store(base + 1, sq, mask=hok)
+    tl.store(base + 2, tl.broadcast_to(fix, (GROUPS, 2)), mask=hok)
+    tl.store(base + 3, tl.broadcast_to(sx, (GROUPS, 2)), mask=hok)
 
 
 @triton.jit
@@ -77,21 +80,30 @@ def quantize_and_store(xq_ptr, act_ptr, y, row, first, n_groups, BLOCK: tl.const
     n_groups groups): write their int8 groups as quantize_rows would (groups past n_groups skipped)."""
     G: tl.constexpr = BLOCK // 32
     g = first + tl.arange(0, G)
-    q, dx, sx, sq = int8_groups(tl.reshape(y.to(tl.float32), (G, 32)), G)
-    store_int8_groups(xq_ptr, act_ptr, row * n_groups, g, g < n_groups, q, dx, sx, sq, G)
+    q, dx, sq, fix, sx = int8_groups(tl.reshape(y.to(tl.float32), (G, 32)), G)
+    store_int8_groups(xq_ptr, act_ptr, row * n_groups, g, g < n_groups, q, dx, sq, fix, sx, G)
 
 
 @triton.jit
 def _quantize_kernel(x_ptr, xq_ptr, act_ptr, n_groups, x_stride, GROUPS: tl.constexpr):
     """Row m, 32-value groups g: xq = round(x / dx) in int8 with dx = max|x| / 127, and per 16-value half
-    h the four floats (dx, Σx - dx·Σxq, Σx, dx·Σxq) that the mat-vec's offset and min terms need."""
+    the four floats (store_int8_groups) that the mat-vec's offset and min terms need."""
     m = tl.program_id(0)
     g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     l = tl.arange(0, 32)
     ok = g < n_groups
     x = tl.load(x_ptr + m * x_stride + g[:, None] * 32 + l[None, :], mask=ok[:, None], other=0).to(tl.float32)
-    q, dx, sx, sq = int8_groups(x, GROUPS)
-    store_int8_groups(xq_ptr, act_ptr, m.to(tl.int64) * n_groups, g, ok, q, dx, sx, sq, GROUPS)
+    q, dx, sq, fix, sx = int8_groups(x, GROUPS)
+    store_int8_groups(xq_ptr, act_ptr, m.to(tl.int64) * n_groups, g, ok, q, dx, sq, fix, sx, GROUPS)
+
+
+@triton.jit
+def _below(i, n, ALWAYS: tl.constexpr):
+    """i < n, known true at compile time when ALWAYS (the launch's sizes are multiples of the tiles): masks
+    that fold away leave plain loads, without the predicates and zeroed registers of masked ones."""
+    if ALWAYS:
+        return i == i
+    return i < n
 
 
 @triton.jit
@@ -151,59 +163,57 @@ def _quads(ptr, off, mask):
 
 @triton.jit
 def _act(act, g16, mask):
-    """(dx, Σx - dx·Σxq, Σx, dx·Σxq) of 16-value groups g16 [BM, Q], each [BM, 1, Q]."""
-    dx, fix, sx, sq = _quads(act, g16 * 4, mask)
-    return dx[:, None, :], fix[:, None, :], sx[:, None, :], sq[:, None, :]
+    """(dx, dx·Σxq of the half, Σx - dx·Σxq of the 32-value group, Σx of the group) of 16-value halves
+    g16 [BM, Q], each [BM, 1, Q]."""
+    dx, sq, fix, sx = _quads(act, g16 * 4, mask)
+    return dx[:, None, :], sq[:, None, :], fix[:, None, :], sx[:, None, :]
 
 
 @triton.jit
 def _kquant_q45(w32, xq32, act, x_g16, m_ok, row_w, row_ok, u0, n_units, QTYPE: tl.constexpr, BM: tl.constexpr,
-                BN: tl.constexpr, SB: tl.constexpr, EMULATE: tl.constexpr):
-    """Q4_K / Q5_K blocks u0 .. u0+SB: W·x per (row, part) [BM, BN, SB·8], summed by the caller. Part
-    q = (block, 64-value chunk c, half): its 4 quant words hold 16 values of sub-block 2c in their low
-    nibbles and the same 16 of sub-block 2c + 1 in their high nibbles."""
+                BN: tl.constexpr, SB: tl.constexpr, EVEN: tl.constexpr, EMULATE: tl.constexpr):
+    """Q4_K / Q5_K blocks u0 .. u0+SB: W·x per (row, part) [BM, BN, SB·4], summed by the caller. Part
+    q = (block, 64-value chunk c): its 8 quant words hold sub-block 2c in their low nibbles and sub-block
+    2c + 1 in their high nibbles, so each sub-block's scale, min and activation sums are read and applied
+    once per 32 values."""
     BW: tl.constexpr = 36 if QTYPE == 2 else 44  # block size in words
     QS: tl.constexpr = 4 if QTYPE == 2 else 12  # first quant word
     OFF: tl.constexpr = 8 if QTYPE == 2 else 16  # middle of the value range
-    q = tl.arange(0, SB * 8)
-    u = u0 + q // 8
-    c = (q // 2) % 4
-    hf = q % 2
-    u_ok = u < n_units
+    q = tl.arange(0, SB * 4)
+    u = u0 + q // 4
+    c = q % 4
+    u_ok = _below(u, n_units, EVEN)
     mask2 = row_ok[:, None] & u_ok[None, :]
     blk = row_w[:, None] + (u * BW)[None, :]  # [BN, Q] word offsets
     xmask = m_ok[:, None] & u_ok[None, :]
-    xw = x_g16[:, None] * 4 + (u * 64 + 16 * c + 4 * hf)[None, :]  # [BM, Q] first activation word (low part)
-    qw = blk + (QS + 8 * c + 4 * hf)[None, :]
-    acc_lo = tl.zeros((BM, BN, SB * 8), dtype=tl.int32)
-    acc_hi = tl.zeros((BM, BN, SB * 8), dtype=tl.int32)
-    w_quad = _quads(w32, qw, mask2)
-    xlo_quad = _quads(xq32, xw, xmask)
-    xhi_quad = _quads(xq32, xw + 8, xmask)
-    if QTYPE == 3:
-        qh_quad = _quads(w32, blk + (4 + 4 * hf)[None, :], mask2)
-    for i in tl.static_range(4):
-        words = w_quad[i]
-        lo = words & NIBBLES
-        hi = (words >> 4) & NIBBLES
-        if QTYPE == 3:  # fifth bits: bit 2c (low) and 2c + 1 (high) of the matching qh byte
-            qh = qh_quad[i]
-            lo |= ((qh >> (2 * c)[None, :]) & 0x01010101) << 4
-            hi |= ((qh >> (2 * c + 1)[None, :]) & 0x01010101) << 4
-        x_lo = xlo_quad[i][:, None, :]
-        x_hi = xhi_quad[i][:, None, :]
-        acc_lo = _dp4a_acc(lo[None, :, :], x_lo, acc_lo, False, EMULATE)
-        acc_hi = _dp4a_acc(hi[None, :, :], x_hi, acc_hi, False, EMULATE)
-    dot_lo = acc_lo.to(tl.float32)
-    dot_hi = acc_hi.to(tl.float32)
-    g16 = x_g16[:, None] + (16 * u + 4 * c + hf)[None, :]
-    dx0, fix0, sx0, _ = _act(act, g16, xmask)
-    dx1, fix1, sx1, _ = _act(act, g16 + 2, xmask)
+    xw = x_g16[:, None] * 4 + (u * 64 + 16 * c)[None, :]  # [BM, Q] first activation word of sub-block 2c
+    qw = blk + (QS + 8 * c)[None, :]
+    acc_lo = tl.zeros((BM, BN, SB * 4), dtype=tl.int32)
+    acc_hi = tl.zeros((BM, BN, SB * 4), dtype=tl.int32)
+    for half in tl.static_range(2):
+        w_quad = _quads(w32, qw + 4 * half, mask2)
+        xlo_quad = _quads(xq32, xw + 4 * half, xmask)
+        xhi_quad = _quads(xq32, xw + 8 + 4 * half, xmask)
+        if QTYPE == 3:
+            qh_quad = _quads(w32, blk + 4 + 4 * half, mask2)
+        for i in tl.static_range(4):
+            words = w_quad[i]
+            lo = words & NIBBLES
+            if QTYPE == 2:  # high nibbles left in place: bytes 16·q, the sum scaled by 1/16 below
+                hi = words & HIGH_NIBBLES
+            else:  # fifth bits: bit 2c (low) and 2c + 1 (high) of the matching qh byte
+                hi = (words >> 4) & NIBBLES
+                qh = qh_quad[i] >> (2 * c)[None, :]
+                lo |= (qh & 0x01010101) << 4
+                hi |= (qh & 0x02020202) << 3
+            acc_lo = _dp4a_acc(lo[None, :, :], xlo_quad[i][:, None, :], acc_lo, False, EMULATE)
+            acc_hi = _dp4a_acc(hi[None, :, :], xhi_quad[i][:, None, :], acc_hi, False, EMULATE)
+    g16 = x_g16[:, None] + (16 * u + 4 * c)[None, :]
     head, wa, wb, wh = _quads(w32, blk, mask2)  # d | dmin, then scale bytes 0-3, 4-7, 8-11
     d = f16_bits(head)[None, :, :]
     dmin = f16_bits(head >> 16)[None, :, :]
     low = (c < 2)[None, :]
-    part = tl.zeros(dot_lo.shape, dtype=tl.float32)
+    part = tl.zeros(acc_lo.shape, dtype=tl.float32)
     for nib in tl.static_range(2):  # sub-block s = 2c + nib; ggml's get_scale_min_k4 with i = s % 4
         shift = (8 * ((2 * c + nib) % 4))[None, :]
         a = (wa >> shift) & 255
@@ -211,18 +221,22 @@ def _kquant_q45(w32, xq32, act, x_g16, m_ok, row_w, row_ok, u0, n_units, QTYPE: 
         h = (wh >> shift) & 255
         sc = tl.where(low, a & 63, (h & 15) | ((a >> 6) << 4)).to(tl.float32)[None, :, :]
         mn = tl.where(low, b & 63, (h >> 4) | ((b >> 6) << 4)).to(tl.float32)[None, :, :]
-        # Σ q·x = dx·Σ (q - OFF)·xq + OFF·Σ x = dx·Σ q·xq + OFF·(Σx - dx·Σxq): centring the values halves
-        # the part the int8 rounding touches, and Σx is exact.
+        dx, _, fix, sx = _act(act, g16 + 2 * nib, xmask)  # the sub-block is one 32-value activation group
         if nib == 0:
-            part += d * sc * (dx0 * dot_lo + OFF * fix0) - dmin * mn * sx0
+            dot = acc_lo.to(tl.float32)
+        elif QTYPE == 2:
+            dot = acc_hi.to(tl.float32) * 0.0625
         else:
-            part += d * sc * (dx1 * dot_hi + OFF * fix1) - dmin * mn * sx1
+            dot = acc_hi.to(tl.float32)
+        # Σ q·x = dx·Σ (q - OFF)·xq + OFF·(Σx - dx·Σxq): centring the values halves the part the int8
+        # rounding touches, and Σx is exact.
+        part += d * sc * (dx * dot + OFF * fix) - dmin * mn * sx
     return part
 
 
 @triton.jit
 def _q6k(w32, xq32, act, x_g16, m_ok, row_q, row_ok, u0, n_units, BM: tl.constexpr, BN: tl.constexpr,
-         SB: tl.constexpr, EMULATE: tl.constexpr):
+         SB: tl.constexpr, EVEN: tl.constexpr, EMULATE: tl.constexpr):
     """Q6_K blocks u0 .. u0+SB of planar rows (hf2q.quant.q6_k_to_planar; row_q: row offsets in 16-byte
     units): W·x per (row, part) [BM, BN, SB·8]. A row of B blocks holds every block's 128 bytes of low
     nibbles, then their 64 bytes of 2-bit tops, 16 int8 scales (one per 16 values) and f16 d, each plane
@@ -235,7 +249,7 @@ def _q6k(w32, xq32, act, x_g16, m_ok, row_q, row_ok, u0, n_units, BM: tl.constex
     hf = q % 2
     h = r // 2
     jlo = r % 2
-    u_ok = u < n_units
+    u_ok = _below(u, n_units, EVEN)
     mask2 = row_ok[:, None] & u_ok[None, :]
     row = row_q[:, None] * 4  # [BN, 1] word offsets (multiples of 4: 16-byte aligned)
     xmask = m_ok[:, None] & u_ok[None, :]
@@ -252,7 +266,7 @@ def _q6k(w32, xq32, act, x_g16, m_ok, row_q, row_ok, u0, n_units, BM: tl.constex
         for i in tl.static_range(4):
             vals = ((ql_quad[i] >> (4 * jhi)) & NIBBLES) | (((qh_quad[i] >> (2 * j)[None, :]) & 0x03030303) << 4)
             dot = _dp4a_acc(vals[None, :, :], x_quad[i][:, None, :], dot, False, EMULATE)
-        dx, _, _, sq = _act(act, x_g16[:, None] + (16 * u + 8 * h + 2 * j + hf)[None, :], xmask)
+        dx, sq, _, _ = _act(act, x_g16[:, None] + (16 * u + 8 * h + 2 * j + hf)[None, :], xmask)
         # scale 8h + 2j + hf = byte 2(j % 2) + hf of scale word 2h + j // 2
         sc_word = tl.load(w32 + row + (48 * n_units + 4 * u + 2 * h + jhi)[None, :], mask=mask2, other=0)
         sc = ((sc_word << (24 - 8 * (2 * jlo + hf))[None, :]) >> 24).to(tl.float32)[None, :, :]
@@ -262,7 +276,7 @@ def _q6k(w32, xq32, act, x_g16, m_ok, row_q, row_ok, u0, n_units, BM: tl.constex
 
 @triton.jit
 def _q8_q4(w16, xq32, act, x_g16, m_ok, row_h, row_ok, u0, n_units, QTYPE: tl.constexpr, BM: tl.constexpr,
-           BN: tl.constexpr, SB: tl.constexpr, EMULATE: tl.constexpr):
+           BN: tl.constexpr, SB: tl.constexpr, EVEN: tl.constexpr, EMULATE: tl.constexpr):
     """32-value blocks u0 .. u0+SB: Q8_0 (f16 d, 32 int8) or Q4_0 (f16 d, 16 bytes: value i is nibble
     i // 16 of byte i % 16, stored + 8). W·x per (row, part) [BM, BN, SB·2] (Q8_0: halves of a block;
     Q4_0: blocks, the second of each pair of parts empty)."""
@@ -271,9 +285,9 @@ def _q8_q4(w16, xq32, act, x_g16, m_ok, row_h, row_ok, u0, n_units, QTYPE: tl.co
     u = u0 + q // 2
     hf = q % 2
     if QTYPE == 0:
-        u_ok = u < n_units
+        u_ok = _below(u, n_units, EVEN)
     else:  # Q4_0's four words make one part
-        u_ok = (u < n_units) & (hf == 0)
+        u_ok = _below(u, n_units, EVEN) & (hf == 0)
     mask2 = row_ok[:, None] & u_ok[None, :]
     blk = row_h[:, None] + (u * HB)[None, :]  # [BN, Q]
     xmask = m_ok[:, None] & u_ok[None, :]
@@ -291,11 +305,11 @@ def _q8_q4(w16, xq32, act, x_g16, m_ok, row_h, row_ok, u0, n_units, QTYPE: tl.co
         else:
             dot = _dp4a_acc((words & NIBBLES)[None, :, :], x0[i][:, None, :], dot, False, EMULATE)
             dot = _dp4a_acc(((words >> 4) & NIBBLES)[None, :, :], x1[i][:, None, :], dot, False, EMULATE)
-    dx, _, _, sq = _act(act, x_g16[:, None] + (2 * u + hf)[None, :], xmask)
+    dx, sq, _, _ = _act(act, x_g16[:, None] + (2 * u + hf)[None, :], xmask)
     d = tl.load(w16 + blk, mask=mask2, other=0).to(tl.float16, bitcast=True).to(tl.float32)[None, :, :]
     if QTYPE == 0:
         return d * dx * dot.to(tl.float32)
-    _, _, _, sq1 = _act(act, x_g16[:, None] + (2 * u + 1)[None, :], xmask)
+    _, sq1, _, _ = _act(act, x_g16[:, None] + (2 * u + 1)[None, :], xmask)
     return d * (dx * dot.to(tl.float32) - 8 * (sq + sq1))
 
 
@@ -303,16 +317,17 @@ def _q8_q4(w16, xq32, act, x_g16, m_ok, row_h, row_ok, u0, n_units, QTYPE: tl.co
 def _gemv_dp4a_kernel(xq_ptr, act_ptr, w16, w32, w16b, w32b, out_ptr, expert_ptr, M, N, n_first, row_units, n_units,
                       expert_units, n_g16, rows_per_x, out_stride, QTYPE: tl.constexpr, BM: tl.constexpr,
                       BN: tl.constexpr, SB: tl.constexpr, STAGES: tl.constexpr, HAS_EXPERTS: tl.constexpr,
-                      TWO: tl.constexpr, EMULATE: tl.constexpr):
+                      TWO: tl.constexpr, EVEN: tl.constexpr, EMULATE: tl.constexpr):
     """out[m, n] = Σ_k x[m, k] · W[n, k] for BM activation rows and BN weight rows per program. Row
     strides come in the unit the type's blocks are read in (words for Q4_K / Q5_K, 16 bytes for planar
     Q6_K, else halves), so that the compiler sees their alignment. Parts are summed elementwise; one
     reduction at the end. STAGES > 1 lets the compiler copy the next steps' weights asynchronously while
     this one computes (more bytes in flight per SM, paid for in registers and shared memory). TWO: output
     columns from n_first on come from a second weight of the same type (an MoE's gate and up stacks in one
-    launch; n_first is a multiple of BN). Output row m multiplies activation row m // rows_per_x."""
+    launch; n_first is a multiple of BN). Output row m multiplies activation row m // rows_per_x. EVEN: M,
+    N and the blocks a row are multiples of BM, BN and SB, so nothing is masked."""
     ms = tl.program_id(1) * BM + tl.arange(0, BM)
-    m_ok = ms < M
+    m_ok = _below(ms, M, EVEN)
     cols = tl.program_id(0) * BN + tl.arange(0, BN)  # axis 0: a vocabulary's rows outnumber axis 1's limit
     rows = cols
     if TWO:
@@ -320,21 +335,21 @@ def _gemv_dp4a_kernel(xq_ptr, act_ptr, w16, w32, w16b, w32b, out_ptr, expert_ptr
             w16 = w16b
             w32 = w32b
             rows = cols - n_first
-    row_ok = cols < N
+    row_ok = _below(cols, N, EVEN)
     row_base = rows.to(tl.int64) * row_units
     if HAS_EXPERTS:
         row_base += tl.load(expert_ptr + tl.program_id(1)).to(tl.int64) * expert_units
     x_g16 = (ms // rows_per_x).to(tl.int64) * n_g16  # first 16-value group of each activation row
-    PARTS: tl.constexpr = SB * 2 if QTYPE <= 1 else SB * 8
+    PARTS: tl.constexpr = SB * 2 if QTYPE <= 1 else (SB * 4 if QTYPE <= 3 else SB * 8)
     acc = tl.zeros((BM, BN, PARTS), dtype=tl.float32)
     for u0 in tl.range(0, n_units, SB, num_stages=STAGES):
         if QTYPE == 2 or QTYPE == 3:
-            acc += _kquant_q45(w32, xq_ptr, act_ptr, x_g16, m_ok, row_base, row_ok, u0, n_units, QTYPE, BM, BN, SB,
+            acc += _kquant_q45(w32, xq_ptr, act_ptr, x_g16, m_ok, row_base, row_ok, u0, n_units, QTYPE, BM, BN, SB, EVEN,
                                EMULATE)
         elif QTYPE == 4:
-            acc += _q6k(w32, xq_ptr, act_ptr, x_g16, m_ok, row_base, row_ok, u0, n_units, BM, BN, SB, EMULATE)
+            acc += _q6k(w32, xq_ptr, act_ptr, x_g16, m_ok, row_base, row_ok, u0, n_units, BM, BN, SB, EVEN, EMULATE)
         else:
-            acc += _q8_q4(w16, xq_ptr, act_ptr, x_g16, m_ok, row_base, row_ok, u0, n_units, QTYPE, BM, BN, SB,
+            acc += _q8_q4(w16, xq_ptr, act_ptr, x_g16, m_ok, row_base, row_ok, u0, n_units, QTYPE, BM, BN, SB, EVEN,
                           EMULATE)
     out = out_ptr + ms.to(tl.int64)[:, None] * out_stride + cols[None, :]
     tl.store(out, tl.sum(acc, axis=2).to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & row_ok[None, :])
@@ -342,7 +357,7 @@ def _gemv_dp4a_kernel(xq_ptr, act_ptr, w16, w32, w16b, w32b, out_ptr, expert_ptr
 
 def quantize_rows(x: torch.Tensor, key: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (K a multiple of 32) -> int8 values as int32 words [M, K/4], and float32 [M, K/16, 4]:
-    per 16 values (dx, Σx - dx·Σxq, Σx, dx·Σxq).
+    per 16 values (dx, dx·Σxq of the 16, Σx - dx·Σxq and Σx of their 32-value group).
 
     The last input's result is kept: projections of one input in several packs (a DeltaNet's Q5_K qkv
     and Q4_K z/a/b; an MoE's shared expert and routed experts) quantize it once. The same tensor object
@@ -514,7 +529,8 @@ def _launch(xs, raw, qtype, n, experts, config, out_dtype=torch.float32, second=
     _gemv_dp4a_kernel[(triton.cdiv(n_total, block_n), triton.cdiv(m, bm))](
         xq, act, *views, out, experts if experts is not None else views[0], m, n_total, n, row_units, n_units,
         n * row_units, k // 16, rows_per_x, out.stride(0), QTYPE=QTYPE_ID[qtype], BM=bm, BN=block_n, SB=sb,
-        STAGES=stages, HAS_EXPERTS=experts is not None, TWO=second is not None, EMULATE=EMULATE, num_warps=warps)
+        STAGES=stages, HAS_EXPERTS=experts is not None, TWO=second is not None,
+        EVEN=m % bm == 0 and n_total % block_n == 0 and n_units % sb == 0, EMULATE=EMULATE, num_warps=warps)
     return out
 
 
