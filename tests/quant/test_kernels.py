@@ -151,7 +151,7 @@ def _gemv_cases():
     """Every candidate on the device; under the interpreter (slow) the extreme tile sizes."""
     from hf2q.kernels.quant_dp4a_triton import candidates
 
-    extremes = {(4, 8, 1, 1), (2, 2, 4, 1), (4, 32, 1, 1), (4, 4, 4, 1), (8, 2, 4, 3), (8, 4, 4, 3)}
+    extremes = {(4, 8, 1, 1), (2, 2, 4, 1), (4, 32, 1, 1), (4, 4, 4, 1), (8, 2, 4, 3), (8, 4, 4, 3), (16, 2, 1, 1)}
     return [(q, c) for q in QUANT_TYPES for c in candidates(q) if CUDA or c in extremes]
 
 
@@ -273,9 +273,10 @@ def test_q6_k_kernels_misread_the_other_layout(monkeypatch):
         assert all(e < 1e-5 for e in errors) if right else all(e > 0.1 for e in errors), errors
 
 
-def _compile_for_hopper(fn, sig: dict, const: dict, warps: int) -> str:
+def _compile_for_hopper(fn, sig: dict, const: dict, warps: int, multiples_of_16=()) -> str:
     """PTX of kernel fn for sm_90, its pointers 16-byte aligned (as Triton's launcher finds torch's
-    allocations). Needs Triton's bundled ptxas, not a GPU."""
+    allocations), and the integers named in multiples_of_16 known to be such (as the launcher marks sizes
+    that are). Needs Triton's bundled ptxas, not a GPU."""
     if INTERPRET:
         pytest.skip("compiles natively")
     triton = pytest.importorskip("triton")
@@ -284,7 +285,8 @@ def _compile_for_hopper(fn, sig: dict, const: dict, warps: int) -> str:
 
     sig = {**sig, **{name: "constexpr" for name in const}}
     names = list(sig)
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if sig[n].startswith("*")}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+             if sig[n].startswith("*") or n in multiples_of_16}
     try:
         compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
                                   target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
@@ -321,11 +323,14 @@ def test_int8_matvec_compiles_for_hopper(qtype, rows, stages):
            "out_ptr": "*bf16", "expert_ptr": "*i32", "M": "i32", "N": "i32", "n_first": "i32", "row_units": "i32",
            "n_units": "i32", "expert_units": "i32", "n_g16": "i32", "rows_per_x": "i32", "out_stride": "i32"}
     const = dict(QTYPE=k.QTYPE_ID[qtype], BM=1 if experts else k._block_m(rows, None), BN=bn, SB=sb,
-                 STAGES=stages, HAS_EXPERTS=experts, TWO=experts, EMULATE=False)
-    ptx = _compile_for_hopper(k._gemv_dp4a_kernel, sig, const, warps)
+                 STAGES=stages, HAS_EXPERTS=experts, TWO=experts, EVEN=rows == 1, EMULATE=False)
+    sizes = ("N", "n_first", "row_units", "n_units", "expert_units", "n_g16", "out_stride")  # as at 4096 wide
+    ptx = _compile_for_hopper(k._gemv_dp4a_kernel, sig, const, warps, sizes if rows == 1 else ())
     assert "dp4a" in ptx
     if qtype == "Q6_K":
         assert min(_global_read_bytes(ptx)) == 4 and 16 in _global_read_bytes(ptx)
+    if qtype in ("Q4_K", "Q5_K") and rows == 1 and stages == 1:  # unmasked: every block field in 16-byte loads
+        assert _global_read_bytes(ptx) == {16}, _global_read_bytes(ptx)
 
 
 @pytest.mark.parametrize("qtype", QUANT_TYPES)

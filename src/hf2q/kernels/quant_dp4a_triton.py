@@ -162,6 +162,16 @@ def _quads(ptr, off, mask):
 
 
 @triton.jit
+def _quads3(ptr, off, mask):
+    """_quads for offsets [A, B, C]: four [A, B, C]."""
+    v = tl.load(ptr + off[:, :, :, None] + tl.arange(0, 4)[None, None, None, :], mask=mask[:, :, :, None], other=0)
+    ab, cd = tl.split(tl.reshape(v, (v.shape[0], v.shape[1], v.shape[2], 2, 2)))
+    v0, v2 = tl.split(ab)
+    v1, v3 = tl.split(cd)
+    return v0, v1, v2, v3
+
+
+@triton.jit
 def _act(act, g16, mask):
     """(dx, dx·Σxq of the half, Σx - dx·Σxq of the 32-value group, Σx of the group) of 16-value halves
     g16 [BM, Q], each [BM, 1, Q]."""
@@ -172,65 +182,62 @@ def _act(act, g16, mask):
 @triton.jit
 def _kquant_q45(w32, xq32, act, x_g16, m_ok, row_w, row_ok, u0, n_units, QTYPE: tl.constexpr, BM: tl.constexpr,
                 BN: tl.constexpr, SB: tl.constexpr, EVEN: tl.constexpr, EMULATE: tl.constexpr):
-    """Q4_K / Q5_K blocks u0 .. u0+SB: W·x per (row, part) [BM, BN, SB·4], summed by the caller. Part
-    q = (block, 64-value chunk c): its 8 quant words hold sub-block 2c in their low nibbles and sub-block
-    2c + 1 in their high nibbles, so each sub-block's scale, min and activation sums are read and applied
-    once per 32 values."""
+    """Q4_K / Q5_K blocks u0 .. u0+SB: W·x per (row, block) [BM, BN, SB], summed by the caller. A thread
+    walks its block's four 64-value chunks c in a static loop: chunk c's 8 quant words hold sub-block 2c
+    in their low nibbles and sub-block 2c + 1 in their high ones, so every shift that picks a scale, a min
+    or a fifth bit is a constant, and each sub-block's scale and activation sums are applied once."""
     BW: tl.constexpr = 36 if QTYPE == 2 else 44  # block size in words
     QS: tl.constexpr = 4 if QTYPE == 2 else 12  # first quant word
     OFF: tl.constexpr = 8 if QTYPE == 2 else 16  # middle of the value range
-    q = tl.arange(0, SB * 4)
-    u = u0 + q // 4
-    c = q % 4
+    u = u0 + tl.arange(0, SB)
     u_ok = _below(u, n_units, EVEN)
-    mask2 = row_ok[:, None] & u_ok[None, :]
-    blk = row_w[:, None] + (u * BW)[None, :]  # [BN, Q] word offsets
-    xmask = m_ok[:, None] & u_ok[None, :]
-    xw = x_g16[:, None] * 4 + (u * 64 + 16 * c)[None, :]  # [BM, Q] first activation word of sub-block 2c
-    qw = blk + (QS + 8 * c)[None, :]
-    acc_lo = tl.zeros((BM, BN, SB * 4), dtype=tl.int32)
-    acc_hi = tl.zeros((BM, BN, SB * 4), dtype=tl.int32)
-    for half in tl.static_range(2):
-        w_quad = _quads(w32, qw + 4 * half, mask2)
-        xlo_quad = _quads(xq32, xw + 4 * half, xmask)
-        xhi_quad = _quads(xq32, xw + 8 + 4 * half, xmask)
-        if QTYPE == 3:
-            qh_quad = _quads(w32, blk + 4 + 4 * half, mask2)
-        for i in tl.static_range(4):
-            words = w_quad[i]
-            lo = words & NIBBLES
-            if QTYPE == 2:  # high nibbles left in place: bytes 16·q, the sum scaled by 1/16 below
-                hi = words & HIGH_NIBBLES
-            else:  # fifth bits: bit 2c (low) and 2c + 1 (high) of the matching qh byte
-                hi = (words >> 4) & NIBBLES
-                qh = qh_quad[i] >> (2 * c)[None, :]
-                lo |= (qh & 0x01010101) << 4
-                hi |= (qh & 0x02020202) << 3
-            acc_lo = _dp4a_acc(lo[None, :, :], xlo_quad[i][:, None, :], acc_lo, False, EMULATE)
-            acc_hi = _dp4a_acc(hi[None, :, :], xhi_quad[i][:, None, :], acc_hi, False, EMULATE)
-    g16 = x_g16[:, None] + (16 * u + 4 * c)[None, :]
-    head, wa, wb, wh = _quads(w32, blk, mask2)  # d | dmin, then scale bytes 0-3, 4-7, 8-11
-    d = f16_bits(head)[None, :, :]
-    dmin = f16_bits(head >> 16)[None, :, :]
-    low = (c < 2)[None, :]
-    part = tl.zeros(acc_lo.shape, dtype=tl.float32)
-    for nib in tl.static_range(2):  # sub-block s = 2c + nib; ggml's get_scale_min_k4 with i = s % 4
-        shift = (8 * ((2 * c + nib) % 4))[None, :]
-        a = (wa >> shift) & 255
-        b = (wb >> shift) & 255
-        h = (wh >> shift) & 255
-        sc = tl.where(low, a & 63, (h & 15) | ((a >> 6) << 4)).to(tl.float32)[None, :, :]
-        mn = tl.where(low, b & 63, (h >> 4) | ((b >> 6) << 4)).to(tl.float32)[None, :, :]
-        dx, _, fix, sx = _act(act, g16 + 2 * nib, xmask)  # the sub-block is one 32-value activation group
-        if nib == 0:
-            dot = acc_lo.to(tl.float32)
-        elif QTYPE == 2:
-            dot = acc_hi.to(tl.float32) * 0.0625
-        else:
-            dot = acc_hi.to(tl.float32)
-        # Σ q·x = dx·Σ (q - OFF)·xq + OFF·(Σx - dx·Σxq): centring the values halves the part the int8
-        # rounding touches, and Σx is exact.
-        part += d * sc * (dx * dot + OFF * fix) - dmin * mn * sx
+    # one layout for every tensor: offsets of weights and activations alike in [BM = 1, BN, SB]
+    mask = (m_ok[:, None, None] & row_ok[None, :, None]) & u_ok[None, None, :]
+    blk = (x_g16 * 0)[:, None, None] + row_w[None, :, None] + (u * BW)[None, None, :]  # word offsets
+    x0 = x_g16[:, None, None] * 4 + (row_w * 0)[None, :, None] + (u * 64)[None, None, :]  # first activation word
+    g0 = x0 // 4  # first 16-value activation group
+    head, wa, wb, wh = _quads3(w32, blk, mask)  # d | dmin, then scale bytes 0-3, 4-7, 8-11
+    d = f16_bits(head)
+    dmin = f16_bits(head >> 16)
+    if QTYPE == 3:
+        qh_a = _quads3(w32, blk + 4, mask)
+        qh_b = _quads3(w32, blk + 8, mask)
+    part = tl.zeros((BM, BN, SB), dtype=tl.float32)
+    for c in tl.static_range(4):
+        acc_lo = tl.zeros((BM, BN, SB), dtype=tl.int32)
+        acc_hi = tl.zeros((BM, BN, SB), dtype=tl.int32)
+        for half in tl.static_range(2):
+            w_quad = _quads3(w32, blk + (QS + 8 * c + 4 * half), mask)
+            xlo_quad = _quads3(xq32, x0 + (16 * c + 4 * half), mask)
+            xhi_quad = _quads3(xq32, x0 + (16 * c + 8 + 4 * half), mask)
+            for i in tl.static_range(4):
+                words = w_quad[i]
+                lo = words & NIBBLES
+                if QTYPE == 2:  # high nibbles left in place: bytes 16·q, the sum scaled by 1/16 below
+                    hi = words & HIGH_NIBBLES
+                else:  # fifth bits: bit 2c (low) and 2c + 1 (high) of qh byte l
+                    qh = qh_a[i] if half == 0 else qh_b[i]
+                    hi = ((words >> 4) & NIBBLES) | (((qh >> (2 * c + 1)) & 0x01010101) << 4)
+                    lo |= ((qh >> (2 * c)) & 0x01010101) << 4
+                acc_lo = _dp4a_acc(lo, xlo_quad[i], acc_lo, False, EMULATE)
+                acc_hi = _dp4a_acc(hi, xhi_quad[i], acc_hi, False, EMULATE)
+        for nib in tl.static_range(2):  # sub-block s = 2c + nib: ggml's get_scale_min_k4, constant shifts
+            if 2 * c + nib < 4:
+                sc = (wa >> (16 * c + 8 * nib)) & 63
+                mn = (wb >> (16 * c + 8 * nib)) & 63
+            else:  # byte i = s - 4 of the last four holds the low bits, bits 6-7 of bytes i and 4 + i the top
+                sc = ((wh >> (16 * c + 8 * nib - 32)) & 15) | (((wa >> (16 * c + 8 * nib - 26)) & 3) << 4)
+                mn = ((wh >> (16 * c + 8 * nib - 28)) & 15) | (((wb >> (16 * c + 8 * nib - 26)) & 3) << 4)
+            if nib == 0:
+                dot = acc_lo.to(tl.float32)
+            elif QTYPE == 2:
+                dot = acc_hi.to(tl.float32) * 0.0625
+            else:
+                dot = acc_hi.to(tl.float32)
+            dx, _, fix, sx = _quads3(act, (g0 + (4 * c + 2 * nib)) * 4, mask)  # the sub-block's activation group
+            # Σ q·x = dx·Σ (q - OFF)·xq + OFF·(Σx - dx·Σxq): centring the values halves the part the int8
+            # rounding touches, and Σx is exact.
+            part += d * sc.to(tl.float32) * (dx * dot + OFF * fix) - dmin * mn.to(tl.float32) * sx
     return part
 
 
@@ -340,7 +347,7 @@ def _gemv_dp4a_kernel(xq_ptr, act_ptr, w16, w32, w16b, w32b, out_ptr, expert_ptr
     if HAS_EXPERTS:
         row_base += tl.load(expert_ptr + tl.program_id(1)).to(tl.int64) * expert_units
     x_g16 = (ms // rows_per_x).to(tl.int64) * n_g16  # first 16-value group of each activation row
-    PARTS: tl.constexpr = SB * 2 if QTYPE <= 1 else (SB * 4 if QTYPE <= 3 else SB * 8)
+    PARTS: tl.constexpr = SB * 2 if QTYPE <= 1 else (SB if QTYPE <= 3 else SB * 8)
     acc = tl.zeros((BM, BN, PARTS), dtype=tl.float32)
     for u0 in tl.range(0, n_units, SB, num_stages=STAGES):
         if QTYPE == 2 or QTYPE == 3:
@@ -402,8 +409,8 @@ def remember(x: torch.Tensor, xq: torch.Tensor, act: torch.Tensor) -> None:
 # (BLOCK_N, blocks per step, warps, stages) candidates, most work per thread first: a mat-vec is fed by
 # the bytes each thread has in flight. Those that would give a thread more than MAX_PARTS (row, part)
 # sums of BLOCK_M activation rows spill registers and are left out (see candidates).
-# The whole-row ones ((1 or 2, 16, ...): a 4096-wide K-quant row in one step) follow the bf16 GEMV's
-# winners (kernels/gemv_triton.py): many small programs, each loading its whole strip at once.
+# _K_CANDIDATES are Q6_K's; the whole-row ones ((1 or 2, 16, ...): a 4096-wide row in one step) follow
+# the bf16 GEMV's winners (kernels/gemv_triton.py): many small programs, each loading its whole strip.
 _K_CANDIDATES = [(4, 8, 1, 1), (4, 4, 1, 1), (8, 8, 2, 1), (8, 4, 2, 1), (4, 8, 2, 1), (2, 8, 1, 1), (16, 4, 4, 1),
                  (4, 4, 4, 1), (8, 2, 4, 1), (4, 2, 4, 1), (4, 1, 4, 1), (2, 2, 4, 1),
                  (1, 16, 1, 1), (2, 16, 1, 1), (2, 16, 2, 1), (1, 16, 2, 1),
@@ -411,6 +418,14 @@ _K_CANDIDATES = [(4, 8, 1, 1), (4, 4, 1, 1), (8, 8, 2, 1), (8, 4, 2, 1), (4, 8, 
 _B_CANDIDATES = [(4, 16, 1, 1), (8, 16, 2, 1), (4, 32, 1, 1), (8, 32, 2, 1), (4, 16, 4, 1), (16, 16, 4, 1),
                  (8, 4, 4, 1), (4, 8, 4, 1), (4, 4, 4, 1), (1, 64, 2, 1), (1, 128, 4, 1), (2, 64, 4, 1),
                  (4, 16, 1, 3), (8, 16, 2, 3), (8, 4, 4, 3)]
+# Q4_K / Q5_K: a thread holds whole (activation row, weight row, block) units (_kquant_q45), at least one
+# (no thread repeats another's work) and at most MAX_UNITS. Steps of 16 blocks cover a 4096-wide row,
+# of 8 a 2048-wide one, of 2 an expert's 512-wide down projection.
+_K45_CANDIDATES = [(2, 16, 1, 1), (4, 8, 1, 1), (4, 16, 2, 1), (8, 8, 2, 1), (8, 16, 4, 1), (16, 8, 4, 1),
+                   (4, 16, 1, 1), (8, 8, 1, 1), (16, 2, 1, 1), (32, 2, 2, 1), (16, 4, 2, 1),
+                   (2, 4, 1, 1), (4, 2, 1, 1), (2, 8, 2, 1), (4, 8, 4, 1), (2, 16, 1, 3), (4, 8, 1, 3)]
+MAX_PARTS = 16
+MAX_UNITS = 4
 MAX_PARTS = 16
 
 
@@ -434,9 +449,12 @@ _TUNE = _TUNE_SETTING == "1"
 
 def candidates(qtype: str, rows: int = 1) -> list[tuple[int, int, int, int]]:
     """Configurations for `rows` activation rows (their BLOCK_M), default first."""
+    bm = _block_m(rows, None)
+    if qtype in ("Q4_K", "Q5_K"):
+        fit = [c for c in _K45_CANDIDATES if 32 * c[2] <= bm * c[0] * c[1] <= MAX_UNITS * 32 * c[2]]
+        return fit or [min(_K45_CANDIDATES, key=lambda c: c[0] * c[1] / c[2])]
     blocky = qtype in ("Q8_0", "Q4_0")
     parts_per_block = 2 if blocky else 8
-    bm = _block_m(rows, None)
     every = _B_CANDIDATES if blocky else _K_CANDIDATES
     fit = [c for c in every if bm * c[0] * c[1] * parts_per_block <= MAX_PARTS * 32 * c[2]]
     return fit or [min(every, key=lambda c: c[0] * c[1] / c[2])]
