@@ -245,39 +245,41 @@ def _kquant_q45(w32, xq32, act, x_g16, m_ok, row_w, row_ok, u0, n_units, QTYPE: 
 def _q6k(w32, xq32, act, x_g16, m_ok, row_q, row_ok, u0, n_units, BM: tl.constexpr, BN: tl.constexpr,
          SB: tl.constexpr, EVEN: tl.constexpr, EMULATE: tl.constexpr):
     """Q6_K blocks u0 .. u0+SB of planar rows (hf2q.quant.q6_k_to_planar; row_q: row offsets in 16-byte
-    units): W·x per (row, part) [BM, BN, SB·8]. A row of B blocks holds every block's 128 bytes of low
+    units): W·x per (row, block) [BM, BN, SB]. A row of B blocks holds every block's 128 bytes of low
     nibbles, then their 64 bytes of 2-bit tops, 16 int8 scales (one per 16 values) and f16 d, each plane
     16-byte aligned. Value 128h + 32j + l of block u has its low nibble in ql byte 128u + 64h + 32(j % 2) + l,
-    shifted by 4(j // 2), and its top bits in qh byte 64u + 32h + l, shifted by 2j. Part q = (block,
-    r = 2h + j % 2, half of l); the static loop walks j // 2. Values are stored + 32."""
-    q = tl.arange(0, SB * 8)
-    u = u0 + q // 8
-    r = (q // 2) % 4
-    hf = q % 2
-    h = r // 2
-    jlo = r % 2
+    shifted by 4(j // 2), and its top bits in qh byte 64u + 32h + l, shifted by 2j. A thread walks its
+    block's 16-value pieces (h, j, half of l) in static loops, so every shift is a constant and each word
+    of nibbles and tops is read once. Values are stored + 32."""
+    u = u0 + tl.arange(0, SB)
     u_ok = _below(u, n_units, EVEN)
-    mask2 = row_ok[:, None] & u_ok[None, :]
-    row = row_q[:, None] * 4  # [BN, 1] word offsets (multiples of 4: 16-byte aligned)
-    xmask = m_ok[:, None] & u_ok[None, :]
-    d_word = tl.load(w32 + row + (52 * n_units + u // 2)[None, :], mask=mask2, other=0)
-    d = f16_bits(d_word >> (16 * (u % 2))[None, :])[None, :, :]
-    ql_quad = _quads(w32, row + (32 * u + 8 * r + 4 * hf)[None, :], mask2)  # read once for both j // 2
-    qh_quad = _quads(w32, row + (32 * n_units + 16 * u + 8 * h + 4 * hf)[None, :], mask2)
-    part = tl.zeros((BM, BN, SB * 8), dtype=tl.float32)
-    for jhi in tl.static_range(2):
-        j = 2 * jhi + jlo  # [Q]
-        xw = x_g16[:, None] * 4 + (64 * u + 32 * h + 8 * j + 4 * hf)[None, :]
-        dot = tl.zeros((BM, BN, SB * 8), dtype=tl.int32)
-        x_quad = _quads(xq32, xw, xmask)
-        for i in tl.static_range(4):
-            vals = ((ql_quad[i] >> (4 * jhi)) & NIBBLES) | (((qh_quad[i] >> (2 * j)[None, :]) & 0x03030303) << 4)
-            dot = _dp4a_acc(vals[None, :, :], x_quad[i][:, None, :], dot, False, EMULATE)
-        dx, sq, _, _ = _act(act, x_g16[:, None] + (16 * u + 8 * h + 2 * j + hf)[None, :], xmask)
-        # scale 8h + 2j + hf = byte 2(j % 2) + hf of scale word 2h + j // 2
-        sc_word = tl.load(w32 + row + (48 * n_units + 4 * u + 2 * h + jhi)[None, :], mask=mask2, other=0)
-        sc = ((sc_word << (24 - 8 * (2 * jlo + hf))[None, :]) >> 24).to(tl.float32)[None, :, :]
-        part += sc * (dx * dot.to(tl.float32) - 32 * sq)
+    mask = (m_ok[:, None, None] & row_ok[None, :, None]) & u_ok[None, None, :]
+    # one layout for every tensor: offsets of weights and activations alike in [BM, BN, SB]
+    row = (x_g16 * 0)[:, None, None] + row_q[None, :, None] * 4 + (u * 0)[None, None, :]  # word offsets (16-byte aligned)
+    x0 = x_g16[:, None, None] * 4 + (row_q * 0)[None, :, None] + (u * 64)[None, None, :]  # first activation word
+    g0 = x0 // 4  # first 16-value activation group
+    d_word = tl.load(w32 + row + 52 * n_units + (u // 2)[None, None, :], mask=mask, other=0)
+    d = f16_bits(d_word >> (16 * (u % 2))[None, None, :])
+    scales = _quads3(w32, row + 48 * n_units + (4 * u)[None, None, :], mask)  # word 2h + j // 2: bytes 2(j % 2) + half
+    part = tl.zeros((BM, BN, SB), dtype=tl.float32)
+    for h in tl.static_range(2):
+        qh0 = _quads3(w32, row + 32 * n_units + (16 * u + 8 * h)[None, None, :], mask)
+        qh1 = _quads3(w32, row + 32 * n_units + (16 * u + 8 * h + 4)[None, None, :], mask)
+        for jlo in tl.static_range(2):
+            ql0 = _quads3(w32, row + (32 * u + 16 * h + 8 * jlo)[None, None, :], mask)
+            ql1 = _quads3(w32, row + (32 * u + 16 * h + 8 * jlo + 4)[None, None, :], mask)
+            for jhi in tl.static_range(2):
+                for hf in tl.static_range(2):
+                    x_quad = _quads3(xq32, x0 + (32 * h + 8 * (2 * jhi + jlo) + 4 * hf), mask)
+                    dot = tl.zeros((BM, BN, SB), dtype=tl.int32)
+                    for i in tl.static_range(4):
+                        low = ql0[i] if hf == 0 else ql1[i]
+                        top = qh0[i] if hf == 0 else qh1[i]
+                        vals = ((low >> (4 * jhi)) & NIBBLES) | (((top >> (2 * (2 * jhi + jlo))) & 0x03030303) << 4)
+                        dot = _dp4a_acc(vals, x_quad[i], dot, False, EMULATE)
+                    dx, sq, _, _ = _quads3(act, (g0 + (8 * h + 2 * (2 * jhi + jlo) + hf)) * 4, mask)
+                    sc = ((scales[2 * h + jhi] << (24 - 8 * (2 * jlo + hf))) >> 24).to(tl.float32)
+                    part += sc * (dx * dot.to(tl.float32) - 32 * sq)
     return part * d
 
 
@@ -347,7 +349,7 @@ def _gemv_dp4a_kernel(xq_ptr, act_ptr, w16, w32, w16b, w32b, out_ptr, expert_ptr
     if HAS_EXPERTS:
         row_base += tl.load(expert_ptr + tl.program_id(1)).to(tl.int64) * expert_units
     x_g16 = (ms // rows_per_x).to(tl.int64) * n_g16  # first 16-value group of each activation row
-    PARTS: tl.constexpr = SB * 2 if QTYPE <= 1 else (SB if QTYPE <= 3 else SB * 8)
+    PARTS: tl.constexpr = SB * 2 if QTYPE <= 1 else SB
     acc = tl.zeros((BM, BN, PARTS), dtype=tl.float32)
     for u0 in tl.range(0, n_units, SB, num_stages=STAGES):
         if QTYPE == 2 or QTYPE == 3:
@@ -407,26 +409,20 @@ def remember(x: torch.Tensor, xq: torch.Tensor, act: torch.Tensor) -> None:
 
 
 # (BLOCK_N, blocks per step, warps, stages) candidates, most work per thread first: a mat-vec is fed by
-# the bytes each thread has in flight. Those that would give a thread more than MAX_PARTS (row, part)
-# sums of BLOCK_M activation rows spill registers and are left out (see candidates).
-# _K_CANDIDATES are Q6_K's; the whole-row ones ((1 or 2, 16, ...): a 4096-wide row in one step) follow
-# the bf16 GEMV's winners (kernels/gemv_triton.py): many small programs, each loading its whole strip.
-_K_CANDIDATES = [(4, 8, 1, 1), (4, 4, 1, 1), (8, 8, 2, 1), (8, 4, 2, 1), (4, 8, 2, 1), (2, 8, 1, 1), (16, 4, 4, 1),
-                 (4, 4, 4, 1), (8, 2, 4, 1), (4, 2, 4, 1), (4, 1, 4, 1), (2, 2, 4, 1),
-                 (1, 16, 1, 1), (2, 16, 1, 1), (2, 16, 2, 1), (1, 16, 2, 1),
-                 (4, 4, 1, 3), (8, 4, 2, 3), (16, 4, 4, 3), (8, 2, 4, 3)]
+# the bytes each thread has in flight.
+# Q8_0 / Q4_0: those that would give a thread more than MAX_PARTS (row, part) sums of BLOCK_M activation
+# rows spill registers and are left out (see candidates).
 _B_CANDIDATES = [(4, 16, 1, 1), (8, 16, 2, 1), (4, 32, 1, 1), (8, 32, 2, 1), (4, 16, 4, 1), (16, 16, 4, 1),
                  (8, 4, 4, 1), (4, 8, 4, 1), (4, 4, 4, 1), (1, 64, 2, 1), (1, 128, 4, 1), (2, 64, 4, 1),
                  (4, 16, 1, 3), (8, 16, 2, 3), (8, 4, 4, 3)]
-# Q4_K / Q5_K: a thread holds whole (activation row, weight row, block) units (_kquant_q45), at least one
-# (no thread repeats another's work) and at most MAX_UNITS. Steps of 16 blocks cover a 4096-wide row,
+# K-quants: a thread holds whole (activation row, weight row, block) units (_kquant_q45, _q6k), at least
+# one (no thread repeats another's work) and at most MAX_UNITS. Steps of 16 blocks cover a 4096-wide row,
 # of 8 a 2048-wide one, of 2 an expert's 512-wide down projection.
-_K45_CANDIDATES = [(2, 16, 1, 1), (4, 8, 1, 1), (4, 16, 2, 1), (8, 8, 2, 1), (8, 16, 4, 1), (16, 8, 4, 1),
-                   (4, 16, 1, 1), (8, 8, 1, 1), (16, 2, 1, 1), (32, 2, 2, 1), (16, 4, 2, 1),
-                   (2, 4, 1, 1), (4, 2, 1, 1), (2, 8, 2, 1), (4, 8, 4, 1), (2, 16, 1, 3), (4, 8, 1, 3)]
+_K_CANDIDATES = [(2, 16, 1, 1), (4, 8, 1, 1), (4, 16, 2, 1), (8, 8, 2, 1), (8, 16, 4, 1), (16, 8, 4, 1),
+                 (4, 16, 1, 1), (8, 8, 1, 1), (16, 2, 1, 1), (32, 2, 2, 1), (16, 4, 2, 1),
+                 (2, 4, 1, 1), (4, 2, 1, 1), (2, 8, 2, 1), (4, 8, 4, 1), (2, 16, 1, 3), (4, 8, 1, 3)]
 MAX_PARTS = 16
 MAX_UNITS = 4
-MAX_PARTS = 16
 
 
 class TuneKey(NamedTuple):
@@ -450,14 +446,11 @@ _TUNE = _TUNE_SETTING == "1"
 def candidates(qtype: str, rows: int = 1) -> list[tuple[int, int, int, int]]:
     """Configurations for `rows` activation rows (their BLOCK_M), default first."""
     bm = _block_m(rows, None)
-    if qtype in ("Q4_K", "Q5_K"):
-        fit = [c for c in _K45_CANDIDATES if 32 * c[2] <= bm * c[0] * c[1] <= MAX_UNITS * 32 * c[2]]
-        return fit or [min(_K45_CANDIDATES, key=lambda c: c[0] * c[1] / c[2])]
-    blocky = qtype in ("Q8_0", "Q4_0")
-    parts_per_block = 2 if blocky else 8
-    every = _B_CANDIDATES if blocky else _K_CANDIDATES
-    fit = [c for c in every if bm * c[0] * c[1] * parts_per_block <= MAX_PARTS * 32 * c[2]]
-    return fit or [min(every, key=lambda c: c[0] * c[1] / c[2])]
+    if qtype in ("Q8_0", "Q4_0"):
+        fit = [c for c in _B_CANDIDATES if bm * c[0] * c[1] * 2 <= MAX_PARTS * 32 * c[2]]
+        return fit or [min(_B_CANDIDATES, key=lambda c: c[0] * c[1] / c[2])]
+    fit = [c for c in _K_CANDIDATES if 32 * c[2] <= bm * c[0] * c[1] <= MAX_UNITS * 32 * c[2]]
+    return fit or [min(_K_CANDIDATES, key=lambda c: c[0] * c[1] / c[2])]
 
 
 def _block_m(m: int, experts) -> int:
