@@ -38,7 +38,10 @@ def main(argv=None) -> None:
     p.add_argument("--no-prefill", action="store_true")
     p.add_argument("--only", nargs="+", default=None, choices=[row[0] for row in LAYER_SET], metavar="PROJ",
                    help="time only these projections: " + ", ".join(row[0] for row in LAYER_SET))
+    p.add_argument("--batch-1-only", action="store_true",
+                   help="time the mat-vec at one row only (each row count picks its configuration by timing)")
     args = p.parse_args(argv)
+    row_counts = (1,) if args.batch_1_only else (1, 4, 16)
     from hf2q.bench import ceilings
 
     bandwidth = ceilings()[0]  # this device's copy rate (bytes read + written per second), the % column's base
@@ -50,9 +53,11 @@ def main(argv=None) -> None:
         if args.only and name not in args.only:
             continue
         raw = keep_blocks(random_blocks(qtype, n, k, std=0.02, seed=n + k), qtype, "cuda")
-        xs = {m: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in (1, 4, 16)}
+        xs = {m: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in row_counts}
         copies = cold_copies(raw)
         dec = {m: _us(lambda w, m=m: quant_linear(xs[m], w, qtype, n), copies) for m in xs}
+        dec.setdefault(4, float("nan"))
+        dec.setdefault(16, float("nan"))
         pre = bf = 0.0
         if not args.no_prefill:
             xp = torch.randn(4096, k, device="cuda", dtype=torch.bfloat16)
