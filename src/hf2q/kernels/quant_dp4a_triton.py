@@ -32,7 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from hf2q.kernels import tune_cache
+from hf2q.kernels import pdl, tune_cache
+from hf2q.kernels.pdl import gdc_launch_dependents, gdc_wait
 from hf2q.kernels.quant_fields_triton import f16_bits
 from hf2q.kernels.quant_triton import QTYPE_ID, check_layout
 from hf2q.kernels.timing import cold_copies, graph_time_us
@@ -85,9 +86,11 @@ def quantize_and_store(xq_ptr, act_ptr, y, row, first, n_groups, BLOCK: tl.const
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, xq_ptr, act_ptr, n_groups, x_stride, GROUPS: tl.constexpr):
+def _quantize_kernel(x_ptr, xq_ptr, act_ptr, n_groups, x_stride, GROUPS: tl.constexpr, PDL: tl.constexpr):
     """Row m, 32-value groups g: xq = round(x / dx) in int8 with dx = max|x| / 127, and per 16-value half
     the four floats (store_int8_groups) that the mat-vec's offset and min terms need."""
+    if PDL:  # the mat-vec after it may start (kernels/pdl.py)
+        gdc_launch_dependents()
     m = tl.program_id(0)
     g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     l = tl.arange(0, 32)
@@ -326,7 +329,7 @@ def _q8_q4(w16, xq32, act, x_g16, m_ok, row_h, row_ok, u0, n_units, QTYPE: tl.co
 def _gemv_dp4a_kernel(xq_ptr, act_ptr, w16, w32, w16b, w32b, out_ptr, expert_ptr, M, N, n_first, row_units, n_units,
                       expert_units, n_g16, rows_per_x, out_stride, QTYPE: tl.constexpr, BM: tl.constexpr,
                       BN: tl.constexpr, SB: tl.constexpr, STAGES: tl.constexpr, HAS_EXPERTS: tl.constexpr,
-                      TWO: tl.constexpr, EVEN: tl.constexpr, EMULATE: tl.constexpr):
+                      TWO: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr, EMULATE: tl.constexpr):
     """out[m, n] = Σ_k x[m, k] · W[n, k] for BM activation rows and BN weight rows per program. Row
     strides come in the unit the type's blocks are read in (words for Q4_K / Q5_K, 16 bytes for planar
     Q6_K, else halves), so that the compiler sees their alignment. Parts are summed elementwise; one
@@ -334,7 +337,12 @@ def _gemv_dp4a_kernel(xq_ptr, act_ptr, w16, w32, w16b, w32b, out_ptr, expert_ptr
     this one computes (more bytes in flight per SM, paid for in registers and shared memory). TWO: output
     columns from n_first on come from a second weight of the same type (an MoE's gate and up stacks in one
     launch; n_first is a multiple of BN). Output row m multiplies activation row m // rows_per_x. EVEN: M,
-    N and the blocks a row are multiples of BM, BN and SB, so nothing is masked."""
+    N and the blocks a row are multiples of BM, BN and SB, so nothing is masked. PDL: launched with
+    programmatic dependent launch (kernels/pdl.py): it lets the next kernel start, then waits for the
+    previous one (which wrote the activations, and for MoE the expert ids)."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     ms = tl.program_id(1) * BM + tl.arange(0, BM)
     m_ok = _below(ms, M, EVEN)
     cols = tl.program_id(0) * BN + tl.arange(0, BN)  # axis 0: a vocabulary's rows outnumber axis 1's limit
@@ -380,7 +388,8 @@ def quantize_rows(x: torch.Tensor, key: torch.Tensor | None = None) -> tuple[tor
     m, k = xc.shape
     groups = k // 32
     xq, act = int8_buffers(m, k, x.device)
-    _quantize_kernel[(m, triton.cdiv(groups, 16))](xc, xq, act, groups, xc.stride(0), GROUPS=16)
+    _quantize_kernel[(m, triton.cdiv(groups, 16))](xc, xq, act, groups, xc.stride(0), GROUPS=16,
+                                                   PDL=pdl.enabled(x.device))
     out = (xq.view(torch.int32), act)
     _LAST["x"] = (weakref.ref(key), _stamp(key), out)
     return out
@@ -541,7 +550,8 @@ def _launch(xs, raw, qtype, n, experts, config, out_dtype=torch.float32, second=
         xq, act, *views, out, experts if experts is not None else views[0], m, n_total, n, row_units, n_units,
         n * row_units, k // 16, rows_per_x, out.stride(0), QTYPE=QTYPE_ID[qtype], BM=bm, BN=block_n, SB=sb,
         STAGES=stages, HAS_EXPERTS=experts is not None, TWO=second is not None,
-        EVEN=m % bm == 0 and n_total % block_n == 0 and n_units % sb == 0, EMULATE=EMULATE, num_warps=warps)
+        EVEN=m % bm == 0 and n_total % block_n == 0 and n_units % sb == 0, PDL=pdl.enabled(xq.device),
+        EMULATE=EMULATE, num_warps=warps, **pdl.launch_options(xq.device))
     return out
 
 
