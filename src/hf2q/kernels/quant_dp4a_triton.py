@@ -326,6 +326,20 @@ def _q8_q4(w16, xq32, act, x_g16, m_ok, row_h, row_ok, u0, n_units, QTYPE: tl.co
 
 
 @triton.jit
+def _prefetch_rows(w16, row_base, row_units, QTYPE: tl.constexpr, SB: tl.constexpr):
+    """Ask L2 for the first SB blocks' bytes of the rows starting at unit row_base [BN] (units as in
+    _gemv_dp4a_kernel), one request per 128-byte line; nothing is returned to registers."""
+    UNIT: tl.constexpr = 4 if QTYPE == 2 or QTYPE == 3 else (16 if QTYPE == 4 else 2)  # bytes a unit
+    BLOCK: tl.constexpr = (34, 18, 144, 176, 210)[QTYPE]  # bytes a block (Q6_K: its share of a planar row)
+    LINES: tl.constexpr = triton.next_power_of_2((SB * BLOCK + 127) // 128)
+    last = row_units.to(tl.int64) * UNIT - 1  # a row's last byte: the lines never leave it
+    off = tl.minimum(tl.arange(0, LINES).to(tl.int64) * 128, last)
+    ptrs = w16 + (row_base * UNIT)[:, None] // 2 + off[None, :] // 2
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
 def _gemv_dp4a_kernel(xq_ptr, act_ptr, w16, w32, w16b, w32b, out_ptr, expert_ptr, M, N, n_first, row_units, n_units,
                       expert_units, n_g16, rows_per_x, out_stride, QTYPE: tl.constexpr, BM: tl.constexpr,
                       BN: tl.constexpr, SB: tl.constexpr, STAGES: tl.constexpr, HAS_EXPERTS: tl.constexpr,
@@ -342,7 +356,8 @@ def _gemv_dp4a_kernel(xq_ptr, act_ptr, w16, w32, w16b, w32b, out_ptr, expert_ptr
     previous one (which wrote the activations, and for MoE the expert ids)."""
     if PDL:
         gdc_launch_dependents()
-        gdc_wait()
+        if HAS_EXPERTS:
+            gdc_wait()
     ms = tl.program_id(1) * BM + tl.arange(0, BM)
     m_ok = _below(ms, M, EVEN)
     cols = tl.program_id(0) * BN + tl.arange(0, BN)  # axis 0: a vocabulary's rows outnumber axis 1's limit
@@ -356,6 +371,9 @@ def _gemv_dp4a_kernel(xq_ptr, act_ptr, w16, w32, w16b, w32b, out_ptr, expert_ptr
     row_base = rows.to(tl.int64) * row_units
     if HAS_EXPERTS:
         row_base += tl.load(expert_ptr + tl.program_id(1)).to(tl.int64) * expert_units
+    if PDL and not HAS_EXPERTS:  # the first step's weight bytes towards L2 while the previous kernel drains
+        _prefetch_rows(w16, tl.where(row_ok, row_base, 0), row_units, QTYPE, SB)
+        gdc_wait()
     x_g16 = (ms // rows_per_x).to(tl.int64) * n_g16  # first 16-value group of each activation row
     PARTS: tl.constexpr = SB * 2 if QTYPE <= 1 else SB
     acc = tl.zeros((BM, BN, PARTS), dtype=tl.float32)
