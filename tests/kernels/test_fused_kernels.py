@@ -194,24 +194,24 @@ def test_new_kernels_compile_for_hopper(kernel):
                   dict(TOPK=8, TOPK_P2=8, BLOCK_E=256)),
         "combine": (moe_triton._combine_kernel, dict(y_ptr=ptr, w_ptr=ptr, s_ptr=ptr, g_ptr=ptr, out_ptr=ptr, H=i32,
                                                      s_stride=i32, g_stride=i32), dict(TOPK=8, HAS_SHARED=True, BLOCK=2048)),
-        "gemv": (gemv_triton._gemv_kernel, gemv_sig, dict(one_tile, HAS_EXPERTS=False, GLU=False, PDL=True)),
-        "gemv_glu": (gemv_triton._gemv_kernel, gemv_sig, dict(one_tile, HAS_EXPERTS=False, GLU=True, PDL=True)),
+        "gemv": (gemv_triton._gemv_kernel, gemv_sig, dict(one_tile, HAS_EXPERTS=False, GLU=False)),
+        "gemv_glu": (gemv_triton._gemv_kernel, gemv_sig, dict(one_tile, HAS_EXPERTS=False, GLU=True)),
         "gemv_glu_pipelined": (gemv_triton._gemv_kernel, gemv_sig,
                                dict(BLOCK_N=2, BLOCK_K=256, K_TILES=3, STAGES=3, EVEN_K=False, HAS_EXPERTS=False,
-                                    GLU=True, PDL=False)),
-        "expert_gemv": (gemv_triton._gemv_kernel, gemv_sig, dict(one_tile, HAS_EXPERTS=True, GLU=True, PDL=True)),
+                                    GLU=True)),
+        "expert_gemv": (gemv_triton._gemv_kernel, gemv_sig, dict(one_tile, HAS_EXPERTS=True, GLU=True)),
         "down_combine": (gemv_triton._down_combine_kernel, down_sig,
-                         dict(one_tile, TOPK=8, KS_TILES=1, EVEN_KS=True, HAS_SHARED=True, PDL=True)),
+                         dict(one_tile, TOPK=8, KS_TILES=1, EVEN_KS=True, HAS_SHARED=True)),
         "down_combine_pipelined": (gemv_triton._down_combine_kernel, down_sig,
                                    dict(BLOCK_N=2, BLOCK_K=256, K_TILES=2, KS_TILES=3, STAGES=2, EVEN_K=True,
-                                        EVEN_KS=False, TOPK=8, HAS_SHARED=True, PDL=False)),
+                                        EVEN_KS=False, TOPK=8, HAS_SHARED=True)),
         "norm_int8": (norm_triton._add_rms_norm_kernel,
                       dict(x_ptr=ptr, r_ptr=ptr, w_ptr="*fp32", res_ptr=ptr, y_ptr=ptr, xq_ptr="*i8", act_ptr="*fp32",
                            N=i32, stride_x=i32, stride_r=i32, stride_res=i32, stride_y=i32, eps="fp32"),
-                      dict(HAS_R=True, BLOCK=4096, QUANT=True, PDL=True)),
+                      dict(HAS_R=True, BLOCK=4096, QUANT=True)),
         "swiglu_int8": (swiglu_triton._silu_mul_kernel,
                         dict(g_ptr=ptr, u_ptr=ptr, o_ptr=ptr, xq_ptr="*i8", act_ptr="*fp32", N=i32, stride_g=i32,
-                             stride_u=i32, stride_o=i32), dict(BLOCK=2048, QUANT=True, PDL=True)),
+                             stride_u=i32, stride_o=i32), dict(BLOCK=2048, QUANT=True)),
         "gdn_columns": (gdn_decode_triton._gdn_conv_columns_kernel,
                         dict(x_ptr=ptr, cw_ptr="*fp32", conv_ptr=ptr, a_ptr=ptr, b_ptr=ptr, A_ptr="*fp32",
                              dtb_ptr="*fp32", state_ptr="*fp32", slot_ptr="*i64", o_ptr="*fp32", ss_ptr="*fp32",
@@ -224,11 +224,8 @@ def test_new_kernels_compile_for_hopper(kernel):
     }[kernel]
     sig.update({name: "constexpr" for name in const})
     try:
-        ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+        triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32))
     except (FileNotFoundError, RuntimeError) as err:
         if "ptxas" in str(err):
             pytest.skip(f"no ptxas: {err}")
         raise
-    if const.get("PDL"):  # programmatic dependent launch (kernels/pdl.py): the mat-vecs wait, their feeders signal
-        assert "griddepcontrol.launch_dependents" in ptx
-        assert ("griddepcontrol.wait" in ptx) == kernel.startswith(("gemv", "expert", "down"))

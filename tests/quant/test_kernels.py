@@ -323,11 +323,10 @@ def test_int8_matvec_compiles_for_hopper(qtype, rows, stages):
            "out_ptr": "*bf16", "expert_ptr": "*i32", "M": "i32", "N": "i32", "n_first": "i32", "row_units": "i32",
            "n_units": "i32", "expert_units": "i32", "n_g16": "i32", "rows_per_x": "i32", "out_stride": "i32"}
     const = dict(QTYPE=k.QTYPE_ID[qtype], BM=1 if experts else k._block_m(rows, None), BN=bn, SB=sb,
-                 STAGES=stages, HAS_EXPERTS=experts, TWO=experts, EVEN=rows == 1, PDL=stages == 1, EMULATE=False)
+                 STAGES=stages, HAS_EXPERTS=experts, TWO=experts, EVEN=rows == 1, EMULATE=False)
     sizes = ("N", "n_first", "row_units", "n_units", "expert_units", "n_g16", "out_stride")  # as at 4096 wide
     ptx = _compile_for_hopper(k._gemv_dp4a_kernel, sig, const, warps, sizes if rows == 1 else ())
     assert "dp4a" in ptx
-    assert ("griddepcontrol.wait" in ptx) == (stages == 1)  # programmatic dependent launch (kernels/pdl.py)
     if qtype == "Q6_K":
         assert min(_global_read_bytes(ptx)) == 4 and 16 in _global_read_bytes(ptx)
     if qtype in ("Q4_K", "Q5_K") and rows == 1 and stages == 1:  # unmasked: every block field in 16-byte loads

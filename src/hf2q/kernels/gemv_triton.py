@@ -25,9 +25,6 @@ import torch
 import triton
 import triton.language as tl
 
-from hf2q.kernels import pdl
-from hf2q.kernels.pdl import gdc_launch_dependents, gdc_wait
-
 MAX_ROWS = 4
 
 Config = tuple[int, int, int, int]  # (BLOCK_N, BLOCK_K, num_warps, STAGES)
@@ -70,20 +67,11 @@ def _load(ptrs, k_ok, EVEN_K: tl.constexpr):
 
 @triton.jit
 def _dot_rows(w_ptrs, x_ptrs, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
-              STAGES: tl.constexpr, EVEN_K: tl.constexpr, WAIT: tl.constexpr):
-    """BLOCK_N rows of W times x, both as [BLOCK_N, BLOCK_K] pointer tiles at K offset 0 -> fp32 [BLOCK_N].
-    WAIT (programmatic dependent launch, kernels/pdl.py): the first W tile is loaded before waiting for the
-    kernel that wrote x."""
+              STAGES: tl.constexpr, EVEN_K: tl.constexpr):
+    """BLOCK_N rows of W times x, both as [BLOCK_N, BLOCK_K] pointer tiles at K offset 0 -> fp32 [BLOCK_N]."""
     ks = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    if WAIT:
-        k_ok = (ks < K)[None, :]
-        w_tile = _load(w_ptrs, k_ok, EVEN_K).to(tl.float32)
-        gdc_wait()
-        acc += tl.sum(w_tile * _load(x_ptrs, k_ok, EVEN_K).to(tl.float32), 1)
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-    for t in tl.range(1 if WAIT else 0, K_TILES, num_stages=STAGES):
+    for t in tl.range(0, K_TILES, num_stages=STAGES):
         k_ok = (t * BLOCK_K + ks < K)[None, :]
         w_tile = _load(w_ptrs, k_ok, EVEN_K).to(tl.float32)
         acc += tl.sum(w_tile * _load(x_ptrs, k_ok, EVEN_K).to(tl.float32), 1)
@@ -94,23 +82,12 @@ def _dot_rows(w_ptrs, x_ptrs, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K
 
 @triton.jit
 def _dot_row_pairs(g_ptrs, u_ptrs, x_ptrs, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
-                   STAGES: tl.constexpr, EVEN_K: tl.constexpr, WAIT: tl.constexpr):
+                   STAGES: tl.constexpr, EVEN_K: tl.constexpr):
     """_dot_rows of two weights' rows over the same x tiles (each x tile loaded once) -> (fp32, fp32)."""
     ks = tl.arange(0, BLOCK_K)
     acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
-    if WAIT:
-        k_ok = (ks < K)[None, :]
-        g_tile = _load(g_ptrs, k_ok, EVEN_K).to(tl.float32)
-        u_tile = _load(u_ptrs, k_ok, EVEN_K).to(tl.float32)
-        gdc_wait()
-        x_tile = _load(x_ptrs, k_ok, EVEN_K).to(tl.float32)
-        acc_g += tl.sum(g_tile * x_tile, 1)
-        acc_u += tl.sum(u_tile * x_tile, 1)
-        g_ptrs += BLOCK_K
-        u_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-    for t in tl.range(1 if WAIT else 0, K_TILES, num_stages=STAGES):
+    for t in tl.range(0, K_TILES, num_stages=STAGES):
         k_ok = (t * BLOCK_K + ks < K)[None, :]
         x_tile = _load(x_ptrs, k_ok, EVEN_K).to(tl.float32)
         acc_g += tl.sum(_load(g_ptrs, k_ok, EVEN_K).to(tl.float32) * x_tile, 1)
@@ -124,7 +101,7 @@ def _dot_row_pairs(g_ptrs, u_ptrs, x_ptrs, K, BLOCK_N: tl.constexpr, BLOCK_K: tl
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, w2_ptr, y_ptr, experts_ptr, N, n_first, K, rows_per_x, stride_xm, stride_we, stride_wn,
                  stride_ym, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, STAGES: tl.constexpr,
-                 EVEN_K: tl.constexpr, HAS_EXPERTS: tl.constexpr, GLU: tl.constexpr, PDL: tl.constexpr):
+                 EVEN_K: tl.constexpr, HAS_EXPERTS: tl.constexpr, GLU: tl.constexpr):
     """One row of x: multiply-adds on the CUDA cores, one reduction over K per tile.
 
     HAS_EXPERTS (MoE token-expert pairs): program column p multiplies x row p // rows_per_x by expert
@@ -132,17 +109,11 @@ def _gemv_kernel(x_ptr, w_ptr, w2_ptr, y_ptr, experts_ptr, N, n_first, K, rows_p
     GLU (SwiGLU in the epilogue, so gate and up never reach memory and no activation kernel follows):
     output columns n_first + j (j < N - n_first) are silu(g)·u with g from row n_first + j of w and u
     from row j of w2; the first cdiv(n_first, BLOCK_N) programs write columns 0..n_first from the
-    first rows of w as usual (a pack's other projections).
-    PDL: launched with programmatic dependent launch (kernels/pdl.py); dense weights' first tiles are read
-    before the wait, an expert stack's only after it (the expert ids come from the previous kernel)."""
+    first rows of w as usual (a pack's other projections)."""
     x_row = x_ptr
     y_row = y_ptr
     w = w_ptr
     w2 = w2_ptr
-    if PDL:
-        gdc_launch_dependents()
-        if HAS_EXPERTS:
-            gdc_wait()
     if HAS_EXPERTS:
         p = tl.program_id(1)
         expert = tl.load(experts_ptr + p).to(tl.int64) * stride_we
@@ -165,14 +136,13 @@ def _gemv_kernel(x_ptr, w_ptr, w2_ptr, y_ptr, experts_ptr, N, n_first, K, rows_p
         j_ok = tl.minimum(j, n_glu - 1)  # as below: rows past the last re-read it, only the store is masked
         g_ptrs = w + (n_first + j_ok).to(tl.int64)[:, None] * stride_wn + ks[None, :]
         u_ptrs = w2 + j_ok.to(tl.int64)[:, None] * stride_wn + ks[None, :]
-        g, u = _dot_row_pairs(g_ptrs, u_ptrs, x_ptrs, K, BLOCK_N, BLOCK_K, K_TILES, STAGES, EVEN_K,
-                              PDL and not HAS_EXPERTS)
+        g, u = _dot_row_pairs(g_ptrs, u_ptrs, x_ptrs, K, BLOCK_N, BLOCK_K, K_TILES, STAGES, EVEN_K)
         tl.store(y_row + n_first + j, (g * tl.sigmoid(g) * u).to(y_ptr.dtype.element_ty), mask=j < n_glu)
     else:
         cols = tl.program_id(0) * BLOCK_N + lanes
         # Rows past the weight's last re-read that row so W's loads need no row mask; only the stores are masked.
         w_ptrs = w + tl.minimum(cols, n_plain - 1).to(tl.int64)[:, None] * stride_wn + ks[None, :]
-        acc = _dot_rows(w_ptrs, x_ptrs, K, BLOCK_N, BLOCK_K, K_TILES, STAGES, EVEN_K, PDL and not HAS_EXPERTS)
+        acc = _dot_rows(w_ptrs, x_ptrs, K, BLOCK_N, BLOCK_K, K_TILES, STAGES, EVEN_K)
         tl.store(y_row + cols, acc.to(y_ptr.dtype.element_ty), mask=cols < n_plain)
 
 
@@ -181,15 +151,10 @@ def _down_combine_kernel(h_ptr, w_ptr, experts_ptr, route_ptr, hs_ptr, ws_ptr, g
                          stride_we, stride_wn, stride_hs, stride_wsn, stride_g, stride_ym, TOPK: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
                          KS_TILES: tl.constexpr, STAGES: tl.constexpr, EVEN_K: tl.constexpr, EVEN_KS: tl.constexpr,
-                         HAS_SHARED: tl.constexpr, PDL: tl.constexpr):
+                         HAS_SHARED: tl.constexpr):
     """Program (BLOCK_N output columns, token t): the MoE block's last step at once, in fp32,
     Σ_j route[t, j] · (down_exps[experts[t, j]] · h[t·TOPK + j]) + sigmoid(g[t]) · (W_shared · hs[t]),
-    stored once. Neither the pair outputs nor the shared output reach memory, and no combine kernel follows.
-    PDL: launched with programmatic dependent launch (kernels/pdl.py); everything it reads but the weights
-    comes from the kernels before it, so it waits first."""
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+    stored once. Neither the pair outputs nor the shared output reach memory, and no combine kernel follows."""
     t = tl.program_id(1)
     lanes = tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
@@ -203,12 +168,12 @@ def _down_combine_kernel(h_ptr, w_ptr, experts_ptr, route_ptr, hs_ptr, ws_ptr, g
         route = tl.load(route_ptr + p).to(tl.float32)
         w_ptrs = w_ptr + expert * stride_we + rows * stride_wn + ks[None, :]
         x_ptrs = h_ptr + p.to(tl.int64) * stride_hp + x_cols
-        acc += route * _dot_rows(w_ptrs, x_ptrs, K, BLOCK_N, BLOCK_K, K_TILES, STAGES, EVEN_K, False)
+        acc += route * _dot_rows(w_ptrs, x_ptrs, K, BLOCK_N, BLOCK_K, K_TILES, STAGES, EVEN_K)
     if HAS_SHARED:
         gate = tl.sigmoid(tl.load(g_ptr + t.to(tl.int64) * stride_g).to(tl.float32))
         w_ptrs = ws_ptr + rows * stride_wsn + ks[None, :]
         x_ptrs = hs_ptr + t.to(tl.int64) * stride_hs + x_cols
-        acc += gate * _dot_rows(w_ptrs, x_ptrs, KS, BLOCK_N, BLOCK_K, KS_TILES, STAGES, EVEN_KS, False)
+        acc += gate * _dot_rows(w_ptrs, x_ptrs, KS, BLOCK_N, BLOCK_K, KS_TILES, STAGES, EVEN_KS)
     tl.store(y_ptr + t.to(tl.int64) * stride_ym + cols, acc.to(y_ptr.dtype.element_ty), mask=cols < N)
 
 
@@ -231,11 +196,6 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym
         x_ptrs += BLOCK_K
     y_ptrs = y_ptr + ms[None, :] * stride_ym + rows[:, None]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rows < N)[:, None] & (ms < M)[None, :])
-
-
-def _pdl(device) -> dict:
-    """The PDL constexpr and launch option of a one-row kernel (kernels/pdl.py)."""
-    return dict(PDL=True, **pdl.launch_options(device)) if pdl.enabled(device) else dict(PDL=False)
 
 
 def default_config(n: int, k: int, m: int) -> Config:
@@ -284,7 +244,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = 
     grid = (triton.cdiv(n, meta["BLOCK_N"]),)
     if m == 1:
         _gemv_kernel[grid](x2, weight, weight, y, weight, n, n, k, 1, 0, 0, weight.stride(0), 0, HAS_EXPERTS=False,
-                           GLU=False, **meta, **_pdl(x.device))
+                           GLU=False, **meta)
     else:
         _skinny_kernel[grid](x2, weight, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0), **meta)
     return y.view(*x.shape[:-1], n)
@@ -305,7 +265,7 @@ def gemv_glu(x: torch.Tensor, weight: torch.Tensor, n_first: int = 0, config: Co
     meta = _meta(k, config or pick_config(rows, k, 1))
     grid = (triton.cdiv(n_first, meta["BLOCK_N"]) + triton.cdiv(inter, meta["BLOCK_N"]),)
     _gemv_kernel[grid](x2, weight, weight[n_first + inter:], y, weight, n_first + inter, n_first, k, 1, 0, 0,
-                       weight.stride(0), 0, HAS_EXPERTS=False, GLU=True, **meta, **_pdl(x.device))
+                       weight.stride(0), 0, HAS_EXPERTS=False, GLU=True, **meta)
     return y.view(*x.shape[:-1], n_first + inter)
 
 
@@ -324,7 +284,7 @@ def expert_gemv(x: torch.Tensor, stack: torch.Tensor, experts: torch.Tensor, row
         _gemv_kernel[(triton.cdiv(n, meta["BLOCK_N"]), p)](
             x, stack, second if second is not None else stack, y, experts, n, 0 if second is not None else n, k,
             rows_per_x, x.stride(0), stack.stride(0), stack.stride(1), y.stride(0), HAS_EXPERTS=True,
-            GLU=second is not None, **meta, **_pdl(x.device))
+            GLU=second is not None, **meta)
     return y
 
 
@@ -357,5 +317,5 @@ def expert_down_combine(h: torch.Tensor, down: torch.Tensor, experts: torch.Tens
         _down_combine_kernel[(triton.cdiv(n, meta["BLOCK_N"]), t)](
             h, down, flat, route, hs, ws, g, y, n, k, ks, h.stride(0), down.stride(0), down.stride(1), hs.stride(0),
             ws.stride(0), g.stride(0), y.stride(0), TOPK=top_k, KS_TILES=triton.cdiv(ks, block_k),
-            EVEN_KS=ks % block_k == 0, HAS_SHARED=has_shared, **meta, **_pdl(h.device))
+            EVEN_KS=ks % block_k == 0, HAS_SHARED=has_shared, **meta)
     return y

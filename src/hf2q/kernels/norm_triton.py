@@ -13,17 +13,12 @@ import torch
 import triton
 import triton.language as tl
 
-from hf2q.kernels import pdl
-from hf2q.kernels.pdl import gdc_launch_dependents
 from hf2q.kernels.quant_dp4a_triton import int8_buffers, quantize_and_store, remember
 
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, res_ptr, y_ptr, xq_ptr, act_ptr, N, stride_x, stride_r, stride_res,
-                         stride_y, eps, HAS_R: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr,
-                         PDL: tl.constexpr):
-    if PDL:  # the mat-vec after it may start and read its weights (kernels/pdl.py)
-        gdc_launch_dependents()
+                         stride_y, eps, HAS_R: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     m = c < N
@@ -54,7 +49,7 @@ def add_rms_norm(x: torch.Tensor, add: Optional[torch.Tensor], weight: torch.Ten
     block = triton.next_power_of_2(n)
     _add_rms_norm_kernel[(t,)](x, add if add is not None else x, weight, res, y, xq, act, n, x.stride(0),
                                add.stride(0) if add is not None else 0, res.stride(0), y.stride(0), eps,
-                               HAS_R=add is not None, BLOCK=block, QUANT=quantize, PDL=pdl.enabled(x.device),
+                               HAS_R=add is not None, BLOCK=block, QUANT=quantize,
                                num_warps=min(16, max(4, block // 512)))
     if quantize:
         remember(y, xq, act)

@@ -32,8 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf2q.kernels import pdl, tune_cache
-from hf2q.kernels.pdl import gdc_launch_dependents, gdc_wait
+from hf2q.kernels import tune_cache
 from hf2q.kernels.quant_fields_triton import f16_bits
 from hf2q.kernels.quant_triton import QTYPE_ID, check_layout
 from hf2q.kernels.timing import cold_copies, graph_time_us
@@ -86,11 +85,9 @@ def quantize_and_store(xq_ptr, act_ptr, y, row, first, n_groups, BLOCK: tl.const
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, xq_ptr, act_ptr, n_groups, x_stride, GROUPS: tl.constexpr, PDL: tl.constexpr):
+def _quantize_kernel(x_ptr, xq_ptr, act_ptr, n_groups, x_stride, GROUPS: tl.constexpr):
     """Row m, 32-value groups g: xq = round(x / dx) in int8 with dx = max|x| / 127, and per 16-value half
     the four floats (store_int8_groups) that the mat-vec's offset and min terms need."""
-    if PDL:  # the mat-vec after it may start (kernels/pdl.py)
-        gdc_launch_dependents()
     m = tl.program_id(0)
     g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     l = tl.arange(0, 32)
@@ -326,24 +323,10 @@ def _q8_q4(w16, xq32, act, x_g16, m_ok, row_h, row_ok, u0, n_units, QTYPE: tl.co
 
 
 @triton.jit
-def _prefetch_rows(w16, row_base, row_units, QTYPE: tl.constexpr, SB: tl.constexpr):
-    """Ask L2 for the first SB blocks' bytes of the rows starting at unit row_base [BN] (units as in
-    _gemv_dp4a_kernel), one request per 128-byte line; nothing is returned to registers."""
-    UNIT: tl.constexpr = 4 if QTYPE == 2 or QTYPE == 3 else (16 if QTYPE == 4 else 2)  # bytes a unit
-    BLOCK: tl.constexpr = (34, 18, 144, 176, 210)[QTYPE]  # bytes a block (Q6_K: its share of a planar row)
-    LINES: tl.constexpr = triton.next_power_of_2((SB * BLOCK + 127) // 128)
-    last = row_units.to(tl.int64) * UNIT - 1  # a row's last byte: the lines never leave it
-    off = tl.minimum(tl.arange(0, LINES).to(tl.int64) * 128, last)
-    ptrs = w16 + (row_base * UNIT)[:, None] // 2 + off[None, :] // 2
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
 def _gemv_dp4a_kernel(xq_ptr, act_ptr, w16, w32, w16b, w32b, out_ptr, expert_ptr, M, N, n_first, row_units, n_units,
                       expert_units, n_g16, rows_per_x, out_stride, QTYPE: tl.constexpr, BM: tl.constexpr,
                       BN: tl.constexpr, SB: tl.constexpr, STAGES: tl.constexpr, HAS_EXPERTS: tl.constexpr,
-                      TWO: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr, EMULATE: tl.constexpr):
+                      TWO: tl.constexpr, EVEN: tl.constexpr, EMULATE: tl.constexpr):
     """out[m, n] = Σ_k x[m, k] · W[n, k] for BM activation rows and BN weight rows per program. Row
     strides come in the unit the type's blocks are read in (words for Q4_K / Q5_K, 16 bytes for planar
     Q6_K, else halves), so that the compiler sees their alignment. Parts are summed elementwise; one
@@ -351,13 +334,7 @@ def _gemv_dp4a_kernel(xq_ptr, act_ptr, w16, w32, w16b, w32b, out_ptr, expert_ptr
     this one computes (more bytes in flight per SM, paid for in registers and shared memory). TWO: output
     columns from n_first on come from a second weight of the same type (an MoE's gate and up stacks in one
     launch; n_first is a multiple of BN). Output row m multiplies activation row m // rows_per_x. EVEN: M,
-    N and the blocks a row are multiples of BM, BN and SB, so nothing is masked. PDL: launched with
-    programmatic dependent launch (kernels/pdl.py): it lets the next kernel start, then waits for the
-    previous one (which wrote the activations, and for MoE the expert ids)."""
-    if PDL:
-        gdc_launch_dependents()
-        if HAS_EXPERTS:
-            gdc_wait()
+    N and the blocks a row are multiples of BM, BN and SB, so nothing is masked."""
     ms = tl.program_id(1) * BM + tl.arange(0, BM)
     m_ok = _below(ms, M, EVEN)
     cols = tl.program_id(0) * BN + tl.arange(0, BN)  # axis 0: a vocabulary's rows outnumber axis 1's limit
@@ -371,9 +348,6 @@ def _gemv_dp4a_kernel(xq_ptr, act_ptr, w16, w32, w16b, w32b, out_ptr, expert_ptr
     row_base = rows.to(tl.int64) * row_units
     if HAS_EXPERTS:
         row_base += tl.load(expert_ptr + tl.program_id(1)).to(tl.int64) * expert_units
-    if PDL and not HAS_EXPERTS:  # the first step's weight bytes towards L2 while the previous kernel drains
-        _prefetch_rows(w16, tl.where(row_ok, row_base, 0), row_units, QTYPE, SB)
-        gdc_wait()
     x_g16 = (ms // rows_per_x).to(tl.int64) * n_g16  # first 16-value group of each activation row
     PARTS: tl.constexpr = SB * 2 if QTYPE <= 1 else SB
     acc = tl.zeros((BM, BN, PARTS), dtype=tl.float32)
@@ -406,8 +380,7 @@ def quantize_rows(x: torch.Tensor, key: torch.Tensor | None = None) -> tuple[tor
     m, k = xc.shape
     groups = k // 32
     xq, act = int8_buffers(m, k, x.device)
-    _quantize_kernel[(m, triton.cdiv(groups, 16))](xc, xq, act, groups, xc.stride(0), GROUPS=16,
-                                                   PDL=pdl.enabled(x.device))
+    _quantize_kernel[(m, triton.cdiv(groups, 16))](xc, xq, act, groups, xc.stride(0), GROUPS=16)
     out = (xq.view(torch.int32), act)
     _LAST["x"] = (weakref.ref(key), _stamp(key), out)
     return out
@@ -568,8 +541,7 @@ def _launch(xs, raw, qtype, n, experts, config, out_dtype=torch.float32, second=
         xq, act, *views, out, experts if experts is not None else views[0], m, n_total, n, row_units, n_units,
         n * row_units, k // 16, rows_per_x, out.stride(0), QTYPE=QTYPE_ID[qtype], BM=bm, BN=block_n, SB=sb,
         STAGES=stages, HAS_EXPERTS=experts is not None, TWO=second is not None,
-        EVEN=m % bm == 0 and n_total % block_n == 0 and n_units % sb == 0, PDL=pdl.enabled(xq.device),
-        EMULATE=EMULATE, num_warps=warps, **pdl.launch_options(xq.device))
+        EVEN=m % bm == 0 and n_total % block_n == 0 and n_units % sb == 0, EMULATE=EMULATE, num_warps=warps)
     return out
 
 

@@ -7,16 +7,12 @@ import torch
 import triton
 import triton.language as tl
 
-from hf2q.kernels import pdl
-from hf2q.kernels.pdl import gdc_launch_dependents
 from hf2q.kernels.quant_dp4a_triton import int8_buffers, quantize_and_store, remember
 
 
 @triton.jit
 def _silu_mul_kernel(g_ptr, u_ptr, o_ptr, xq_ptr, act_ptr, N, stride_g, stride_u, stride_o, BLOCK: tl.constexpr,
-                     QUANT: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # the mat-vec after it may start and read its weights (kernels/pdl.py)
-        gdc_launch_dependents()
+                     QUANT: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = c < N
@@ -38,8 +34,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, quantize: bool = False) -> to
     xq, act = int8_buffers(t, n, gate.device) if quantize else (out, out)
     block = min(2048, triton.next_power_of_2(n))
     _silu_mul_kernel[(t, triton.cdiv(n, block))](gate, up, out, xq, act, n, gate.stride(0), up.stride(0),
-                                                 out.stride(0), BLOCK=block, QUANT=quantize,
-                                                 PDL=pdl.enabled(gate.device), num_warps=8)
+                                                 out.stride(0), BLOCK=block, QUANT=quantize, num_warps=8)
     if quantize:
         remember(out, xq, act)
     return out
