@@ -211,7 +211,7 @@ def test_moe_experts_quant(qtype, monkeypatch):
     n_exp, hidden, inter, t, top_k = (4, 256, 256, 3, 2) if CUDA else (4, 64, 96, 1, 2) if qtype == "Q8_0" \
         else (3, 256, 256, 1, 2)
     if not CUDA and qtype == "Q6_K":
-        monkeypatch.setattr(quant_dp4a_triton, "candidates", lambda *a: [(64, 1, 4, 1)])
+        monkeypatch.setattr(quant_dp4a_triton, "_K_CANDIDATES", [(64, 1, 4, 1)])
     stacks, dense = [], []
     for i, (out, inp) in enumerate([(inter, hidden), (inter, hidden), (hidden, inter)]):
         raw = random_blocks(qtype, n_exp * out, inp, std=0.05, seed=10 + i)

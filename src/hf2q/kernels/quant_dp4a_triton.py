@@ -459,16 +459,20 @@ def _block_m(m: int, experts) -> int:
 
 def best_config(xs, raw, qtype: str, n: int, experts, second=None, rows_per_x: int = 1) -> tuple[int, int, int, int]:
     """The fastest candidate for this shape, timed once per (type, N, K, rows rounded up to a power of two,
-    experts) on CUDA outside graph capture (a capture's warm-up step does it); the first candidate
-    elsewhere, inside a capture, or with HF2Q_GEMV_TUNE=0. A choice stored by an earlier start on the
-    same card (kernels/tune_cache.py) is taken without timing. Timed from graph replays over copies of the
+    experts) on CUDA outside graph capture (a capture's warm-up step does it); the first candidate inside
+    a capture or with HF2Q_GEMV_TUNE=0; under Triton's interpreter, which pays per program, the one with
+    the most rows a program. A choice stored by an earlier start on the same card (kernels/tune_cache.py)
+    is taken without timing. Timed from graph replays over copies of the
     weight that overflow L2 (kernels/timing.py): eager launches of a 10 µs kernel measure the host's
     launch rate, and a weight left in L2 by the previous call favours configurations that need a warm
     cache. (An expert stack is one copy: its few chosen experts stay warm.)"""
     xq = xs[0]
     m = 1 if experts is not None else xq.shape[0]
     ok = [c for c in candidates(qtype, m) if not second or n % c[0] == 0]
-    if not xq.is_cuda or not _TUNE:
+    if not xq.is_cuda:  # no registers to spill: any candidate
+        every = _B_CANDIDATES if qtype in ("Q8_0", "Q4_0") else _K_CANDIDATES
+        return max((c for c in every if not second or n % c[0] == 0), key=lambda c: (c[0], c[1]))
+    if not _TUNE:
         return ok[0]
     pairs = xq.shape[0] * rows_per_x if experts is None else len(experts)
     key = TuneKey(qtype, n, second[1] if second else 0, xq.shape[1] * 4, 1 << (pairs - 1).bit_length(),
