@@ -53,7 +53,7 @@ def _check_int8_groups(out):
     quantizing `out` afterwards."""
     from hf2q.kernels import quant_dp4a_triton as q8
 
-    assert q8._LAST["x"][0]() is out
+    assert q8._RECENT[0][0]() is out
     xq, act = q8.quantize_rows(out)  # found, not recomputed
     fresh_xq, fresh_act = q8.quantize_rows(out.clone())
     assert torch.equal(xq.cpu(), fresh_xq.cpu())

@@ -99,14 +99,19 @@ def test_quantize_rows():
 
 
 @kernels
-def test_quantize_rows_reuses_the_last_input_only_while_unchanged():
+def test_quantize_rows_reuses_recent_inputs_only_while_unchanged():
     from hf2q.kernels.quant_dp4a_triton import quantize_rows
 
     x = torch.randn(2, 64, generator=torch.Generator().manual_seed(1)).to(DEV)
     first = quantize_rows(x)
     assert quantize_rows(x) is first  # a second pack of projections of the same input
-    assert quantize_rows(x.clone()) is not first  # equal values, another tensor
+    other = x.clone()
+    assert quantize_rows(other) is not first  # equal values, another tensor
+    assert quantize_rows(x) is first  # still kept after another input (an MoE's shared and routed experts)
+    for _ in range(4):  # pushed out by four newer inputs
+        quantize_rows(torch.randn(2, 64).to(DEV))
     again = quantize_rows(x)
+    assert again is not first
     x.mul_(2)  # changed in place: its version counter moves
     doubled = quantize_rows(x)
     assert doubled is not again and torch.allclose(doubled[1][..., 2], 2 * again[1][..., 2])

@@ -22,6 +22,7 @@ from two 16-bit halves.
 """
 from __future__ import annotations
 
+import collections
 import hashlib
 import os
 import weakref
@@ -368,25 +369,26 @@ def quantize_rows(x: torch.Tensor, key: torch.Tensor | None = None) -> tuple[tor
     """x [M, K] (K a multiple of 32) -> int8 values as int32 words [M, K/4], and float32 [M, K/16, 4]:
     per 16 values (dx, dx·Σxq of the 16, Σx - dx·Σxq and Σx of their 32-value group).
 
-    The last input's result is kept: projections of one input in several packs (a DeltaNet's Q5_K qkv
-    and Q4_K z/a/b; an MoE's shared expert and routed experts) quantize it once. The same tensor object
-    (`key`, the tensor x is a reshaped view of, else x), unmodified since (its version counter), is the
-    only hit (see _stamp for tensors made under inference mode)."""
+    The last few inputs' results are kept: projections of one input in several packs (a DeltaNet's Q5_K
+    qkv and Q4_K z/a/b; an MoE's shared expert and routed experts, whose SwiGLU outputs are quantized in
+    between) quantize it once. The same tensor object (`key`, the tensor x is a reshaped view of, else x),
+    unmodified since (its version counter), is the only hit (see _stamp for tensors made under inference
+    mode)."""
     key = x if key is None else key
-    last = _LAST.get("x")
-    if last is not None and last[0]() is key and last[1] == _stamp(key) and last[2][0].shape[0] == x.shape[0]:
-        return last[2]
+    for ref, stamp, out in _RECENT:
+        if ref() is key and stamp == _stamp(key) and out[0].shape[0] == x.shape[0]:
+            return out
     xc = x.contiguous()
     m, k = xc.shape
     groups = k // 32
     xq, act = int8_buffers(m, k, x.device)
     _quantize_kernel[(m, triton.cdiv(groups, 16))](xc, xq, act, groups, xc.stride(0), GROUPS=16)
     out = (xq.view(torch.int32), act)
-    _LAST["x"] = (weakref.ref(key), _stamp(key), out)
+    _RECENT.appendleft((weakref.ref(key), _stamp(key), out))
     return out
 
 
-_LAST: dict[str, tuple] = {}
+_RECENT: collections.deque = collections.deque(maxlen=4)  # (weakref to the input, its stamp, (xq, act))
 
 
 def _stamp(t: torch.Tensor):
@@ -405,7 +407,7 @@ def int8_buffers(m: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
 
 def remember(x: torch.Tensor, xq: torch.Tensor, act: torch.Tensor) -> None:
     """Record (xq, act) as x's quantization (written by a kernel that produced x), for quantize_rows."""
-    _LAST["x"] = (weakref.ref(x), _stamp(x), (xq.view(torch.int32), act))
+    _RECENT.appendleft((weakref.ref(x), _stamp(x), (xq.view(torch.int32), act)))
 
 
 # (BLOCK_N, blocks per step, warps, stages) candidates, most work per thread first: a mat-vec is fed by
