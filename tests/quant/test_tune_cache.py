@@ -75,3 +75,11 @@ def test_second_start_takes_the_stored_choice_without_timing(cache_file, monkeyp
 
     monkeypatch.setattr(k, "graph_time_us", no_timing)
     assert k.best_config(xs, raw, "Q4_K", 64, None) == first
+
+
+def test_scope_hash_ignores_prose_not_code():
+    code_hash = tune_cache.code_hash
+    src = 'def f(x):\n    """Why."""\n    return x + 1  # note\n'
+    assert code_hash(src) == code_hash('def f(x):\n    """Why, said otherwise."""\n    return x + 1\n')
+    assert code_hash(src) == code_hash('def f(x):\n    return x + 1\n')
+    assert code_hash(src) != code_hash('def f(x):\n    """Why."""\n    return x + 2\n')

@@ -23,7 +23,6 @@ from two 16-bit halves.
 from __future__ import annotations
 
 import collections
-import hashlib
 import os
 import weakref
 from pathlib import Path
@@ -256,7 +255,8 @@ def _q6k(w32, xq32, act, x_g16, m_ok, row_q, row_ok, u0, n_units, BM: tl.constex
     u_ok = _below(u, n_units, EVEN)
     mask = (m_ok[:, None, None] & row_ok[None, :, None]) & u_ok[None, None, :]
     # one layout for every tensor: offsets of weights and activations alike in [BM, BN, SB]
-    row = (x_g16 * 0)[:, None, None] + row_q[None, :, None] * 4 + (u * 0)[None, None, :]  # word offsets (16-byte aligned)
+    # word offsets of the rows (16-byte aligned)
+    row = (x_g16 * 0)[:, None, None] + row_q[None, :, None] * 4 + (u * 0)[None, None, :]
     x0 = x_g16[:, None, None] * 4 + (row_q * 0)[None, :, None] + (u * 64)[None, None, :]  # first activation word
     g0 = x0 // 4  # first 16-value activation group
     d_word = tl.load(w32 + row + 52 * n_units + (u // 2)[None, None, :], mask=mask, other=0)
@@ -354,8 +354,8 @@ def _gemv_dp4a_kernel(xq_ptr, act_ptr, w16, w32, w16b, w32b, out_ptr, expert_ptr
     acc = tl.zeros((BM, BN, PARTS), dtype=tl.float32)
     for u0 in tl.range(0, n_units, SB, num_stages=STAGES):
         if QTYPE == 2 or QTYPE == 3:
-            acc += _kquant_q45(w32, xq_ptr, act_ptr, x_g16, m_ok, row_base, row_ok, u0, n_units, QTYPE, BM, BN, SB, EVEN,
-                               EMULATE)
+            acc += _kquant_q45(w32, xq_ptr, act_ptr, x_g16, m_ok, row_base, row_ok, u0, n_units, QTYPE, BM, BN, SB,
+                               EVEN, EMULATE)
         elif QTYPE == 4:
             acc += _q6k(w32, xq_ptr, act_ptr, x_g16, m_ok, row_base, row_ok, u0, n_units, BM, BN, SB, EVEN, EMULATE)
         else:
@@ -504,7 +504,7 @@ def _tune_scope(device) -> str:
     return f"{torch.cuda.get_device_name(device)} | triton {triton.__version__} | {_SOURCE_HASH}"
 
 
-_SOURCE_HASH = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+_SOURCE_HASH = tune_cache.code_hash(Path(__file__).read_text())
 
 
 def _key_text(key: TuneKey) -> str:
