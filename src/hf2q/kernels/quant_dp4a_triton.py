@@ -3,7 +3,7 @@
 A float mat-vec spends a dozen instructions per weight unpacking, converting and multiplying. Here the
 activation rows are first quantized to int8 in 32-value groups (scale dx = max|x| / 127, as llama.cpp's
 q8_1), then each 32-bit word of weights is unpacked to four bytes with a mask and a shift and
-multiplied against four activation bytes by one dp4a instruction; the four words of a 16-value part
+multiplied against four activation bytes by one dp4a instruction; the words of a (sub-)block's part
 are chained through dp4a's accumulator, so no sum crosses threads inside the loop. Each part's integer
 sum is scaled once (d · scale · dx). Values are centred on their range's middle (Q4_K 8, Q5_K 16,
 Q6_K 32, Q4_0 8) through the quantized group's sum, and K-quant mins and the centring of K-quants use
@@ -11,8 +11,10 @@ the activations' exact float sums. The only rounding beyond fp32 accumulation is
 int8 quantization (about 0.5% relative per dot product; tests/quant/test_kernels.py states the
 tolerances).
 
-BLOCK_M activation rows share each unpacked weight word (batched decode). With `experts`, every row
-m has its own expert's weight (MoE token-expert pairs) and BLOCK_M is 1.
+K-quants (Q4_K, Q5_K, Q6_K): a thread owns whole (activation row, weight row, block) units and walks
+its block in static loops, so every shift that picks a scale, a min or a bit field is a constant.
+Q8_0 and Q4_0: a thread owns 16-value parts, and BLOCK_M activation rows share each unpacked weight
+word. With `experts`, every row m has its own expert's weight (MoE token-expert pairs) and BLOCK_M is 1.
 
 Layouts follow ggml's block structs byte for byte (see quant_triton.py), except Q6_K. Q4_K and Q5_K
 blocks are multiples of 16 bytes and are read as int32 words; Q6_K's 210-byte blocks would be only
