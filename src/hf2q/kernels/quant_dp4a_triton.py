@@ -174,6 +174,18 @@ def _quads3(ptr, off, mask):
 
 
 @triton.jit
+def _unit_grid(x_g16, m_ok, row_base, row_ok, u, n_units, EVEN: tl.constexpr):
+    """The K-quant kernels' (activation row, weight row, block) units as [BM, BN, SB] tensors, one layout for
+    every tensor so that nothing is shuffled between threads: the units' mask, their weight rows' first
+    unit (row_base broadcast), and their blocks' first activation word (the activation table has one
+    4-float quad per 16 values as xq has 4 words, so it is also the first quad's index)."""
+    mask = (m_ok[:, None, None] & row_ok[None, :, None]) & _below(u, n_units, EVEN)[None, None, :]
+    rows = (x_g16 * 0)[:, None, None] + row_base[None, :, None] + (u * 0)[None, None, :]
+    x0 = x_g16[:, None, None] * 4 + (row_base * 0)[None, :, None] + (u * 64)[None, None, :]
+    return mask, rows, x0
+
+
+@triton.jit
 def _act(act, g16, mask):
     """(dx, dx·Σxq of the half, Σx - dx·Σxq of the 32-value group, Σx of the group) of 16-value halves
     g16 [BM, Q], each [BM, 1, Q]."""
@@ -192,12 +204,8 @@ def _kquant_q45(w32, xq32, act, x_g16, m_ok, row_w, row_ok, u0, n_units, QTYPE: 
     QS: tl.constexpr = 4 if QTYPE == 2 else 12  # first quant word
     OFF: tl.constexpr = 8 if QTYPE == 2 else 16  # middle of the value range
     u = u0 + tl.arange(0, SB)
-    u_ok = _below(u, n_units, EVEN)
-    # one layout for every tensor: offsets of weights and activations alike in [BM = 1, BN, SB]
-    mask = (m_ok[:, None, None] & row_ok[None, :, None]) & u_ok[None, None, :]
-    blk = (x_g16 * 0)[:, None, None] + row_w[None, :, None] + (u * BW)[None, None, :]  # word offsets
-    x0 = x_g16[:, None, None] * 4 + (row_w * 0)[None, :, None] + (u * 64)[None, None, :]  # first activation word
-    g0 = x0 // 4  # first 16-value activation group
+    mask, rows, x0 = _unit_grid(x_g16, m_ok, row_w, row_ok, u, n_units, EVEN)
+    blk = rows + (u * BW)[None, None, :]  # word offsets of the blocks
     head, wa, wb, wh = _quads3(w32, blk, mask)  # d | dmin, then scale bytes 0-3, 4-7, 8-11
     d = f16_bits(head)
     dmin = f16_bits(head >> 16)
@@ -236,7 +244,7 @@ def _kquant_q45(w32, xq32, act, x_g16, m_ok, row_w, row_ok, u0, n_units, QTYPE: 
                 dot = acc_hi.to(tl.float32) * 0.0625
             else:
                 dot = acc_hi.to(tl.float32)
-            dx, _, fix, sx = _quads3(act, (g0 + (4 * c + 2 * nib)) * 4, mask)  # the sub-block's activation group
+            dx, _, fix, sx = _quads3(act, x0 + 4 * (4 * c + 2 * nib), mask)  # the sub-block's activation group
             # Σ q·x = dx·Σ (q - OFF)·xq + OFF·(Σx - dx·Σxq): centring the values halves the part the int8
             # rounding touches, and Σx is exact.
             part += d * sc.to(tl.float32) * (dx * dot + OFF * fix) - dmin * mn.to(tl.float32) * sx
@@ -254,13 +262,8 @@ def _q6k(w32, xq32, act, x_g16, m_ok, row_q, row_ok, u0, n_units, BM: tl.constex
     block's 16-value pieces (h, j, half of l) in static loops, so every shift is a constant and each word
     of nibbles and tops is read once. Values are stored + 32."""
     u = u0 + tl.arange(0, SB)
-    u_ok = _below(u, n_units, EVEN)
-    mask = (m_ok[:, None, None] & row_ok[None, :, None]) & u_ok[None, None, :]
-    # one layout for every tensor: offsets of weights and activations alike in [BM, BN, SB]
-    # word offsets of the rows (16-byte aligned)
-    row = (x_g16 * 0)[:, None, None] + row_q[None, :, None] * 4 + (u * 0)[None, None, :]
-    x0 = x_g16[:, None, None] * 4 + (row_q * 0)[None, :, None] + (u * 64)[None, None, :]  # first activation word
-    g0 = x0 // 4  # first 16-value activation group
+    mask, rows, x0 = _unit_grid(x_g16, m_ok, row_q, row_ok, u, n_units, EVEN)
+    row = rows * 4  # word offsets of the rows (16-byte aligned)
     d_word = tl.load(w32 + row + 52 * n_units + (u // 2)[None, None, :], mask=mask, other=0)
     d = f16_bits(d_word >> (16 * (u % 2))[None, None, :])
     scales = _quads3(w32, row + 48 * n_units + (4 * u)[None, None, :], mask)  # word 2h + j // 2: bytes 2(j % 2) + half
@@ -280,7 +283,7 @@ def _q6k(w32, xq32, act, x_g16, m_ok, row_q, row_ok, u0, n_units, BM: tl.constex
                         top = qh0[i] if hf == 0 else qh1[i]
                         vals = ((low >> (4 * jhi)) & NIBBLES) | (((top >> (2 * (2 * jhi + jlo))) & 0x03030303) << 4)
                         dot = _dp4a_acc(vals, x_quad[i], dot, False, EMULATE)
-                    dx, sq, _, _ = _quads3(act, (g0 + (8 * h + 2 * (2 * jhi + jlo) + hf)) * 4, mask)
+                    dx, sq, _, _ = _quads3(act, x0 + 4 * (8 * h + 2 * (2 * jhi + jlo) + hf), mask)
                     sc = ((scales[2 * h + jhi] << (24 - 8 * (2 * jlo + hf))) >> 24).to(tl.float32)
                     part += sc * (dx * dot.to(tl.float32) - 32 * sq)
     return part * d
@@ -471,11 +474,14 @@ def best_config(xs, raw, qtype: str, n: int, experts, second=None, rows_per_x: i
     launch rate, and a weight left in L2 by the previous call favours configurations that need a warm
     cache. (An expert stack is one copy: its few chosen experts stay warm.)"""
     xq = xs[0]
-    m = 1 if experts is not None else xq.shape[0]
-    ok = [c for c in candidates(qtype, m) if not second or n % c[0] == 0]
+
+    def fits(c):  # two weights in one launch: the first's rows are whole programs
+        return not second or n % c[0] == 0
+
     if not xq.is_cuda:  # no registers to spill: any candidate
         every = _B_CANDIDATES if qtype in ("Q8_0", "Q4_0") else _K_CANDIDATES
-        return max((c for c in every if not second or n % c[0] == 0), key=lambda c: (c[0], c[1]))
+        return max(filter(fits, every), key=lambda c: (c[0], c[1]))
+    ok = list(filter(fits, candidates(qtype, 1 if experts is not None else xq.shape[0])))
     if not _TUNE:
         return ok[0]
     pairs = xq.shape[0] * rows_per_x if experts is None else len(experts)
