@@ -135,7 +135,7 @@ def random_quant_model(cfg: ModelConfig, mix: str, tie: bool = False, device="cu
     for the 20 GB of a 35B-A3B Q4_K_M."""
     from hf2q.layers.rotary import RotaryEmbedding
     from hf2q.models.qwen35 import Qwen35Model
-    from hf2q.quant import keep_blocks, kept_row, planar_on, random_blocks
+    from hf2q.quant import interleaved_on, keep_blocks, kept_row, random_blocks
 
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -147,7 +147,7 @@ def random_quant_model(cfg: ModelConfig, mix: str, tie: bool = False, device="cu
     plan = quant_plan(net, mix)
     for m, stack, qtype in plan:  # meta blocks drop the dense weights before anything is allocated
         shape = m.stack_shape(stack) if stack else (m.out_features, m.in_features)
-        dtype_kept, width = kept_row(qtype, shape[-1], planar_on(qtype, device))  # as keep_blocks lays them out
+        dtype_kept, width = kept_row(qtype, shape[-1], interleaved_on(qtype, device))  # as keep_blocks lays them out
         raw = torch.empty(*shape[:-1], width, dtype=dtype_kept, device="meta")
         if stack:
             m.set_quantized(stack, raw, qtype)
@@ -197,7 +197,7 @@ def weight_bytes(net, active_experts: float | None = None) -> int:
     input embedding (unless tied), with MoE expert stacks counted for `active_experts` experts per
     layer (None: all)."""
     tensors = list(net.named_parameters())
-    # kept blocks: ggml bytes (uint8) or planar Q6_K rows (int32 words)
+    # kept blocks: ggml bytes (uint8) or interleaved K-quant rows (int32 words)
     tensors += [(n, b) for n, b in net.named_buffers() if b is not None and b.dtype in (torch.uint8, torch.int32)]
     total = 0
     for name, p in tensors:

@@ -1,4 +1,4 @@
-"""GGUF block formats kept quantized: their sizes, the planar rows Q6_K is kept in on CUDA, and random
+"""GGUF block formats kept quantized: their sizes, the interleaved rows K-quants are kept in on CUDA, and random
 valid blocks for benchmarks and tests.
 
 Random blocks are built field by field (scales, mins, packed quants) so that dequantized values have
@@ -29,8 +29,8 @@ def row_bytes(qtype: str, in_features: int) -> int:
 
 def dequantize_ref(raw: torch.Tensor, qtype: str, shape: tuple[int, ...]) -> torch.Tensor:
     """fp32 values of quantized rows, by gguf's reference dequantization (the test oracle)."""
-    if is_planar(raw, qtype):
-        raise ValueError("planar Q6_K rows are for the GPU kernels; q6_k_from_planar gives gguf's layout back")
+    if is_interleaved(raw, qtype):
+        raise ValueError("interleaved rows are for the GPU kernels; from_gpu_rows gives gguf's layout back")
     from gguf.constants import GGMLQuantizationType
     from gguf.quants import dequantize
 
@@ -38,74 +38,79 @@ def dequantize_ref(raw: torch.Tensor, qtype: str, shape: tuple[int, ...]) -> tor
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(shape))
 
 
-# ---- Q6_K kept on the GPU: planar rows -------------------------------------------------------------
-# A Q6_K block is 210 bytes (ql[128] low nibbles, qh[64] top bits, scales[16] int8, f16 d), so blocks in
-# ggml's order are only 2-byte aligned and a GPU kernel would have to join 16-bit halves into words.
-# Kept on CUDA, each row's blocks are regrouped into planes instead: [ql of every block | qh of every
-# block | scales of every block | d of every block]. Within a row of B blocks the planes start at bytes
-# 0, 128·B, 192·B and 208·B, all multiples of 16 for any B; the row stride (210·B bytes) is padded with
-# zeros to a multiple of 16 bytes, which adds bytes only where B is not a multiple of 8 (at most 14 a
-# row). Planar rows are held as int32 words, so the dtype tells the two layouts apart everywhere: uint8
-# is ggml's byte order (the CPU reference reads it), int32 the planar rows (the Triton kernels read it).
-Q6_K_PLANES = (128, 64, 16, 2)  # bytes per block of ql, qh, scales, d
+# ---- K-quants kept on the GPU: interleaved rows ----------------------------------------------------
+# A decode thread of the mat-vec owns whole blocks, and neighbouring threads own neighbouring blocks of
+# a row. In ggml's order those blocks are 144 (Q4_K), 176 (Q5_K) or 210 (Q6_K) bytes apart, so one
+# 16-byte load of a warp touches 32 cache lines, and the kernels stall on L1 throughput long before
+# DRAM's. Kept on CUDA, each row of B K-quant blocks is regrouped in 16-byte quads instead: quad q of
+# block u moves to quad q·B + u of the row, so the warp's load reads consecutive bytes. A Q4_K block is
+# 9 quads (header, 8 of nibbles), a Q5_K block 11 (header, 2 of fifth bits, 8 of nibbles). A Q6_K
+# block (ql[128] low nibbles, qh[64] top bits, scales[16] int8, f16 d) has 13 quads before its d; the
+# d of every block follow the 13·B quads as one plane, and the row is padded with zeros to a multiple
+# of 16 bytes (only where B is not a multiple of 8: at most 14 bytes a row). Kept rows are int32 words,
+# so the dtype tells the layouts apart everywhere: uint8 is ggml's byte order (the CPU reference reads
+# it), int32 the interleaved rows (the Triton kernels read them).
+KQUANTS = ("Q4_K", "Q5_K", "Q6_K")
+QUADS = {"Q4_K": 9, "Q5_K": 11, "Q6_K": 13}  # 16-byte quads a block interleaves (Q6_K: all but d)
 
 
-def planar_row_words(in_features: int) -> int:
-    """int32 words of one planar Q6_K row of `in_features` values (210 bytes a block, padded to 16)."""
-    nbytes = row_bytes("Q6_K", in_features)
-    return -(-nbytes // 16) * 4
+def gpu_row_words(qtype: str, in_features: int) -> int:
+    """int32 words of one interleaved row of `in_features` values (Q6_K padded to 16 bytes)."""
+    return -(-row_bytes(qtype, in_features) // 16) * 4
 
 
-def kept_row(qtype: str, in_features: int, planar: bool) -> tuple[torch.dtype, int]:
-    """(dtype, elements) of one kept row of `qtype`: planar Q6_K int32 words, else ggml's uint8 bytes."""
-    if planar:
-        return torch.int32, planar_row_words(in_features)
+def kept_row(qtype: str, in_features: int, interleaved: bool) -> tuple[torch.dtype, int]:
+    """(dtype, elements) of one kept row of `qtype`: interleaved int32 words, else ggml's uint8 bytes."""
+    if interleaved:
+        return torch.int32, gpu_row_words(qtype, in_features)
     return torch.uint8, row_bytes(qtype, in_features)
 
 
-def is_planar(raw: torch.Tensor, qtype: str) -> bool:
-    return qtype == "Q6_K" and raw.dtype == torch.int32
+def is_interleaved(raw: torch.Tensor, qtype: str) -> bool:
+    return qtype in KQUANTS and raw.dtype == torch.int32
 
 
-def q6_k_to_planar(raw: torch.Tensor) -> torch.Tensor:
-    """ggml-order Q6_K rows, uint8 [..., rows, 210·B], as planar int32 rows [..., rows, planar_row_words]
-    (layout above): the GPU then reads every field with aligned 32-bit (and 16-byte) loads."""
-    nb = raw.shape[-1] // 210
-    if raw.dtype != torch.uint8 or raw.shape[-1] != 210 * nb or nb == 0:
-        raise ValueError(f"not ggml-order Q6_K rows: {raw.dtype} {tuple(raw.shape)}")
-    blocks = raw.reshape(*raw.shape[:-1], nb, 210)
-    planes, start = [], 0
-    for size in Q6_K_PLANES:
-        planes.append(blocks[..., start:start + size].flatten(-2))
-        start += size
-    words = planar_row_words(256 * nb)
-    planes.append(raw.new_zeros(*raw.shape[:-1], 4 * words - 210 * nb))
-    return torch.cat(planes, dim=-1).view(torch.int32)
+def to_gpu_rows(raw: torch.Tensor, qtype: str) -> torch.Tensor:
+    """ggml-order K-quant rows, uint8 [..., rows, row_bytes], as interleaved int32 rows [..., rows,
+    gpu_row_words] (layout above): every warp load of the GPU kernels then reads consecutive bytes."""
+    elems, size = block_layout(qtype)
+    nb = raw.shape[-1] // size
+    if qtype not in KQUANTS or raw.dtype != torch.uint8 or raw.shape[-1] != size * nb or nb == 0:
+        raise ValueError(f"not ggml-order {qtype} rows: {raw.dtype} {tuple(raw.shape)}")
+    quads = QUADS[qtype]
+    blocks = raw.reshape(*raw.shape[:-1], nb, size)
+    parts = [blocks[..., :16 * quads].unflatten(-1, (quads, 16)).transpose(-3, -2).flatten(-3)]
+    if qtype == "Q6_K":
+        parts.append(blocks[..., 16 * quads:].flatten(-2))
+        parts.append(raw.new_zeros(*raw.shape[:-1], 4 * gpu_row_words(qtype, elems * nb) - size * nb))
+    return torch.cat(parts, dim=-1).view(torch.int32)
 
 
-def q6_k_from_planar(planar: torch.Tensor, in_features: int) -> torch.Tensor:
-    """The ggml-order uint8 rows that q6_k_to_planar regrouped, byte for byte."""
-    nb = row_bytes("Q6_K", in_features) // 210
-    if planar.dtype != torch.int32 or planar.shape[-1] != planar_row_words(in_features):
-        raise ValueError(f"not planar Q6_K rows of {in_features} values: {planar.dtype} {tuple(planar.shape)}")
-    flat = planar.contiguous().view(torch.uint8)
-    planes, start = [], 0
-    for size in Q6_K_PLANES:
-        planes.append(flat[..., start:start + size * nb].unflatten(-1, (nb, size)))
-        start += size * nb
-    return torch.cat(planes, dim=-1).flatten(-2)
+def from_gpu_rows(rows: torch.Tensor, qtype: str, in_features: int) -> torch.Tensor:
+    """The ggml-order uint8 rows that to_gpu_rows regrouped, byte for byte."""
+    _, size = block_layout(qtype)
+    nb = row_bytes(qtype, in_features) // size
+    if not is_interleaved(rows, qtype) or rows.shape[-1] != gpu_row_words(qtype, in_features):
+        raise ValueError(f"not interleaved {qtype} rows of {in_features} values: {rows.dtype} {tuple(rows.shape)}")
+    flat = rows.contiguous().view(torch.uint8)
+    quads = QUADS[qtype]
+    parts = [flat[..., :16 * quads * nb].unflatten(-1, (quads, nb, 16)).transpose(-3, -2).flatten(-2)]
+    if qtype == "Q6_K":
+        parts.append(flat[..., 16 * quads * nb:size * nb].unflatten(-1, (nb, 2)))
+    return torch.cat(parts, dim=-1).flatten(-2)
 
 
-def planar_on(qtype: str, device) -> bool:
-    """Whether `qtype` blocks kept on `device` are planar rows: Q6_K on CUDA."""
-    return qtype == "Q6_K" and torch.device(device).type == "cuda"
+def interleaved_on(qtype: str, device) -> bool:
+    """Whether `qtype` blocks kept on `device` are interleaved rows: K-quants on CUDA."""
+    return qtype in KQUANTS and torch.device(device).type == "cuda"
 
 
 def keep_blocks(raw: torch.Tensor, qtype: str, device) -> torch.Tensor:
-    """ggml-order blocks [..., rows, row_bytes] as a kept weight on `device`: Q6_K on CUDA in planar rows
-    (see above), everything else as the bytes it came as. The one place blocks are laid out for the GPU."""
+    """ggml-order blocks [..., rows, row_bytes] as a kept weight on `device`: K-quants on CUDA in
+    interleaved rows (see above), everything else as the bytes it came as. The one place blocks are laid
+    out for the GPU."""
     raw = raw.to(device)
-    return q6_k_to_planar(raw) if planar_on(qtype, raw.device) else raw
+    return to_gpu_rows(raw, qtype) if interleaved_on(qtype, raw.device) else raw
 
 
 def _f16_bytes(values: np.ndarray) -> np.ndarray:

@@ -92,15 +92,17 @@ def test_quantized_linear_splits_by_whole_blocks(qtype):
         shard_linear(full, 1, torch.arange(elems // 2, elems // 2 + elems))
 
 
-def test_planar_q6_k_splits_by_whole_blocks():
-    """Q6_K kept as planar rows (the GPU's layout) splits like ggml's blocks: rows stay rows, a column slice
-    holds the chosen blocks' planes, padded as a planar row of its own width."""
-    from hf2q.quant import q6_k_from_planar, q6_k_to_planar, random_blocks
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_interleaved_k_quants_split_by_whole_blocks(qtype):
+    """K-quants kept as interleaved rows (the GPU's layout) split like ggml's blocks: rows stay rows, a
+    column slice holds the chosen blocks, interleaved (and padded) as a row of its own width."""
+    from hf2q.quant import block_layout, from_gpu_rows, random_blocks, to_gpu_rows
 
-    raw = random_blocks("Q6_K", 6, 3 * 256, seed=2)  # 3 blocks a row, 2 after the cut: both padded
+    size = block_layout(qtype)[1]
+    raw = random_blocks(qtype, 6, 3 * 256, seed=2)  # 3 blocks a row, 2 after the cut (Q6_K: both padded)
     full = Linear(3 * 256, 6)
-    full.set_quantized(q6_k_to_planar(raw), "Q6_K")
+    full.set_quantized(to_gpu_rows(raw, qtype), qtype)
     rows = shard_linear(full, 0, torch.tensor([1, 4]))
     cols = shard_linear(full, 1, torch.arange(256, 3 * 256))
-    assert torch.equal(q6_k_from_planar(rows.qweight, 3 * 256), raw[[1, 4]])
-    assert torch.equal(q6_k_from_planar(cols.qweight, 2 * 256), raw[:, 210:])
+    assert torch.equal(from_gpu_rows(rows.qweight, qtype, 3 * 256), raw[[1, 4]])
+    assert torch.equal(from_gpu_rows(cols.qweight, qtype, 2 * 256), raw[:, size:])

@@ -427,5 +427,5 @@ def test_swiglu_epilogue_wiring_at_one_row(env, monkeypatch):
     mlp = random_model(tiny_config(), device=dev, dtype=torch.bfloat16, std=0.08, seed=5).layers[0].ffn
     calls.update(glu=0, silu_mul=0)
     with dispatch.gemv_switch(1):  # the down projection reads int8 groups that only silu_mul writes
-        (act,) = dispatch.packed_swiglu(h[:1], (mlp.gate, mlp.up), quantize=True)
+        (act,) = dispatch.packed_swiglu(h[:1], (mlp.gate, mlp.up), int8_for="Q8_0")
     assert calls == {"glu": 0, "silu_mul": 1} and act.shape == (1, 96)

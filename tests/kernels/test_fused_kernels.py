@@ -43,19 +43,28 @@ def test_add_rms_norm(env):
     assert rel(res, ref_res) <= tol and rel(h, ref_h) <= tol
     same, h0 = k["norm_triton"].add_rms_norm(x, None, w, 1e-6)
     assert same is x and rel(h0, ref_h0) <= tol
-    _, hq = k["norm_triton"].add_rms_norm(x, y, w, 1e-6, quantize=True)  # also writes the int8 groups
-    assert torch.equal(hq, h)
-    _check_int8_groups(hq)
+    for qtype in _int8_readers(n):
+        _, hq = k["norm_triton"].add_rms_norm(x, y, w, 1e-6, int8_for=qtype)  # also writes the int8 rows
+        assert torch.equal(hq, h)
+        _check_int8_groups(hq, qtype)
 
 
-def _check_int8_groups(out):
-    """The int8 groups a kernel wrote with its output `out` are remembered for the mat-vec and equal
-    quantizing `out` afterwards."""
+def _int8_readers(n):
+    """Weight types whose int8 rows a producer of n-wide rows can write: plain order always, BLOCKED
+    (K-quants) for whole 256-value blocks."""
+    return ["Q8_0"] + (["Q4_K"] if n % 256 == 0 else [])
+
+
+def _check_int8_groups(out, qtype):
+    """The int8 rows a kernel wrote with its output `out`, for weights of `qtype`, are remembered for the
+    mat-vec and equal quantizing `out` afterwards."""
     from hf2q.kernels import quant_dp4a_triton as q8
 
+    blocked = q8.blocked_for(qtype)
     assert q8._RECENT[0][0]() is out
-    xq, act = q8.quantize_rows(out)  # found, not recomputed
-    fresh_xq, fresh_act = q8.quantize_rows(out.clone())
+    xq, act, _ = q8.quantize_rows(out, blocked=blocked)  # found, not recomputed
+    assert xq is q8._RECENT[0][2].xq
+    fresh_xq, fresh_act, _ = q8.quantize_rows(out.clone(), blocked=blocked)
     assert torch.equal(xq.cpu(), fresh_xq.cpu())
     assert torch.allclose(act.cpu(), fresh_act.cpu(), rtol=1e-5, atol=1e-6)
 
@@ -64,7 +73,8 @@ def test_silu_mul_writes_int8_groups(env):
     dev, dtype, tol, k, real = env
     n = 12288 if real else 160  # GPU: six programs per row; CPU: one, partly past N
     gu = randn(3, 2 * n, dev=dev, dtype=dtype, gen=torch.Generator().manual_seed(6))
-    _check_int8_groups(k["swiglu_triton"].silu_mul(gu[:, :n], gu[:, n:], quantize=True))
+    for qtype in _int8_readers(n):
+        _check_int8_groups(k["swiglu_triton"].silu_mul(gu[:, :n], gu[:, n:], int8_for=qtype), qtype)
 
 
 def test_silu_mul_on_packed_halves(env):
@@ -170,10 +180,12 @@ def test_moe_expert_pairs_by_gemv(env):
 
 
 @pytest.mark.parametrize("kernel", ["route", "combine", "gemv", "gemv_glu", "gemv_glu_pipelined", "expert_gemv",
-                                    "down_combine", "down_combine_pipelined", "norm_int8", "swiglu_int8", "gdn_columns", "gdn_finish"])
+                                    "down_combine", "down_combine_pipelined", "norm_int8", "norm_int8_blocked",
+                                    "swiglu_int8", "swiglu_int8_blocked", "gdn_columns", "gdn_finish"])
 def test_new_kernels_compile_for_hopper(kernel):
     """The MoE kernels, the one-row GEMV (plain, with the SwiGLU epilogue, for MoE pairs, for the pairs' down
-    projections with the combine), the int8-writing norm and the two-launch DeltaNet decode step compile to
+    projections with the combine), the int8-writing norm and SwiGLU (rows in either order) and the two-launch
+    DeltaNet decode step compile to
     sm_90 (the interpreter never runs the compiler). Needs Triton's bundled ptxas, not a GPU."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("compiles natively")
@@ -205,13 +217,17 @@ def test_new_kernels_compile_for_hopper(kernel):
         "down_combine_pipelined": (gemv_triton._down_combine_kernel, down_sig,
                                    dict(BLOCK_N=2, BLOCK_K=256, K_TILES=2, KS_TILES=3, STAGES=2, EVEN_K=True,
                                         EVEN_KS=False, TOPK=8, HAS_SHARED=True)),
-        "norm_int8": (norm_triton._add_rms_norm_kernel,
-                      dict(x_ptr=ptr, r_ptr=ptr, w_ptr="*fp32", res_ptr=ptr, y_ptr=ptr, xq_ptr="*i8", act_ptr="*fp32",
-                           N=i32, stride_x=i32, stride_r=i32, stride_res=i32, stride_y=i32, eps="fp32"),
-                      dict(HAS_R=True, BLOCK=4096, QUANT=True)),
-        "swiglu_int8": (swiglu_triton._silu_mul_kernel,
-                        dict(g_ptr=ptr, u_ptr=ptr, o_ptr=ptr, xq_ptr="*i8", act_ptr="*fp32", N=i32, stride_g=i32,
-                             stride_u=i32, stride_o=i32), dict(BLOCK=2048, QUANT=True)),
+        **{f"norm_int8{suffix}": (norm_triton._add_rms_norm_kernel,
+                                  dict(x_ptr=ptr, r_ptr=ptr, w_ptr="*fp32", res_ptr=ptr, y_ptr=ptr, xq_ptr="*i8",
+                                       act_ptr="*fp32", N=i32, stride_x=i32, stride_r=i32, stride_res=i32,
+                                       stride_y=i32, eps="fp32"),
+                                  dict(HAS_R=True, BLOCK=4096, QUANT=True, BLOCKED=blocked))
+           for suffix, blocked in (("", False), ("_blocked", True))},
+        **{f"swiglu_int8{suffix}": (swiglu_triton._silu_mul_kernel,
+                                    dict(g_ptr=ptr, u_ptr=ptr, o_ptr=ptr, xq_ptr="*i8", act_ptr="*fp32", N=i32,
+                                         stride_g=i32, stride_u=i32, stride_o=i32),
+                                    dict(BLOCK=2048, QUANT=True, BLOCKED=blocked))
+           for suffix, blocked in (("", False), ("_blocked", True))},
         "gdn_columns": (gdn_decode_triton._gdn_conv_columns_kernel,
                         dict(x_ptr=ptr, cw_ptr="*fp32", conv_ptr=ptr, a_ptr=ptr, b_ptr=ptr, A_ptr="*fp32",
                              dtb_ptr="*fp32", state_ptr="*fp32", slot_ptr="*i64", o_ptr="*fp32", ss_ptr="*fp32",

@@ -50,38 +50,48 @@ def test_quantized_linear_drops_dense_weight_and_matches_reference():
 
 
 @pytest.mark.parametrize("rows,k", [(21, 256), (5, 768), (3, 4096), (7, 5120), (3, 12288)])
-def test_planar_q6_k_round_trips_byte_for_byte(rows, k):
-    """Planar rows (the GPU's Q6_K layout) give back ggml's blocks exactly; every plane and every row starts
-    on a 16-byte boundary, the row padded only where its block count is not a multiple of 8."""
-    from hf2q.quant import planar_row_words, q6_k_from_planar, q6_k_to_planar
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
+def test_interleaved_rows_round_trip_byte_for_byte(qtype, rows, k):
+    """Interleaved rows (the GPU's K-quant layout) give back ggml's blocks exactly: quad q of block u is
+    quad q·B + u of its row, Q6_K's d of every block follow in one plane, and every row starts on a
+    16-byte boundary (Q6_K padded only where its block count is not a multiple of 8)."""
+    from hf2q.quant import QUADS, block_layout, from_gpu_rows, gpu_row_words, to_gpu_rows
 
-    raw = random_blocks("Q6_K", rows, k, seed=rows)
-    planar = q6_k_to_planar(raw)
-    nb = k // 256
-    assert planar.dtype == torch.int32 and planar.shape == (rows, planar_row_words(k))
-    assert planar.shape[1] * 4 % 16 == 0 and planar.shape[1] * 4 - 210 * nb == (-210 * nb) % 16
-    assert all(start % 16 == 0 for start in (128 * nb, 192 * nb, 208 * nb))
-    assert torch.equal(q6_k_from_planar(planar, k), raw)
-    flat = planar.view(torch.uint8)
-    blocks = raw.view(rows, nb, 210)
-    assert torch.equal(flat[:, :128 * nb], blocks[:, :, :128].reshape(rows, -1))  # ql of every block first
-    assert torch.equal(flat[:, 208 * nb:210 * nb], blocks[:, :, 208:].reshape(rows, -1))  # d of every block last
-    assert not flat[:, 210 * nb:].any()  # padding
+    raw = random_blocks(qtype, rows, k, seed=rows)
+    kept = to_gpu_rows(raw, qtype)
+    nb, size = k // 256, block_layout(qtype)[1]
+    quads = QUADS[qtype]
+    assert kept.dtype == torch.int32 and kept.shape == (rows, gpu_row_words(qtype, k))
+    assert kept.shape[1] * 4 % 16 == 0 and kept.shape[1] * 4 - size * nb == (-size * nb) % 16
+    assert torch.equal(from_gpu_rows(kept, qtype, k), raw)
+    flat = kept.view(torch.uint8).view(rows, -1)
+    blocks = raw.view(rows, nb, size)
+    for q in (0, quads - 1):
+        for u in (0, nb - 1):
+            assert torch.equal(flat[:, 16 * (q * nb + u):16 * (q * nb + u + 1)], blocks[:, u, 16 * q:16 * (q + 1)])
+    if qtype == "Q6_K":
+        assert torch.equal(flat[:, 208 * nb:210 * nb], blocks[:, :, 208:].reshape(rows, -1))  # d of every block last
+    assert not flat[:, size * nb:].any()  # padding
     stack = raw.view(rows, 1, -1).expand(rows, 2, -1).contiguous()  # expert stacks: rows stay rows
-    assert torch.equal(q6_k_from_planar(q6_k_to_planar(stack), k), stack)
+    assert torch.equal(from_gpu_rows(to_gpu_rows(stack, qtype), qtype, k), stack)
 
 
-def test_planar_q6_k_layout_is_told_by_dtype():
-    """ggml-order Q6_K (uint8) is read by the CPU reference only; planar rows (int32) by the kernels only."""
+def test_interleaved_layout_is_told_by_dtype():
+    """ggml-order K-quants (uint8) are read by the CPU reference only; interleaved rows (int32) by the
+    kernels only."""
     from hf2q.kernels.quant_ops import check_raw
-    from hf2q.quant import keep_blocks, q6_k_to_planar
+    from hf2q.quant import keep_blocks, to_gpu_rows
 
-    raw = random_blocks("Q6_K", 4, 512)
-    planar = q6_k_to_planar(raw)
-    with pytest.raises(ValueError, match="planar"):
-        dequantize_ref(planar, "Q6_K", (4, 512))
-    check_raw(planar, "Q6_K", (4, 512))
-    check_raw(raw, "Q6_K", (4, 512))
-    with pytest.raises(ValueError):
-        check_raw(planar, "Q4_K", (4, 512))
-    assert keep_blocks(raw, "Q6_K", "cpu") is raw and keep_blocks(raw, "Q8_0", "meta").dtype == torch.uint8
+    for qtype in ("Q4_K", "Q6_K"):
+        raw = random_blocks(qtype, 4, 512)
+        kept = to_gpu_rows(raw, qtype)
+        with pytest.raises(ValueError, match="interleaved"):
+            dequantize_ref(kept, qtype, (4, 512))
+        check_raw(kept, qtype, (4, 512))
+        check_raw(raw, qtype, (4, 512))
+        with pytest.raises(ValueError):
+            check_raw(kept, "Q5_K", (4, 512))
+        assert keep_blocks(raw, qtype, "cpu") is raw
+    with pytest.raises(ValueError, match="ggml-order"):
+        to_gpu_rows(random_blocks("Q8_0", 4, 512), "Q8_0")
+    assert keep_blocks(random_blocks("Q8_0", 4, 512), "Q8_0", "meta").dtype == torch.uint8

@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from hf2q.quant import QUANT_TYPES, dequantize_ref, q6_k_to_planar, random_blocks
+from hf2q.quant import KQUANTS, QUANT_TYPES, dequantize_ref, random_blocks, to_gpu_rows
 
 CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -31,8 +31,8 @@ def rel(a, b) -> float:
 
 
 def kernel_blocks(raw, qtype):
-    """Blocks as the kernels read them: Q6_K in planar rows (what keep_blocks gives on CUDA), on DEV."""
-    return q6_k_to_planar(raw).to(DEV) if qtype == "Q6_K" else raw.to(DEV)
+    """Blocks as the kernels read them: K-quants in interleaved rows (what keep_blocks gives on CUDA), on DEV."""
+    return to_gpu_rows(raw, qtype).to(DEV) if qtype in KQUANTS else raw.to(DEV)
 
 
 def case(qtype, rows, k, seed=0):
@@ -56,7 +56,7 @@ def test_interpreter_child_process():
 @kernels
 @pytest.mark.parametrize("qtype,rows,k", [(q, *s) for q in QUANT_TYPES for s in SHAPES]
                          + [("Q8_0", 5, 96), ("Q4_0", 5, 96)]  # a partial tile of 32-value blocks
-                         + [("Q6_K", 3, 4096), ("Q6_K", 2, 5120)])  # planar rows: 16-byte multiple, padded
+                         + [("Q6_K", 3, 4096), ("Q6_K", 2, 5120)])  # Q6_K rows: 16-byte multiple, padded
 def test_dequantize_kernel(qtype, rows, k):
     from hf2q.kernels.quant_ops import dequantize
 
@@ -74,7 +74,7 @@ def int8_exact(x):
     """x rounded to what the mat-vec's int8 activation groups hold, so that the kernel sees x exactly."""
     from hf2q.kernels.quant_dp4a_triton import quantize_rows
 
-    xq, act = quantize_rows(x.to(DEV))
+    xq, act, _ = quantize_rows(x.to(DEV))
     q = xq.view(torch.int8).view(x.shape[0], -1, 16).float().cpu()
     return (q * act.cpu()[..., :1]).view(x.shape)
 
@@ -85,7 +85,7 @@ def test_quantize_rows():
 
     x = torch.randn(3, 96, generator=torch.Generator().manual_seed(0))
     x[1, 32:64] = 0  # an all-zero group
-    xq, act = (t.cpu() for t in quantize_rows(x.to(DEV)))
+    xq, act = (t.cpu() for t in quantize_rows(x.to(DEV))[:2])
     q = xq.view(torch.int8).view(3, 6, 16).float()
     dx, sq, fix, sx = act.unbind(-1)  # per 16 values; fix and sx of their 32-value group
     for per_group in (dx, fix, sx):
@@ -99,6 +99,32 @@ def test_quantize_rows():
 
 
 @kernels
+def test_quantize_rows_blocked_order():
+    """BLOCKED rows (what K-quant weights read) hold the same pieces as plain ones, piece j of 256-value
+    block u at j·B + u; the fused producers write the same bytes as quantize_rows in either order."""
+    from hf2q.kernels.quant_dp4a_triton import quantize_rows
+    from hf2q.kernels.swiglu_triton import silu_mul
+
+    x = torch.randn(2, 768, generator=torch.Generator().manual_seed(3))
+    plain = quantize_rows(x.to(DEV))
+    blocked = quantize_rows(x.to(DEV), blocked=True)
+    assert not plain.blocked and blocked.blocked
+    order = torch.arange(48).view(3, 16).T.reshape(-1)  # blocked position p holds plain piece order[p]
+    pieces = lambda r: r.xq.view(torch.int8).view(2, 48, 16).cpu()  # noqa: E731
+    assert torch.equal(pieces(blocked), pieces(plain)[:, order])
+    assert torch.equal(blocked.act.cpu(), plain.act.cpu()[:, order])
+    assert not torch.equal(pieces(blocked), pieces(plain))
+    with pytest.raises(ValueError, match="256"):
+        quantize_rows(torch.randn(1, 96).to(DEV), blocked=True)
+    g = torch.randn(2, 1536, generator=torch.Generator().manual_seed(4)).to(DEV)
+    for qtype in ("Q4_K", "Q8_0"):
+        h = silu_mul(g[:, :768], g[:, 768:], int8_for=qtype)
+        fused = quantize_rows(h, blocked=qtype in KQUANTS)
+        fresh = quantize_rows(h.clone(), blocked=qtype in KQUANTS)
+        assert torch.equal(fused.xq, fresh.xq) and torch.allclose(fused.act, fresh.act, rtol=1e-6, atol=1e-6)
+
+
+@kernels
 def test_quantize_rows_reuses_recent_inputs_only_while_unchanged():
     from hf2q.kernels.quant_dp4a_triton import quantize_rows
 
@@ -107,6 +133,8 @@ def test_quantize_rows_reuses_recent_inputs_only_while_unchanged():
     assert quantize_rows(x) is first  # a second pack of projections of the same input
     other = x.clone()
     assert quantize_rows(other) is not first  # equal values, another tensor
+    x256 = torch.randn(1, 256).to(DEV)
+    assert quantize_rows(x256, blocked=True) is not quantize_rows(x256)  # each order kept apart
     assert quantize_rows(x) is first  # still kept after another input (an MoE's shared and routed experts)
     for _ in range(4):  # pushed out by four newer inputs
         quantize_rows(torch.randn(2, 64).to(DEV))
@@ -192,7 +220,7 @@ def test_gemv_unmasked_when_the_tiles_divide(qtype):
 def test_matvec_two_stacks_one_launch(qtype):
     """Pairs p = (token p // 2, expert e_p): gate and up stacks in one launch give both products, each
     against its own stack, from activations quantized once per token."""
-    from hf2q.kernels.quant_dp4a_triton import matvec, quantize_rows
+    from hf2q.kernels.quant_dp4a_triton import blocked_for, matvec, quantize_rows
 
     n_exp, n, k = 3, 8, 256
     raws = [random_blocks(qtype, n_exp * n, k, seed=20 + i) for i in range(2)]
@@ -200,7 +228,8 @@ def test_matvec_two_stacks_one_launch(qtype):
     x = int8_exact(torch.randn(2, k, generator=torch.Generator().manual_seed(4)))
     experts = torch.tensor([2, 0, 1, 2], dtype=torch.int32)
     stacks = [kernel_blocks(r.view(n_exp, n, -1), qtype) for r in raws]
-    got = matvec(quantize_rows(x.to(DEV)), stacks[0], qtype, n, experts.to(DEV), second=(stacks[1], n),
+    got = matvec(quantize_rows(x.to(DEV), blocked=blocked_for(qtype)), stacks[0], qtype, n, experts.to(DEV),
+                 second=(stacks[1], n),
                  rows_per_x=2).cpu()
     want = torch.stack([torch.cat([d[e] @ x[p // 2] for d in dense]) for p, e in enumerate(experts.tolist())])
     assert got.shape == (4, 2 * n) and rel(got, want) < 1e-5
@@ -238,44 +267,49 @@ def test_moe_experts_quant(qtype, monkeypatch):
     assert rel(got, want) < INT8_TOL
 
 
-def test_q6_k_kernels_refuse_ggml_order_blocks():
-    """The kernels read Q6_K only as planar int32 rows: ggml's bytes (the CPU reference's layout), a planar
-    second stack next to a ggml first one, or planar rows under another type are refused before launch."""
+@pytest.mark.parametrize("qtype", KQUANTS)
+def test_k_quant_kernels_refuse_ggml_order_blocks(qtype):
+    """The kernels read K-quants only as interleaved int32 rows: ggml's bytes (the CPU reference's layout),
+    an interleaved second stack next to a ggml first one, interleaved rows under another type, or
+    activations in the other order are refused before launch."""
     from hf2q.kernels import quant_triton
-    from hf2q.kernels.quant_dp4a_triton import matvec
+    from hf2q.kernels.quant_dp4a_triton import Int8Rows, matvec
 
-    raw = random_blocks("Q6_K", 4, 512)
-    planar = q6_k_to_planar(raw)
-    with pytest.raises(ValueError, match="planar"):
-        quant_triton.dequantize(raw, "Q6_K", 4, 512, torch.empty(4, 512))
-    xs = (torch.zeros(1, 128, dtype=torch.int32), torch.zeros(1, 32, 4))
-    with pytest.raises(ValueError, match="planar"):
-        matvec(xs, raw, "Q6_K", 4, config=(4, 8, 1, 1))
-    with pytest.raises(ValueError, match="planar"):
-        matvec(xs, planar, "Q6_K", 4, config=(4, 8, 1, 1), second=(raw, 4))
+    raw = random_blocks(qtype, 4, 512)
+    rows = to_gpu_rows(raw, qtype)
+    with pytest.raises(ValueError, match="interleaved"):
+        quant_triton.dequantize(raw, qtype, 4, 512, torch.empty(4, 512))
+    xs = Int8Rows(torch.zeros(1, 128, dtype=torch.int32), torch.zeros(1, 32, 4), True)
+    with pytest.raises(ValueError, match="interleaved"):
+        matvec(xs, raw, qtype, 4, config=(4, 8, 1, 1))
+    with pytest.raises(ValueError, match="interleaved"):
+        matvec(xs, rows, qtype, 4, config=(4, 8, 1, 1), second=(raw, 4))
+    with pytest.raises(ValueError, match="BLOCKED"):
+        matvec(xs._replace(blocked=False), rows, qtype, 4, config=(4, 8, 1, 1))
     with pytest.raises(ValueError, match="uint8"):
-        quant_triton.dequantize(planar, "Q8_0", 4, 512, torch.empty(4, 512))
+        quant_triton.dequantize(rows, "Q8_0", 4, 512, torch.empty(4, 512))
 
 
 @kernels
-def test_q6_k_kernels_misread_the_other_layout(monkeypatch):
-    """Planted: with the layout check bypassed, ggml's blocks handed over as planar rows (zero-padded to a
-    planar row) come out wrong, so the equality tests above fail on a kernel that reads the wrong layout."""
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_k_quant_kernels_misread_the_other_layout(qtype, monkeypatch):
+    """Planted: with the layout check bypassed, ggml's blocks handed over as interleaved rows (zero-padded
+    to one) come out wrong, so the equality tests above fail on a kernel that reads the wrong layout."""
     from hf2q.kernels import quant_dp4a_triton, quant_triton
     from hf2q.kernels.quant_ops import dequantize
-    from hf2q.quant import planar_row_words
+    from hf2q.quant import gpu_row_words
 
     monkeypatch.setattr(quant_triton, "check_layout", lambda *a: None)
     monkeypatch.setattr(quant_dp4a_triton, "check_layout", lambda *a: None)
-    raw = random_blocks("Q6_K", 9, 512, seed=5)
-    want = dequantize_ref(raw, "Q6_K", (9, 512))
-    disguised = torch.nn.functional.pad(raw, (0, 4 * planar_row_words(512) - raw.shape[1])).view(torch.int32)
+    raw = random_blocks(qtype, 9, 512, seed=5)
+    want = dequantize_ref(raw, qtype, (9, 512))
+    disguised = torch.nn.functional.pad(raw, (0, 4 * gpu_row_words(qtype, 512) - raw.shape[1])).view(torch.int32)
     x = int8_exact(torch.randn(1, 512, generator=torch.Generator().manual_seed(5)))
-    for blocks, right in ((q6_k_to_planar(raw).to(DEV), True), (disguised.to(DEV), False)):
-        values = dequantize(blocks, "Q6_K", (9, 512))
-        product = quant_dp4a_triton.gemv(x.to(DEV), blocks, "Q6_K", 9, config=(4, 8, 1, 1))
+    for blocks, right in ((to_gpu_rows(raw, qtype).to(DEV), True), (disguised.to(DEV), False)):
+        values = dequantize(blocks, qtype, (9, 512))
+        product = quant_dp4a_triton.gemv(x.to(DEV), blocks, qtype, 9, config=(4, 2, 1, 1))
         errors = rel(values, want), rel(product, x.double() @ want.double().T)
-        assert all(e < 1e-5 for e in errors) if right else all(e > 0.1 for e in errors), errors
+        assert all(e < 1e-5 for e in errors) if right else not any(e < 0.1 for e in errors), errors  # NaN is wrong too
 
 
 def _compile_for_hopper(fn, sig: dict, const: dict, warps: int, multiples_of_16=()) -> str:
@@ -319,7 +353,7 @@ def _global_read_bytes(ptx: str) -> set[int]:
 def test_int8_matvec_compiles_for_hopper(qtype, rows, stages):
     """The mat-vec compiles to sm_90 machine code with dp4a (Triton's interpreter runs no PTX, and a
     construct only the compiler rejects, such as a non-constexpr global, would otherwise first show on a
-    GPU). Planar Q6_K rows are read in 32-bit words, the quants in 16-byte vectors: no 16-bit loads."""
+    GPU). Q6_K rows are read in 32-bit words, the quants in 16-byte vectors: no 16-bit loads."""
     from hf2q.kernels import quant_dp4a_triton as k
 
     experts = rows == "experts"
@@ -340,7 +374,7 @@ def test_int8_matvec_compiles_for_hopper(qtype, rows, stages):
 
 @pytest.mark.parametrize("qtype", QUANT_TYPES)
 def test_dequantize_compiles_for_hopper(qtype):
-    """The prefill dequantization compiles to sm_90 machine code; planar Q6_K reads only 32-bit words."""
+    """The prefill dequantization compiles to sm_90 machine code; interleaved Q6_K reads only 32-bit words."""
     from hf2q.kernels import quant_triton as qt
 
     sig = {"w8": "*u8", "w16": "*fp16", "w32": "*i32", "out_ptr": "*bf16", "N": "i32", "K": "i32",

@@ -186,7 +186,7 @@ def shard_linear(full: Linear, dim: int | None, idx: torch.Tensor | None) -> Lin
 
     Quantized weights are cut by whole GGUF blocks: a column slice must cover complete blocks.
     """
-    from hf2q.quant import is_planar, q6_k_from_planar, q6_k_to_planar
+    from hf2q.quant import from_gpu_rows, is_interleaved, to_gpu_rows
 
     if dim is None:
         return full
@@ -196,9 +196,9 @@ def shard_linear(full: Linear, dim: int | None, idx: torch.Tensor | None) -> Lin
         out.weight = nn.Parameter(full.weight.index_select(dim, idx.to(full.weight.device)), requires_grad=False)
         return out
     raw = full.qweight
-    if dim == 1 and is_planar(raw, full.qtype):  # planar Q6_K rows: cut ggml's blocks, then regroup the planes
+    if dim == 1 and is_interleaved(raw, full.qtype):  # interleaved rows: cut ggml's blocks, then regroup
         cols = _block_bytes(idx, full.qtype).to(raw.device)
-        raw = q6_k_to_planar(q6_k_from_planar(raw, full.in_features).index_select(1, cols))
+        raw = to_gpu_rows(from_gpu_rows(raw, full.qtype, full.in_features).index_select(1, cols), full.qtype)
     elif dim == 1:
         raw = raw.index_select(1, _block_bytes(idx, full.qtype).to(raw.device))
     else:  # rows stay rows in either layout

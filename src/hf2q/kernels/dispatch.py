@@ -95,14 +95,14 @@ def packed_linear(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
     return torch.split(out, [lin.weight.shape[0] for lin in linears], dim=-1)
 
 
-def packed_swiglu(x: torch.Tensor, linears, quantize: bool = False) -> tuple[torch.Tensor, ...]:
+def packed_swiglu(x: torch.Tensor, linears, int8_for: str | None = None) -> tuple[torch.Tensor, ...]:
     """packed_linear of `linears` whose last two are a SwiGLU's gate and up -> the other projections'
     outputs, then silu(gate) * up. Where the GEMV serves the pack at one row, the SwiGLU is its epilogue
     (gemv_triton.gemv_glu): one launch, no activation launch after it. Elsewhere the pack's product and
-    silu_mul run as two steps; with quantize (the result feeds the int8 mat-vec) too, since silu_mul also
-    writes the int8 groups."""
+    silu_mul run as two steps; with int8_for (the result feeds the int8 mat-vec of a weight of that type)
+    too, since silu_mul also writes the int8 rows."""
     gate, up = linears[-2], linears[-1]
-    if (not quantize and not any(lin.quantized for lin in linears) and x.numel() == x.shape[-1]
+    if (int8_for is None and not any(lin.quantized for lin in linears) and x.numel() == x.shape[-1]
             and gate.weight.shape == up.weight.shape):
         packed = _pack(x, linears)
         if _gemv_serves(x, packed):
@@ -110,7 +110,7 @@ def packed_swiglu(x: torch.Tensor, linears, quantize: bool = False) -> tuple[tor
             sizes = [lin.weight.shape[0] for lin in linears[:-1]]
             return torch.split(gemv_glu(x, packed, sum(sizes[:-1])), sizes, dim=-1)
     *others, g, u = packed_linear(x, linears)
-    return (*others, silu_mul(g, u, quantize))
+    return (*others, silu_mul(g, u, int8_for))
 
 
 def _pack(x: torch.Tensor, linears) -> torch.Tensor:
@@ -186,24 +186,24 @@ def _triton(x: torch.Tensor) -> bool:
 
 # ---- residual add + RMSNorm, activation -------------------------------------------------------------
 def add_rms_norm(x: torch.Tensor, add, weight: torch.Tensor, eps: float,
-                 quantize: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                 int8_for: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + add, rms_norm(x + add)): the new residual and the block input; add None: (x, rms_norm(x)).
-    quantize: the block input feeds the int8 mat-vec (quant_ops.reads_int8); the kernel also writes its
-    int8 groups."""
+    int8_for: the block input feeds the int8 mat-vec of a weight of that type (quant_ops.int8_reader); the
+    kernel also writes its int8 rows."""
     if _triton(x) and x.dim() == 2 and x.stride(1) == 1 and (add is None or add.stride(1) == 1):
         from hf2q.kernels.norm_triton import add_rms_norm as kernel
-        return kernel(x, add, weight, eps, quantize)
+        return kernel(x, add, weight, eps, int8_for)
     if add is not None:
         x = x + add
     return x, rms_norm(x, weight, eps)
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor, quantize: bool = False) -> torch.Tensor:
-    """SwiGLU activation silu(gate) * up. quantize: the result feeds the int8 mat-vec; the kernel also
-    writes its int8 groups."""
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, int8_for: str | None = None) -> torch.Tensor:
+    """SwiGLU activation silu(gate) * up. int8_for: the result feeds the int8 mat-vec of a weight of that
+    type; the kernel also writes its int8 rows."""
     if _triton(gate) and gate.stride(-1) == 1 and up.stride(-1) == 1:
         from hf2q.kernels.swiglu_triton import silu_mul as kernel
-        return kernel(gate, up, quantize)
+        return kernel(gate, up, int8_for)
     return F.silu(gate) * up
 
 

@@ -2,7 +2,7 @@
 
 `residual + x` is rounded to the residual dtype (as the unfused `x + y` is) and both the new residual and
 its norm are written, so the block reads the hidden state once instead of through seven small kernels.
-With QUANT, the norm's rounded output is also quantized to int8 groups for the quantized mat-vec that
+With QUANT, the norm's rounded output is also quantized to int8 rows for the quantized mat-vec that
 reads it next (quant_dp4a_triton), which then needs no quantizing launch of its own.
 """
 from __future__ import annotations
@@ -13,12 +13,13 @@ import torch
 import triton
 import triton.language as tl
 
-from hf2q.kernels.quant_dp4a_triton import int8_buffers, quantize_and_store, remember
+from hf2q.kernels.quant_dp4a_triton import blocked_for, int8_buffers, quantize_and_store, remember
 
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, res_ptr, y_ptr, xq_ptr, act_ptr, N, stride_x, stride_r, stride_res,
-                         stride_y, eps, HAS_R: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr):
+                         stride_y, eps, HAS_R: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr,
+                         BLOCKED: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     m = c < N
@@ -33,24 +34,26 @@ def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, res_ptr, y_ptr, xq_ptr, act_ptr, N
     y = (xf * inv * w).to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + row * stride_y + c, y, mask=m)
     if QUANT:  # N is a multiple of 32: whole groups only
-        quantize_and_store(xq_ptr, act_ptr, y, row, 0, N // 32, BLOCK)
+        quantize_and_store(xq_ptr, act_ptr, y, row, 0, N // 32, BLOCK, BLOCKED)
 
 
 def add_rms_norm(x: torch.Tensor, add: Optional[torch.Tensor], weight: torch.Tensor, eps: float,
-                 quantize: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                 int8_for: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x, add: [T, N] -> (x + add, rms_norm(x + add) * weight), both in x's dtype; add None: (x, norm(x)).
-    quantize (N a multiple of 32): the norm's int8 groups are written too and remembered for the mat-vec."""
+    int8_for: the norm's int8 rows, in the order weights of that type read (quant_dp4a_triton.Int8Rows),
+    are written too and remembered for the mat-vec."""
     t, n = x.shape
     assert x.stride(1) == 1 and (add is None or (add.shape == x.shape and add.stride(1) == 1))
-    quantize = quantize and n % 32 == 0
+    blocked = int8_for is not None and blocked_for(int8_for)
+    quantize = int8_for is not None and n % (256 if blocked else 32) == 0
     y = torch.empty_like(x)
     res = torch.empty_like(x) if add is not None else x
     xq, act = int8_buffers(t, n, x.device) if quantize else (y, y)
     block = triton.next_power_of_2(n)
     _add_rms_norm_kernel[(t,)](x, add if add is not None else x, weight, res, y, xq, act, n, x.stride(0),
                                add.stride(0) if add is not None else 0, res.stride(0), y.stride(0), eps,
-                               HAS_R=add is not None, BLOCK=block, QUANT=quantize,
+                               HAS_R=add is not None, BLOCK=block, QUANT=quantize, BLOCKED=blocked,
                                num_warps=min(16, max(4, block // 512)))
     if quantize:
-        remember(y, xq, act)
+        remember(y, xq, act, blocked)
     return res, y

@@ -13,14 +13,14 @@ tolerances).
 
 K-quants (Q4_K, Q5_K, Q6_K): a thread owns whole (activation row, weight row, block) units and walks
 its block in static loops, so every shift that picks a scale, a min or a bit field is a constant.
+Neighbouring threads own neighbouring blocks, and the GPU keeps K-quant rows interleaved by 16-byte
+quads (hf2q.quant.to_gpu_rows), with the activations in the same order (BLOCKED, store_int8_groups):
+each 16-byte load of a warp then reads consecutive bytes, where ggml's order would spread it over 32
+cache lines and stall on L1 throughput.
 Q8_0 and Q4_0: a thread owns 16-value parts, and BLOCK_M activation rows share each unpacked weight
-word. With `experts`, every row m has its own expert's weight (MoE token-expert pairs) and BLOCK_M is 1.
-
-Layouts follow ggml's block structs byte for byte (see quant_triton.py), except Q6_K. Q4_K and Q5_K
-blocks are multiples of 16 bytes and are read as int32 words; Q6_K's 210-byte blocks would be only
-2-byte aligned, so the GPU keeps them as planar rows (hf2q.quant.q6_k_to_planar) whose fields are read
-as aligned int32 words too; Q8_0 and Q4_0 blocks are only 2-byte aligned, so their words are joined
-from two 16-bit halves.
+word; their blocks follow ggml's structs byte for byte and are only 2-byte aligned, so their words
+are joined from two 16-bit halves. With `experts`, every row m has its own expert's weight (MoE
+token-expert pairs) and BLOCK_M is 1.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ from hf2q.kernels import tune_cache
 from hf2q.kernels.quant_fields_triton import f16_bits
 from hf2q.kernels.quant_triton import QTYPE_ID, check_layout
 from hf2q.kernels.timing import cold_copies, graph_time_us
-from hf2q.quant import block_layout, planar_row_words
+from hf2q.quant import KQUANTS, block_layout, gpu_row_words
 
 EMULATE = os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter runs no PTX: dp4a in plain integer ops
 NIBBLES = tl.constexpr(0x0F0F0F0F)
@@ -61,14 +61,22 @@ def int8_groups(x, GROUPS: tl.constexpr):
 
 
 @triton.jit
-def store_int8_groups(xq_ptr, act_ptr, row, g, ok, q, dx, sq, fix, sx, GROUPS: tl.constexpr):
+def store_int8_groups(xq_ptr, act_ptr, row, n_groups, g, ok, q, dx, sq, fix, sx, GROUPS: tl.constexpr,
+                      BLOCKED: tl.constexpr):
     """Write int8_groups' results for groups g [GROUPS] of activation row `row` (n_groups groups a row
-    apart: row is the row's first group index): the int8 values, and per 16-value half the quad
-    (dx, dx·Σxq of the half, Σx - dx·Σxq of the group, Σx of the group)."""
-    l = tl.arange(0, 32)
-    tl.store(xq_ptr + (row + g[:, None]) * 32 + l[None, :], q.to(tl.int8), mask=ok[:, None])
+    apart: row is the row's first group index): the int8 values, and per 16-value piece the quad
+    (dx, dx·Σxq of the piece, Σx - dx·Σxq of the group, Σx of the group). Pieces go in the row's
+    order, or BLOCKED (for the K-quant kernels, n_groups a multiple of 8): piece j of 256-value block u
+    at j·B + u of B blocks, the order of interleaved weight rows (hf2q.quant.to_gpu_rows)."""
     h = tl.arange(0, 2)
-    base = act_ptr + (2 * (row + g[:, None]) + h[None, :]) * 4
+    piece = 2 * g[:, None] + h[None, :]  # [GROUPS, 2]
+    if BLOCKED:
+        piece = (piece % 16) * (n_groups // 8) + piece // 16
+    quad = 2 * row + piece
+    l = tl.arange(0, 16)
+    tl.store(xq_ptr + quad[:, :, None] * 16 + l[None, None, :], tl.reshape(q, (GROUPS, 2, 16)).to(tl.int8),
+             mask=ok[:, None, None])
+    base = act_ptr + quad * 4
     hok = ok[:, None] & (h < 2)[None, :]
     tl.store(base, tl.broadcast_to(dx, (GROUPS, 2)), mask=hok)
     tl.store(base + 1, sq, mask=hok)
@@ -77,17 +85,17 @@ def store_int8_groups(xq_ptr, act_ptr, row, g, ok, q, dx, sq, fix, sx, GROUPS: t
 
 
 @triton.jit
-def quantize_and_store(xq_ptr, act_ptr, y, row, first, n_groups, BLOCK: tl.constexpr):
+def quantize_and_store(xq_ptr, act_ptr, y, row, first, n_groups, BLOCK: tl.constexpr, BLOCKED: tl.constexpr):
     """For a kernel that has just produced y [BLOCK], values first·32 .. of activation row `row` (of
     n_groups groups): write their int8 groups as quantize_rows would (groups past n_groups skipped)."""
     G: tl.constexpr = BLOCK // 32
     g = first + tl.arange(0, G)
     q, dx, sq, fix, sx = int8_groups(tl.reshape(y.to(tl.float32), (G, 32)), G)
-    store_int8_groups(xq_ptr, act_ptr, row * n_groups, g, g < n_groups, q, dx, sq, fix, sx, G)
+    store_int8_groups(xq_ptr, act_ptr, row * n_groups, n_groups, g, g < n_groups, q, dx, sq, fix, sx, G, BLOCKED)
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, xq_ptr, act_ptr, n_groups, x_stride, GROUPS: tl.constexpr):
+def _quantize_kernel(x_ptr, xq_ptr, act_ptr, n_groups, x_stride, GROUPS: tl.constexpr, BLOCKED: tl.constexpr):
     """Row m, 32-value groups g: xq = round(x / dx) in int8 with dx = max|x| / 127, and per 16-value half
     the four floats (store_int8_groups) that the mat-vec's offset and min terms need."""
     m = tl.program_id(0)
@@ -96,7 +104,8 @@ def _quantize_kernel(x_ptr, xq_ptr, act_ptr, n_groups, x_stride, GROUPS: tl.cons
     ok = g < n_groups
     x = tl.load(x_ptr + m * x_stride + g[:, None] * 32 + l[None, :], mask=ok[:, None], other=0).to(tl.float32)
     q, dx, sq, fix, sx = int8_groups(x, GROUPS)
-    store_int8_groups(xq_ptr, act_ptr, m.to(tl.int64) * n_groups, g, ok, q, dx, sq, fix, sx, GROUPS)
+    store_int8_groups(xq_ptr, act_ptr, m.to(tl.int64) * n_groups, n_groups, g, ok, q, dx, sq, fix, sx, GROUPS,
+                      BLOCKED)
 
 
 @triton.jit
@@ -174,52 +183,45 @@ def _quads3(ptr, off, mask):
 
 
 @triton.jit
-def _unit_grid(x_g16, m_ok, row_base, row_ok, u, n_units, EVEN: tl.constexpr):
+def _unit_grid(x_g16, m_ok, row_q, row_ok, u, n_units, EVEN: tl.constexpr):
     """The K-quant kernels' (activation row, weight row, block) units as [BM, BN, SB] tensors, one layout for
-    every tensor so that nothing is shuffled between threads: the units' mask, their weight rows' first
-    unit (row_base broadcast), and their blocks' first activation word (the activation table has one
-    4-float quad per 16 values as xq has 4 words, so it is also the first quad's index)."""
+    every tensor so that nothing is shuffled between threads: the units' mask, their blocks' first quad
+    in the interleaved weight rows (quad q of the block is n_units·q further), and their first 16-value
+    piece in the BLOCKED activations (piece j likewise n_units·j further; the int8 values and the
+    activation table both hold one quad per piece, so one index serves both)."""
     mask = (m_ok[:, None, None] & row_ok[None, :, None]) & _below(u, n_units, EVEN)[None, None, :]
-    rows = (x_g16 * 0)[:, None, None] + row_base[None, :, None] + (u * 0)[None, None, :]
-    x0 = x_g16[:, None, None] * 4 + (row_base * 0)[None, :, None] + (u * 64)[None, None, :]
-    return mask, rows, x0
+    w0 = (x_g16 * 0)[:, None, None] + row_q[None, :, None] + u[None, None, :]
+    x0 = x_g16[:, None, None] + (row_q * 0)[None, :, None] + u[None, None, :]
+    return mask, w0, x0
 
 
 @triton.jit
-def _act(act, g16, mask):
-    """(dx, dx·Σxq of the half, Σx - dx·Σxq of the 32-value group, Σx of the group) of 16-value halves
-    g16 [BM, Q], each [BM, 1, Q]."""
-    dx, sq, fix, sx = _quads(act, g16 * 4, mask)
-    return dx[:, None, :], sq[:, None, :], fix[:, None, :], sx[:, None, :]
-
-
-@triton.jit
-def _kquant_q45(w32, xq32, act, x_g16, m_ok, row_w, row_ok, u0, n_units, QTYPE: tl.constexpr, BM: tl.constexpr,
+def _kquant_q45(w32, xq32, act, x_g16, m_ok, row_q, row_ok, u0, n_units, QTYPE: tl.constexpr, BM: tl.constexpr,
                 BN: tl.constexpr, SB: tl.constexpr, EVEN: tl.constexpr, EMULATE: tl.constexpr):
-    """Q4_K / Q5_K blocks u0 .. u0+SB: W·x per (row, block) [BM, BN, SB], summed by the caller. A thread
-    walks its block's four 64-value chunks c in a static loop: chunk c's 8 quant words hold sub-block 2c
-    in their low nibbles and sub-block 2c + 1 in their high ones, so every shift that picks a scale, a min
-    or a fifth bit is a constant, and each sub-block's scale and activation sums are applied once."""
-    BW: tl.constexpr = 36 if QTYPE == 2 else 44  # block size in words
-    QS: tl.constexpr = 4 if QTYPE == 2 else 12  # first quant word
+    """Q4_K / Q5_K blocks u0 .. u0+SB of interleaved rows: W·x per (row, block) [BM, BN, SB], summed by the
+    caller. A block's quads: header (f16 d, f16 dmin, 12 scale bytes), for Q5_K two of fifth bits, then 8
+    of nibbles. A thread walks its block's four 64-value chunks c in a static loop: chunk c's 8 quant
+    words hold sub-block 2c in their low nibbles and sub-block 2c + 1 in their high ones, so every shift
+    that picks a scale, a min or a fifth bit is a constant, and each sub-block's scale and activation
+    sums are applied once."""
+    QS: tl.constexpr = 1 if QTYPE == 2 else 3  # first quad of nibbles
     OFF: tl.constexpr = 8 if QTYPE == 2 else 16  # middle of the value range
     u = u0 + tl.arange(0, SB)
-    mask, rows, x0 = _unit_grid(x_g16, m_ok, row_w, row_ok, u, n_units, EVEN)
-    blk = rows + (u * BW)[None, None, :]  # word offsets of the blocks
-    head, wa, wb, wh = _quads3(w32, blk, mask)  # d | dmin, then scale bytes 0-3, 4-7, 8-11
+    mask, w0, x0 = _unit_grid(x_g16, m_ok, row_q, row_ok, u, n_units, EVEN)
+    head, wa, wb, wh = _quads3(w32, 4 * w0, mask)  # d | dmin, then scale bytes 0-3, 4-7, 8-11
     d = f16_bits(head)
     dmin = f16_bits(head >> 16)
     if QTYPE == 3:
-        qh_a = _quads3(w32, blk + 4, mask)
-        qh_b = _quads3(w32, blk + 8, mask)
+        qh_a = _quads3(w32, 4 * (w0 + n_units), mask)
+        qh_b = _quads3(w32, 4 * (w0 + 2 * n_units), mask)
     part = tl.zeros((BM, BN, SB), dtype=tl.float32)
     for c in tl.static_range(4):
         acc_lo = tl.zeros((BM, BN, SB), dtype=tl.int32)
         acc_hi = tl.zeros((BM, BN, SB), dtype=tl.int32)
         for half in tl.static_range(2):
-            w_quad = _quads3(w32, blk + (QS + 8 * c + 4 * half), mask)
-            xlo_quad = _quads3(xq32, x0 + (16 * c + 4 * half), mask)
-            xhi_quad = _quads3(xq32, x0 + (16 * c + 8 + 4 * half), mask)
+            w_quad = _quads3(w32, 4 * (w0 + (QS + 2 * c + half) * n_units), mask)
+            xlo_quad = _quads3(xq32, 4 * (x0 + (4 * c + half) * n_units), mask)
+            xhi_quad = _quads3(xq32, 4 * (x0 + (4 * c + 2 + half) * n_units), mask)
             for i in tl.static_range(4):
                 words = w_quad[i]
                 lo = words & NIBBLES
@@ -244,7 +246,8 @@ def _kquant_q45(w32, xq32, act, x_g16, m_ok, row_w, row_ok, u0, n_units, QTYPE: 
                 dot = acc_hi.to(tl.float32) * 0.0625
             else:
                 dot = acc_hi.to(tl.float32)
-            dx, _, fix, sx = _quads3(act, x0 + 4 * (4 * c + 2 * nib), mask)  # the sub-block's activation group
+            # the sub-block's activation group: its first piece's table entry
+            dx, _, fix, sx = _quads3(act, 4 * (x0 + (4 * c + 2 * nib) * n_units), mask)
             # Σ q·x = dx·Σ (q - OFF)·xq + OFF·(Σx - dx·Σxq): centring the values halves the part the int8
             # rounding touches, and Σx is exact.
             part += d * sc.to(tl.float32) * (dx * dot + OFF * fix) - dmin * mn.to(tl.float32) * sx
@@ -254,39 +257,47 @@ def _kquant_q45(w32, xq32, act, x_g16, m_ok, row_w, row_ok, u0, n_units, QTYPE: 
 @triton.jit
 def _q6k(w32, xq32, act, x_g16, m_ok, row_q, row_ok, u0, n_units, BM: tl.constexpr, BN: tl.constexpr,
          SB: tl.constexpr, EVEN: tl.constexpr, EMULATE: tl.constexpr):
-    """Q6_K blocks u0 .. u0+SB of planar rows (hf2q.quant.q6_k_to_planar; row_q: row offsets in 16-byte
-    units): W·x per (row, block) [BM, BN, SB]. A row of B blocks holds every block's 128 bytes of low
-    nibbles, then their 64 bytes of 2-bit tops, 16 int8 scales (one per 16 values) and f16 d, each plane
-    16-byte aligned. Value 128h + 32j + l of block u has its low nibble in ql byte 128u + 64h + 32(j % 2) + l,
-    shifted by 4(j // 2), and its top bits in qh byte 64u + 32h + l, shifted by 2j. A thread walks its
-    block's 16-value pieces (h, j, half of l) in static loops, so every shift is a constant and each word
-    of nibbles and tops is read once. Values are stored + 32."""
+    """Q6_K blocks u0 .. u0+SB of interleaved rows (hf2q.quant.to_gpu_rows): W·x per (row, block)
+    [BM, BN, SB]. A block's quads: 8 of low nibbles (ql), 4 of 2-bit tops (qh), one of 16 int8 scales
+    (one per 16 values); every block's f16 d follows in a plane of its own. Value 128h + 32j + l of a
+    block has its low nibble in ql byte 64h + 32(j % 2) + l, shifted by 4(j // 2), and its top bits in
+    qh byte 32h + l, shifted by 2j. A thread walks its block's 16-value pieces (h, j, half of l) in
+    static loops, so every shift is a constant and each word of nibbles and tops is read once. Values
+    are stored + 32."""
     u = u0 + tl.arange(0, SB)
-    mask, rows, x0 = _unit_grid(x_g16, m_ok, row_q, row_ok, u, n_units, EVEN)
-    row = rows * 4  # word offsets of the rows (16-byte aligned)
-    d_word = tl.load(w32 + row + 52 * n_units + (u // 2)[None, None, :], mask=mask, other=0)
+    mask, w0, x0 = _unit_grid(x_g16, m_ok, row_q, row_ok, u, n_units, EVEN)
+    d_word = tl.load(w32 + 4 * (w0 - u[None, None, :]) + 52 * n_units + (u // 2)[None, None, :], mask=mask, other=0)
     d = f16_bits(d_word >> (16 * (u % 2))[None, None, :])
-    scales = _quads3(w32, row + 48 * n_units + (4 * u)[None, None, :], mask)  # word 2h + j // 2: bytes 2(j % 2) + half
+    scales = _quads3(w32, 4 * (w0 + 12 * n_units), mask)  # word 2h + j // 2: bytes 2(j % 2) + half
     part = tl.zeros((BM, BN, SB), dtype=tl.float32)
     for h in tl.static_range(2):
-        qh0 = _quads3(w32, row + 32 * n_units + (16 * u + 8 * h)[None, None, :], mask)
-        qh1 = _quads3(w32, row + 32 * n_units + (16 * u + 8 * h + 4)[None, None, :], mask)
+        qh0 = _quads3(w32, 4 * (w0 + (8 + 2 * h) * n_units), mask)
+        qh1 = _quads3(w32, 4 * (w0 + (9 + 2 * h) * n_units), mask)
         for jlo in tl.static_range(2):
-            ql0 = _quads3(w32, row + (32 * u + 16 * h + 8 * jlo)[None, None, :], mask)
-            ql1 = _quads3(w32, row + (32 * u + 16 * h + 8 * jlo + 4)[None, None, :], mask)
+            ql0 = _quads3(w32, 4 * (w0 + (4 * h + 2 * jlo) * n_units), mask)
+            ql1 = _quads3(w32, 4 * (w0 + (4 * h + 2 * jlo + 1) * n_units), mask)
             for jhi in tl.static_range(2):
                 for hf in tl.static_range(2):
-                    x_quad = _quads3(xq32, x0 + (32 * h + 8 * (2 * jhi + jlo) + 4 * hf), mask)
+                    piece = x0 + (8 * h + 2 * (2 * jhi + jlo) + hf) * n_units
+                    x_quad = _quads3(xq32, 4 * piece, mask)
                     dot = tl.zeros((BM, BN, SB), dtype=tl.int32)
                     for i in tl.static_range(4):
                         low = ql0[i] if hf == 0 else ql1[i]
                         top = qh0[i] if hf == 0 else qh1[i]
                         vals = ((low >> (4 * jhi)) & NIBBLES) | (((top >> (2 * (2 * jhi + jlo))) & 0x03030303) << 4)
                         dot = _dp4a_acc(vals, x_quad[i], dot, False, EMULATE)
-                    dx, sq, _, _ = _quads3(act, x0 + 4 * (8 * h + 2 * (2 * jhi + jlo) + hf), mask)
+                    dx, sq, _, _ = _quads3(act, 4 * piece, mask)
                     sc = ((scales[2 * h + jhi] << (24 - 8 * (2 * jlo + hf))) >> 24).to(tl.float32)
                     part += sc * (dx * dot.to(tl.float32) - 32 * sq)
     return part * d
+
+
+@triton.jit
+def _act(act, g16, mask):
+    """(dx, dx·Σxq of the piece, Σx - dx·Σxq of the 32-value group, Σx of the group) of 16-value pieces
+    g16 [BM, Q] (in the rows' order), each [BM, 1, Q]."""
+    dx, sq, fix, sx = _quads(act, g16 * 4, mask)
+    return dx[:, None, :], sq[:, None, :], fix[:, None, :], sx[:, None, :]
 
 
 @triton.jit
@@ -334,8 +345,8 @@ def _gemv_dp4a_kernel(xq_ptr, act_ptr, w16, w32, w16b, w32b, out_ptr, expert_ptr
                       BN: tl.constexpr, SB: tl.constexpr, STAGES: tl.constexpr, HAS_EXPERTS: tl.constexpr,
                       TWO: tl.constexpr, EVEN: tl.constexpr, EMULATE: tl.constexpr):
     """out[m, n] = Σ_k x[m, k] · W[n, k] for BM activation rows and BN weight rows per program. Row
-    strides come in the unit the type's blocks are read in (words for Q4_K / Q5_K, 16 bytes for planar
-    Q6_K, else halves), so that the compiler sees their alignment. Parts are summed elementwise; one
+    strides come in the unit the type's blocks are read in (16-byte quads for the interleaved K-quant
+    rows, else halves), so that the compiler sees their alignment. Parts are summed elementwise; one
     reduction at the end. STAGES > 1 lets the compiler copy the next steps' weights asynchronously while
     this one computes (more bytes in flight per SM, paid for in registers and shared memory). TWO: output
     columns from n_first on come from a second weight of the same type (an MoE's gate and up stacks in one
@@ -370,9 +381,22 @@ def _gemv_dp4a_kernel(xq_ptr, act_ptr, w16, w32, w16b, w32b, out_ptr, expert_ptr
     tl.store(out, tl.sum(acc, axis=2).to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & row_ok[None, :])
 
 
-def quantize_rows(x: torch.Tensor, key: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] (K a multiple of 32) -> int8 values as int32 words [M, K/4], and float32 [M, K/16, 4]:
-    per 16 values (dx, dx·Σxq of the 16, Σx - dx·Σxq and Σx of their 32-value group).
+class Int8Rows(NamedTuple):
+    """Activation rows as the mat-vec reads them: int8 values as int32 words [M, K/4], float32 [M, K/16, 4]
+    per 16-value piece (dx, dx·Σxq of the piece, Σx - dx·Σxq and Σx of its 32-value group), and whether
+    the pieces are in BLOCKED order (store_int8_groups) for K-quant weights, or in the row's order."""
+    xq: torch.Tensor
+    act: torch.Tensor
+    blocked: bool
+
+
+def blocked_for(qtype: str) -> bool:
+    """Whether weights of `qtype` read activations in BLOCKED order (the interleaved K-quant rows)."""
+    return qtype in KQUANTS
+
+
+def quantize_rows(x: torch.Tensor, key: torch.Tensor | None = None, blocked: bool = False) -> Int8Rows:
+    """x [M, K] (K a multiple of 32; of 256 when blocked) -> its Int8Rows, in BLOCKED order if `blocked`.
 
     The last few inputs' results are kept: projections of one input in several packs (a DeltaNet's Q5_K
     qkv and Q4_K z/a/b; an MoE's shared expert and routed experts, whose SwiGLU outputs are quantized in
@@ -381,19 +405,21 @@ def quantize_rows(x: torch.Tensor, key: torch.Tensor | None = None) -> tuple[tor
     mode)."""
     key = x if key is None else key
     for ref, stamp, out in _RECENT:
-        if ref() is key and stamp == _stamp(key) and out[0].shape[0] == x.shape[0]:
+        if ref() is key and stamp == _stamp(key) and out.xq.shape[0] == x.shape[0] and out.blocked == blocked:
             return out
     xc = x.contiguous()
     m, k = xc.shape
     groups = k // 32
+    if blocked and k % 256:
+        raise ValueError(f"BLOCKED int8 rows need a multiple of 256 values, not {k}")
     xq, act = int8_buffers(m, k, x.device)
-    _quantize_kernel[(m, triton.cdiv(groups, 16))](xc, xq, act, groups, xc.stride(0), GROUPS=16)
-    out = (xq.view(torch.int32), act)
+    _quantize_kernel[(m, triton.cdiv(groups, 16))](xc, xq, act, groups, xc.stride(0), GROUPS=16, BLOCKED=blocked)
+    out = Int8Rows(xq.view(torch.int32), act, blocked)
     _RECENT.appendleft((weakref.ref(key), _stamp(key), out))
     return out
 
 
-_RECENT: collections.deque = collections.deque(maxlen=4)  # (weakref to the input, its stamp, (xq, act))
+_RECENT: collections.deque = collections.deque(maxlen=4)  # (weakref to the input, its stamp, Int8Rows)
 
 
 def _stamp(t: torch.Tensor):
@@ -410,9 +436,9 @@ def int8_buffers(m: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
             torch.empty(m, k // 16, 4, dtype=torch.float32, device=device))
 
 
-def remember(x: torch.Tensor, xq: torch.Tensor, act: torch.Tensor) -> None:
+def remember(x: torch.Tensor, xq: torch.Tensor, act: torch.Tensor, blocked: bool) -> None:
     """Record (xq, act) as x's quantization (written by a kernel that produced x), for quantize_rows."""
-    _RECENT.appendleft((weakref.ref(x), _stamp(x), (xq.view(torch.int32), act)))
+    _RECENT.appendleft((weakref.ref(x), _stamp(x), Int8Rows(xq.view(torch.int32), act, blocked)))
 
 
 # (BLOCK_N, blocks per step, warps, stages) candidates, most work per thread first: a mat-vec is fed by
@@ -527,17 +553,20 @@ def tuned_configs(qtype: str, n: int, k: int) -> dict[int, tuple[int, int, int, 
 
 
 def _launch(xs, raw, qtype, n, experts, config, out_dtype=torch.float32, second=None, rows_per_x=1) -> torch.Tensor:
-    xq, act = xs
+    xq, act, blocked = xs
+    if blocked != blocked_for(qtype):
+        raise ValueError(f"{qtype} weights read int8 rows {'in' if blocked_for(qtype) else 'out of'} BLOCKED "
+                         "order: quantize_rows(..., blocked=blocked_for(qtype))")
     k = xq.shape[1] * 4
     m = len(experts) if experts is not None else xq.shape[0] * rows_per_x
     block_elems, block_bytes = block_layout(qtype)
     n_units = k // block_elems
     for w in (raw, second[0] if second else raw):
         check_layout(w, qtype, k)
-    if qtype == "Q6_K":  # planar rows, in 16-byte units (see _gemv_dp4a_kernel)
-        row_units = planar_row_words(k) // 4
-    else:  # bytes per addressing unit: words for Q4_K / Q5_K, else halves
-        row_units = n_units * block_bytes // (4 if qtype in ("Q4_K", "Q5_K") else 2)
+    if qtype in KQUANTS:  # interleaved rows, in 16-byte quads (see _gemv_dp4a_kernel)
+        row_units = gpu_row_words(qtype, k) // 4
+    else:  # 16-bit halves
+        row_units = n_units * block_bytes // 2
     block_n, sb, warps, stages = config
     bm = _block_m(m, experts)
     n_total = n + (second[1] if second else 0)
@@ -549,8 +578,8 @@ def _launch(xs, raw, qtype, n, experts, config, out_dtype=torch.float32, second=
     for w in (raw, second[0] if second else raw):
         flat = w.view(-1)
         w16 = flat.view(torch.int16)
-        # Q4_K / Q5_K blocks and planar Q6_K rows are 4-byte multiples; the others are read in halves
-        views += [w16, flat.view(torch.int32) if qtype in ("Q4_K", "Q5_K", "Q6_K") else w16]
+        # interleaved K-quant rows are int32 words; Q8_0 and Q4_0 blocks are read in halves
+        views += [w16, flat if qtype in KQUANTS else w16]
     _gemv_dp4a_kernel[(triton.cdiv(n_total, block_n), triton.cdiv(m, bm))](
         xq, act, *views, out, experts if experts is not None else views[0], m, n_total, n, row_units, n_units,
         n * row_units, k // 16, rows_per_x, out.stride(0), QTYPE=QTYPE_ID[qtype], BM=bm, BN=block_n, SB=sb,
@@ -574,4 +603,4 @@ def matvec(xs, raw: torch.Tensor, qtype: str, n: int, experts: torch.Tensor | No
 def gemv(x: torch.Tensor, raw: torch.Tensor, qtype: str, n: int, config: tuple[int, int, int, int] | None = None,
          key: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] times quantized rows raw [N, row_bytes] -> [M, N] in x's dtype (`key`: see quantize_rows)."""
-    return matvec(quantize_rows(x, key), raw, qtype, n, config=config, out_dtype=x.dtype)
+    return matvec(quantize_rows(x, key, blocked_for(qtype)), raw, qtype, n, config=config, out_dtype=x.dtype)

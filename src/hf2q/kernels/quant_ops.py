@@ -15,17 +15,20 @@ import os
 import torch
 import torch.nn.functional as F
 
-from hf2q.quant import dequantize_ref, is_planar, kept_row
+from hf2q.quant import KQUANTS, dequantize_ref, is_interleaved, kept_row
 
 DECODE_ROWS = 16  # at most this many rows go through the streaming mat-vec kernel
 MOE_PAIRS = 1024  # token-expert pairs below which reading chosen experts beats dequantizing every expert
 _SCRATCH: dict[tuple, torch.Tensor] = {}
 
 
-def reads_int8(x: torch.Tensor, quantized: bool) -> bool:
-    """Whether a quantized projection (`quantized`) of x reads it through the int8 mat-vec, so that the
-    kernel producing x can write its int8 groups as well."""
-    return quantized and _triton(x) and x.numel() // max(x.shape[-1], 1) <= DECODE_ROWS
+def int8_reader(x: torch.Tensor, qtype: str | None) -> str | None:
+    """`qtype` if a projection of x quantized as `qtype` (None: not quantized) reads x through the int8
+    mat-vec, so that the kernel producing x can write its int8 rows as well, in the order that type
+    reads; else None."""
+    if qtype is not None and _triton(x) and x.numel() // max(x.shape[-1], 1) <= DECODE_ROWS:
+        return qtype
+    return None
 
 
 def _triton(x: torch.Tensor) -> bool:
@@ -34,15 +37,17 @@ def _triton(x: torch.Tensor) -> bool:
 
 def check_raw(raw: torch.Tensor, qtype: str, shape: tuple[int, ...]) -> None:
     """Fail loudly unless raw holds exactly `shape` values of `qtype` as a kept weight: uint8 [..., rows,
-    row_bytes] in ggml's order, or for Q6_K planar int32 rows (hf2q.quant.keep_blocks), which CUDA needs."""
-    planar = is_planar(raw, qtype)
-    dtype, width = kept_row(qtype, shape[-1], planar)
+    row_bytes] in ggml's order, or for K-quants interleaved int32 rows (hf2q.quant.keep_blocks), which CUDA
+    needs."""
+    interleaved = is_interleaved(raw, qtype)
+    dtype, width = kept_row(qtype, shape[-1], interleaved)
     want = (*shape[:-1], width)
     if raw.dtype != dtype or tuple(raw.shape) != want or not raw.is_contiguous():
         raise ValueError(f"{qtype} weight of shape {tuple(shape)} needs contiguous {dtype} {want}, "
                          f"got {raw.dtype} {tuple(raw.shape)}")
-    if qtype == "Q6_K" and raw.is_cuda and not planar:
-        raise ValueError("Q6_K blocks on CUDA are kept as planar rows: lay them out with hf2q.quant.keep_blocks")
+    if qtype in KQUANTS and raw.is_cuda and not interleaved:
+        raise ValueError(f"{qtype} blocks on CUDA are kept as interleaved rows: lay them out with "
+                         "hf2q.quant.keep_blocks")
 
 
 def scratch(slot: str, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -113,18 +118,19 @@ def moe_expert_pairs_quant(x: torch.Tensor, experts: torch.Tensor, gate: tuple, 
         return _expert_linear_ref(h, flat, *down, hidden)
     if t * top_k <= MOE_PAIRS:
         from hf2q.kernels.dispatch import silu_mul
-        from hf2q.kernels.quant_dp4a_triton import matvec, quantize_rows
+        from hf2q.kernels.quant_dp4a_triton import blocked_for, matvec, quantize_rows
 
         flat = flat.to(torch.int32)
-        xs = quantize_rows(x)
+        xs = quantize_rows(x, blocked=blocked_for(gate[1]))
         if gate[1] == up[1]:
             gu = matvec(xs, gate[0], gate[1], inter, flat, out_dtype=x.dtype, second=(up[0], inter),
                         rows_per_x=top_k)
-            h = silu_mul(gu[:, :inter], gu[:, inter:], quantize=True)
+            h = silu_mul(gu[:, :inter], gu[:, inter:], int8_for=down[1])
         else:
             h = silu_mul(matvec(xs, *gate, inter, flat, out_dtype=x.dtype, rows_per_x=top_k),
-                         matvec(xs, *up, inter, flat, out_dtype=x.dtype, rows_per_x=top_k), quantize=True)
-        return matvec(quantize_rows(h), *down, hidden, flat, out_dtype=x.dtype)
+                         matvec(quantize_rows(x, blocked=blocked_for(up[1])), *up, inter, flat, out_dtype=x.dtype,
+                                rows_per_x=top_k), int8_for=down[1])
+        return matvec(quantize_rows(h, blocked=blocked_for(down[1])), *down, hidden, flat, out_dtype=x.dtype)
     stacks = []
     for slot, (raw, qtype), shape in (("gate_exps", gate, (n_exp, inter, hidden)), ("up_exps", up, (n_exp, inter, hidden)),
                                       ("down_exps", down, (n_exp, hidden, inter))):

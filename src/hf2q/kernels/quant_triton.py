@@ -2,9 +2,9 @@
 tensor cores). Decode rows (up to 16) go through quant_dp4a_triton.
 
 Every kernel walks a weight row in tiles of 256 values: one K-quant super-block, or eight 32-value
-Q8_0/Q4_0 blocks. Layouts follow ggml's block structs byte for byte (the f16 fields are read through
-a float16 view of the same bytes: every block size and field offset is even), except Q6_K, which the
-GPU keeps as planar rows read in 32-bit words (hf2q.quant.q6_k_to_planar says why).
+Q8_0/Q4_0 blocks. Q8_0 and Q4_0 follow ggml's block structs byte for byte (the f16 fields are read
+through a float16 view of the same bytes: every block size and field offset is even); K-quants are
+kept on the GPU as interleaved rows (hf2q.quant.to_gpu_rows says why).
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from hf2q.kernels.quant_fields_triton import f16_bits, kquant_scale_min, u8
-from hf2q.quant import kept_row, planar_row_words
+from hf2q.quant import KQUANTS, gpu_row_words, kept_row
 
 QTYPE_ID = {"Q8_0": 0, "Q4_0": 1, "Q4_K": 2, "Q5_K": 3, "Q6_K": 4}
 BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
@@ -22,8 +22,8 @@ TILE = 256
 
 @triton.jit
 def dequant_tile(w8, w16, w32, row_base, row_ok, t, nblk, QTYPE: tl.constexpr):
-    """fp32 values [BLOCK_N, 256] of tile t of each row; row_base: int64 offset of each row (bytes; Q6_K:
-    16-byte units)."""
+    """fp32 values [BLOCK_N, 256] of tile t of each row; row_base: int64 offset of each row (bytes; K-quants:
+    16-byte quads)."""
     e = tl.arange(0, 256)
     if QTYPE == 0:  # Q8_0: f16 d, 32 x int8
         b = t * 8 + e // 32
@@ -41,31 +41,33 @@ def dequant_tile(w8, w16, w32, row_base, row_ok, t, nblk, QTYPE: tl.constexpr):
         q = (u8(w8, base + 2 + (i % 16)[None, :], mask) >> ((i // 16) * 4)[None, :]) & 15
         return d * (q - 8).to(tl.float32)
     elif QTYPE <= 3:  # Q4_K: f16 d, f16 dmin, 12 scale bytes, 128 bytes of nibbles; Q5_K: 32 bytes of fifth
-        # bits (bit s of byte l for sub-block s) before the nibbles
-        BB: tl.constexpr = 144 if QTYPE == 2 else 176
-        QS: tl.constexpr = 16 if QTYPE == 2 else 48
+        # bits (bit s of byte l for sub-block s) before the nibbles. Interleaved rows (row_base in quads).
+        QS: tl.constexpr = 1 if QTYPE == 2 else 3  # first quad of nibbles
         mask = row_ok[:, None]
-        base = row_base[:, None] + t * BB
+        base = _quad_byte(row_base[:, None], 0, nblk, t, 0)  # the block's header quad
         d = tl.load(w16 + base // 2, mask=mask, other=0).to(tl.float32)
         dmin = tl.load(w16 + base // 2 + 1, mask=mask, other=0).to(tl.float32)
         sc, mn = kquant_scale_min(w8, base, e // 32, mask)
-        qoff = (32 * (e // 64) + e % 32)[None, :]
-        q = (u8(w8, base + QS + qoff, mask) >> (4 * ((e // 32) % 2))[None, :]) & 15
+        qoff = (32 * (e // 64) + e % 32)[None, :]  # byte of the 128 of nibbles
+        q = (u8(w8, _quad_byte(row_base[:, None], QS + qoff // 16, nblk, t, qoff % 16), mask)
+             >> (4 * ((e // 32) % 2))[None, :]) & 15
         if QTYPE == 3:
-            q += ((u8(w8, base + 16 + (e % 32)[None, :], mask) >> (e // 32)[None, :]) & 1) << 4
+            l = (e % 32)[None, :]
+            q += ((u8(w8, _quad_byte(row_base[:, None], 1 + l // 16, nblk, t, l % 16), mask)
+                   >> (e // 32)[None, :]) & 1) << 4
         return d * sc * q.to(tl.float32) - dmin * mn
-    else:  # Q6_K in planar rows (hf2q.quant.q6_k_to_planar; row_base in 16-byte units). Value
-        # 128h + 32j + l, l = 4w + b: low nibble in byte b of ql word 16h + 8(j % 2) + w of the block, shifted
-        # by 4(j // 2); top bits in byte b of qh word 8h + w, shifted by 2j; scale 8h + 2j + w // 4. So each
-        # (h, j, w) reads one ql, one qh and one scale word for its four values.
+    else:  # Q6_K in interleaved rows (row_base in quads). Value 128h + 32j + l, l = 4w + b: low nibble in
+        # byte b of ql word 16h + 8(j % 2) + w of the block, shifted by 4(j // 2); top bits in byte b of qh
+        # word 8h + w, shifted by 2j; scale 8h + 2j + w // 4. So each (h, j, w) reads one ql, one qh and one
+        # scale word for its four values.
         mask = row_ok[:, None]
-        row = row_base[:, None] * 4  # word offset of each row
+        row = row_base[:, None]
         v = tl.arange(0, 64)
         h, j, w = v // 32, (v // 8) % 4, v % 8
-        ql = tl.load(w32 + row + (32 * t + 16 * h + 8 * (j % 2) + w)[None, :], mask=mask, other=0)
-        qh = tl.load(w32 + row + (32 * nblk + 16 * t + 8 * h + w)[None, :], mask=mask, other=0)
-        sw = tl.load(w32 + row + (48 * nblk + 4 * t + 2 * h + j // 2)[None, :], mask=mask, other=0)
-        dw = tl.load(w32 + row_base * 4 + 52 * nblk + t // 2, mask=row_ok, other=0)
+        ql = tl.load(w32 + _block_word(row, 16 * h + 8 * (j % 2) + w, nblk, t), mask=mask, other=0)
+        qh = tl.load(w32 + _block_word(row, 32 + 8 * h + w, nblk, t), mask=mask, other=0)
+        sw = tl.load(w32 + _block_word(row, 48 + 2 * h + j // 2, nblk, t), mask=mask, other=0)
+        dw = tl.load(w32 + row_base * 4 + 52 * nblk + t // 2, mask=row_ok, other=0)  # the plane of d
         d = f16_bits(dw >> (16 * (t % 2)))[:, None]
         sc = (sw << (24 - 8 * (2 * (j % 2) + w // 4))[None, :]) >> 24  # signed byte
         b = 8 * tl.arange(0, 4)[None, None, :]
@@ -73,6 +75,18 @@ def dequant_tile(w8, w16, w32, row_base, row_ok, t, nblk, QTYPE: tl.constexpr):
         hi = (qh[:, :, None] >> (b + (2 * j)[None, :, None])) & 3
         q = (sc[:, :, None] * ((lo | (hi << 4)) - 32)).to(tl.float32)
         return d * tl.reshape(q, (q.shape[0], 256))
+
+
+@triton.jit
+def _quad_byte(row_q, quad, nblk, t, byte):
+    """Byte offset of byte `byte` of quad `quad` of block t in interleaved rows starting at quad row_q."""
+    return (row_q + quad * nblk + t) * 16 + byte
+
+
+@triton.jit
+def _block_word(row_q, word, nblk, t):
+    """Word offset of word `word` (of the 13 quads before d) of Q6_K block t in interleaved rows [BN, 1]."""
+    return (row_q + ((word // 4) * nblk + t)[None, :]) * 4 + (word % 4)[None, :]
 
 
 @triton.jit
@@ -87,33 +101,33 @@ def _dequant_kernel(w8, w16, w32, out_ptr, N, K, row_stride, nblk, QTYPE: tl.con
 
 
 def _geometry(qtype: str, k: int) -> tuple[int, int, int]:
-    """(row stride in the kernel's unit: bytes, or 16-byte units for planar Q6_K; blocks a row; tiles)."""
+    """(row stride in the kernel's unit: bytes, or 16-byte quads for K-quants; blocks a row; tiles)."""
     elems = 32 if qtype in ("Q8_0", "Q4_0") else 256
     nblk = k // elems
-    stride = planar_row_words(k) // 4 if qtype == "Q6_K" else nblk * BLOCK_BYTES[qtype]
+    stride = gpu_row_words(qtype, k) // 4 if qtype in KQUANTS else nblk * BLOCK_BYTES[qtype]
     return stride, nblk, triton.cdiv(k, TILE)
 
 
 def check_layout(raw: torch.Tensor, qtype: str, k: int) -> None:
-    """Refuse blocks in the layout these kernels do not read: Q6_K as planar int32 rows
-    (hf2q.quant.keep_blocks), every other type as ggml's uint8 bytes, rows of k values."""
-    planar = qtype == "Q6_K"
-    want = kept_row(qtype, k, planar)
+    """Refuse blocks in the layout these kernels do not read: K-quants as interleaved int32 rows
+    (hf2q.quant.keep_blocks), Q8_0 and Q4_0 as ggml's uint8 bytes, rows of k values."""
+    interleaved = qtype in KQUANTS
+    want = kept_row(qtype, k, interleaved)
     if (raw.dtype, raw.shape[-1]) != want:
-        layout = "planar int32 rows (hf2q.quant.keep_blocks)" if planar else "ggml's uint8 bytes"
+        layout = "interleaved int32 rows (hf2q.quant.keep_blocks)" if interleaved else "ggml's uint8 bytes"
         raise ValueError(f"the Triton {qtype} kernels read {layout} of {want[1]} a row of {k} values; "
                          f"got {raw.dtype} {tuple(raw.shape)}")
 
 
 def dequantize(raw: torch.Tensor, qtype: str, rows: int, k: int, out: torch.Tensor) -> torch.Tensor:
-    """Write the values of quantized rows raw [rows, row_bytes] (Q6_K: planar int32 rows) into out [rows, k]
+    """Write the values of quantized rows raw [rows, row_bytes] (K-quants: interleaved int32 rows) into out [rows, k]
     (any float dtype)."""
     check_layout(raw, qtype, k)
     stride, nblk, n_tiles = _geometry(qtype, k)
     flat = raw.view(-1)
     w8, w16 = flat.view(torch.uint8), flat.view(torch.float16)
     block_n = 8
-    _dequant_kernel[(triton.cdiv(rows, block_n), n_tiles)](w8, w16, flat if qtype == "Q6_K" else w16, out, rows, k,
+    _dequant_kernel[(triton.cdiv(rows, block_n), n_tiles)](w8, w16, flat if qtype in KQUANTS else w16, out, rows, k,
                                                            stride, nblk, QTYPE=QTYPE_ID[qtype], BLOCK_N=block_n,
                                                            num_warps=4)
     return out

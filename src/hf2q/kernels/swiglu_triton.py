@@ -1,5 +1,5 @@
 """Triton SwiGLU activation: silu(gate) * up in one kernel, reading the two halves of the packed
-gate+up GEMM output in place. With QUANT the rounded output is also quantized to int8 groups for the
+gate+up GEMM output in place. With QUANT the rounded output is also quantized to int8 rows for the
 quantized down projection that reads it next (quant_dp4a_triton), which then needs no quantizing launch."""
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import torch
 import triton
 import triton.language as tl
 
-from hf2q.kernels.quant_dp4a_triton import int8_buffers, quantize_and_store, remember
+from hf2q.kernels.quant_dp4a_triton import blocked_for, int8_buffers, quantize_and_store, remember
 
 
 @triton.jit
 def _silu_mul_kernel(g_ptr, u_ptr, o_ptr, xq_ptr, act_ptr, N, stride_g, stride_u, stride_o, BLOCK: tl.constexpr,
-                     QUANT: tl.constexpr):
+                     QUANT: tl.constexpr, BLOCKED: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = c < N
@@ -21,20 +21,23 @@ def _silu_mul_kernel(g_ptr, u_ptr, o_ptr, xq_ptr, act_ptr, N, stride_g, stride_u
     y = (g * tl.sigmoid(g) * u).to(o_ptr.dtype.element_ty)
     tl.store(o_ptr + row * stride_o + c, y, mask=m)
     if QUANT:  # N is a multiple of 32 (and BLOCK of 32): whole groups only
-        quantize_and_store(xq_ptr, act_ptr, y, row, tl.program_id(1) * (BLOCK // 32), N // 32, BLOCK)
+        quantize_and_store(xq_ptr, act_ptr, y, row, tl.program_id(1) * (BLOCK // 32), N // 32, BLOCK, BLOCKED)
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor, quantize: bool = False) -> torch.Tensor:
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, int8_for: str | None = None) -> torch.Tensor:
     """gate, up: [T, N] (row-strided views are fine) -> silu(gate) * up [T, N] in gate's dtype.
-    quantize (N a multiple of 32): the output's int8 groups are written too and remembered for the mat-vec."""
+    int8_for: the output's int8 rows, in the order weights of that type read (quant_dp4a_triton.Int8Rows),
+    are written too and remembered for the mat-vec."""
     t, n = gate.shape
     assert gate.stride(1) == 1 and up.stride(1) == 1 and up.shape == gate.shape
-    quantize = quantize and n % 32 == 0
+    blocked = int8_for is not None and blocked_for(int8_for)
+    quantize = int8_for is not None and n % (256 if blocked else 32) == 0
     out = torch.empty(t, n, dtype=gate.dtype, device=gate.device)
     xq, act = int8_buffers(t, n, gate.device) if quantize else (out, out)
     block = min(2048, triton.next_power_of_2(n))
     _silu_mul_kernel[(t, triton.cdiv(n, block))](gate, up, out, xq, act, n, gate.stride(0), up.stride(0),
-                                                 out.stride(0), BLOCK=block, QUANT=quantize, num_warps=8)
+                                                 out.stride(0), BLOCK=block, QUANT=quantize, BLOCKED=blocked,
+                                                 num_warps=8)
     if quantize:
-        remember(out, xq, act)
+        remember(out, xq, act, blocked)
     return out

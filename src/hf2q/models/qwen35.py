@@ -12,7 +12,7 @@ from torch import nn
 from hf2q.config import ModelConfig
 from hf2q.forward import ForwardBatch
 from hf2q.kernels import dispatch
-from hf2q.kernels.quant_ops import reads_int8
+from hf2q.kernels.quant_ops import int8_reader
 from hf2q.layers.attention import GatedAttention
 from hf2q.layers.gdn import GatedDeltaNet
 from hf2q.layers.linear import Linear
@@ -56,19 +56,25 @@ class DecoderLayer(nn.Module):
         block's FFN output, or None) is added here; returns (residual, this block's FFN output)."""
         int8_mixer, int8_ffn = self._int8_inputs()
         norm = self.attn_norm
-        x, h = dispatch.add_rms_norm(x, pending, norm.weight, norm.eps, reads_int8(x, int8_mixer))
+        x, h = dispatch.add_rms_norm(x, pending, norm.weight, norm.eps, int8_reader(x, int8_mixer))
         m = self.mixer(h, batch, cos, sin) if self.is_full_attention else self.mixer(h, batch)
         norm = self.ffn_norm
-        x, h = dispatch.add_rms_norm(x, m, norm.weight, norm.eps, reads_int8(x, int8_ffn))
+        x, h = dispatch.add_rms_norm(x, m, norm.weight, norm.eps, int8_reader(x, int8_ffn))
         return x, self._ffn(h, batch)
 
-    def _int8_inputs(self) -> tuple[bool, bool]:
-        """Whether the mixer and the FFN read their input through quantized projections (then each norm
-        also writes the int8 groups the quantized mat-vec reads). Worked out on first use, after loading."""
+    def _int8_inputs(self) -> tuple[str | None, str | None]:
+        """The quantized type through which the mixer and the FFN read their input (then each norm also
+        writes the int8 rows that type's mat-vec reads; a projection of another type quantizes the input
+        itself), or None. Worked out on first use, after loading."""
         if getattr(self, "_int8", None) is None:
-            def quantized(module):
-                return any(getattr(m, "quantized", False) for m in module.modules() if isinstance(m, (Linear, MoE)))
-            self._int8 = (quantized(self.mixer), quantized(self.ffn))
+            def first_qtype(module):
+                for m in module.modules():
+                    if isinstance(m, Linear) and m.quantized:
+                        return m.qtype
+                    if isinstance(m, MoE) and m.quantized:
+                        return m.exps_qtype["gate_exps"]
+                return None
+            self._int8 = (first_qtype(self.mixer), first_qtype(self.ffn))
         return self._int8
 
     def _ffn(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -80,7 +86,7 @@ class DecoderLayer(nn.Module):
             return self._moe_fast(h)
         if isinstance(self.ffn, MLP) and dispatch.use_fast_path(h):
             ffn = self.ffn
-            (act,) = dispatch.packed_swiglu(h, (ffn.gate, ffn.up), reads_int8(h, ffn.down.quantized))  # one GEMM
+            (act,) = dispatch.packed_swiglu(h, (ffn.gate, ffn.up), int8_reader(h, ffn.down.qtype))  # one GEMM
             return ffn.down(act)
         return self.ffn(h)
 
@@ -90,7 +96,7 @@ class DecoderLayer(nn.Module):
             outs = dispatch.packed_linear(h, (moe.router,))
         else:  # router, shared-expert gate and the shared expert's SwiGLU
             outs = dispatch.packed_swiglu(h, (moe.router, moe.shared_gate, shared.gate, shared.up),
-                                          reads_int8(h, shared.down.quantized))
+                                          int8_reader(h, shared.down.qtype))
         weights, experts = dispatch.moe_route(outs[0], moe.top_k, h.dtype)
         if (not moe.quantized and (shared is None or not shared.down.quantized)
                 and dispatch.moe_pairs_by_gemv(h, experts, moe.gate_exps, moe.up_exps, moe.down_exps)):
