@@ -81,6 +81,22 @@ def _dot_rows(w_ptrs, x_ptrs, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K
 
 
 @triton.jit
+def _dot_tiles(w_ptrs, x_ptrs, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
+               STAGES: tl.constexpr, EVEN_K: tl.constexpr):
+    """_dot_rows before its reduction: the fp32 products of every K tile summed elementwise [BLOCK_N, BLOCK_K].
+    A caller that adds several such products reduces once, so no cross-warp reduction (and its barrier)
+    stands between one product's loads and the next's."""
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for t in tl.range(0, K_TILES, num_stages=STAGES):
+        k_ok = (t * BLOCK_K + ks < K)[None, :]
+        acc += _load(w_ptrs, k_ok, EVEN_K).to(tl.float32) * _load(x_ptrs, k_ok, EVEN_K).to(tl.float32)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    return acc
+
+
+@triton.jit
 def _dot_row_pairs(g_ptrs, u_ptrs, x_ptrs, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
                    STAGES: tl.constexpr, EVEN_K: tl.constexpr):
     """_dot_rows of two weights' rows over the same x tiles (each x tile loaded once) -> (fp32, fp32)."""
@@ -154,27 +170,30 @@ def _down_combine_kernel(h_ptr, w_ptr, experts_ptr, route_ptr, hs_ptr, ws_ptr, g
                          HAS_SHARED: tl.constexpr):
     """Program (BLOCK_N output columns, token t): the MoE block's last step at once, in fp32,
     Σ_j route[t, j] · (down_exps[experts[t, j]] · h[t·TOPK + j]) + sigmoid(g[t]) · (W_shared · hs[t]),
-    stored once. Neither the pair outputs nor the shared output reach memory, and no combine kernel follows."""
+    stored once. Neither the pair outputs nor the shared output reach memory, and no combine kernel follows.
+    The weighted products are summed elementwise and reduced once at the end (_dot_tiles), so every
+    expert's weight loads can be in flight together."""
     t = tl.program_id(1)
     lanes = tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     cols = tl.program_id(0) * BLOCK_N + lanes
     rows = tl.minimum(cols, N - 1).to(tl.int64)[:, None]  # rows past the last re-read it; only the store is masked
     x_cols = (lanes * 0)[:, None] + ks[None, :]
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for j in tl.static_range(TOPK):
         p = t * TOPK + j
         expert = tl.load(experts_ptr + p).to(tl.int64)
         route = tl.load(route_ptr + p).to(tl.float32)
         w_ptrs = w_ptr + expert * stride_we + rows * stride_wn + ks[None, :]
         x_ptrs = h_ptr + p.to(tl.int64) * stride_hp + x_cols
-        acc += route * _dot_rows(w_ptrs, x_ptrs, K, BLOCK_N, BLOCK_K, K_TILES, STAGES, EVEN_K)
+        acc += route * _dot_tiles(w_ptrs, x_ptrs, K, BLOCK_N, BLOCK_K, K_TILES, STAGES, EVEN_K)
     if HAS_SHARED:
         gate = tl.sigmoid(tl.load(g_ptr + t.to(tl.int64) * stride_g).to(tl.float32))
         w_ptrs = ws_ptr + rows * stride_wsn + ks[None, :]
         x_ptrs = hs_ptr + t.to(tl.int64) * stride_hs + x_cols
-        acc += gate * _dot_rows(w_ptrs, x_ptrs, KS, BLOCK_N, BLOCK_K, KS_TILES, STAGES, EVEN_KS)
-    tl.store(y_ptr + t.to(tl.int64) * stride_ym + cols, acc.to(y_ptr.dtype.element_ty), mask=cols < N)
+        acc += gate * _dot_tiles(w_ptrs, x_ptrs, KS, BLOCK_N, BLOCK_K, KS_TILES, STAGES, EVEN_KS)
+    out = tl.sum(acc, 1)
+    tl.store(y_ptr + t.to(tl.int64) * stride_ym + cols, out.to(y_ptr.dtype.element_ty), mask=cols < N)
 
 
 @triton.jit
