@@ -267,9 +267,9 @@ def test_moe_down_combine_wiring_at_one_token(env, monkeypatch):
 
 
 # ---- DeltaNet decode with the causal conv folded in ----------------------------------------------------
-def _decode_inputs(dev, dtype, real: bool, nk: int, nv: int, seed: int):
+def _decode_inputs(dev, dtype, real: bool, nk: int, nv: int, seed: int, d: int | None = None):
     gen = torch.Generator().manual_seed(seed)
-    d = 128 if real else 16
+    d = d or (128 if real else 16)
     b, s = (4, 9) if real else (3, 6)
     c = 2 * nk * d + nv * d
     slots = torch.tensor([5, 0, 8, 2][:b] if real else [4, 0, 2])
@@ -312,6 +312,27 @@ def test_fused_conv_gdn_decode_matches_two_step(env, heads):
         assert rel(args["state_pool"], ref["state_pool"]) <= tol, step
         nxt = torch.randn(args["x"].shape, generator=torch.Generator().manual_seed(step))
         args["x"], ref["x"] = nxt.to(dev, dtype), nxt.to(dtype).float()
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+def test_fused_conv_gdn_decode_writes_int8_rows(env, qtype):
+    """With int8_for, the folded step's second kernel also writes its output's int8 rows (in the row's
+    order, or BLOCKED for a K-quant output projection), equal to quantizing the output afterwards: the
+    quantized output projection then needs no quantizing launch of its own."""
+    from hf2q.kernels import quant_dp4a_triton as q8
+    from hf2q.kernels.gdn_decode_triton import gdn_conv_decode_
+
+    dev, dtype, real = env
+    args = _decode_inputs(dev, dtype, real, 2, 8, seed=7, d=None if real else 32)  # 8 heads of 32: 256 wide
+    args["out_dtype"] = dtype
+    out = gdn_conv_decode_(**args, int8_for=qtype)
+    blocked = q8.blocked_for(qtype)
+    assert q8._RECENT[0][0]() is out and q8._RECENT[0][2].blocked == blocked
+    kept = q8.quantize_rows(out, blocked=blocked)  # found, not recomputed
+    assert kept is q8._RECENT[0][2]
+    fresh = q8.quantize_rows(out.clone(), blocked=blocked)
+    assert torch.equal(kept.xq.cpu(), fresh.xq.cpu())
+    assert torch.allclose(kept.act.cpu(), fresh.act.cpu(), rtol=1e-5, atol=1e-6)
 
 
 needs_cuda = pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="needs CUDA")

@@ -181,7 +181,8 @@ def test_moe_expert_pairs_by_gemv(env):
 
 @pytest.mark.parametrize("kernel", ["route", "combine", "gemv", "gemv_glu", "gemv_glu_pipelined", "expert_gemv",
                                     "down_combine", "down_combine_pipelined", "norm_int8", "norm_int8_blocked",
-                                    "swiglu_int8", "swiglu_int8_blocked", "gdn_columns", "gdn_finish"])
+                                    "swiglu_int8", "swiglu_int8_blocked", "gdn_columns", "gdn_finish",
+                                    "gdn_finish_int8_blocked"])
 def test_new_kernels_compile_for_hopper(kernel):
     """The MoE kernels, the one-row GEMV (plain, with the SwiGLU epilogue, for MoE pairs, for the pairs' down
     projections with the combine), the int8-writing norm and SwiGLU (rows in either order) and the two-launch
@@ -233,10 +234,12 @@ def test_new_kernels_compile_for_hopper(kernel):
                              dtb_ptr="*fp32", state_ptr="*fp32", slot_ptr="*i64", o_ptr="*fp32", ss_ptr="*fp32",
                              stride_x=i32, stride_conv=i32, stride_ab=i32, stride_bb=i32, C=i32, NK=i32, NV=i32,
                              scale="fp32", eps="fp32"), dict(DK=128, DV=128, SPLIT=4)),
-        "gdn_finish": (gdn_decode_triton._gdn_conv_finish_kernel,
-                       dict(x_ptr=ptr, conv_ptr=ptr, z_ptr=ptr, nw_ptr="*fp32", slot_ptr="*i64", o_ptr="*fp32",
-                            ss_ptr="*fp32", out_ptr=ptr, stride_x=i32, stride_conv=i32, stride_z=i32,
-                            stride_out=i32, C=i32, NK=i32, NV=i32, eps="fp32"), dict(DK=128, DV=128, SPLIT=4)),
+        **{name: (gdn_decode_triton._gdn_conv_finish_kernel,
+                  dict(x_ptr=ptr, conv_ptr=ptr, z_ptr=ptr, nw_ptr="*fp32", slot_ptr="*i64", o_ptr="*fp32",
+                       ss_ptr="*fp32", out_ptr=ptr, xq_ptr="*i8", act_ptr="*fp32", stride_x=i32, stride_conv=i32,
+                       stride_z=i32, stride_out=i32, C=i32, NK=i32, NV=i32, eps="fp32"),
+                  dict(DK=128, DV=128, SPLIT=4, QUANT=quant, BLOCKED=quant))
+           for name, quant in (("gdn_finish", False), ("gdn_finish_int8_blocked", True))},
     }[kernel]
     sig.update({name: "constexpr" for name in const})
     try:

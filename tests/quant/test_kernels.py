@@ -236,6 +236,36 @@ def test_matvec_two_stacks_one_launch(qtype):
 
 
 @kernels
+@pytest.mark.parametrize("types", [("Q5_K", "Q4_K"), ("Q4_K", "Q6_K"), ("Q8_0", "Q4_0")])
+def test_two_types_one_launch(types, monkeypatch):
+    """Projections of one input kept in two types (a DeltaNet's Q5_K qkv and Q4_K z/a/b) come from one
+    mat-vec launch through dispatch.packed_linear, each part exact against its own weight; types that read
+    activations in different orders stay two launches."""
+    from hf2q.kernels import dispatch, quant_dp4a_triton
+    from hf2q.layers.linear import Linear
+
+    launches = []
+    real_launch = quant_dp4a_triton._launch
+    monkeypatch.setattr(quant_dp4a_triton, "_launch", lambda *a, **kw: launches.append(a[2]) or real_launch(*a, **kw))
+    k = 512
+    x = int8_exact(torch.randn(2, k, generator=torch.Generator().manual_seed(8)))
+    for mixed in (types, (types[0], "Q8_0" if types[0] in KQUANTS else "Q4_K")):
+        linears, dense = [], []
+        for i, (qtype, n) in enumerate(zip((mixed[0], mixed[1], mixed[1]), (64, 32, 8))):
+            raw = random_blocks(qtype, n, k, seed=30 + i)
+            lin = Linear(k, n)
+            lin.set_quantized(kernel_blocks(raw, qtype), qtype)
+            linears.append(lin)
+            dense.append(dequantize_ref(raw, qtype, (n, k)))
+        launches.clear()
+        outs = dispatch.packed_linear(x.to(DEV), linears)
+        for got, w in zip(outs, dense):
+            assert rel(got, x.double() @ w.double().T) < 1e-5
+        one = quant_dp4a_triton.blocked_for(mixed[0]) == quant_dp4a_triton.blocked_for(mixed[1])
+        assert launches == ([mixed[0]] if one else [mixed[0], mixed[1]]), (mixed, launches)
+
+
+@kernels
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0"] if CUDA else ["Q8_0", "Q6_K"])
 def test_moe_experts_quant(qtype, monkeypatch):
     from hf2q.kernels import quant_dp4a_triton, quant_ops
@@ -349,7 +379,7 @@ def _global_read_bytes(ptx: str) -> set[int]:
 
 @pytest.mark.parametrize("qtype,rows,stages", [(q, 1, 1) for q in QUANT_TYPES]
                          + [("Q4_K", 16, 1), ("Q6_K", 16, 1), ("Q5_K", "experts", 1), ("Q6_K", "experts", 1),
-                            ("Q4_K", 1, 3), ("Q6_K", 1, 3), ("Q8_0", 1, 3)])
+                            ("Q4_K", 1, 3), ("Q6_K", 1, 3), ("Q8_0", 1, 3), ("Q5_K+Q4_K", 1, 1), ("Q4_K+Q6_K", 1, 1)])
 def test_int8_matvec_compiles_for_hopper(qtype, rows, stages):
     """The mat-vec compiles to sm_90 machine code with dp4a (Triton's interpreter runs no PTX, and a
     construct only the compiler rejects, such as a non-constexpr global, would otherwise first show on a
@@ -357,18 +387,21 @@ def test_int8_matvec_compiles_for_hopper(qtype, rows, stages):
     from hf2q.kernels import quant_dp4a_triton as k
 
     experts = rows == "experts"
+    qtype, qtype_b = (*qtype.split("+"), qtype)[:2]  # "A+B": two types in one launch
     bn, sb, warps, _ = next(c for c in k.candidates(qtype, 1 if experts else rows) if c[3] == stages)
     sig = {"xq_ptr": "*i32", "act_ptr": "*fp32", "w16": "*i16", "w32": "*i32", "w16b": "*i16", "w32b": "*i32",
            "out_ptr": "*bf16", "expert_ptr": "*i32", "M": "i32", "N": "i32", "n_first": "i32", "row_units": "i32",
-           "n_units": "i32", "expert_units": "i32", "n_g16": "i32", "rows_per_x": "i32", "out_stride": "i32"}
-    const = dict(QTYPE=k.QTYPE_ID[qtype], BM=1 if experts else k._block_m(rows, None), BN=bn, SB=sb,
-                 STAGES=stages, HAS_EXPERTS=experts, TWO=experts, EVEN=rows == 1, EMULATE=False)
-    sizes = ("N", "n_first", "row_units", "n_units", "expert_units", "n_g16", "out_stride")  # as at 4096 wide
+           "row_units_b": "i32", "n_units": "i32", "expert_units": "i32", "n_g16": "i32", "rows_per_x": "i32",
+           "out_stride": "i32"}
+    const = dict(QTYPE=k.QTYPE_ID[qtype], QTYPE_B=k.QTYPE_ID[qtype_b], BM=1 if experts else k._block_m(rows, None),
+                 BN=bn, SB=sb, STAGES=stages, HAS_EXPERTS=experts, TWO=experts or qtype_b != qtype, EVEN=rows == 1,
+                 EMULATE=False)
+    sizes = ("N", "n_first", "row_units", "row_units_b", "n_units", "expert_units", "n_g16", "out_stride")
     ptx = _compile_for_hopper(k._gemv_dp4a_kernel, sig, const, warps, sizes if rows == 1 else ())
     assert "dp4a" in ptx
     if qtype == "Q6_K":
         assert min(_global_read_bytes(ptx)) == 4 and 16 in _global_read_bytes(ptx)
-    if qtype in ("Q4_K", "Q5_K") and rows == 1 and stages == 1:  # unmasked: every block field in 16-byte loads
+    if {qtype, qtype_b} <= {"Q4_K", "Q5_K"} and rows == 1 and stages == 1:  # unmasked: every field in 16-byte loads
         assert _global_read_bytes(ptx) == {16}, _global_read_bytes(ptx)
 
 

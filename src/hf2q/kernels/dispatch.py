@@ -148,6 +148,18 @@ def _packed_by_type(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
     if len(groups) == 1:
         return _packed_quant_linear(x, linears)
     out: list = [None] * len(linears)
+    quant = [(qtype, idx) for qtype, idx in groups.items() if qtype is not None]
+    if len(quant) == 2:  # two types (a DeltaNet's Q5_K qkv and Q4_K z/a/b): one launch where the mat-vec serves
+        from hf2q.kernels.quant_ops import quant_linear_pair
+
+        parts = [[linears[i] for i in idx] for _, idx in quant]
+        sizes = [[lin.out_features for lin in part] for part in parts]
+        weights = [(_packed_raw(part), qtype, sum(n)) for part, (qtype, _), n in zip(parts, quant, sizes)]
+        y = quant_linear_pair(x, *weights)
+        if y is not None:
+            for i, r in zip(quant[0][1] + quant[1][1], torch.split(y, sizes[0] + sizes[1], dim=-1)):
+                out[i] = r
+            groups = {None: groups[None]} if None in groups else {}
     for qtype, idx in groups.items():
         if len(idx) == 1:
             results = [linears[idx[0]](x)]
@@ -161,13 +173,21 @@ def _packed_by_type(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
 
 
 def _packed_quant_linear(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
-    """packed_linear for projections quantized as one type: their block rows concatenated once, each
-    Linear's qweight then a view of the packed blocks."""
+    """packed_linear for projections quantized as one type (see _packed_raw)."""
     from hf2q.kernels.quant_ops import quant_linear
 
+    sizes = [lin.out_features for lin in linears]
+    out = quant_linear(x, _packed_raw(linears), linears[0].qtype, sum(sizes))
+    return torch.split(out, sizes, dim=-1)
+
+
+def _packed_raw(linears) -> torch.Tensor:
+    """The block rows of projections quantized as one type, concatenated once (made on first use; each
+    Linear's qweight then a view of the packed blocks)."""
     first = linears[0]
     packed = getattr(first, "_qpacked", None)
-    if packed is None or packed.device != x.device or not _views_of(packed, [lin.qweight for lin in linears]):
+    parts = [lin.qweight for lin in linears]
+    if packed is None or packed.device != parts[0].device or not _views_of(packed, parts):
         packed = torch.cat([lin.qweight for lin in linears])
         row = 0
         for lin in linears:
@@ -175,9 +195,7 @@ def _packed_quant_linear(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
             lin.qweight = packed[row:row + n]
             row += n
         first._qpacked = packed
-    sizes = [lin.out_features for lin in linears]
-    out = quant_linear(x, packed, first.qtype, sum(sizes))
-    return torch.split(out, sizes, dim=-1)
+    return packed
 
 
 def _triton(x: torch.Tensor) -> bool:
@@ -254,14 +272,16 @@ def conv_varlen_(x: torch.Tensor, weight: torch.Tensor, state_pool, slots, cu_se
 
 # ---- Gated DeltaNet, one token per sequence ---------------------------------------------------------
 def gdn_conv_decode_(x, conv_w, conv_pool, a_raw, b_raw, A, dt_bias, z, norm_w, state_pool, slots, nk: int, dk: int,
-                     eps: float, out_dtype: torch.dtype) -> torch.Tensor:
+                     eps: float, out_dtype: torch.dtype, int8_for: str | None = None) -> torch.Tensor:
     """conv_decode_ then gdn_decode_ of the qkv projection x [B, C], in one kernel where Triton runs (one
-    launch per layer fewer); conv_pool and state_pool updated in place at `slots`."""
+    launch per layer fewer); conv_pool and state_pool updated in place at `slots`. int8_for: the output
+    feeds the int8 mat-vec of a weight of that type (quant_ops.int8_reader); the kernel also writes its
+    int8 rows."""
     if (_triton(x) and conv_w.shape[1] == 4 and state_pool.dtype == torch.float32 and x.stride(1) == 1
             and conv_pool.stride(2) == 1):
         from hf2q.kernels.gdn_decode_triton import gdn_conv_decode_ as kernel
         return kernel(x, conv_w, conv_pool, a_raw, b_raw, A, dt_bias, z, norm_w, state_pool, slots, nk, dk, eps,
-                      out_dtype)
+                      out_dtype, int8_for)
     return gdn_decode_(conv_decode_(x, conv_w, conv_pool, slots), a_raw, b_raw, A, dt_bias, z, norm_w, state_pool,
                        slots, nk, dk, eps, out_dtype)
 

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hf2q.kernels.quant_dp4a_triton import blocked_for, int8_buffers, quantize_and_store, remember
+
 
 @triton.jit
 def _conv_out(row, conv, w_ptr, c, C):
@@ -69,10 +71,13 @@ def _delta_columns(q, k, v, decay, beta, state, dk, dv, DV: tl.constexpr):
 
 @triton.jit
 def _gated_norm_store(o, ss, b, h, dv, z_ptr, nw_ptr, out_ptr, stride_z, stride_out, eps, DV: tl.constexpr):
-    """norm(o) · w · SiLU(z) of head h's read-out o [DV] (ss = Σ o²), stored at the head's columns."""
+    """norm(o) · w · SiLU(z) of head h's read-out o [DV] (ss = Σ o²), stored at the head's columns; returns
+    the stored (rounded) values."""
     o = o * tl.rsqrt(ss / DV + eps) * tl.load(nw_ptr + dv).to(tl.float32)
     z = tl.load(z_ptr + b * stride_z + h * DV + dv).to(tl.float32)
-    tl.store(out_ptr + b * stride_out + h * DV + dv, o * z * tl.sigmoid(z))
+    y = (o * z * tl.sigmoid(z)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + b * stride_out + h * DV + dv, y)
+    return y
 
 
 @triton.jit
@@ -138,18 +143,21 @@ def _gdn_conv_columns_kernel(x_ptr, cw_ptr, conv_ptr, a_ptr, b_ptr, A_ptr, dtb_p
 
 
 @triton.jit
-def _gdn_conv_finish_kernel(x_ptr, conv_ptr, z_ptr, nw_ptr, slot_ptr, o_ptr, ss_ptr, out_ptr, stride_x, stride_conv,
-                            stride_z, stride_out, C, NK, NV, eps, DK: tl.constexpr, DV: tl.constexpr,
-                            SPLIT: tl.constexpr):
-    """Program (b, h): the gated RMSNorm of head h's read-out; programs h < n_k also shift key head h's
-    q/k conv channels (every reader of them ran in the previous launch)."""
+def _gdn_conv_finish_kernel(x_ptr, conv_ptr, z_ptr, nw_ptr, slot_ptr, o_ptr, ss_ptr, out_ptr, xq_ptr, act_ptr,
+                            stride_x, stride_conv, stride_z, stride_out, C, NK, NV, eps, DK: tl.constexpr,
+                            DV: tl.constexpr, SPLIT: tl.constexpr, QUANT: tl.constexpr, BLOCKED: tl.constexpr):
+    """Program (b, h): the gated RMSNorm of head h's read-out (with QUANT also its int8 rows for the
+    quantized output projection, quant_dp4a_triton.quantize_and_store); programs h < n_k also shift key
+    head h's q/k conv channels (every reader of them ran in the previous launch)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     dv = tl.arange(0, DV)
     pair = b * NV + h
     ss = tl.sum(tl.load(ss_ptr + pair * SPLIT + tl.arange(0, SPLIT)), 0)
-    _gated_norm_store(tl.load(o_ptr + pair * DV + dv), ss, b, h, dv, z_ptr, nw_ptr, out_ptr, stride_z, stride_out,
-                      eps, DV)
+    y = _gated_norm_store(tl.load(o_ptr + pair * DV + dv), ss, b, h, dv, z_ptr, nw_ptr, out_ptr, stride_z,
+                          stride_out, eps, DV)
+    if QUANT:  # DV is a multiple of 32: a head holds whole groups
+        quantize_and_store(xq_ptr, act_ptr, y, b, h * (DV // 32), NV * (DV // 32), DV, BLOCKED)
     if h < NK:
         dk = tl.arange(0, DK)
         slot = tl.load(slot_ptr + b).to(tl.int64)
@@ -183,9 +191,11 @@ def gdn_decode_(qkv: torch.Tensor, a_raw: torch.Tensor, b_raw: torch.Tensor, A: 
 def gdn_conv_decode_(x: torch.Tensor, conv_w: torch.Tensor, conv_pool: torch.Tensor, a_raw: torch.Tensor,
                      b_raw: torch.Tensor, A: torch.Tensor, dt_bias: torch.Tensor, z: torch.Tensor,
                      norm_w: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor, nk: int, dk: int,
-                     eps: float, out_dtype: torch.dtype) -> torch.Tensor:
+                     eps: float, out_dtype: torch.dtype, int8_for: str | None = None) -> torch.Tensor:
     """gdn_decode_ with the causal conv + SiLU folded in: x [B, C] is the qkv projection before the conv;
-    conv_w [C, 4]; conv_pool [S, 3, C] is updated in place at `slots` like the recurrent state."""
+    conv_w [C, 4]; conv_pool [S, 3, C] is updated in place at `slots` like the recurrent state. int8_for:
+    the output's int8 rows, in the order weights of that type read, are written too and remembered for the
+    quantized output projection."""
     bsz, c = x.shape
     nv, dv = state_pool.shape[1], state_pool.shape[3]
     _check(a_raw, b_raw, z, state_pool, dk)
@@ -200,9 +210,14 @@ def gdn_conv_decode_(x: torch.Tensor, conv_w: torch.Tensor, conv_pool: torch.Ten
                                                state_pool, slots, o, ss, x.stride(0), conv_pool.stride(0),
                                                a_raw.stride(0), b_raw.stride(0), c, nk,
                                                nv, dk ** -0.5, eps, DK=dk, DV=dv, SPLIT=split, num_warps=4)
-    _gdn_conv_finish_kernel[(bsz, nv)](x, conv_pool, z, norm_w, slots, o, ss, out, x.stride(0), conv_pool.stride(0),
-                                       z.stride(0), out.stride(0), c, nk, nv, eps, DK=dk, DV=dv, SPLIT=split,
-                                       num_warps=4)
+    blocked = int8_for is not None and blocked_for(int8_for)
+    quantize = int8_for is not None and dv % 32 == 0 and (nv * dv) % (256 if blocked else 32) == 0
+    xq, act = int8_buffers(bsz, nv * dv, x.device) if quantize else (out, out)
+    _gdn_conv_finish_kernel[(bsz, nv)](x, conv_pool, z, norm_w, slots, o, ss, out, xq, act, x.stride(0),
+                                       conv_pool.stride(0), z.stride(0), out.stride(0), c, nk, nv, eps, DK=dk, DV=dv,
+                                       SPLIT=split, QUANT=quantize, BLOCKED=blocked, num_warps=4)
+    if quantize:
+        remember(out, xq, act, blocked)
     return out
 
 

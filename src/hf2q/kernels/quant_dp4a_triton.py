@@ -340,32 +340,11 @@ def _q8_q4(w16, xq32, act, x_g16, m_ok, row_h, row_ok, u0, n_units, QTYPE: tl.co
 
 
 @triton.jit
-def _gemv_dp4a_kernel(xq_ptr, act_ptr, w16, w32, w16b, w32b, out_ptr, expert_ptr, M, N, n_first, row_units, n_units,
-                      expert_units, n_g16, rows_per_x, out_stride, QTYPE: tl.constexpr, BM: tl.constexpr,
-                      BN: tl.constexpr, SB: tl.constexpr, STAGES: tl.constexpr, HAS_EXPERTS: tl.constexpr,
-                      TWO: tl.constexpr, EVEN: tl.constexpr, EMULATE: tl.constexpr):
-    """out[m, n] = Σ_k x[m, k] · W[n, k] for BM activation rows and BN weight rows per program. Row
-    strides come in the unit the type's blocks are read in (16-byte quads for the interleaved K-quant
-    rows, else halves), so that the compiler sees their alignment. Parts are summed elementwise; one
-    reduction at the end. STAGES > 1 lets the compiler copy the next steps' weights asynchronously while
-    this one computes (more bytes in flight per SM, paid for in registers and shared memory). TWO: output
-    columns from n_first on come from a second weight of the same type (an MoE's gate and up stacks in one
-    launch; n_first is a multiple of BN). Output row m multiplies activation row m // rows_per_x. EVEN: M,
-    N and the blocks a row are multiples of BM, BN and SB, so nothing is masked."""
-    ms = tl.program_id(1) * BM + tl.arange(0, BM)
-    m_ok = _below(ms, M, EVEN)
-    cols = tl.program_id(0) * BN + tl.arange(0, BN)  # axis 0: a vocabulary's rows outnumber axis 1's limit
-    rows = cols
-    if TWO:
-        if tl.program_id(0) * BN >= n_first:
-            w16 = w16b
-            w32 = w32b
-            rows = cols - n_first
-    row_ok = _below(cols, N, EVEN)
-    row_base = rows.to(tl.int64) * row_units
-    if HAS_EXPERTS:
-        row_base += tl.load(expert_ptr + tl.program_id(1)).to(tl.int64) * expert_units
-    x_g16 = (ms // rows_per_x).to(tl.int64) * n_g16  # first 16-value group of each activation row
+def _row_products(w16, w32, xq_ptr, act_ptr, x_g16, m_ok, row_base, row_ok, n_units, QTYPE: tl.constexpr,
+                  BM: tl.constexpr, BN: tl.constexpr, SB: tl.constexpr, STAGES: tl.constexpr, EVEN: tl.constexpr,
+                  EMULATE: tl.constexpr):
+    """The blocks of BN weight rows (of type QTYPE, from row_base) times BM activation rows, walked SB
+    blocks a step: parts [BM, BN, PARTS] summed elementwise, reduced by the caller."""
     PARTS: tl.constexpr = SB * 2 if QTYPE <= 1 else SB
     acc = tl.zeros((BM, BN, PARTS), dtype=tl.float32)
     for u0 in tl.range(0, n_units, SB, num_stages=STAGES):
@@ -377,6 +356,40 @@ def _gemv_dp4a_kernel(xq_ptr, act_ptr, w16, w32, w16b, w32b, out_ptr, expert_ptr
         else:
             acc += _q8_q4(w16, xq_ptr, act_ptr, x_g16, m_ok, row_base, row_ok, u0, n_units, QTYPE, BM, BN, SB, EVEN,
                           EMULATE)
+    return acc
+
+
+@triton.jit
+def _gemv_dp4a_kernel(xq_ptr, act_ptr, w16, w32, w16b, w32b, out_ptr, expert_ptr, M, N, n_first, row_units,
+                      row_units_b, n_units, expert_units, n_g16, rows_per_x, out_stride, QTYPE: tl.constexpr,
+                      QTYPE_B: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SB: tl.constexpr,
+                      STAGES: tl.constexpr, HAS_EXPERTS: tl.constexpr, TWO: tl.constexpr, EVEN: tl.constexpr,
+                      EMULATE: tl.constexpr):
+    """out[m, n] = Σ_k x[m, k] · W[n, k] for BM activation rows and BN weight rows per program. Row
+    strides come in the unit the type's blocks are read in (16-byte quads for the interleaved K-quant
+    rows, else halves), so that the compiler sees their alignment. Parts are summed elementwise; one
+    reduction at the end. STAGES > 1 lets the compiler copy the next steps' weights asynchronously while
+    this one computes (more bytes in flight per SM, paid for in registers and shared memory). TWO: output
+    columns from n_first on come from a second weight (an MoE's gate and up stacks, or a layer's
+    projections of one input kept in two types, in one launch; n_first is a multiple of BN), of type
+    QTYPE_B and row stride row_units_b. Output row m multiplies activation row m // rows_per_x. EVEN: M,
+    N and the blocks a row are multiples of BM, BN and SB, so nothing is masked."""
+    ms = tl.program_id(1) * BM + tl.arange(0, BM)
+    m_ok = _below(ms, M, EVEN)
+    cols = tl.program_id(0) * BN + tl.arange(0, BN)  # axis 0: a vocabulary's rows outnumber axis 1's limit
+    row_ok = _below(cols, N, EVEN)
+    x_g16 = (ms // rows_per_x).to(tl.int64) * n_g16  # first 16-value piece of each activation row
+    expert_base = 0
+    if HAS_EXPERTS:
+        expert_base = tl.load(expert_ptr + tl.program_id(1)).to(tl.int64) * expert_units
+    if TWO and tl.program_id(0) * BN >= n_first:
+        row_base = (cols - n_first).to(tl.int64) * row_units_b + expert_base
+        acc = _row_products(w16b, w32b, xq_ptr, act_ptr, x_g16, m_ok, row_base, row_ok, n_units, QTYPE_B, BM, BN,
+                            SB, STAGES, EVEN, EMULATE)
+    else:
+        row_base = cols.to(tl.int64) * row_units + expert_base
+        acc = _row_products(w16, w32, xq_ptr, act_ptr, x_g16, m_ok, row_base, row_ok, n_units, QTYPE, BM, BN, SB,
+                            STAGES, EVEN, EMULATE)
     out = out_ptr + ms.to(tl.int64)[:, None] * out_stride + cols[None, :]
     tl.store(out, tl.sum(acc, axis=2).to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & row_ok[None, :])
 
@@ -511,8 +524,9 @@ def best_config(xs, raw, qtype: str, n: int, experts, second=None, rows_per_x: i
     if not _TUNE:
         return ok[0]
     pairs = xq.shape[0] * rows_per_x if experts is None else len(experts)
-    key = TuneKey(qtype, n, second[1] if second else 0, xq.shape[1] * 4, 1 << (pairs - 1).bit_length(),
-                  experts is not None)
+    qtype2 = _second_type(second, qtype)
+    key = TuneKey(qtype if qtype2 == qtype else f"{qtype}+{qtype2}", n, second[1] if second else 0, xq.shape[1] * 4,
+                  1 << (pairs - 1).bit_length(), experts is not None)
     cfg = _TUNED.get(key)
     if cfg is None:
         scope = _tune_scope(xq.device)
@@ -523,7 +537,7 @@ def best_config(xs, raw, qtype: str, n: int, experts, second=None, rows_per_x: i
         if torch.cuda.is_current_stream_capturing():
             return ok[0]
         copies = cold_copies(raw, 256e6)
-        seconds = [second] + [(second[0].clone(), second[1]) for _ in copies[1:]] if second else [None] * len(copies)
+        seconds = [second] + [(second[0].clone(), *second[1:]) for _ in copies[1:]] if second else [None] * len(copies)
         weights = list(zip(copies, seconds))
         timed = [(graph_time_us(lambda w, c=c: _launch(xs, w[0], qtype, n, experts, c, second=w[1],
                                                        rows_per_x=rows_per_x), weights), c) for c in ok]
@@ -552,21 +566,33 @@ def tuned_configs(qtype: str, n: int, k: int) -> dict[int, tuple[int, int, int, 
             if (key.qtype, key.n, key.n2, key.k, key.experts) == (qtype, n, 0, k, False)}
 
 
+def _second_type(second, qtype: str) -> str:
+    """The type of `second` (raw2, n2[, qtype2]): qtype2, or the first weight's."""
+    return second[2] if second and len(second) > 2 else qtype
+
+
+def _row_units(qtype: str, k: int) -> int:
+    """A row's stride in the unit the kernel reads the type in (see _gemv_dp4a_kernel)."""
+    if qtype in KQUANTS:  # interleaved rows, in 16-byte quads
+        return gpu_row_words(qtype, k) // 4
+    elems, nbytes = block_layout(qtype)
+    return k // elems * nbytes // 2  # 16-bit halves
+
+
 def _launch(xs, raw, qtype, n, experts, config, out_dtype=torch.float32, second=None, rows_per_x=1) -> torch.Tensor:
     xq, act, blocked = xs
-    if blocked != blocked_for(qtype):
-        raise ValueError(f"{qtype} weights read int8 rows {'in' if blocked_for(qtype) else 'out of'} BLOCKED "
-                         "order: quantize_rows(..., blocked=blocked_for(qtype))")
+    qtype2 = _second_type(second, qtype)
+    for t in (qtype, qtype2):
+        if blocked != blocked_for(t):
+            raise ValueError(f"{t} weights read int8 rows {'in' if blocked_for(t) else 'out of'} BLOCKED "
+                             "order: quantize_rows(..., blocked=blocked_for(qtype))")
     k = xq.shape[1] * 4
     m = len(experts) if experts is not None else xq.shape[0] * rows_per_x
-    block_elems, block_bytes = block_layout(qtype)
-    n_units = k // block_elems
-    for w in (raw, second[0] if second else raw):
-        check_layout(w, qtype, k)
-    if qtype in KQUANTS:  # interleaved rows, in 16-byte quads (see _gemv_dp4a_kernel)
-        row_units = gpu_row_words(qtype, k) // 4
-    else:  # 16-bit halves
-        row_units = n_units * block_bytes // 2
+    n_units = k // block_layout(qtype)[0]
+    check_layout(raw, qtype, k)
+    if second:
+        check_layout(second[0], qtype2, k)
+    row_units = _row_units(qtype, k)
     block_n, sb, warps, stages = config
     bm = _block_m(m, experts)
     n_total = n + (second[1] if second else 0)
@@ -575,27 +601,29 @@ def _launch(xs, raw, qtype, n, experts, config, out_dtype=torch.float32, second=
                          f"({block_n}) and, for expert stacks, equal row counts (got {second[1]})")
     out = torch.empty(m, n_total, dtype=out_dtype, device=xq.device)
     views = []
-    for w in (raw, second[0] if second else raw):
+    for w, t in ((raw, qtype), (second[0], qtype2) if second else (raw, qtype)):
         flat = w.view(-1)
         w16 = flat.view(torch.int16)
         # interleaved K-quant rows are int32 words; Q8_0 and Q4_0 blocks are read in halves
-        views += [w16, flat if qtype in KQUANTS else w16]
+        views += [w16, flat if t in KQUANTS else w16]
     _gemv_dp4a_kernel[(triton.cdiv(n_total, block_n), triton.cdiv(m, bm))](
-        xq, act, *views, out, experts if experts is not None else views[0], m, n_total, n, row_units, n_units,
-        n * row_units, k // 16, rows_per_x, out.stride(0), QTYPE=QTYPE_ID[qtype], BM=bm, BN=block_n, SB=sb,
-        STAGES=stages, HAS_EXPERTS=experts is not None, TWO=second is not None,
+        xq, act, *views, out, experts if experts is not None else views[0], m, n_total, n, row_units,
+        _row_units(qtype2, k), n_units, n * row_units, k // 16, rows_per_x, out.stride(0), QTYPE=QTYPE_ID[qtype],
+        QTYPE_B=QTYPE_ID[qtype2], BM=bm, BN=block_n, SB=sb, STAGES=stages, HAS_EXPERTS=experts is not None,
+        TWO=second is not None,
         EVEN=m % bm == 0 and n_total % block_n == 0 and n_units % sb == 0, EMULATE=EMULATE, num_warps=warps)
     return out
 
 
 def matvec(xs, raw: torch.Tensor, qtype: str, n: int, experts: torch.Tensor | None = None,
            config: tuple[int, int, int, int] | None = None, out_dtype: torch.dtype = torch.float32,
-           second: tuple[torch.Tensor, int] | None = None, rows_per_x: int = 1) -> torch.Tensor:
+           second: tuple | None = None, rows_per_x: int = 1) -> torch.Tensor:
     """Activations already quantized by quantize_rows (xs) times quantized rows raw [(E,) N, row_bytes].
 
     With `experts` [P] (int32), output row p multiplies activation row p // rows_per_x by expert experts[p]
-    of a stacked [E, N, ...] weight. With `second` (raw2, n2) of the same type and stacking, the output
-    has n + n2 columns, the last n2 from raw2 (one launch for two projections of the same input)."""
+    of a stacked [E, N, ...] weight. With `second` (raw2, n2) or (raw2, n2, qtype2) of the same stacking
+    (and type, or another type that reads activations in the same order: see blocked_for), the output has
+    n + n2 columns, the last n2 from raw2 (one launch for two projections of the same input)."""
     cfg = config or best_config(xs, raw, qtype, n, experts, second, rows_per_x)
     return _launch(xs, raw, qtype, n, experts, cfg, out_dtype, second, rows_per_x)
 

@@ -91,6 +91,24 @@ def quant_linear(x: torch.Tensor, raw: torch.Tensor, qtype: str, out_features: i
     return y.reshape(*x.shape[:-1], out_features)
 
 
+def quant_linear_pair(x: torch.Tensor, first: tuple, second: tuple) -> torch.Tensor | None:
+    """x [..., in] times two quantized weights (raw, qtype, out_features) of different types, in one int8
+    mat-vec launch -> [..., n1 + n2] in x's dtype; None where that launch does not serve: no Triton, too
+    many rows, types that read activations in different orders, or a first weight whose rows do not
+    split into whole programs (a multiple of 32)."""
+    from hf2q.kernels.quant_dp4a_triton import blocked_for, matvec, quantize_rows
+
+    (raw1, qtype1, n1), (raw2, qtype2, n2) = first, second
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if (not _triton(x) or x2.shape[0] > DECODE_ROWS or blocked_for(qtype1) != blocked_for(qtype2) or n1 % 32
+            or (blocked_for(qtype1) and k % 256)):
+        return None
+    y = matvec(quantize_rows(x2, x, blocked_for(qtype1)), raw1, qtype1, n1, out_dtype=x.dtype,
+               second=(raw2, n2, qtype2))
+    return y.reshape(*x.shape[:-1], n1 + n2)
+
+
 def _expert_linear_ref(x: torch.Tensor, experts: torch.Tensor, raw: torch.Tensor, qtype: str,
                        out_features: int) -> torch.Tensor:
     """Row i of x [P, in] times expert experts[i] of a stacked quantized weight raw [E, out, row_bytes], by
@@ -105,8 +123,8 @@ def moe_expert_pairs_quant(x: torch.Tensor, experts: torch.Tensor, gate: tuple, 
     with quantized stacked experts; gate/up/down: (raw, qtype).
 
     Few pairs read only the chosen experts' blocks: x is quantized once, gate and up of every pair come
-    from one launch when their types match, then the down projection; many pairs dequantize the stacks
-    into scratch and run the dense path (grouped GEMMs).
+    from one launch when their types read activations in the same order, then the down projection; many
+    pairs dequantize the stacks into scratch and run the dense path (grouped GEMMs).
     """
     t, top_k = experts.shape
     hidden, inter = x.shape[1], gate[0].shape[1]
@@ -122,8 +140,8 @@ def moe_expert_pairs_quant(x: torch.Tensor, experts: torch.Tensor, gate: tuple, 
 
         flat = flat.to(torch.int32)
         xs = quantize_rows(x, blocked=blocked_for(gate[1]))
-        if gate[1] == up[1]:
-            gu = matvec(xs, gate[0], gate[1], inter, flat, out_dtype=x.dtype, second=(up[0], inter),
+        if blocked_for(gate[1]) == blocked_for(up[1]):  # one launch, also for two types
+            gu = matvec(xs, gate[0], gate[1], inter, flat, out_dtype=x.dtype, second=(up[0], inter, up[1]),
                         rows_per_x=top_k)
             h = silu_mul(gu[:, :inter], gu[:, inter:], int8_for=down[1])
         else:

@@ -14,6 +14,7 @@ from hf2q.forward import ForwardBatch
 from hf2q.kernels import dispatch
 from hf2q.kernels.gdn import causal_conv1d_ref, gated_delta_rule_ref
 from hf2q.kernels.meta import fast_meta
+from hf2q.kernels.quant_ops import int8_reader
 from hf2q.layers.linear import Linear
 
 
@@ -82,7 +83,7 @@ class GatedDeltaNet(nn.Module):
         if meta.decode and cache is not None:
             core = dispatch.gdn_conv_decode_(mixed, self.conv, cache.conv_state[j], alpha, beta_raw, self.a,
                                              self.dt_bias, z, self.norm, cache.recurrent_state[j], meta.slots,
-                                             self.nk, self.dk, self.eps, x.dtype)
+                                             self.nk, self.dk, self.eps, x.dtype, int8_reader(x, self.out.qtype))
             return self.out(core)
         n = len(meta.seq_lens)
         conv_pool, slots = (cache.conv_state[j], meta.slots) if cache is not None else (None, None)

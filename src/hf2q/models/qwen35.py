@@ -138,7 +138,8 @@ class Qwen35Model(nn.Module):
             pending = None
             for layer in self.layers:
                 x, pending = layer.forward_fused(x, pending, batch, cos, sin)
-            return dispatch.add_rms_norm(x, pending, self.norm.weight, self.norm.eps)[1]
+            head = int8_reader(x, self.lm_head.qtype if self.lm_head is not None else None)
+            return dispatch.add_rms_norm(x, pending, self.norm.weight, self.norm.eps, head)[1]
         for layer in self.layers:
             x = layer(x, batch, cos, sin)
         return self.norm(x)
