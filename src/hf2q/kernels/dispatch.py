@@ -183,8 +183,10 @@ def _packed_quant_linear(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
 
 def _packed_raw(linears) -> torch.Tensor:
     """The block rows of projections quantized as one type, concatenated once (made on first use; each
-    Linear's qweight then a view of the packed blocks)."""
+    Linear's qweight then a view of the packed blocks); a lone projection's own blocks."""
     first = linears[0]
+    if len(linears) == 1:
+        return first.qweight
     packed = getattr(first, "_qpacked", None)
     parts = [lin.qweight for lin in linears]
     if packed is None or packed.device != parts[0].device or not _views_of(packed, parts):
