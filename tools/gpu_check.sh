@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks behind BENCHMARKS.md, in stages that each fit a few minutes:
-#   tools/gpu_check.sh tests|quant|bf16|moe|decode|decode-q|gemv|ncu [OUT_DIR]
+#   tools/gpu_check.sh tests|quant|bf16|moe|decode|decode-q|decode-q-moe|gemv|ncu [OUT_DIR]
 # tests: every GPU-marked test (the quantized greedy-token test first) and the Triton kernel tests on the device;
 # quant: 9B Q4_K_M end to end and per projection; bf16: 9B and 2B; moe: 35B-A3B bf16 and Q4_K_M;
-# decode (bf16: 35B-A3B, 2B, 9B) and decode-q (Q4_K_M: 9B, 35B-A3B): batch-1 decode, each bench in a
-# time cap of its own; mat-vec choices go to OUT_DIR/tune.json unless HF2Q_TUNE_CACHE names a file;
+# decode (bf16: 35B-A3B, 2B, 9B), decode-q (9B Q4_K_M) and decode-q-moe (35B-A3B Q4_K_M): batch-1
+# decode, each bench in a time cap of its own (a fresh machine compiles and times every mat-vec candidate
+# for each weight type and type pair first: minutes); mat-vec choices go to OUT_DIR/tune.json unless
+# HF2Q_TUNE_CACHE names a file;
 # gemv: the bf16 GEMV sweep against cuBLAS at 9B and 2B shapes; ncu: Nsight Compute's view (bandwidth,
 # occupancy, stall reasons) of the int8 mat-vec on a small and a large 9B projection, at the default
 # configuration. Figures also go to OUT_DIR/*.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?stage: tests|quant|bf16|moe|decode|decode-q|gemv|ncu}
+stage=${1:?stage: tests|quant|bf16|moe|decode|decode-q|decode-q-moe|gemv|ncu}
 out=${2:-.}
 mkdir -p "$out"
 bench() { python -m hf2q.bench --hf-new 0 "$@"; }
@@ -33,8 +35,9 @@ case "$stage" in
          one 120 --shape 2b --json "$out/2b_b1.json"
          one 120 --shape 9b --json "$out/9b_b1.json" ;;
   decode-q) export HF2Q_TUNE_CACHE=${HF2Q_TUNE_CACHE:-$out/tune.json}
-         one 240 --shape 9b --quant q4_k_m --json "$out/9b_q4_k_m_b1.json"
-         one 300 --shape 35b-a3b --quant q4_k_m --json "$out/35b_q4_k_m_b1.json" ;;
+         one 500 --shape 9b --quant q4_k_m --json "$out/9b_q4_k_m_b1.json" ;;
+  decode-q-moe) export HF2Q_TUNE_CACHE=${HF2Q_TUNE_CACHE:-$out/tune.json}
+         one 500 --shape 35b-a3b --quant q4_k_m --json "$out/35b_q4_k_m_b1.json" ;;
   gemv)  python -m hf2q.kernels.gemv_bench --shape 9b 2b ;;
   ncu)   HF2Q_GEMV_TUNE=0 ncu --clock-control none --kernel-name regex:_gemv_dp4a --launch-count 2 --section SpeedOfLight \
            --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis --section LaunchStats \
