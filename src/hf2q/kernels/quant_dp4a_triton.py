@@ -382,7 +382,15 @@ def _gemv_dp4a_kernel(xq_ptr, act_ptr, w16, w32, w16b, w32b, out_ptr, expert_ptr
     expert_base = 0
     if HAS_EXPERTS:
         expert_base = tl.load(expert_ptr + tl.program_id(1)).to(tl.int64) * expert_units
-    if TWO and tl.program_id(0) * BN >= n_first:
+    second = TWO and tl.program_id(0) * BN >= n_first
+    if QTYPE_B == QTYPE:  # one body: the second weight's programs only swap pointers
+        rows = cols
+        if second:
+            w16, w32, rows, row_units = w16b, w32b, cols - n_first, row_units_b
+        row_base = rows.to(tl.int64) * row_units + expert_base
+        acc = _row_products(w16, w32, xq_ptr, act_ptr, x_g16, m_ok, row_base, row_ok, n_units, QTYPE, BM, BN, SB,
+                            STAGES, EVEN, EMULATE)
+    elif second:
         row_base = (cols - n_first).to(tl.int64) * row_units_b + expert_base
         acc = _row_products(w16b, w32b, xq_ptr, act_ptr, x_g16, m_ok, row_base, row_ok, n_units, QTYPE_B, BM, BN,
                             SB, STAGES, EVEN, EMULATE)
