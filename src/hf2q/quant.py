@@ -83,7 +83,8 @@ def to_gpu_rows(raw: torch.Tensor, qtype: str) -> torch.Tensor:
     if qtype == "Q6_K":
         parts.append(blocks[..., 16 * quads:].flatten(-2))
         parts.append(raw.new_zeros(*raw.shape[:-1], 4 * gpu_row_words(qtype, elems * nb) - size * nb))
-    return torch.cat(parts, dim=-1).view(torch.int32)
+    rows = torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0].contiguous()  # one copy of a large weight
+    return rows.view(torch.int32)
 
 
 def from_gpu_rows(rows: torch.Tensor, qtype: str, in_features: int) -> torch.Tensor:
