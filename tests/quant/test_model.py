@@ -3,6 +3,7 @@ greedy tokens as its dequantized twin (CPU: exact reference; CUDA: the Triton ke
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -10,7 +11,8 @@ import torch
 from hf2q.bench_shapes import random_model, tiny_config
 from hf2q.kernels.dispatch import fast_path
 from hf2q.layers.linear import Linear
-from hf2q.quant import dequantize_ref, keep_blocks, random_blocks
+from hf2q.quant import KQUANTS, dequantize_ref, keep_blocks, random_blocks, to_gpu_rows
+from tests.support.triton_targets import INTERPRET, target, torch_only
 
 DEVICES = ["cpu"] + [pytest.param("cuda", marks=pytest.mark.gpu)] * torch.cuda.is_available()
 PROMPT = [1, 5, 9, 200, 17, 3, 88, 41]
@@ -28,7 +30,8 @@ def twins(mix: str, device: str, dtype):
     for (name, d), (_, q) in zip(dense.named_modules(), kept.named_modules()):
         if not isinstance(d, Linear) or name == "lm_head" or d.out_features < 16:
             continue
-        qtype = "Q8_0" if mix == "q8_0" else ("Q6_K" if name.endswith(("down", "mixer.v")) else "Q4_K")
+        qtype = ("Q8_0" if mix == "q8_0" else "Q6_K" if name.endswith(("down", "mixer.v"))
+                 else "Q5_K" if name.endswith("mixer.qkv") else "Q4_K")  # as llama.cpp's Q4_K_M mixes them
         raw = random_blocks(qtype, d.out_features, d.in_features, std=0.08, seed=len(blocks))
         d.weight.data = dequantize_ref(raw, qtype, (d.out_features, d.in_features))
         blocks.append((q, raw, qtype))
@@ -38,8 +41,9 @@ def twins(mix: str, device: str, dtype):
             if p.dim() >= 2 and p.dtype == torch.float32 and dtype != torch.float32 and p.shape[-1] != 4:
                 p.data = p.data.to(dtype)
     dense, kept = dense.to(device), kept.to(device)
-    for q, raw, qtype in blocks:  # laid out for the device as a loaded model's are
-        q.set_quantized(keep_blocks(raw, qtype, device), qtype)
+    for q, raw, qtype in blocks:  # laid out for the device as a loaded model's are; the interpreter reads the GPU's
+        interleave = INTERPRET and qtype in KQUANTS
+        q.set_quantized(to_gpu_rows(raw, qtype) if interleave else keep_blocks(raw, qtype, device), qtype)
     return dense, kept
 
 
@@ -66,3 +70,42 @@ def test_quantized_model_greedy_matches_dequantized(mix, device):
     if a != b:
         first = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
         assert margins[first] < 0.02 * scale, (first, margins[first], scale)
+
+
+SLOW_INTERPRETER = os.environ.get("HF2Q_SLOW_INTERPRETER") == "1"
+
+
+@pytest.mark.parametrize("where", [pytest.param("interpret", marks=pytest.mark.skipif(
+    not (INTERPRET and SLOW_INTERPRETER), reason="about 7 minutes under Triton's interpreter: run by hand with "
+    "HF2Q_SLOW_INTERPRETER=1 TRITON_INTERPRET=1")), pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_served_decode_of_kept_blocks_matches_dequantized(where, monkeypatch):
+    """The served decode path of a Q4_K_M-style model, through the paged cache with every fused kernel on
+    (the norms, SwiGLU and the DeltaNet step writing the int8 rows the next projection reads, in BLOCKED
+    order; the DeltaNet's Q5_K qkv with its Q4_K z and the attention's Q4_K q, k with its Q6_K v each one
+    launch), decodes the greedy tokens of its dequantized twin on the exact path (or first differs at a
+    near-tie)."""
+    from hf2q.kernels import quant_dp4a_triton
+    from tests.quant.test_wiring import PROMPT as CACHED_PROMPT, greedy_cached
+
+    device, dtype, _ = target(where)
+    dense, kept = twins("q4_k_m", device, dtype)
+    steps = 4 if INTERPRET else 16
+    launches = []
+    real_launch = quant_dp4a_triton._launch
+    def launch(*a, **kw):  # (type, second weight's type) of every mat-vec launch
+        second = kw.get("second", a[7] if len(a) > 7 else None)
+        launches.append((a[2], quant_dp4a_triton._second_type(second, a[2])))
+        return real_launch(*a, **kw)
+
+    monkeypatch.setattr(quant_dp4a_triton, "_launch", launch)
+    with torch_only(), fast_path("off"):
+        want = greedy_cached(dense, steps)
+    with fast_path("force"):
+        got = greedy_cached(kept, steps)
+    assert ("Q5_K", "Q4_K") in launches and ("Q4_K", "Q6_K") in launches, set(launches)
+    if got != want:
+        first = next(i for i, (x, y) in enumerate(zip(got, want)) if x != y)
+        with torch_only(), fast_path("off"):
+            last = dense.logits(CACHED_PROMPT + want[:first])[-1].float()
+        top = last.topk(2).values
+        assert float(top[0] - top[1]) < 0.02 * float(last.abs().max()), (first, got, want)
