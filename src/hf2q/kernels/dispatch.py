@@ -190,7 +190,7 @@ def _packed_raw(linears) -> torch.Tensor:
     packed = getattr(first, "_qpacked", None)
     parts = [lin.qweight for lin in linears]
     if packed is None or packed.device != parts[0].device or not _views_of(packed, parts):
-        packed = torch.cat([lin.qweight for lin in linears])
+        packed = torch.cat(parts)
         row = 0
         for lin in linears:
             n = lin.out_features

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf2q.kernels.quant_dp4a_triton import blocked_for, int8_buffers, quantize_and_store, remember
+from hf2q.kernels.quant_dp4a_triton import int8_buffers, int8_writes, quantize_and_store, remember
 
 
 @triton.jit
@@ -210,8 +210,8 @@ def gdn_conv_decode_(x: torch.Tensor, conv_w: torch.Tensor, conv_pool: torch.Ten
                                                state_pool, slots, o, ss, x.stride(0), conv_pool.stride(0),
                                                a_raw.stride(0), b_raw.stride(0), c, nk,
                                                nv, dk ** -0.5, eps, DK=dk, DV=dv, SPLIT=split, num_warps=4)
-    blocked = int8_for is not None and blocked_for(int8_for)
-    quantize = int8_for is not None and dv % 32 == 0 and (nv * dv) % (256 if blocked else 32) == 0
+    quantize, blocked = int8_writes(int8_for, nv * dv)
+    quantize = quantize and dv % 32 == 0  # a program's head holds whole groups
     xq, act = int8_buffers(bsz, nv * dv, x.device) if quantize else (out, out)
     _gdn_conv_finish_kernel[(bsz, nv)](x, conv_pool, z, norm_w, slots, o, ss, out, xq, act, x.stride(0),
                                        conv_pool.stride(0), z.stride(0), out.stride(0), c, nk, nv, eps, DK=dk, DV=dv,

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf2q.kernels.quant_dp4a_triton import blocked_for, int8_buffers, quantize_and_store, remember
+from hf2q.kernels.quant_dp4a_triton import int8_buffers, int8_writes, quantize_and_store, remember
 
 
 @triton.jit
@@ -44,8 +44,7 @@ def add_rms_norm(x: torch.Tensor, add: Optional[torch.Tensor], weight: torch.Ten
     are written too and remembered for the mat-vec."""
     t, n = x.shape
     assert x.stride(1) == 1 and (add is None or (add.shape == x.shape and add.stride(1) == 1))
-    blocked = int8_for is not None and blocked_for(int8_for)
-    quantize = int8_for is not None and n % (256 if blocked else 32) == 0
+    quantize, blocked = int8_writes(int8_for, n)
     y = torch.empty_like(x)
     res = torch.empty_like(x) if add is not None else x
     xq, act = int8_buffers(t, n, x.device) if quantize else (y, y)

@@ -416,6 +416,14 @@ def blocked_for(qtype: str) -> bool:
     return qtype in KQUANTS
 
 
+def int8_writes(int8_for: str | None, width: int) -> tuple[bool, bool]:
+    """(write, BLOCKED) for a kernel whose width-wide rows feed the int8 mat-vec of a weight of type
+    `int8_for` (None: no such reader): it writes int8 rows only in whole 32-value groups, and BLOCKED
+    ones only in whole 256-value blocks."""
+    blocked = int8_for is not None and blocked_for(int8_for)
+    return int8_for is not None and width % (256 if blocked else 32) == 0, blocked
+
+
 def quantize_rows(x: torch.Tensor, key: torch.Tensor | None = None, blocked: bool = False) -> Int8Rows:
     """x [M, K] (K a multiple of 32; of 256 when blocked) -> its Int8Rows, in BLOCKED order if `blocked`.
 

@@ -95,14 +95,13 @@ def quant_linear_pair(x: torch.Tensor, first: tuple, second: tuple) -> torch.Ten
     """x [..., in] times two quantized weights (raw, qtype, out_features) of different types, in one int8
     mat-vec launch -> [..., n1 + n2] in x's dtype; None where that launch does not serve: no Triton, too
     many rows, types that read activations in different orders, or a first weight whose rows do not
-    split into whole programs (a multiple of 32)."""
+    split into whole programs (a multiple of 32). (K-quant rows are whole 256-value blocks by type.)"""
     from hf2q.kernels.quant_dp4a_triton import blocked_for, matvec, quantize_rows
 
     (raw1, qtype1, n1), (raw2, qtype2, n2) = first, second
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
-    if (not _triton(x) or x2.shape[0] > DECODE_ROWS or blocked_for(qtype1) != blocked_for(qtype2) or n1 % 32
-            or (blocked_for(qtype1) and k % 256)):
+    if not _triton(x) or x2.shape[0] > DECODE_ROWS or blocked_for(qtype1) != blocked_for(qtype2) or n1 % 32:
         return None
     y = matvec(quantize_rows(x2, x, blocked_for(qtype1)), raw1, qtype1, n1, out_dtype=x.dtype,
                second=(raw2, n2, qtype2))

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf2q.kernels.quant_dp4a_triton import blocked_for, int8_buffers, quantize_and_store, remember
+from hf2q.kernels.quant_dp4a_triton import int8_buffers, int8_writes, quantize_and_store, remember
 
 
 @triton.jit
@@ -30,8 +30,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, int8_for: str | None = None) 
     are written too and remembered for the mat-vec."""
     t, n = gate.shape
     assert gate.stride(1) == 1 and up.stride(1) == 1 and up.shape == gate.shape
-    blocked = int8_for is not None and blocked_for(int8_for)
-    quantize = int8_for is not None and n % (256 if blocked else 32) == 0
+    quantize, blocked = int8_writes(int8_for, n)
     out = torch.empty(t, n, dtype=gate.dtype, device=gate.device)
     xq, act = int8_buffers(t, n, gate.device) if quantize else (out, out)
     block = min(2048, triton.next_power_of_2(n))
