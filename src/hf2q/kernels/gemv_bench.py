@@ -7,6 +7,7 @@ cuBLAS, the GEMV's default configuration and the best of a sweep (one sweep for 
 that multiplies by enough distinct copies of W to overflow the L2, as a decode step reads cold weights
 with no host gaps. Ends with the per-step sums and the TABLE lines for gemv_triton.
 Run: python -m hf2q.kernels.gemv_bench [--shape 2b 9b] [--quick] [--only lm_head ...]
+With --moe (--shape 35b-a3b): the expert kernels of one MoE token instead (bench_moe).
 """
 from __future__ import annotations
 
@@ -107,12 +108,99 @@ def bench_shape(name: str, n: int, k: int, rows: tuple[int, ...], quick: bool) -
     return res
 
 
+MOE_SPACE = dict(block_n=(1, 2, 4, 8), block_k=(256, 512, 1024, 2048), warps=(1, 2, 4, 8), stages=(1, 3))
+
+
+def moe_configs(k: int) -> list[tuple[int, int, int, int]]:
+    """One-row configurations for a MoE kernel over K: 8..64 weights per thread per tile (16-byte loads or
+    more), a tile no wider than K, pipelined only over three or more K tiles."""
+    out = []
+    for bn, bk, warps, stages in itertools.product(*MOE_SPACE.values()):
+        per_thread = bn * bk // (32 * warps)
+        if bk <= max(256, k) and 8 <= per_thread <= 64 and (stages == 1 or k >= 3 * bk):
+            out.append((bn, bk, warps, stages))
+    return out
+
+
+def bench_moe(shape: str, quick: bool, device: str = "cuda") -> dict[tuple[str, int, int], tuple]:
+    """The MoE kernels of one decode token at a shape's sizes: the k pairs' gate+up with the SwiGLU
+    (expert_gemv with two stacks) and their down rows with the shared expert's down and the combine
+    (expert_down_combine), each against the fp32 reference, for every configuration of moe_configs (the
+    default and a few others with --quick). Every call in a timed graph picks other experts (and another
+    copy of the shared down), so weights come from memory as in a step. Returns EXPERT_TABLE entries."""
+    from hf2q.kernels.gemv_triton import EXPERT_TABLE, expert_down_combine, expert_gemv
+
+    cfg, _ = SHAPES[shape]
+    e, top_k, inter, h = cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.hidden_size
+    shared = cfg.shared_expert_intermediate_size
+    gen = torch.Generator(device=device).manual_seed(0)
+    rand = lambda *size: torch.randn(*size, device=device, dtype=torch.bfloat16, generator=gen) * 0.02  # noqa: E731
+    gate, up, down = rand(e, inter, h), rand(e, inter, h), rand(e, h, inter)
+    sets = torch.randperm(e, device=device, generator=gen)[: e // top_k * top_k].view(-1, top_k).to(torch.int32)
+    x = rand(1, h) * 50
+    act, act_shared = rand(top_k, inter) * 50, rand(1, shared) * 50
+    gate_logit = rand(1, 1)
+    weights = torch.softmax(torch.randn(1, top_k, device=device, generator=gen), -1).to(torch.bfloat16)
+    shared_downs = [rand(h, shared) for _ in range(len(sets))]
+    glu_ref = torch.cat([F.silu(x.float() @ gate[i].float().T) * (x.float() @ up[i].float().T) for i in sets[0].tolist()])
+    down_ref = sum(weights[0, j].float() * (down[i].float() @ act[j].float()) for j, i in enumerate(sets[0].tolist()))
+    down_ref = down_ref + torch.sigmoid(gate_logit.float()) * (shared_downs[0].float() @ act_shared[0].float())
+    kernels = {
+        ("glu", inter, h): (lambda c, w: expert_gemv(x, gate, w[0].view(-1), top_k, second=up, config=c), glu_ref,
+                            2 * top_k * inter * h * 2),
+        ("down", h, max(inter, shared)): (
+            lambda c, w: expert_down_combine(act, down, w[0].view(1, -1), weights, act_shared, w[1], gate_logit,
+                                             config=c), down_ref[None], (top_k * inter + shared) * h * 2),
+    }
+    entries = {}
+    for key, (fn, want, nbytes) in kernels.items():
+        calls = list(zip(sets, shared_downs))
+        default = default_config(key[1], key[2], 1)
+        configs = [default] + [c for c in moe_configs(key[2]) if c != default]
+        if quick:
+            configs = configs[:8]
+        times = {}
+        for c in configs:
+            try:
+                got = fn(c, calls[0]).float()
+                err = float((got - want).norm() / want.norm())
+                if err > 1e-2:
+                    print(f"  moe.{key[0]} {c}: relative error {err:.2e}, skipped")
+                    continue
+                times[c] = graph_time_us(lambda w, c=c: fn(c, w), calls)
+            except Exception as ex:  # noqa: BLE001 - a config that does not compile is skipped
+                print(f"  moe.{key[0]} {c}: {type(ex).__name__} {str(ex)[:80]}")
+        ranked = sorted(times, key=times.get)
+        best = ranked[0]
+        tbs = lambda us: nbytes / us / 1e6  # noqa: E731
+        print(f"  moe.{key[0]:5s} N={key[1]:5d} K={key[2]:5d}  default {default} {times[default]:6.2f} "
+              f"({tbs(times[default]):.2f})  best {best} {times[best]:6.2f} ({tbs(times[best]):.2f})  "
+              f"[table now: {EXPERT_TABLE.get(key, ('-',))[0]}]")
+        print("    fastest: " + ", ".join(f"{c} {times[c]:.2f}" for c in ranked[:6]))
+        entries[key] = (best, times[best], times[default])
+    del gate, up, down, shared_downs
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return entries
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", nargs="+", default=["2b", "9b"], choices=["2b", "9b", "35b-a3b"])
     p.add_argument("--quick", action="store_true", help="a few configurations per shape")
     p.add_argument("--only", nargs="+", default=None, help="time just these projections (names as printed)")
+    p.add_argument("--moe", action="store_true", help="time the MoE expert kernels of each MoE shape instead")
     args = p.parse_args(argv)
+    if args.moe:
+        for shape in args.shape:
+            if not SHAPES[shape][0].is_moe:
+                p.error(f"--moe: {shape} has no experts")
+            print(f"== {shape} MoE kernels at one token: µs per call (TB/s of weight bytes)")
+            entries = bench_moe(shape, args.quick)
+            print("EXPERT_TABLE entries for src/hf2q/kernels/gemv_triton.py:")
+            for key, (cfg, t, d) in entries.items():
+                print(f"    {key}: ({cfg}, {t:.2f}, {d:.2f}),  # {shape}")
+        return
     known = {name for shape in args.shape for name, *_ in decode_projections(shape)}
     if args.only and set(args.only) - known:
         p.error(f"--only: no projection {sorted(set(args.only) - known)} in {args.shape}; known: {sorted(known)}")
