@@ -47,6 +47,15 @@ def test_add_rms_norm(env):
         _, hq = k["norm_triton"].add_rms_norm(x, y, w, 1e-6, int8_for=qtype)  # also writes the int8 rows
         assert torch.equal(hq, h)
         _check_int8_groups(hq, qtype)
+    # The int8 rows written by programs of a slice each (the row's RMS in every one): the same outputs.
+    n, width = (4096, 512) if real else (512, 128)
+    x, y = randn(2, n, dev=dev, dtype=dtype, gen=gen), randn(2, n, dev=dev, dtype=dtype, gen=gen)
+    w = randn(n, dev=dev, dtype=torch.float32, gen=gen)
+    res, h = k["norm_triton"].add_rms_norm(x, y, w, 1e-6)
+    for qtype in _int8_readers(n):
+        res_q, hq = k["norm_triton"].add_rms_norm(x, y, w, 1e-6, int8_for=qtype, slice_width=width)
+        assert torch.equal(res_q, res) and torch.equal(hq, h)
+        _check_int8_groups(hq, qtype)
 
 
 def _int8_readers(n):
@@ -227,7 +236,7 @@ def test_new_kernels_compile_for_hopper(kernel):
                                   dict(x_ptr=ptr, r_ptr=ptr, w_ptr="*fp32", res_ptr=ptr, y_ptr=ptr, xq_ptr="*i8",
                                        act_ptr="*fp32", N=i32, stride_x=i32, stride_r=i32, stride_res=i32,
                                        stride_y=i32, eps="fp32"),
-                                  dict(HAS_R=True, BLOCK=4096, QUANT=True, BLOCKED=blocked))
+                                  dict(HAS_R=True, BLOCK=4096, SLICE=512, QUANT=True, BLOCKED=blocked))
            for suffix, blocked in (("", False), ("_blocked", True))},
         **{f"swiglu_int8{suffix}": (swiglu_triton._silu_mul_kernel,
                                     dict(g_ptr=ptr, u_ptr=ptr, o_ptr=ptr, xq_ptr="*i8", act_ptr="*fp32", N=i32,

@@ -28,6 +28,12 @@ if _GEMV["rows"] != "measured":
         raise ValueError(f"HF2Q_GEMV must be measured or a row count 0..4, not {_GEMV['rows']!r}")
     _GEMV["rows"] = int(_GEMV["rows"])
 
+# Where a MoE token at one row is routed when its router pack's GEMV serves it: "gemv" (the GEMV's last
+# router program routes: no route launch) or "kernel" (moe_triton.route after it). HF2Q_MOE_ROUTE.
+_MOE_ROUTE = {"where": os.environ.get("HF2Q_MOE_ROUTE") or "gemv"}
+if _MOE_ROUTE["where"] not in ("gemv", "kernel"):
+    raise ValueError(f"HF2Q_MOE_ROUTE must be gemv or kernel, not {_MOE_ROUTE['where']!r}")
+
 
 @contextlib.contextmanager
 def fast_path(mode: str):
@@ -113,9 +119,10 @@ def packed_swiglu(x: torch.Tensor, linears, int8_for: str | None = None) -> tupl
 def routed_swiglu(x: torch.Tensor, linears, top_k: int, int8_for: str | None = None):
     """packed_swiglu of a MoE's (router, *others, gate, up), then moe_route of the router's logits ->
     (outputs, weights, experts). Where the SwiGLU is the GEMV's epilogue, the GEMV also routes: its last
-    program to store a router logit does (gemv_triton.gemv_glu with route), so no route launch follows."""
+    program to store a router logit does (gemv_triton.gemv_glu with route), so no route launch follows
+    (HF2Q_MOE_ROUTE=kernel: the route launch all the same)."""
     packed = _glu_pack(x, linears, int8_for)
-    if packed is None:
+    if packed is None or _MOE_ROUTE["where"] == "kernel":
         outs = packed_swiglu(x, linears, int8_for)
         return (outs, *moe_route(outs[0], top_k, x.dtype))
     from hf2q.kernels.gemv_triton import gemv_glu

@@ -68,7 +68,10 @@ TABLE: dict[tuple[int, int, int], tuple[Config, float, float]] = {
 # default), from `gemv_bench --moe` on an H200. "glu": a pair's gate and up rows (expert_gemv with two
 # stacks: N is the expert width I, K the hidden size); "down": the pairs' down rows with the shared expert's
 # and the combine (expert_down_combine: N the hidden size, K the expert width).
-EXPERT_TABLE: dict[tuple[str, int, int], tuple[Config, float, float]] = {}
+EXPERT_TABLE: dict[tuple[str, int, int], tuple[Config, float, float]] = {
+    ("glu", 512, 2048): ((1, 2048, 1, 1), 9.83, 10.29),  # 35b-a3b
+    ("down", 2048, 512): ((4, 256, 2, 1), 6.76, 8.42),  # 35b-a3b
+}
 
 
 @triton.jit

@@ -18,8 +18,10 @@ from hf2q.kernels.quant_dp4a_triton import int8_buffers, int8_writes, quantize_a
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, res_ptr, y_ptr, xq_ptr, act_ptr, N, stride_x, stride_r, stride_res,
-                         stride_y, eps, HAS_R: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr,
-                         BLOCKED: tl.constexpr):
+                         stride_y, eps, HAS_R: tl.constexpr, BLOCK: tl.constexpr, SLICE: tl.constexpr,
+                         QUANT: tl.constexpr, BLOCKED: tl.constexpr):
+    """Program (row, part): the row's inverse RMS from the whole row, then its outputs for columns
+    part·SLICE .. (SLICE = BLOCK: the whole row in one program)."""
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     m = c < N
@@ -27,21 +29,36 @@ def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, res_ptr, y_ptr, xq_ptr, act_ptr, N
     if HAS_R:
         r = tl.load(r_ptr + row * stride_r + c, mask=m, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(res_ptr.dtype.element_ty)
-        tl.store(res_ptr + row * stride_res + c, x, mask=m)
     xf = x.to(tl.float32)
     inv = tl.rsqrt(tl.sum(xf * xf, 0) / N + eps)
+    if SLICE < BLOCK:  # this program's columns again, from L1/L2: a register tile cannot be sliced
+        c = tl.program_id(1) * SLICE + tl.arange(0, SLICE)
+        m = c < N
+        x = tl.load(x_ptr + row * stride_x + c, mask=m, other=0.0)
+        if HAS_R:
+            r = tl.load(r_ptr + row * stride_r + c, mask=m, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(res_ptr.dtype.element_ty)
+        xf = x.to(tl.float32)
+    if HAS_R:
+        tl.store(res_ptr + row * stride_res + c, x, mask=m)
     w = tl.load(w_ptr + c, mask=m, other=0.0).to(tl.float32)
     y = (xf * inv * w).to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + row * stride_y + c, y, mask=m)
-    if QUANT:  # N is a multiple of 32: whole groups only
-        quantize_and_store(xq_ptr, act_ptr, y, row, 0, N // 32, BLOCK, BLOCKED)
+    if QUANT:  # N and SLICE are multiples of 32: whole groups only
+        quantize_and_store(xq_ptr, act_ptr, y, row, tl.program_id(1) * (SLICE // 32), N // 32, SLICE, BLOCKED)
+
+
+# Columns of a row one program quantizes where a kernel writes int8 rows beside its output (this norm,
+# SwiGLU): quantizing a 4096-wide row in one program (one SM) took longer than the norm itself.
+QUANT_SLICE = 512
 
 
 def add_rms_norm(x: torch.Tensor, add: Optional[torch.Tensor], weight: torch.Tensor, eps: float,
-                 int8_for: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 int8_for: str | None = None, slice_width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x, add: [T, N] -> (x + add, rms_norm(x + add) * weight), both in x's dtype; add None: (x, norm(x)).
     int8_for: the norm's int8 rows, in the order weights of that type read (quant_dp4a_triton.Int8Rows),
-    are written too and remembered for the mat-vec."""
+    are written too and remembered for the mat-vec, by programs of slice_width columns each (a power of
+    two dividing N; default QUANT_SLICE where it divides a wider N, else the whole row)."""
     t, n = x.shape
     assert x.stride(1) == 1 and (add is None or (add.shape == x.shape and add.stride(1) == 1))
     quantize, blocked = int8_writes(int8_for, n)
@@ -49,10 +66,18 @@ def add_rms_norm(x: torch.Tensor, add: Optional[torch.Tensor], weight: torch.Ten
     res = torch.empty_like(x) if add is not None else x
     xq, act = int8_buffers(t, n, x.device) if quantize else (y, y)
     block = triton.next_power_of_2(n)
-    _add_rms_norm_kernel[(t,)](x, add if add is not None else x, weight, res, y, xq, act, n, x.stride(0),
-                               add.stride(0) if add is not None else 0, res.stride(0), y.stride(0), eps,
-                               HAS_R=add is not None, BLOCK=block, QUANT=quantize, BLOCKED=blocked,
-                               num_warps=min(16, max(4, block // 512)))
+    if not quantize:
+        width = block
+    elif slice_width is None:
+        # each program takes a slice of the quantizing (all of them compute the row's RMS)
+        width = QUANT_SLICE if n > QUANT_SLICE and n % QUANT_SLICE == 0 else block
+    else:
+        assert n % slice_width == 0 and slice_width % 32 == 0 and slice_width & (slice_width - 1) == 0
+        width = slice_width
+    _add_rms_norm_kernel[(t, triton.cdiv(n, width))](
+        x, add if add is not None else x, weight, res, y, xq, act, n, x.stride(0),
+        add.stride(0) if add is not None else 0, res.stride(0), y.stride(0), eps, HAS_R=add is not None,
+        BLOCK=block, SLICE=width, QUANT=quantize, BLOCKED=blocked, num_warps=min(16, max(4, block // 512)))
     if quantize:
         remember(y, xq, act, blocked)
     return res, y

@@ -7,6 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hf2q.kernels.norm_triton import QUANT_SLICE
 from hf2q.kernels.quant_dp4a_triton import int8_buffers, int8_writes, quantize_and_store, remember
 
 
@@ -33,10 +34,11 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, int8_for: str | None = None) 
     quantize, blocked = int8_writes(int8_for, n)
     out = torch.empty(t, n, dtype=gate.dtype, device=gate.device)
     xq, act = int8_buffers(t, n, gate.device) if quantize else (out, out)
-    block = min(2048, triton.next_power_of_2(n))
+    # Writing int8 rows, narrower programs: more of them share the quantizing (as the norm's slices).
+    block = min(QUANT_SLICE if quantize else 2048, triton.next_power_of_2(n))
     _silu_mul_kernel[(t, triton.cdiv(n, block))](gate, up, out, xq, act, n, gate.stride(0), up.stride(0),
                                                  out.stride(0), BLOCK=block, QUANT=quantize, BLOCKED=blocked,
-                                                 num_warps=8)
+                                                 num_warps=4 if quantize else 8)
     if quantize:
         remember(out, xq, act, blocked)
     return out
