@@ -146,31 +146,6 @@ def test_gemv_glu_matches_swiglu_of_products(env):
         _assert_bf16_rounding_of(y[:, n_first:], _swiglu_ref(x, w[n_first:n_first + inter], w[n_first + inter:]))
 
 
-def test_gemv_glu_route_routes_its_own_logits(env):
-    """gemv_glu with route: the pack's product equals gemv_glu's bit for bit, and the weights and experts the
-    kernel's last router program writes equal moe_triton.route of the stored router logits. Router widths
-    that BLOCK_N does and does not divide (a program holding the last logits and the next projection's
-    rows), several programs a router, one; a second call finds the arrival counter reset."""
-    from hf2q.kernels import moe_triton
-    from hf2q.kernels.gemv_triton import _route_counter, gemv_glu
-
-    dev, _, real = env
-    gen = torch.Generator().manual_seed(13)
-    # (experts, n_first (router + others), I, K, top_k, config)
-    cases = ([(256, 257, 512, 2048, 8, None), (256, 257, 512, 2048, 8, (2, 1024, 4, 1))] if real else
-             [(10, 11, 19, 100, 3, (4, 64, 2, 1)), (16, 17, 8, 64, 4, (1, 64, 1, 1)), (6, 6, 5, 96, 2, (8, 32, 4, 1))])
-    for n_exp, n_first, inter, k, top_k, cfg in cases:
-        w = randn(n_first + 2 * inter, k, dev=dev, dtype=torch.bfloat16, gen=gen, scale=0.5)
-        x = randn(1, k, dev=dev, dtype=torch.bfloat16, gen=gen)
-        plain = gemv_glu(x, w, n_first, config=cfg)
-        for _ in range(2):
-            y, weights, experts = gemv_glu(x, w, n_first, config=cfg, route=(n_exp, top_k))
-            assert torch.equal(y, plain)
-            want_w, want_e = moe_triton.route(y[:, :n_exp], top_k, torch.bfloat16)
-            assert torch.equal(experts, want_e) and torch.equal(weights, want_w), (n_exp, cfg)
-            assert int(_route_counter(x.device)) == 0
-
-
 def test_expert_gemv_glu_matches_swiglu_of_products(env):
     """MoE pairs with gate and up as separate stacks [E, I, K]: pair p (token p // rows_per_x, expert
     experts[p]) gets silu(x·gate_e)·(x·up_e); several experts, some picked twice, odd I and K."""
@@ -436,17 +411,15 @@ def test_dispatch_linear_and_model_logits_with_gemv():
 def test_swiglu_epilogue_wiring_at_one_row(env, monkeypatch):
     """On the fast path, a one-row gate+up product that the GEMV serves ends in its SwiGLU epilogue: the
     dense MLP and the MoE layer (the shared expert's gate+up in the router's pack, the experts through
-    the pairs GEMV) match the exact path and the unfused one, with no separate SiLU-mul launch, and the MoE's
-    GEMV routes the token too (no route launch). Two rows, a pack the table has cuBLAS faster for, and an
-    int8-reading down projection keep product + silu_mul (+ route)."""
+    the pairs GEMV) match the exact path and the unfused one, with no separate SiLU-mul launch. Two rows,
+    a pack the table has cuBLAS faster for, and an int8-reading down projection keep product + silu_mul."""
     from hf2q.bench_shapes import random_model, tiny_config
-    from hf2q.kernels import gemv_triton, moe_triton
+    from hf2q.kernels import gemv_triton
 
     dev = env[0]
-    calls = dict(glu=0, silu_mul=0, route=0)
+    calls = dict(glu=0, silu_mul=0)
     _count_calls(monkeypatch, calls, gemv_triton, "gemv_glu", "glu")
     _count_calls(monkeypatch, calls, dispatch, "silu_mul")
-    _count_calls(monkeypatch, calls, moe_triton, "route")
     fast_ffn = functools.partial(_fast_ffn, calls=calls)
     if INTERPRET:  # 16 rows per program instead of 1: a sixteenth of the programs to interpret
         one_row = gemv_triton.default_config
@@ -464,17 +437,16 @@ def test_swiglu_epilogue_wiring_at_one_row(env, monkeypatch):
             got, n = fast_ffn(layer, h, 1)
             unfused, n0 = fast_ffn(layer, h, 0)  # every product by torch/cuBLAS: product, then silu_mul
             assert rel(got, exact) <= 2e-2 and rel(got, unfused) <= 2e-2, (moe, rows)
-            unfused_calls = {"glu": 0, "silu_mul": 1, "route": int(moe)}
-            assert n0 == unfused_calls
-            assert n == ({"glu": 1, "silu_mul": 0, "route": 0} if rows == 1 else unfused_calls), (moe, rows)
+            assert n0 == {"glu": 0, "silu_mul": 1}
+            assert n == ({"glu": 1, "silu_mul": 0} if rows == 1 else {"glu": 0, "silu_mul": 1}), (moe, rows)
         # The default: only packs the table has as faster go to the GEMV, and with it to the epilogue.
         pack = (8 + 1 + 2 * 48) if moe else 2 * 96
         for gemv_us, cublas_us, fused in ((1.0, 2.0, True), (2.0, 1.0, False)):
             monkeypatch.setitem(gemv_triton.TABLE, (pack, hidden, 1), ((16, 64, 4, 1), gemv_us, cublas_us))
             _, n = fast_ffn(layer, h[:1], "measured")
-            assert n == ({"glu": 1, "silu_mul": 0, "route": 0} if fused else unfused_calls), (moe, fused)
+            assert n == ({"glu": 1, "silu_mul": 0} if fused else {"glu": 0, "silu_mul": 1}), (moe, fused)
     mlp = random_model(tiny_config(), device=dev, dtype=torch.bfloat16, std=0.08, seed=5).layers[0].ffn
-    calls.update(glu=0, silu_mul=0, route=0)
+    calls.update(glu=0, silu_mul=0)
     with dispatch.gemv_switch(1):  # the down projection reads int8 groups that only silu_mul writes
         (act,) = dispatch.packed_swiglu(h[:1], (mlp.gate, mlp.up), int8_for="Q8_0")
-    assert calls == {"glu": 0, "silu_mul": 1, "route": 0} and act.shape == (1, 96)
+    assert calls == {"glu": 0, "silu_mul": 1} and act.shape == (1, 96)

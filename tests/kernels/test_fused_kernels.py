@@ -188,14 +188,13 @@ def test_moe_expert_pairs_by_gemv(env):
     assert got.shape == (t * top_k, hidden) and rel(got, want) < tol
 
 
-@pytest.mark.parametrize("kernel", ["route", "combine", "gemv", "gemv_glu", "gemv_glu_pipelined", "gemv_glu_route",
-                                    "expert_gemv",
+@pytest.mark.parametrize("kernel", ["route", "combine", "gemv", "gemv_glu", "gemv_glu_pipelined", "expert_gemv",
                                     "down_combine", "down_combine_pipelined", "norm_int8", "norm_int8_blocked",
                                     "swiglu_int8", "swiglu_int8_blocked", "gdn_columns", "gdn_finish",
                                     "gdn_finish_int8_blocked"])
 def test_new_kernels_compile_for_hopper(kernel):
-    """The MoE kernels, the one-row GEMV (plain, with the SwiGLU epilogue, also routing a MoE token, for MoE
-    pairs, for the pairs' down projections with the combine), the int8-writing norm and SwiGLU (rows in either order) and the two-launch
+    """The MoE kernels, the one-row GEMV (plain, with the SwiGLU epilogue, for MoE pairs, for the pairs' down
+    projections with the combine), the int8-writing norm and SwiGLU (rows in either order) and the two-launch
     DeltaNet decode step compile to
     sm_90 (the interpreter never runs the compiler). Needs Triton's bundled ptxas, not a GPU."""
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -206,27 +205,23 @@ def test_new_kernels_compile_for_hopper(kernel):
     from hf2q.kernels import gdn_decode_triton, gemv_triton, moe_triton, norm_triton, swiglu_triton
 
     ptr, i32 = "*bf16", "i32"
-    gemv_sig = dict(x_ptr=ptr, w_ptr=ptr, w2_ptr=ptr, y_ptr=ptr, experts_ptr="*i32", route_w_ptr=ptr, count_ptr="*i32",
-                    N=i32, n_first=i32, n_route=i32, K=i32, rows_per_x=i32, stride_xm=i32, stride_we=i32,
-                    stride_wn=i32, stride_ym=i32)
+    gemv_sig = dict(x_ptr=ptr, w_ptr=ptr, w2_ptr=ptr, y_ptr=ptr, experts_ptr="*i32", N=i32, n_first=i32, K=i32,
+                    rows_per_x=i32, stride_xm=i32, stride_we=i32, stride_wn=i32, stride_ym=i32)
     down_sig = dict(h_ptr=ptr, w_ptr=ptr, experts_ptr="*i32", route_ptr=ptr, hs_ptr=ptr, ws_ptr=ptr, g_ptr=ptr,
                     y_ptr=ptr, N=i32, K=i32, KS=i32, stride_hp=i32, stride_we=i32, stride_wn=i32, stride_hs=i32,
                     stride_wsn=i32, stride_g=i32, stride_ym=i32)
     one_tile = dict(BLOCK_N=1, BLOCK_K=2048, K_TILES=1, STAGES=1, EVEN_K=True)
-    no_route = dict(ROUTE=False, TOPK=1, TOPK_P2=1, BLOCK_E=1)
     fn, sig, const = {
         "route": (moe_triton._route_kernel, dict(logit_ptr=ptr, w_ptr=ptr, e_ptr="*i32", E=i32, stride=i32),
                   dict(TOPK=8, TOPK_P2=8, BLOCK_E=256)),
         "combine": (moe_triton._combine_kernel, dict(y_ptr=ptr, w_ptr=ptr, s_ptr=ptr, g_ptr=ptr, out_ptr=ptr, H=i32,
                                                      s_stride=i32, g_stride=i32), dict(TOPK=8, HAS_SHARED=True, BLOCK=2048)),
-        "gemv": (gemv_triton._gemv_kernel, gemv_sig, dict(one_tile, **no_route, HAS_EXPERTS=False, GLU=False)),
-        "gemv_glu": (gemv_triton._gemv_kernel, gemv_sig, dict(one_tile, **no_route, HAS_EXPERTS=False, GLU=True)),
+        "gemv": (gemv_triton._gemv_kernel, gemv_sig, dict(one_tile, HAS_EXPERTS=False, GLU=False)),
+        "gemv_glu": (gemv_triton._gemv_kernel, gemv_sig, dict(one_tile, HAS_EXPERTS=False, GLU=True)),
         "gemv_glu_pipelined": (gemv_triton._gemv_kernel, gemv_sig,
                                dict(BLOCK_N=2, BLOCK_K=256, K_TILES=3, STAGES=3, EVEN_K=False, HAS_EXPERTS=False,
-                                    GLU=True, **no_route)),
-        "gemv_glu_route": (gemv_triton._gemv_kernel, gemv_sig,
-                           dict(one_tile, HAS_EXPERTS=False, GLU=True, ROUTE=True, TOPK=8, TOPK_P2=8, BLOCK_E=256)),
-        "expert_gemv": (gemv_triton._gemv_kernel, gemv_sig, dict(one_tile, **no_route, HAS_EXPERTS=True, GLU=True)),
+                                    GLU=True)),
+        "expert_gemv": (gemv_triton._gemv_kernel, gemv_sig, dict(one_tile, HAS_EXPERTS=True, GLU=True)),
         "down_combine": (gemv_triton._down_combine_kernel, down_sig,
                          dict(one_tile, TOPK=8, KS_TILES=1, EVEN_KS=True, HAS_SHARED=True)),
         "down_combine_pipelined": (gemv_triton._down_combine_kernel, down_sig,
@@ -262,3 +257,18 @@ def test_new_kernels_compile_for_hopper(kernel):
         if "ptxas" in str(err):
             pytest.skip(f"no ptxas: {err}")
         raise
+
+
+def test_paged_decode_config_setting(monkeypatch):
+    """HF2Q_PAGED_DECODE sets the paged decode kernel's (splits, keys a step, warps); malformed values fail
+    loudly at import instead of being ignored."""
+    from hf2q.kernels import paged_attention_triton as paged
+
+    monkeypatch.delenv("HF2Q_PAGED_DECODE", raising=False)
+    assert paged._config_setting() == (8, 64, 4)
+    monkeypatch.setenv("HF2Q_PAGED_DECODE", "16,32,8")
+    assert paged._config_setting() == (16, 32, 8)
+    for bad in ("16,32", "a,b,c", "12,32,4", "8,8,4"):
+        monkeypatch.setenv("HF2Q_PAGED_DECODE", bad)
+        with pytest.raises(ValueError, match="HF2Q_PAGED_DECODE"):
+            paged._config_setting()

@@ -28,12 +28,6 @@ if _GEMV["rows"] != "measured":
         raise ValueError(f"HF2Q_GEMV must be measured or a row count 0..4, not {_GEMV['rows']!r}")
     _GEMV["rows"] = int(_GEMV["rows"])
 
-# Where a MoE token at one row is routed when its router pack's GEMV serves it: "gemv" (the GEMV's last
-# router program routes: no route launch) or "kernel" (moe_triton.route after it). HF2Q_MOE_ROUTE.
-_MOE_ROUTE = {"where": os.environ.get("HF2Q_MOE_ROUTE") or "gemv"}
-if _MOE_ROUTE["where"] not in ("gemv", "kernel"):
-    raise ValueError(f"HF2Q_MOE_ROUTE must be gemv or kernel, not {_MOE_ROUTE['where']!r}")
-
 
 @contextlib.contextmanager
 def fast_path(mode: str):
@@ -107,40 +101,16 @@ def packed_swiglu(x: torch.Tensor, linears, int8_for: str | None = None) -> tupl
     (gemv_triton.gemv_glu): one launch, no activation launch after it. Elsewhere the pack's product and
     silu_mul run as two steps; with int8_for (the result feeds the int8 mat-vec of a weight of that type)
     too, since silu_mul also writes the int8 rows."""
-    packed = _glu_pack(x, linears, int8_for)
-    if packed is not None:
-        from hf2q.kernels.gemv_triton import gemv_glu
-        sizes = [lin.weight.shape[0] for lin in linears[:-1]]
-        return torch.split(gemv_glu(x, packed, sum(sizes[:-1])), sizes, dim=-1)
-    *others, g, u = packed_linear(x, linears)
-    return (*others, silu_mul(g, u, int8_for))
-
-
-def routed_swiglu(x: torch.Tensor, linears, top_k: int, int8_for: str | None = None):
-    """packed_swiglu of a MoE's (router, *others, gate, up), then moe_route of the router's logits ->
-    (outputs, weights, experts). Where the SwiGLU is the GEMV's epilogue, the GEMV also routes: its last
-    program to store a router logit does (gemv_triton.gemv_glu with route), so no route launch follows
-    (HF2Q_MOE_ROUTE=kernel: the route launch all the same)."""
-    packed = _glu_pack(x, linears, int8_for)
-    if packed is None or _MOE_ROUTE["where"] == "kernel":
-        outs = packed_swiglu(x, linears, int8_for)
-        return (outs, *moe_route(outs[0], top_k, x.dtype))
-    from hf2q.kernels.gemv_triton import gemv_glu
-    sizes = [lin.weight.shape[0] for lin in linears[:-1]]
-    y, weights, experts = gemv_glu(x, packed, sum(sizes[:-1]), route=(sizes[0], top_k))
-    return torch.split(y, sizes, dim=-1), weights, experts
-
-
-def _glu_pack(x: torch.Tensor, linears, int8_for: str | None):
-    """The packed weight of (*others, gate, up) where the GEMV serves it at one row with the SwiGLU as its
-    epilogue (dense weights, gate and up alike, no int8 rows wanted), else None."""
     gate, up = linears[-2], linears[-1]
     if (int8_for is None and not any(lin.quantized for lin in linears) and x.numel() == x.shape[-1]
             and gate.weight.shape == up.weight.shape):
         packed = _pack(x, linears)
         if _gemv_serves(x, packed):
-            return packed
-    return None
+            from hf2q.kernels.gemv_triton import gemv_glu
+            sizes = [lin.weight.shape[0] for lin in linears[:-1]]
+            return torch.split(gemv_glu(x, packed, sum(sizes[:-1])), sizes, dim=-1)
+    *others, g, u = packed_linear(x, linears)
+    return (*others, silu_mul(g, u, int8_for))
 
 
 def _pack(x: torch.Tensor, linears) -> torch.Tensor:

@@ -179,17 +179,6 @@ def bench_moe(shape: str, quick: bool, device: str = "cuda") -> dict[tuple[str, 
         print("    fastest: " + ", ".join(f"{c} {times[c]:.2f}" for c in ranked[:6]))
         entries[key] = (best, times[best], times[default])
     del gate, up, down, shared_downs
-    if shared and device == "cuda":  # the router pack with the routing after it, or in its GEMV
-        from hf2q.kernels.gemv_triton import gemv_glu
-        from hf2q.kernels.moe_triton import route
-
-        n_first = e + 1
-        packs = [rand(n_first + 2 * shared, h) for _ in range(48)]
-        apart = graph_time_us(lambda w: route(gemv_glu(x, w, n_first)[:, :e], top_k, x.dtype), packs)
-        fused = graph_time_us(lambda w: gemv_glu(x, w, n_first, route=(e, top_k)), packs)
-        print(f"  moe.router pack N={n_first + 2 * shared} K={h} and its routing: GEMV + route kernel {apart:.2f} µs, "
-              f"routed by the GEMV {fused:.2f} µs")
-        del packs
     if device == "cuda":
         torch.cuda.empty_cache()
     return entries

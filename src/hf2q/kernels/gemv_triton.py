@@ -15,11 +15,6 @@ dense pack, `expert_gemv` with two stacks for MoE pairs): each program multiplie
 the matching BLOCK_N up rows over the same x tiles and writes silu(gate)·up, so neither product is
 stored and no activation kernel is launched after it.
 
-The MoE router sits in the shared expert's gate+up pack, and the pack's GEMV also routes the token: each
-program that stores router logits bumps an arrival counter after its store, and the last to arrive reads
-the logits back and writes the top-k weights and experts (moe_triton.route_when_last), so no route
-kernel is launched between the pack and the experts.
-
 A MoE block's end at few pairs is one launch too (`expert_down_combine`): a program takes BLOCK_N output
 columns of one token and walks its k pairs' down rows (and the shared expert's), weighting each product
 in fp32, so neither the pair outputs nor the shared output are stored and no combine kernel follows.
@@ -29,8 +24,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from hf2q.kernels.moe_triton import route_when_last
 
 MAX_ROWS = 4
 
@@ -64,10 +57,10 @@ TABLE: dict[tuple[int, int, int], tuple[Config, float, float]] = {
 }
 
 
-# The MoE kernels at one token: (kind, N, K) -> (Config, µs at the measured configuration, µs at the
-# default), from `gemv_bench --moe` on an H200. "glu": a pair's gate and up rows (expert_gemv with two
-# stacks: N is the expert width I, K the hidden size); "down": the pairs' down rows with the shared expert's
-# and the combine (expert_down_combine: N the hidden size, K the expert width).
+# The MoE kernels at one token: (kind, N, K) -> (Config, µs at that configuration, µs at the default), from
+# `gemv_bench --moe` on an H200. "glu": the pairs' gate and up rows (expert_gemv with two stacks: N the
+# expert width, K the hidden size); "down": the pairs' down rows with the shared expert's and the combine
+# (expert_down_combine: N the hidden size, K the expert width).
 EXPERT_TABLE: dict[tuple[str, int, int], tuple[Config, float, float]] = {
     ("glu", 512, 2048): ((1, 2048, 1, 1), 9.83, 10.29),  # 35b-a3b
     ("down", 2048, 512): ((4, 256, 2, 1), 6.76, 8.42),  # 35b-a3b
@@ -132,11 +125,9 @@ def _dot_row_pairs(g_ptrs, u_ptrs, x_ptrs, K, BLOCK_N: tl.constexpr, BLOCK_K: tl
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, w2_ptr, y_ptr, experts_ptr, route_w_ptr, count_ptr, N, n_first, n_route, K, rows_per_x,
-                 stride_xm, stride_we, stride_wn, stride_ym, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 K_TILES: tl.constexpr, STAGES: tl.constexpr, EVEN_K: tl.constexpr, HAS_EXPERTS: tl.constexpr,
-                 GLU: tl.constexpr, ROUTE: tl.constexpr, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
-                 BLOCK_E: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, w2_ptr, y_ptr, experts_ptr, N, n_first, K, rows_per_x, stride_xm, stride_we, stride_wn,
+                 stride_ym, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, STAGES: tl.constexpr,
+                 EVEN_K: tl.constexpr, HAS_EXPERTS: tl.constexpr, GLU: tl.constexpr):
     """One row of x: multiply-adds on the CUDA cores, one reduction over K per tile.
 
     HAS_EXPERTS (MoE token-expert pairs): program column p multiplies x row p // rows_per_x by expert
@@ -144,9 +135,7 @@ def _gemv_kernel(x_ptr, w_ptr, w2_ptr, y_ptr, experts_ptr, route_w_ptr, count_pt
     GLU (SwiGLU in the epilogue, so gate and up never reach memory and no activation kernel follows):
     output columns n_first + j (j < N - n_first) are silu(g)·u with g from row n_first + j of w and u
     from row j of w2; the first cdiv(n_first, BLOCK_N) programs write columns 0..n_first from the
-    first rows of w as usual (a pack's other projections).
-    ROUTE (a MoE's router in the pack's first n_route rows): the last program to store router logits also
-    routes the token (moe_triton.route_when_last): TOPK weights to route_w_ptr, experts to experts_ptr."""
+    first rows of w as usual (a pack's other projections)."""
     x_row = x_ptr
     y_row = y_ptr
     w = w_ptr
@@ -181,10 +170,6 @@ def _gemv_kernel(x_ptr, w_ptr, w2_ptr, y_ptr, experts_ptr, route_w_ptr, count_pt
         w_ptrs = w + tl.minimum(cols, n_plain - 1).to(tl.int64)[:, None] * stride_wn + ks[None, :]
         acc = _dot_rows(w_ptrs, x_ptrs, K, BLOCK_N, BLOCK_K, K_TILES, STAGES, EVEN_K)
         tl.store(y_row + cols, acc.to(y_ptr.dtype.element_ty), mask=cols < n_plain)
-        if ROUTE:
-            if tl.program_id(0) * BLOCK_N < n_route:
-                route_when_last(y_row, route_w_ptr, experts_ptr, count_ptr, tl.cdiv(n_route, BLOCK_N), n_route, TOPK,
-                                TOPK_P2, BLOCK_E)
 
 
 @triton.jit
@@ -293,24 +278,18 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = 
     meta = _meta(k, config or pick_config(n, k, m))
     grid = (triton.cdiv(n, meta["BLOCK_N"]),)
     if m == 1:
-        _gemv_kernel[grid](x2, weight, weight, y, weight, weight, weight, n, n, 0, k, 1, 0, 0, weight.stride(0), 0,
-                           HAS_EXPERTS=False, GLU=False, **_NO_ROUTE, **meta)
+        _gemv_kernel[grid](x2, weight, weight, y, weight, n, n, k, 1, 0, 0, weight.stride(0), 0, HAS_EXPERTS=False,
+                           GLU=False, **meta)
     else:
         _skinny_kernel[grid](x2, weight, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0), **meta)
     return y.view(*x.shape[:-1], n)
 
 
-def gemv_glu(x: torch.Tensor, weight: torch.Tensor, n_first: int = 0, config: Config | None = None,
-             route: tuple[int, int] | None = None):
+def gemv_glu(x: torch.Tensor, weight: torch.Tensor, n_first: int = 0, config: Config | None = None) -> torch.Tensor:
     """One row x [..., K] times a pack weight [n_first + 2I, K] (n_first rows of other projections, then
     I gate rows, then I up rows) -> [..., n_first + I] in x's dtype: the first n_first products, then
     silu(gate)·up computed in fp32 from unrounded products (the SwiGLU as the GEMV's epilogue). The
-    configuration is the whole pack's (table or default): a program covers BLOCK_N gate and BLOCK_N up rows.
-
-    route (n_route, top_k): the pack's first n_route rows are a MoE router; returns (y, weights [1, top_k] in
-    x's dtype, experts [1, top_k] int32) routed as moe_triton.route routes y[:, :n_route], by the kernel's
-    last program to store a logit (no route launch). Its arrival counter is one int32 per device, made on
-    first use (outside graph capture) and reset by each launch: launches that route run one at a time."""
+    configuration is the whole pack's (table or default): a program covers BLOCK_N gate and BLOCK_N up rows."""
     k = x.shape[-1]
     rows = weight.shape[0]
     inter = (rows - n_first) // 2
@@ -320,33 +299,9 @@ def gemv_glu(x: torch.Tensor, weight: torch.Tensor, n_first: int = 0, config: Co
     y = torch.empty(1, n_first + inter, dtype=x.dtype, device=x.device)
     meta = _meta(k, config or pick_config(rows, k, 1))
     grid = (triton.cdiv(n_first, meta["BLOCK_N"]) + triton.cdiv(inter, meta["BLOCK_N"]),)
-    if route is None:
-        _gemv_kernel[grid](x2, weight, weight[n_first + inter:], y, weight, weight, weight, n_first + inter, n_first,
-                           0, k, 1, 0, 0, weight.stride(0), 0, HAS_EXPERTS=False, GLU=True, **_NO_ROUTE, **meta)
-        return y.view(*x.shape[:-1], n_first + inter)
-    n_route, top_k = route
-    assert 0 < top_k <= n_route <= n_first
-    weights = torch.empty(1, top_k, dtype=x.dtype, device=x.device)
-    experts = torch.empty(1, top_k, dtype=torch.int32, device=x.device)
-    _gemv_kernel[grid](x2, weight, weight[n_first + inter:], y, experts, weights, _route_counter(x.device),
-                       n_first + inter, n_first, n_route, k, 1, 0, 0, weight.stride(0), 0, HAS_EXPERTS=False, GLU=True,
-                       ROUTE=True, TOPK=top_k, TOPK_P2=triton.next_power_of_2(top_k),
-                       BLOCK_E=triton.next_power_of_2(n_route), **meta)
-    return y.view(*x.shape[:-1], n_first + inter), weights, experts
-
-
-_NO_ROUTE = dict(ROUTE=False, TOPK=1, TOPK_P2=1, BLOCK_E=1)
-_ROUTE_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _route_counter(device: torch.device) -> torch.Tensor:
-    """The arrival counter of routing launches on `device` (zero between launches)."""
-    counter = _ROUTE_COUNTERS.get(device)
-    if counter is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("gemv_glu(route=...) first runs outside CUDA graph capture (its counter is made then)")
-        counter = _ROUTE_COUNTERS[device] = torch.zeros(1, dtype=torch.int32, device=device)
-    return counter
+    _gemv_kernel[grid](x2, weight, weight[n_first + inter:], y, weight, n_first + inter, n_first, k, 1, 0, 0,
+                       weight.stride(0), 0, HAS_EXPERTS=False, GLU=True, **meta)
+    return y.view(*x.shape[:-1], n_first + inter)
 
 
 def expert_gemv(x: torch.Tensor, stack: torch.Tensor, experts: torch.Tensor, rows_per_x: int = 1,
@@ -362,9 +317,9 @@ def expert_gemv(x: torch.Tensor, stack: torch.Tensor, experts: torch.Tensor, row
     y = torch.empty(p, n, dtype=x.dtype, device=x.device)
     if p:
         _gemv_kernel[(triton.cdiv(n, meta["BLOCK_N"]), p)](
-            x, stack, second if second is not None else stack, y, experts, stack, stack, n,
-            0 if second is not None else n, 0, k, rows_per_x, x.stride(0), stack.stride(0), stack.stride(1),
-            y.stride(0), HAS_EXPERTS=True, GLU=second is not None, **_NO_ROUTE, **meta)
+            x, stack, second if second is not None else stack, y, experts, n, 0 if second is not None else n, k,
+            rows_per_x, x.stride(0), stack.stride(0), stack.stride(1), y.stride(0), HAS_EXPERTS=True,
+            GLU=second is not None, **meta)
     return y
 
 

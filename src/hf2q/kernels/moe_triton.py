@@ -13,10 +13,11 @@ import triton.language as tl
 
 
 @triton.jit
-def top_k_softmax(logits, TOPK: tl.constexpr, TOPK_P2: tl.constexpr, BLOCK_E: tl.constexpr):
-    """fp32 logits [BLOCK_E] (padding -inf) -> (weights fp32 [TOPK_P2], experts int32 [TOPK_P2]): the TOPK
-    largest, first index on ties, largest first, softmax over them; entries past TOPK are padding."""
+def _route_kernel(logit_ptr, w_ptr, e_ptr, E, stride, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
+                  BLOCK_E: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK_E)
+    logits = tl.load(logit_ptr + t * stride + i, mask=i < E, other=float("-inf")).to(tl.float32)
     j = tl.arange(0, TOPK_P2)
     vals = tl.full((TOPK_P2,), float("-inf"), tl.float32)
     idxs = tl.zeros((TOPK_P2,), tl.int32)
@@ -27,42 +28,9 @@ def top_k_softmax(logits, TOPK: tl.constexpr, TOPK_P2: tl.constexpr, BLOCK_E: tl
         idxs = tl.where(j == step, at, idxs)
         logits = tl.where(i == at, float("-inf"), logits)
     p = tl.exp(vals - tl.max(vals, axis=0))  # padding entries: exp(-inf) = 0
-    return p / tl.sum(p, axis=0), idxs
-
-
-@triton.jit
-def store_route(w_ptr, e_ptr, logits, TOPK: tl.constexpr, TOPK_P2: tl.constexpr, BLOCK_E: tl.constexpr):
-    """Route one token from its fp32 logits [BLOCK_E]: weights to w_ptr[:TOPK], experts to e_ptr[:TOPK]."""
-    p, idxs = top_k_softmax(logits, TOPK, TOPK_P2, BLOCK_E)
-    j = tl.arange(0, TOPK_P2)
-    tl.store(w_ptr + j, p.to(w_ptr.dtype.element_ty), mask=j < TOPK)
-    tl.store(e_ptr + j, idxs, mask=j < TOPK)
-
-
-@triton.jit
-def route_when_last(logit_ptr, w_ptr, e_ptr, count_ptr, writers, E, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
-                    BLOCK_E: tl.constexpr):
-    """For a kernel whose `writers` programs each store part of one token's E router logits at logit_ptr:
-    called by each of them after its store, the last to arrive routes the token from the stored logits (as
-    _route_kernel would, in a launch of its own) and resets the counter for the next launch. The barrier
-    orders every thread's logit stores before the release of the atomic increment; the last program's
-    acquire orders its loads after every other program's stores, and its loads skip L1 (.cg)."""
-    tl.debug_barrier()
-    arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
-    if arrived == writers - 1:
-        i = tl.arange(0, BLOCK_E)
-        logits = tl.load(logit_ptr + i, mask=i < E, other=float("-inf"), cache_modifier=".cg").to(tl.float32)
-        store_route(w_ptr, e_ptr, logits, TOPK, TOPK_P2, BLOCK_E)
-        tl.store(count_ptr, 0)
-
-
-@triton.jit
-def _route_kernel(logit_ptr, w_ptr, e_ptr, E, stride, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
-                  BLOCK_E: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    i = tl.arange(0, BLOCK_E)
-    logits = tl.load(logit_ptr + t * stride + i, mask=i < E, other=float("-inf")).to(tl.float32)
-    store_route(w_ptr + t * TOPK, e_ptr + t * TOPK, logits, TOPK, TOPK_P2, BLOCK_E)
+    p = p / tl.sum(p, axis=0)
+    tl.store(w_ptr + t * TOPK + j, p.to(w_ptr.dtype.element_ty), mask=j < TOPK)
+    tl.store(e_ptr + t * TOPK + j, idxs, mask=j < TOPK)
 
 
 def route(logits: torch.Tensor, top_k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

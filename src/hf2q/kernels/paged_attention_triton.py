@@ -8,6 +8,7 @@ Splitting keeps the GPU busy at batch 1 with long contexts.
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -79,12 +80,35 @@ def _merge_kernel(parts_ptr, lse_ptr, gate_ptr, o_ptr, stride_pb, stride_ph, str
     tl.store(o_ptr + (b * NH + h) * HD + d, o)
 
 
+def _config_setting() -> tuple[int, int, int]:
+    """(splits, keys a step, warps) of the first kernel: HF2Q_PAGED_DECODE="S,N,W" (powers of two; N at
+    least 16, the tensor cores' width) or (8, 64, 4)."""
+    setting = os.environ.get("HF2Q_PAGED_DECODE")
+    if not setting:
+        return 8, 64, 4
+    try:
+        splits, block_n, warps = (int(v) for v in setting.split(","))
+    except ValueError:
+        raise ValueError(f"HF2Q_PAGED_DECODE must be three integers S,N,W, not {setting!r}") from None
+    if any(v < 1 or v & (v - 1) for v in (splits, block_n, warps)) or block_n < 16:
+        raise ValueError(f"HF2Q_PAGED_DECODE: powers of two with N >= 16, not {setting!r}")
+    return splits, block_n, warps
+
+
+CONFIG = _config_setting()
+
+
 def paged_decode_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
-                           scale: float, num_splits: int = 8, gate: Optional[torch.Tensor] = None) -> torch.Tensor:
+                           scale: float, num_splits: int | None = None, gate: Optional[torch.Tensor] = None,
+                           block_n: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """q: [B, nh, hd]; k_rows/v_rows: [num_blocks * block_size, nkv, hd] (the flat pool);
     block_tables: [B, max_blocks] int32; context_lens: [B] int32 (>= 1); gate: [B, nh, hd] or None.
-    Returns [B, nh, hd] in q's dtype, times sigmoid(gate) when given."""
+    Returns [B, nh, hd] in q's dtype, times sigmoid(gate) when given. num_splits, block_n (keys a
+    step) and num_warps shape the first kernel (default CONFIG; attention_bench times them)."""
+    num_splits = num_splits or CONFIG[0]
+    block_n = block_n or CONFIG[1]
+    num_warps = num_warps or CONFIG[2]
     bsz, nh, hd = q.shape
     nkv = k_rows.shape[1]
     rep = nh // nkv
@@ -95,8 +119,8 @@ def paged_decode_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.
         q, k_rows, v_rows, block_tables, context_lens, parts, lse, scale,
         q.stride(0), q.stride(1), k_rows.stride(0), k_rows.stride(1), block_tables.stride(0),
         parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0), lse.stride(1),
-        REP=rep, REP_PAD=max(16, triton.next_power_of_2(rep)), HD=hd, BLOCK_SIZE=block_size, BLOCK_N=64,
-        NSPLIT=num_splits, num_warps=4)
+        REP=rep, REP_PAD=max(16, triton.next_power_of_2(rep)), HD=hd, BLOCK_SIZE=block_size, BLOCK_N=block_n,
+        NSPLIT=num_splits, num_warps=num_warps)
     out = torch.empty(bsz, nh, hd, dtype=q.dtype, device=q.device)
     if gate is not None:
         assert gate.shape == q.shape and gate.stride(2) == 1

@@ -78,8 +78,8 @@ class DecoderLayer(nn.Module):
         return self._int8
 
     def _ffn(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """MoE on the fast path: router, shared-expert gate and shared gate+up in one packed GEMM (at one row
-        its GEMV also routes: dispatch.routed_swiglu), routing and the combine in one kernel each otherwise, experts as grouped GEMMs or straight from their quantized
+        """MoE on the fast path: router, shared-expert gate and shared gate+up in one packed GEMM, routing
+        and the combine in one kernel each, experts as grouped GEMMs or straight from their quantized
         blocks (no per-expert loop, no host sync). The dense MLP's and the shared expert's SwiGLU follow
         their gate+up product (dispatch.packed_swiglu: at one row the GEMV's epilogue)."""
         if isinstance(self.ffn, MoE) and dispatch.use_fast_path(h) and (self.ffn.quantized or not self.ffn.exps_qtype):
@@ -94,10 +94,10 @@ class DecoderLayer(nn.Module):
         moe, shared = self.ffn, self.ffn.shared
         if shared is None:
             outs = dispatch.packed_linear(h, (moe.router,))
-            weights, experts = dispatch.moe_route(outs[0], moe.top_k, h.dtype)
-        else:  # router, shared-expert gate and the shared expert's SwiGLU; routing where the GEMV does it
-            outs, weights, experts = dispatch.routed_swiglu(h, (moe.router, moe.shared_gate, shared.gate, shared.up),
-                                                            moe.top_k, int8_reader(h, shared.down.qtype))
+        else:  # router, shared-expert gate and the shared expert's SwiGLU
+            outs = dispatch.packed_swiglu(h, (moe.router, moe.shared_gate, shared.gate, shared.up),
+                                          int8_reader(h, shared.down.qtype))
+        weights, experts = dispatch.moe_route(outs[0], moe.top_k, h.dtype)
         if (not moe.quantized and (shared is None or not shared.down.quantized)
                 and dispatch.moe_pairs_by_gemv(h, experts, moe.gate_exps, moe.up_exps, moe.down_exps)):
             # Few pairs, dense shared down: the pairs' down projections, the shared down and the combine

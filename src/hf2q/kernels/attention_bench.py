@@ -1,0 +1,80 @@
+"""Timing of the paged decode attention (both kernels: the split walk and the merge) at one query per
+sequence, for each (splits, keys a step, warps) configuration, at a model shape's attention heads (CUDA only).
+
+Each timing replays a CUDA graph over enough distinct K/V pools to overflow the L2, as a decode step
+finds each layer's keys cold. Every configuration is checked against the default's output first.
+Run: python -m hf2q.kernels.attention_bench [--shape 35b-a3b 9b] [--context 512 4096]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+
+import torch
+
+from hf2q.bench_shapes import SHAPES
+from hf2q.kernels.paged_attention_triton import paged_decode_attention
+from hf2q.kernels.timing import graph_time_us
+
+SPLITS = (4, 8, 16, 32)
+BLOCK_N = (16, 32, 64)
+WARPS = (4, 8)
+BLOCK_SIZE = 16
+
+
+def bench_shape(shape: str, context: int, batch: int = 1) -> list[tuple[float, tuple[int, int, int]]]:
+    """(µs, (splits, block_n, warps)) of every configuration, fastest first; the default (8, 64, 4) is
+    printed beside the best. (HF2Q_PAGED_DECODE=S,N,W makes a configuration the served default.)"""
+    cfg, _ = SHAPES[shape]
+    nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    blocks = batch * math.ceil(context / BLOCK_SIZE)
+    pool_bytes = 2 * blocks * BLOCK_SIZE * nkv * hd * 2
+    copies = max(2, min(32, math.ceil(256e6 / pool_bytes)))
+    pools = [tuple(torch.randn(blocks * BLOCK_SIZE, nkv, hd, device="cuda", dtype=torch.bfloat16, generator=gen)
+                   for _ in range(2)) for _ in range(copies)]
+    q = torch.randn(batch, nh, hd, device="cuda", dtype=torch.bfloat16, generator=gen)
+    gate = torch.randn(batch, nh, hd, device="cuda", dtype=torch.bfloat16, generator=gen)
+    tables = torch.randperm(blocks, device="cuda", generator=gen).view(batch, -1).to(torch.int32)
+    lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
+
+    def run(kv, config):
+        splits, block_n, warps = config
+        return paged_decode_attention(q, kv[0], kv[1], tables, lens, BLOCK_SIZE, hd ** -0.5, num_splits=splits,
+                                      gate=gate, block_n=block_n, num_warps=warps)
+
+    want = run(pools[0], (8, 64, 4)).float()
+    times = []
+    for config in itertools.product(SPLITS, BLOCK_N, WARPS):
+        try:
+            got = run(pools[0], config).float()
+            err = float((got - want).norm() / want.norm())
+            if err > 1e-2:
+                print(f"  {config}: relative error {err:.2e}, skipped")
+                continue
+            times.append((graph_time_us(lambda kv, c=config: run(kv, c), pools), config))
+        except Exception as e:  # noqa: BLE001 - a configuration that does not compile is skipped
+            print(f"  {config}: {type(e).__name__} {str(e)[:80]}")
+    times.sort()
+    default = next(t for t, c in times if c == (8, 64, 4))
+    print(f"  {shape} context {context} batch {batch} (heads {nh}/{nkv}, dim {hd}): default (8, 64, 4) "
+          f"{default:.2f} µs; fastest " + ", ".join(f"{c} {t:.2f}" for t, c in times[:5]))
+    del pools
+    torch.cuda.empty_cache()
+    return times
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", nargs="+", default=["35b-a3b", "9b"], choices=sorted(SHAPES))
+    p.add_argument("--context", type=int, nargs="+", default=[512, 4096])
+    args = p.parse_args(argv)
+    for shape in args.shape:
+        for context in args.context:
+            best = bench_shape(shape, context)[0][1]
+            print(f"BEST {shape} {context} {','.join(map(str, best))}")  # HF2Q_PAGED_DECODE's form
+
+
+if __name__ == "__main__":
+    main()
