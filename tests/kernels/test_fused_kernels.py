@@ -265,7 +265,7 @@ def test_paged_decode_config_setting(monkeypatch):
     from hf2q.kernels import paged_attention_triton as paged
 
     monkeypatch.delenv("HF2Q_PAGED_DECODE", raising=False)
-    assert paged._config_setting() == (8, 64, 4)
+    assert paged._config_setting() == paged.DEFAULT_CONFIG
     monkeypatch.setenv("HF2Q_PAGED_DECODE", "16,32,8")
     assert paged._config_setting() == (16, 32, 8)
     for bad in ("16,32", "a,b,c", "12,32,4", "8,8,4"):

@@ -2,7 +2,7 @@
 sequence, for each (splits, keys a step, warps) configuration, at a model shape's attention heads (CUDA only).
 
 Each timing replays a CUDA graph over enough distinct K/V pools to overflow the L2, as a decode step
-finds each layer's keys cold. Every configuration is checked against the default's output first.
+finds each layer's keys cold. Every configuration is checked against the served one's output first.
 Run: python -m hf2q.kernels.attention_bench [--shape 35b-a3b 9b] [--context 512 4096]
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import math
 import torch
 
 from hf2q.bench_shapes import SHAPES
-from hf2q.kernels.paged_attention_triton import paged_decode_attention
+from hf2q.kernels.paged_attention_triton import CONFIG, paged_decode_attention
 from hf2q.kernels.timing import graph_time_us
 
 SPLITS = (4, 8, 16, 32)
@@ -24,8 +24,8 @@ BLOCK_SIZE = 16
 
 
 def bench_shape(shape: str, context: int, batch: int = 1) -> list[tuple[float, tuple[int, int, int]]]:
-    """(µs, (splits, block_n, warps)) of every configuration, fastest first; the default (8, 64, 4) is
-    printed beside the best. (HF2Q_PAGED_DECODE=S,N,W makes a configuration the served default.)"""
+    """(µs, (splits, block_n, warps)) of every configuration, fastest first; the served one (CONFIG) is
+    printed beside the best. (HF2Q_PAGED_DECODE=S,N,W makes a configuration the served one.)"""
     cfg, _ = SHAPES[shape]
     nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -44,7 +44,7 @@ def bench_shape(shape: str, context: int, batch: int = 1) -> list[tuple[float, t
         return paged_decode_attention(q, kv[0], kv[1], tables, lens, BLOCK_SIZE, hd ** -0.5, num_splits=splits,
                                       gate=gate, block_n=block_n, num_warps=warps)
 
-    want = run(pools[0], (8, 64, 4)).float()
+    want = run(pools[0], CONFIG).float()
     times = []
     for config in itertools.product(SPLITS, BLOCK_N, WARPS):
         try:
@@ -57,9 +57,9 @@ def bench_shape(shape: str, context: int, batch: int = 1) -> list[tuple[float, t
         except Exception as e:  # noqa: BLE001 - a configuration that does not compile is skipped
             print(f"  {config}: {type(e).__name__} {str(e)[:80]}")
     times.sort()
-    default = next(t for t, c in times if c == (8, 64, 4))
-    print(f"  {shape} context {context} batch {batch} (heads {nh}/{nkv}, dim {hd}): default (8, 64, 4) "
-          f"{default:.2f} µs; fastest " + ", ".join(f"{c} {t:.2f}" for t, c in times[:5]))
+    served = next(t for t, c in times if c == CONFIG)
+    print(f"  {shape} context {context} batch {batch} (heads {nh}/{nkv}, dim {hd}): served {CONFIG} "
+          f"{served:.2f} µs; fastest " + ", ".join(f"{c} {t:.2f}" for t, c in times[:5]))
     del pools
     torch.cuda.empty_cache()
     return times
