@@ -83,3 +83,31 @@ def test_scope_hash_ignores_prose_not_code():
     assert code_hash(src) == code_hash('def f(x):\n    """Why, said otherwise."""\n    return x + 1\n')
     assert code_hash(src) == code_hash('def f(x):\n    return x + 1\n')
     assert code_hash(src) != code_hash('def f(x):\n    """Why."""\n    return x + 2\n')
+
+
+def test_first_start_compiles_the_candidates_side_by_side(monkeypatch):
+    """Before timing, every candidate is compiled (warm: compile without launching), the first on the calling
+    thread and the rest on worker threads, each set to the weight's device; a failure only warns (the timed
+    launches then compile for themselves)."""
+    import threading
+
+    pytest.importorskip("triton")
+    from hf2q.kernels import quant_dp4a_triton as q8
+
+    devices, seen = [], {}
+    monkeypatch.setattr(torch.cuda, "set_device", devices.append)
+
+    def warm(config):
+        seen[config] = threading.get_ident()
+
+    configs = [(1, 16, 1, 1), (2, 16, 1, 1), (4, 8, 1, 1), (8, 8, 2, 1)]
+    q8._precompile(warm, configs, "cuda:1")
+    assert set(seen) == set(configs) and seen[configs[0]] == threading.get_ident()
+    assert devices == ["cuda:1"] * (len(configs) - 1)
+
+    def broken(config):
+        if config == configs[2]:
+            raise RuntimeError("no ptxas")
+
+    with pytest.warns(UserWarning, match="one by one"):
+        q8._precompile(broken, configs, "cuda:0")

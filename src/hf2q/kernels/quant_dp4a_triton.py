@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import collections
 import os
+import warnings
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
@@ -552,6 +554,8 @@ def best_config(xs, raw, qtype: str, n: int, experts, second=None, rows_per_x: i
             return cfg
         if torch.cuda.is_current_stream_capturing():
             return ok[0]
+        _precompile(lambda c: _launch(xs, raw, qtype, n, experts, c, second=second, rows_per_x=rows_per_x,
+                                      warmup=True), ok, xq.device)
         copies = cold_copies(raw, 256e6)
         seconds = [second] + [(second[0].clone(), *second[1:]) for _ in copies[1:]] if second else [None] * len(copies)
         weights = list(zip(copies, seconds))
@@ -561,6 +565,27 @@ def best_config(xs, raw, qtype: str, n: int, experts, second=None, rows_per_x: i
         cfg = _TUNED[key] = min(timed)[1]
         tune_cache.store(scope, _key_text(key), cfg)
     return cfg
+
+
+def _precompile(warm, configs, device) -> None:
+    """Compile the kernels of every candidate configuration before they are timed, several at once on the
+    host's cores (Triton's compiler releases the GIL for most of its work; one after another, the first
+    start of a 9B Q4_K_M model spent over two minutes compiling). warm(config) compiles without launching.
+    Best effort: on an error the launches compile what is missing, one by one, as before."""
+    if len(configs) < 2:
+        return
+
+    def build(config):
+        torch.cuda.set_device(device)  # a worker thread starts on device 0
+        warm(config)
+
+    try:
+        warm(configs[0])  # the kernel's per-device cache exists before the workers fill it
+        with ThreadPoolExecutor(min(len(configs) - 1, os.cpu_count() or 1)) as pool:
+            list(pool.map(build, configs[1:]))
+    except Exception as err:  # noqa: BLE001 - only a speed-up; the launches compile for themselves
+        warnings.warn(f"compiling mat-vec candidates in parallel failed ({type(err).__name__}: {err}); "
+                      "they compile one by one as they are timed", stacklevel=2)
 
 
 def _tune_scope(device) -> str:
@@ -595,7 +620,8 @@ def _row_units(qtype: str, k: int) -> int:
     return k // elems * nbytes // 2  # 16-bit halves
 
 
-def _launch(xs, raw, qtype, n, experts, config, out_dtype=torch.float32, second=None, rows_per_x=1) -> torch.Tensor:
+def _launch(xs, raw, qtype, n, experts, config, out_dtype=torch.float32, second=None, rows_per_x=1,
+            warmup: bool = False) -> torch.Tensor:
     xq, act, blocked = xs
     qtype2 = _second_type(second, qtype)
     for t in (qtype, qtype2):
@@ -622,12 +648,16 @@ def _launch(xs, raw, qtype, n, experts, config, out_dtype=torch.float32, second=
         w16 = flat.view(torch.int16)
         # interleaved K-quant rows are int32 words; Q8_0 and Q4_0 blocks are read in halves
         views += [w16, flat if t in KQUANTS else w16]
-    _gemv_dp4a_kernel[(triton.cdiv(n_total, block_n), triton.cdiv(m, bm))](
-        xq, act, *views, out, experts if experts is not None else views[0], m, n_total, n, row_units,
-        _row_units(qtype2, k), n_units, n * row_units, k // 16, rows_per_x, out.stride(0), QTYPE=QTYPE_ID[qtype],
-        QTYPE_B=QTYPE_ID[qtype2], BM=bm, BN=block_n, SB=sb, STAGES=stages, HAS_EXPERTS=experts is not None,
-        TWO=second is not None,
-        EVEN=m % bm == 0 and n_total % block_n == 0 and n_units % sb == 0, EMULATE=EMULATE, num_warps=warps)
+    grid = (triton.cdiv(n_total, block_n), triton.cdiv(m, bm))
+    args = (xq, act, *views, out, experts if experts is not None else views[0], m, n_total, n, row_units,
+            _row_units(qtype2, k), n_units, n * row_units, k // 16, rows_per_x, out.stride(0))
+    meta = dict(QTYPE=QTYPE_ID[qtype], QTYPE_B=QTYPE_ID[qtype2], BM=bm, BN=block_n, SB=sb, STAGES=stages,
+                HAS_EXPERTS=experts is not None, TWO=second is not None,
+                EVEN=m % bm == 0 and n_total % block_n == 0 and n_units % sb == 0, EMULATE=EMULATE, num_warps=warps)
+    if warmup:  # compile (as this launch would) without running
+        _gemv_dp4a_kernel.warmup(*args, grid=grid, **meta)
+    else:
+        _gemv_dp4a_kernel[grid](*args, **meta)
     return out
 
 
