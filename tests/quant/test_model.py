@@ -47,6 +47,24 @@ def twins(mix: str, device: str, dtype):
     return dense, kept
 
 
+# How far the kept model's logits may be from its dequantized twin's, as a share of the largest logit. The
+# int8 activations (about 0.5% relative per product) compound over the layers: on this fixture at the 8-token
+# prompt, fp32 on CPU under Triton's interpreter, the kept Q4_K_M-style model's logits were 3.9% of the scale
+# apart at most (3.3% relative in norm). A misread layout or a wrong scale is off by the whole scale.
+MODEL_ERROR = 0.06
+
+
+def assert_divergence_explained(want: torch.Tensor, got: torch.Tensor, where) -> None:
+    """Where greedy tokens first differ: the dequantized model's logits `want` and the kept model's `got` at
+    that position are within MODEL_ERROR of the scale, and want's top two are closer than twice that
+    measured distance, so the int8 path's error can swap them (a near-tie at the kernels' precision)."""
+    want, got = want.float().cpu(), got.float().cpu()
+    scale = float(want.abs().max())
+    top = want.topk(2).values
+    margin, err = float(top[0] - top[1]), float((got - want).abs().max())
+    assert err <= MODEL_ERROR * scale and margin <= 2 * err, dict(where=where, margin=margin, error=err, scale=scale)
+
+
 def greedy(net, n: int):
     ids, margins = list(PROMPT), []
     for _ in range(n):
@@ -64,12 +82,12 @@ def test_quantized_model_greedy_matches_dequantized(mix, device):
     dense, kept = twins(mix, device, dtype)
     steps = 32 if device == "cuda" else 8
     with fast_path("off"):  # packed projections read dense weights; quantized Linears go one by one
-        a, margins = greedy(dense, steps)
+        a, _ = greedy(dense, steps)
         b, _ = greedy(kept, steps)
-        scale = float(dense.logits(PROMPT).float().abs().max())
-    if a != b:
-        first = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
-        assert margins[first] < 0.02 * scale, (first, margins[first], scale)
+        if a != b:
+            first = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+            ids = PROMPT + a[:first]
+            assert_divergence_explained(dense.logits(ids)[-1], kept.logits(ids)[-1], (first, a, b))
 
 
 SLOW_INTERPRETER = os.environ.get("HF2Q_SLOW_INTERPRETER") == "1"
@@ -83,7 +101,7 @@ def test_served_decode_of_kept_blocks_matches_dequantized(where, monkeypatch):
     (the norms, SwiGLU and the DeltaNet step writing the int8 rows the next projection reads, in BLOCKED
     order; the DeltaNet's Q5_K qkv with its Q4_K z and the attention's Q4_K q, k with its Q6_K v each one
     launch), decodes the greedy tokens of its dequantized twin on the exact path (or first differs at a
-    near-tie)."""
+    near-tie at the kernels' precision: assert_divergence_explained)."""
     from hf2q.kernels import quant_dp4a_triton
     from tests.quant.test_wiring import PROMPT as CACHED_PROMPT, greedy_cached
 
@@ -105,11 +123,9 @@ def test_served_decode_of_kept_blocks_matches_dequantized(where, monkeypatch):
     assert ("Q5_K", "Q4_K") in launches and ("Q4_K", "Q6_K") in launches, set(launches)
     if got != want:
         first = next(i for i, (x, y) in enumerate(zip(got, want)) if x != y)
+        ids = CACHED_PROMPT + want[:first]
         with torch_only(), fast_path("off"):
-            last = dense.logits(CACHED_PROMPT + want[:first])[-1].float()
-        with fast_path("force"):  # the kept model's own logits there, to show how far apart the two are
-            mine = kept.logits(CACHED_PROMPT + want[:first])[-1].float()
-        top = last.topk(2).values
-        scale = float(last.abs().max())
-        assert float(top[0] - top[1]) < 0.02 * scale, (first, float(top[0] - top[1]), scale,
-                                                      float((mine - last).abs().max()), got, want)
+            last = dense.logits(ids)[-1]
+        with fast_path("force"):
+            mine = kept.logits(ids)[-1]
+        assert_divergence_explained(last, mine, (first, got, want))
