@@ -17,6 +17,16 @@ from hf2q.kernels.quant_dp4a_triton import int8_buffers, int8_writes, quantize_a
 
 
 @triton.jit
+def _residual(x_ptr, r_ptr, res_ptr, row, stride_x, stride_r, c, m, HAS_R: tl.constexpr):
+    """Columns c of the row of x, plus those of r rounded to the residual's dtype (with HAS_R)."""
+    x = tl.load(x_ptr + row * stride_x + c, mask=m, other=0.0)
+    if HAS_R:
+        r = tl.load(r_ptr + row * stride_r + c, mask=m, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(res_ptr.dtype.element_ty)
+    return x
+
+
+@triton.jit
 def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, res_ptr, y_ptr, xq_ptr, act_ptr, N, stride_x, stride_r, stride_res,
                          stride_y, eps, HAS_R: tl.constexpr, BLOCK: tl.constexpr, SLICE: tl.constexpr,
                          QUANT: tl.constexpr, BLOCKED: tl.constexpr):
@@ -25,19 +35,13 @@ def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, res_ptr, y_ptr, xq_ptr, act_ptr, N
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     m = c < N
-    x = tl.load(x_ptr + row * stride_x + c, mask=m, other=0.0)
-    if HAS_R:
-        r = tl.load(r_ptr + row * stride_r + c, mask=m, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(res_ptr.dtype.element_ty)
+    x = _residual(x_ptr, r_ptr, res_ptr, row, stride_x, stride_r, c, m, HAS_R)
     xf = x.to(tl.float32)
     inv = tl.rsqrt(tl.sum(xf * xf, 0) / N + eps)
     if SLICE < BLOCK:  # this program's columns again, from L1/L2: a register tile cannot be sliced
         c = tl.program_id(1) * SLICE + tl.arange(0, SLICE)
         m = c < N
-        x = tl.load(x_ptr + row * stride_x + c, mask=m, other=0.0)
-        if HAS_R:
-            r = tl.load(r_ptr + row * stride_r + c, mask=m, other=0.0)
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(res_ptr.dtype.element_ty)
+        x = _residual(x_ptr, r_ptr, res_ptr, row, stride_x, stride_r, c, m, HAS_R)
         xf = x.to(tl.float32)
     if HAS_R:
         tl.store(res_ptr + row * stride_res + c, x, mask=m)
