@@ -126,14 +126,17 @@ def test_qk_norm_rope_and_kv_write(env, with_pool):
         assert rel(pools[0], ref_pools[0]) <= tol and torch.equal(pools[1].cpu().float(), ref_pools[1])
 
 
-@pytest.mark.parametrize("gated", [False, True])
-def test_paged_attention_with_output_gate(env, gated):
+@pytest.mark.parametrize("gated,one", [(False, False), (True, False), (True, True)])
+def test_paged_attention_with_output_gate(env, gated, one):
+    """Several sequences (the batched configuration), and one (its own: more splits, fewer keys a step)."""
     dev, dtype, tol, k, real = env
     gen = torch.Generator().manual_seed(3)
     b, nh, nkv, hd, bs, blocks = (4, 16, 4, 256, 16, 64) if real else (3, 4, 2, 32, 4, 12)
     rows_k = randn(blocks * bs, nkv, hd, dev=dev, dtype=dtype, gen=gen)
     rows_v = randn(blocks * bs, nkv, hd, dev=dev, dtype=dtype, gen=gen)
     lens = torch.tensor([1, 17, 40, 999][:b] if real else [1, 9, 30], dtype=torch.int32)
+    if one:  # the longest context alone
+        b, lens = 1, lens[-1:]
     tables = torch.randint(0, blocks, (b, blocks), generator=gen, dtype=torch.int32)
     q = randn(b, nh, hd, dev=dev, dtype=dtype, gen=gen)
     gate = randn(b, nh, 2 * hd, dev=dev, dtype=dtype, gen=gen)[..., hd:] if gated else None
@@ -260,14 +263,19 @@ def test_new_kernels_compile_for_hopper(kernel):
 
 
 def test_paged_decode_config_setting(monkeypatch):
-    """HF2Q_PAGED_DECODE sets the paged decode kernel's (splits, keys a step, warps); malformed values fail
-    loudly at import instead of being ignored."""
+    """The paged decode kernel's (splits, keys a step, warps): one sequence's measured configuration, the
+    batched one for more; HF2Q_PAGED_DECODE sets one for every batch, and malformed values fail loudly at
+    import instead of being ignored."""
     from hf2q.kernels import paged_attention_triton as paged
 
     monkeypatch.delenv("HF2Q_PAGED_DECODE", raising=False)
-    assert paged._config_setting() == paged.DEFAULT_CONFIG
+    assert paged._config_setting() is None
+    monkeypatch.setattr(paged, "CONFIG", None)
+    assert paged.config_for(1) == paged.ONE_SEQUENCE and paged.config_for(4) == paged.BATCHED
     monkeypatch.setenv("HF2Q_PAGED_DECODE", "16,32,8")
     assert paged._config_setting() == (16, 32, 8)
+    monkeypatch.setattr(paged, "CONFIG", paged._config_setting())
+    assert paged.config_for(1) == paged.config_for(64) == (16, 32, 8)
     for bad in ("16,32", "a,b,c", "12,32,4", "8,8,4"):
         monkeypatch.setenv("HF2Q_PAGED_DECODE", bad)
         with pytest.raises(ValueError, match="HF2Q_PAGED_DECODE"):

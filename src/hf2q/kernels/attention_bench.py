@@ -14,7 +14,7 @@ import math
 import torch
 
 from hf2q.bench_shapes import SHAPES
-from hf2q.kernels.paged_attention_triton import CONFIG, paged_decode_attention
+from hf2q.kernels.paged_attention_triton import config_for, paged_decode_attention
 from hf2q.kernels.timing import graph_time_us
 
 SPLITS = (4, 8, 16, 32)
@@ -24,8 +24,9 @@ BLOCK_SIZE = 16
 
 
 def bench_shape(shape: str, context: int, batch: int = 1) -> list[tuple[float, tuple[int, int, int]]]:
-    """(µs, (splits, block_n, warps)) of every configuration, fastest first; the served one (CONFIG) is
+    """(µs, (splits, block_n, warps)) of every configuration, fastest first; the served one (config_for) is
     printed beside the best. (HF2Q_PAGED_DECODE=S,N,W makes a configuration the served one.)"""
+    served_config = config_for(batch)
     cfg, _ = SHAPES[shape]
     nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -44,7 +45,7 @@ def bench_shape(shape: str, context: int, batch: int = 1) -> list[tuple[float, t
         return paged_decode_attention(q, kv[0], kv[1], tables, lens, BLOCK_SIZE, hd ** -0.5, num_splits=splits,
                                       gate=gate, block_n=block_n, num_warps=warps)
 
-    want = run(pools[0], CONFIG).float()
+    want = run(pools[0], served_config).float()
     times = []
     for config in itertools.product(SPLITS, BLOCK_N, WARPS):
         try:
@@ -57,8 +58,8 @@ def bench_shape(shape: str, context: int, batch: int = 1) -> list[tuple[float, t
         except Exception as e:  # noqa: BLE001 - a configuration that does not compile is skipped
             print(f"  {config}: {type(e).__name__} {str(e)[:80]}")
     times.sort()
-    served = next(t for t, c in times if c == CONFIG)
-    print(f"  {shape} context {context} batch {batch} (heads {nh}/{nkv}, dim {hd}): served {CONFIG} "
+    served = next(t for t, c in times if c == served_config)
+    print(f"  {shape} context {context} batch {batch} (heads {nh}/{nkv}, dim {hd}): served {served_config} "
           f"{served:.2f} µs; fastest " + ", ".join(f"{c} {t:.2f}" for t, c in times[:5]))
     del pools
     torch.cuda.empty_cache()

@@ -80,18 +80,21 @@ def _merge_kernel(parts_ptr, lse_ptr, gate_ptr, o_ptr, stride_pb, stride_ph, str
     tl.store(o_ptr + (b * NH + h) * HD + d, o)
 
 
-# (splits, keys a step, warps): the fastest of attention_bench's sweep on an H200 at a 512-token context,
-# for the 35B-A3B's heads (16 query, 2 KV, 256 wide: 5.63 µs, against 6.99 for (8, 64, 4)) and the 9B's
-# (16 query, 4 KV: 6.48 against 7.53).
-DEFAULT_CONFIG = (16, 32, 4)
+# (splits, keys a step, warps) for one sequence: the fastest of attention_bench's sweep on an H200 at a
+# 512-token context, for the 35B-A3B's heads (16 query, 2 KV, 256 wide: 5.63 µs, against 6.99 for (8, 64, 4))
+# and the 9B's (16 query, 4 KV: 6.48 against 7.53).
+ONE_SEQUENCE = (16, 32, 4)
+# For several sequences, the configuration the batched decode figures were measured with: the batch gives
+# the programs, and more splits would write and merge more partial outputs.
+BATCHED = (8, 64, 4)
 
 
-def _config_setting() -> tuple[int, int, int]:
-    """(splits, keys a step, warps) of the first kernel: HF2Q_PAGED_DECODE="S,N,W" (powers of two; N at
-    least 16, the tensor cores' width) or DEFAULT_CONFIG."""
+def _config_setting() -> tuple[int, int, int] | None:
+    """(splits, keys a step, warps) of the first kernel at every batch size: HF2Q_PAGED_DECODE="S,N,W" (powers
+    of two; N at least 16, the tensor cores' width), or None (ONE_SEQUENCE for one sequence, else BATCHED)."""
     setting = os.environ.get("HF2Q_PAGED_DECODE")
     if not setting:
-        return DEFAULT_CONFIG
+        return None
     try:
         splits, block_n, warps = (int(v) for v in setting.split(","))
     except ValueError:
@@ -104,6 +107,11 @@ def _config_setting() -> tuple[int, int, int]:
 CONFIG = _config_setting()
 
 
+def config_for(batch: int) -> tuple[int, int, int]:
+    """The first kernel's (splits, keys a step, warps) at `batch` sequences."""
+    return CONFIG or (ONE_SEQUENCE if batch == 1 else BATCHED)
+
+
 def paged_decode_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
                            scale: float, num_splits: int | None = None, gate: Optional[torch.Tensor] = None,
@@ -111,11 +119,12 @@ def paged_decode_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.
     """q: [B, nh, hd]; k_rows/v_rows: [num_blocks * block_size, nkv, hd] (the flat pool);
     block_tables: [B, max_blocks] int32; context_lens: [B] int32 (>= 1); gate: [B, nh, hd] or None.
     Returns [B, nh, hd] in q's dtype, times sigmoid(gate) when given. num_splits, block_n (keys a
-    step) and num_warps shape the first kernel (default CONFIG; attention_bench times them)."""
-    num_splits = num_splits or CONFIG[0]
-    block_n = block_n or CONFIG[1]
-    num_warps = num_warps or CONFIG[2]
+    step) and num_warps shape the first kernel (default: config_for(B); attention_bench times them)."""
     bsz, nh, hd = q.shape
+    config = config_for(bsz)
+    num_splits = num_splits or config[0]
+    block_n = block_n or config[1]
+    num_warps = num_warps or config[2]
     nkv = k_rows.shape[1]
     rep = nh // nkv
     assert k_rows.stride(2) == 1 and q.stride(2) == 1 and k_rows.stride() == v_rows.stride()
