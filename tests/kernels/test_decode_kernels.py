@@ -291,11 +291,13 @@ def _on_cpu(args: dict) -> dict:
                 v.cpu().clone() if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
 
 
-@pytest.mark.parametrize("heads", [(2, 4), (2, 2)] if INTERPRET else [(16, 16), (16, 32)],
-                         ids=["nv=2nk", "nv=nk"] if INTERPRET else ["2b", "9b"])
-def test_fused_conv_gdn_decode_matches_two_step(env, heads):
+@pytest.mark.parametrize("heads,config", [((2, 4), None), ((2, 2), None), ((2, 4), (8, 2, 1))] if INTERPRET else
+                         [((16, 16), None), ((16, 32), None), ((16, 32), (8, 2, 1))],
+                         ids=["nv=2nk", "nv=nk", "nv=2nk-8parts"] if INTERPRET else ["2b", "9b", "9b-8parts"])
+def test_fused_conv_gdn_decode_matches_two_step(env, heads, config):
     """Two decode steps in a row (the second reads the conv state the first shifted), over several slots;
-    the slots no sequence owns are left alone."""
+    the slots no sequence owns are left alone. Also with another split of each head's columns and other
+    warp counts (gdn_bench's configurations)."""
     from hf2q.kernels.gdn_decode_triton import gdn_conv_decode_
 
     dev, dtype, real = env
@@ -303,7 +305,7 @@ def test_fused_conv_gdn_decode_matches_two_step(env, heads):
     args = _decode_inputs(dev, dtype, real, nk, nv, seed=nv)
     ref = _on_cpu(args)
     for step in range(2):
-        out = gdn_conv_decode_(**args)
+        out = gdn_conv_decode_(**args, config=config)
         with torch_only(), dispatch.fast_path("off"):
             ref_out = dispatch.gdn_conv_decode_(**ref)
         tol = 2e-3 if real else 1e-5

@@ -15,7 +15,7 @@ import torch
 
 from hf2q.bench_shapes import SHAPES
 from hf2q.kernels.paged_attention_triton import config_for, paged_decode_attention
-from hf2q.kernels.timing import graph_time_us
+from hf2q.kernels.timing import graph_time_us, time_configs
 
 SPLITS = (4, 8, 16, 32)
 BLOCK_N = (16, 32, 64)
@@ -46,18 +46,9 @@ def bench_shape(shape: str, context: int, batch: int = 1) -> list[tuple[float, t
                                       gate=gate, block_n=block_n, num_warps=warps)
 
     want = run(pools[0], served_config).float()
-    times = []
-    for config in itertools.product(SPLITS, BLOCK_N, WARPS):
-        try:
-            got = run(pools[0], config).float()
-            err = float((got - want).norm() / want.norm())
-            if err > 1e-2:
-                print(f"  {config}: relative error {err:.2e}, skipped")
-                continue
-            times.append((graph_time_us(lambda kv, c=config: run(kv, c), pools), config))
-        except Exception as e:  # noqa: BLE001 - a configuration that does not compile is skipped
-            print(f"  {config}: {type(e).__name__} {str(e)[:80]}")
-    times.sort()
+    times = time_configs(itertools.product(SPLITS, BLOCK_N, WARPS),
+                         lambda c: float((run(pools[0], c).float() - want).norm() / want.norm()),
+                         lambda c: graph_time_us(lambda kv: run(kv, c), pools))
     served = next(t for t, c in times if c == served_config)
     print(f"  {shape} context {context} batch {batch} (heads {nh}/{nkv}, dim {hd}): served {served_config} "
           f"{served:.2f} µs; fastest " + ", ".join(f"{c} {t:.2f}" for t, c in times[:5]))

@@ -191,11 +191,13 @@ def gdn_decode_(qkv: torch.Tensor, a_raw: torch.Tensor, b_raw: torch.Tensor, A: 
 def gdn_conv_decode_(x: torch.Tensor, conv_w: torch.Tensor, conv_pool: torch.Tensor, a_raw: torch.Tensor,
                      b_raw: torch.Tensor, A: torch.Tensor, dt_bias: torch.Tensor, z: torch.Tensor,
                      norm_w: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor, nk: int, dk: int,
-                     eps: float, out_dtype: torch.dtype, int8_for: str | None = None) -> torch.Tensor:
+                     eps: float, out_dtype: torch.dtype, int8_for: str | None = None,
+                     config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """gdn_decode_ with the causal conv + SiLU folded in: x [B, C] is the qkv projection before the conv;
     conv_w [C, 4]; conv_pool [S, 3, C] is updated in place at `slots` like the recurrent state. int8_for:
     the output's int8 rows, in the order weights of that type read, are written too and remembered for the
-    quantized output projection."""
+    quantized output projection. config: (column parts a head, warps of the first kernel, of the second),
+    default (SPLIT, 4, 4) (gdn_bench times others)."""
     bsz, c = x.shape
     nv, dv = state_pool.shape[1], state_pool.shape[3]
     _check(a_raw, b_raw, z, state_pool, dk)
@@ -203,19 +205,21 @@ def gdn_conv_decode_(x: torch.Tensor, conv_w: torch.Tensor, conv_pool: torch.Ten
     assert conv_w.shape == (c, 4) and conv_pool.shape[1:] == (3, c) and conv_pool.stride(2) == 1
     assert conv_pool.stride(1) == c
     out = torch.empty(bsz, nv * dv, dtype=out_dtype, device=x.device)
-    split = SPLIT if dv % SPLIT == 0 else 1
+    split, warps_columns, warps_finish = config or (SPLIT, 4, 4)
+    split = split if dv % split == 0 else 1
     o = torch.empty(bsz, nv, dv, dtype=torch.float32, device=x.device)
     ss = torch.empty(bsz, nv, split, dtype=torch.float32, device=x.device)
     _gdn_conv_columns_kernel[(bsz, nv, split)](x, conv_w.contiguous(), conv_pool, a_raw, b_raw, A, dt_bias,
                                                state_pool, slots, o, ss, x.stride(0), conv_pool.stride(0),
                                                a_raw.stride(0), b_raw.stride(0), c, nk,
-                                               nv, dk ** -0.5, eps, DK=dk, DV=dv, SPLIT=split, num_warps=4)
+                                               nv, dk ** -0.5, eps, DK=dk, DV=dv, SPLIT=split,
+                                               num_warps=warps_columns)
     quantize, blocked = int8_writes(int8_for, nv * dv)
     quantize = quantize and dv % 32 == 0  # a program's head holds whole groups
     xq, act = int8_buffers(bsz, nv * dv, x.device) if quantize else (out, out)
     _gdn_conv_finish_kernel[(bsz, nv)](x, conv_pool, z, norm_w, slots, o, ss, out, xq, act, x.stride(0),
                                        conv_pool.stride(0), z.stride(0), out.stride(0), c, nk, nv, eps, DK=dk, DV=dv,
-                                       SPLIT=split, QUANT=quantize, BLOCKED=blocked, num_warps=4)
+                                       SPLIT=split, QUANT=quantize, BLOCKED=blocked, num_warps=warps_finish)
     if quantize:
         remember(out, xq, act, blocked)
     return out

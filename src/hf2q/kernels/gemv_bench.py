@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from hf2q.bench_shapes import SHAPES
 from hf2q.kernels.gemv_triton import MAX_ROWS, default_config, gemv
-from hf2q.kernels.timing import graph_time_us
+from hf2q.kernels.timing import graph_time_us, time_configs
 
 
 def decode_projections(shape: str) -> list[tuple[str, int, int, int]]:
@@ -159,18 +159,11 @@ def bench_moe(shape: str, quick: bool, device: str = "cuda") -> dict[tuple[str, 
         configs = [default] + [c for c in moe_configs(key[2]) if c != default]
         if quick:
             configs = configs[:8]
-        times = {}
-        for c in configs:
-            try:
-                got = fn(c, calls[0]).float()
-                err = float((got - want).norm() / want.norm())
-                if err > 1e-2:
-                    print(f"  moe.{key[0]} {c}: relative error {err:.2e}, skipped")
-                    continue
-                times[c] = graph_time_us(lambda w, c=c: fn(c, w), calls)
-            except Exception as ex:  # noqa: BLE001 - a config that does not compile is skipped
-                print(f"  moe.{key[0]} {c}: {type(ex).__name__} {str(ex)[:80]}")
-        ranked = sorted(times, key=times.get)
+        print(f"  moe.{key[0]}:")
+        ranked_times = time_configs(configs, lambda c: float((fn(c, calls[0]).float() - want).norm() / want.norm()),
+                                    lambda c: graph_time_us(lambda w: fn(c, w), calls))
+        times = {c: t for t, c in ranked_times}
+        ranked = [c for _, c in ranked_times]
         best = ranked[0]
         tbs = lambda us: nbytes / us / 1e6  # noqa: E731
         print(f"  moe.{key[0]:5s} N={key[1]:5d} K={key[2]:5d}  default {default} {times[default]:6.2f} "

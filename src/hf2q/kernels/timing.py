@@ -35,3 +35,20 @@ def graph_time_us(fn, weights: list, reps: int = 10) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end) * 1e3 / (reps * len(weights))
+
+
+def time_configs(configs, error_of, time_of, limit: float = 1e-2) -> list[tuple[float, object]]:
+    """(µs, config), fastest first, of every configuration whose output is within `limit` (relative) of the
+    reference: error_of(config) checks it, time_of(config) times it. One that is off, or does not compile,
+    is reported and left out."""
+    times = []
+    for config in configs:
+        try:
+            err = error_of(config)
+            if err > limit:
+                print(f"  {config}: relative error {err:.2e}, skipped")
+                continue
+            times.append((time_of(config), config))
+        except Exception as e:  # noqa: BLE001 - a configuration that does not compile is left out
+            print(f"  {config}: {type(e).__name__} {str(e)[:80]}")
+    return sorted(times)

@@ -1,0 +1,88 @@
+"""Timing of the DeltaNet decode step with the causal conv folded in (gdn_decode_triton.gdn_conv_decode_:
+the column kernel and the finish kernel) at one sequence, for each (column parts a head, warps of each
+kernel) configuration, at a model shape's DeltaNet heads (CUDA only).
+
+Each timing replays a CUDA graph over enough distinct state pools to overflow the L2, as a decode step
+finds each layer's recurrent state cold. Every configuration is first run on copies of the same inputs and
+checked against the default's output and new state.
+Run: python -m hf2q.kernels.gdn_bench [--shape 9b 35b-a3b] [--int8-for Q4_K]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+
+import torch
+
+from hf2q.bench_shapes import SHAPES
+from hf2q.kernels.gdn_decode_triton import SPLIT, gdn_conv_decode_
+from hf2q.kernels.timing import graph_time_us, time_configs
+
+SPLITS = (2, 4, 8, 16)
+WARPS = (1, 2, 4, 8)
+DEFAULT = (SPLIT, 4, 4)
+
+
+def _inputs(shape: str, gen: torch.Generator) -> dict:
+    cfg, _ = SHAPES[shape]
+    nk, nv = cfg.linear_num_k_heads, cfg.linear_num_v_heads
+    dk, dv = cfg.linear_k_head_dim, cfg.linear_v_head_dim
+    c = cfg.conv_channels
+
+    def rand(*size, dtype=torch.bfloat16, scale=1.0):
+        return (torch.randn(*size, device="cuda", generator=gen) * scale).to(dtype)
+
+    return dict(x=rand(1, c), conv_w=rand(c, 4, dtype=torch.float32, scale=0.5),
+                conv_pool=rand(1, 3, c, dtype=torch.float32), a_raw=rand(1, nv), b_raw=rand(1, nv),
+                A=-torch.rand(nv, device="cuda", generator=gen) * 8, dt_bias=rand(nv, dtype=torch.float32),
+                z=rand(1, nv * dv), norm_w=rand(dv, dtype=torch.float32),
+                state_pool=rand(1, nv, dk, dv, dtype=torch.float32, scale=0.1),
+                slots=torch.zeros(1, dtype=torch.int64, device="cuda"), nk=nk, dk=dk, eps=1e-6,
+                out_dtype=torch.bfloat16)
+
+
+def bench_shape(shape: str, int8_for: str | None) -> list[tuple[float, tuple[int, int, int]]]:
+    """(µs, config) of every configuration, fastest first; the default is printed beside the best."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    args = _inputs(shape, gen)
+
+    def run(a, config):
+        return gdn_conv_decode_(**a, int8_for=int8_for, config=config)
+
+    def fresh():
+        return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+
+    ref_args = fresh()
+    want = run(ref_args, DEFAULT).float()
+    copies = max(2, min(64, math.ceil(256e6 / args["state_pool"].nbytes)))
+    pools = [fresh() for _ in range(copies)]
+
+    def error_of(config):
+        mine = fresh()
+        got = run(mine, config).float()
+        state = ref_args["state_pool"]
+        return max(float((got - want).norm() / want.norm()), float((mine["state_pool"] - state).norm() / state.norm()))
+
+    times = time_configs(itertools.product(SPLITS, WARPS, WARPS), error_of,
+                         lambda c: graph_time_us(lambda a: run(a, c), pools))
+    default = next(t for t, c in times if c == DEFAULT)
+    print(f"  {shape} DeltaNet step (int8 rows for {int8_for}): default {DEFAULT} {default:.2f} µs; fastest "
+          + ", ".join(f"{c} {t:.2f}" for t, c in times[:5]))
+    del pools
+    torch.cuda.empty_cache()
+    return times
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", nargs="+", default=["9b", "35b-a3b"], choices=sorted(SHAPES))
+    p.add_argument("--int8-for", default=None, help="also write int8 rows for a weight of this type (Q4_K ...)")
+    args = p.parse_args(argv)
+    for shape in args.shape:
+        best = bench_shape(shape, args.int8_for)[0][1]
+        print(f"BEST {shape} {','.join(map(str, best))}")
+
+
+if __name__ == "__main__":
+    main()
