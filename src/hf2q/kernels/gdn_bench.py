@@ -16,12 +16,11 @@ import math
 import torch
 
 from hf2q.bench_shapes import SHAPES
-from hf2q.kernels.gdn_decode_triton import SPLIT, gdn_conv_decode_
+from hf2q.kernels.gdn_decode_triton import DEFAULT_CONFIG as DEFAULT, gdn_conv_decode_
 from hf2q.kernels.timing import graph_time_us, time_configs
 
 SPLITS = (2, 4, 8, 16)
 WARPS = (1, 2, 4, 8)
-DEFAULT = (SPLIT, 4, 4)
 
 
 def _inputs(shape: str, gen: torch.Generator) -> dict:

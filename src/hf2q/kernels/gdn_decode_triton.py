@@ -197,7 +197,7 @@ def gdn_conv_decode_(x: torch.Tensor, conv_w: torch.Tensor, conv_pool: torch.Ten
     conv_w [C, 4]; conv_pool [S, 3, C] is updated in place at `slots` like the recurrent state. int8_for:
     the output's int8 rows, in the order weights of that type read, are written too and remembered for the
     quantized output projection. config: (column parts a head, warps of the first kernel, of the second),
-    default (SPLIT, 4, 4) (gdn_bench times others)."""
+    default DEFAULT_CONFIG (gdn_bench times others)."""
     bsz, c = x.shape
     nv, dv = state_pool.shape[1], state_pool.shape[3]
     _check(a_raw, b_raw, z, state_pool, dk)
@@ -205,7 +205,7 @@ def gdn_conv_decode_(x: torch.Tensor, conv_w: torch.Tensor, conv_pool: torch.Ten
     assert conv_w.shape == (c, 4) and conv_pool.shape[1:] == (3, c) and conv_pool.stride(2) == 1
     assert conv_pool.stride(1) == c
     out = torch.empty(bsz, nv * dv, dtype=out_dtype, device=x.device)
-    split, warps_columns, warps_finish = config or (SPLIT, 4, 4)
+    split, warps_columns, warps_finish = config or DEFAULT_CONFIG
     split = split if dv % split == 0 else 1
     o = torch.empty(bsz, nv, dv, dtype=torch.float32, device=x.device)
     ss = torch.empty(bsz, nv, split, dtype=torch.float32, device=x.device)
@@ -226,3 +226,4 @@ def gdn_conv_decode_(x: torch.Tensor, conv_w: torch.Tensor, conv_pool: torch.Ten
 
 
 SPLIT = 4  # column parts per value head in the folded step (a 128-wide head: 32 columns, 16 KB of state)
+DEFAULT_CONFIG = (SPLIT, 4, 4)  # (column parts, warps of the column kernel, warps of the finish kernel)
