@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf2q.kernels.quant_dp4a_triton import int8_buffers, int8_writes, quantize_and_store, remember
+from hf2q.kernels.quant_dp4a_triton import QUANT_SLICE, int8_buffers, int8_writes, quantize_and_store, remember
 
 
 @triton.jit
@@ -50,11 +50,6 @@ def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, res_ptr, y_ptr, xq_ptr, act_ptr, N
     tl.store(y_ptr + row * stride_y + c, y, mask=m)
     if QUANT:  # N and SLICE are multiples of 32: whole groups only
         quantize_and_store(xq_ptr, act_ptr, y, row, tl.program_id(1) * (SLICE // 32), N // 32, SLICE, BLOCKED)
-
-
-# Columns of a row one program quantizes where a kernel writes int8 rows beside its output (this norm,
-# SwiGLU): quantizing a 4096-wide row in one program (one SM) took longer than the norm itself.
-QUANT_SLICE = 512
 
 
 def add_rms_norm(x: torch.Tensor, add: Optional[torch.Tensor], weight: torch.Tensor, eps: float,

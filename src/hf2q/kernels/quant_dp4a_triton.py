@@ -96,6 +96,11 @@ def quantize_and_store(xq_ptr, act_ptr, y, row, first, n_groups, BLOCK: tl.const
     store_int8_groups(xq_ptr, act_ptr, row * n_groups, n_groups, g, g < n_groups, q, dx, sq, fix, sx, G, BLOCKED)
 
 
+# Columns of a row one program quantizes where a kernel writes int8 rows beside its output (the norm,
+# SwiGLU): quantizing a 4096-wide row in one program (one SM) took longer than the norm itself.
+QUANT_SLICE = 512
+
+
 @triton.jit
 def _quantize_kernel(x_ptr, xq_ptr, act_ptr, n_groups, x_stride, GROUPS: tl.constexpr, BLOCKED: tl.constexpr):
     """Row m, 32-value groups g: xq = round(x / dx) in int8 with dx = max|x| / 127, and per 16-value half

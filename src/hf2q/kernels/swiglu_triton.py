@@ -7,8 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf2q.kernels.norm_triton import QUANT_SLICE
-from hf2q.kernels.quant_dp4a_triton import int8_buffers, int8_writes, quantize_and_store, remember
+from hf2q.kernels.quant_dp4a_triton import QUANT_SLICE, int8_buffers, int8_writes, quantize_and_store, remember
 
 
 @triton.jit
