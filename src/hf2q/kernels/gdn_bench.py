@@ -17,6 +17,7 @@ import torch
 
 from hf2q.bench_shapes import SHAPES
 from hf2q.kernels.gdn_decode_triton import DEFAULT_CONFIG as DEFAULT, gdn_conv_decode_
+from hf2q.kernels.quant_triton import QTYPE_ID
 from hf2q.kernels.timing import graph_time_us, time_configs
 
 SPLITS = (2, 4, 8, 16)
@@ -76,7 +77,8 @@ def bench_shape(shape: str, int8_for: str | None) -> list[tuple[float, tuple[int
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", nargs="+", default=["9b", "35b-a3b"], choices=sorted(SHAPES))
-    p.add_argument("--int8-for", default=None, help="also write int8 rows for a weight of this type (Q4_K ...)")
+    p.add_argument("--int8-for", default=None, choices=sorted(QTYPE_ID),
+                   help="also write int8 rows for a weight of this type")
     args = p.parse_args(argv)
     for shape in args.shape:
         best = bench_shape(shape, args.int8_for)[0][1]
