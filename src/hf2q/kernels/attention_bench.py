@@ -62,6 +62,8 @@ def main(argv=None) -> None:
     p.add_argument("--shape", nargs="+", default=["35b-a3b", "9b"], choices=sorted(SHAPES))
     p.add_argument("--context", type=int, nargs="+", default=[512, 4096])
     args = p.parse_args(argv)
+    if min(args.context) < 1:
+        p.error("--context: token counts of at least 1")
     for shape in args.shape:
         for context in args.context:
             best = bench_shape(shape, context)[0][1]
