@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from hf2q.quant import KQUANTS, QUANT_TYPES, dequantize_ref, random_blocks, to_gpu_rows
+from tests.support.triton_targets import compile_for_hopper
 
 CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -342,30 +343,6 @@ def test_k_quant_kernels_misread_the_other_layout(qtype, monkeypatch):
         assert all(e < 1e-5 for e in errors) if right else not any(e < 0.1 for e in errors), errors  # NaN is wrong too
 
 
-def _compile_for_hopper(fn, sig: dict, const: dict, warps: int, multiples_of_16=()) -> str:
-    """PTX of kernel fn for sm_90, its pointers 16-byte aligned (as Triton's launcher finds torch's
-    allocations), and the integers named in multiples_of_16 known to be such (as the launcher marks sizes
-    that are). Needs Triton's bundled ptxas, not a GPU."""
-    if INTERPRET:
-        pytest.skip("compiles natively")
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    sig = {**sig, **{name: "constexpr" for name in const}}
-    names = list(sig)
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
-             if sig[n].startswith("*") or n in multiples_of_16}
-    try:
-        compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
-                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-    except (FileNotFoundError, RuntimeError) as err:
-        if "ptxas" in str(err):
-            pytest.skip(f"no ptxas: {err}")
-        raise
-    return compiled.asm["ptx"]
-
-
 def _global_read_bytes(ptx: str) -> set[int]:
     """Sizes in bytes of the global-memory reads in PTX: loads to registers, and asynchronous copies to
     shared memory (pipelined configurations)."""
@@ -397,7 +374,7 @@ def test_int8_matvec_compiles_for_hopper(qtype, rows, stages):
                  BN=bn, SB=sb, STAGES=stages, HAS_EXPERTS=experts, TWO=experts or qtype_b != qtype, EVEN=rows == 1,
                  EMULATE=False)
     sizes = ("N", "n_first", "row_units", "row_units_b", "n_units", "expert_units", "n_g16", "out_stride")
-    ptx = _compile_for_hopper(k._gemv_dp4a_kernel, sig, const, warps, sizes if rows == 1 else ())
+    ptx = compile_for_hopper(k._gemv_dp4a_kernel, sig, const, warps, sizes if rows == 1 else ())
     assert "dp4a" in ptx
     if qtype == "Q6_K":
         assert min(_global_read_bytes(ptx)) == 4 and 16 in _global_read_bytes(ptx)
@@ -412,7 +389,7 @@ def test_dequantize_compiles_for_hopper(qtype):
 
     sig = {"w8": "*u8", "w16": "*fp16", "w32": "*i32", "out_ptr": "*bf16", "N": "i32", "K": "i32",
            "row_stride": "i32", "nblk": "i32"}
-    ptx = _compile_for_hopper(qt._dequant_kernel, sig, dict(QTYPE=qt.QTYPE_ID[qtype], BLOCK_N=8), 4)
+    ptx = compile_for_hopper(qt._dequant_kernel, sig, dict(QTYPE=qt.QTYPE_ID[qtype], BLOCK_N=8), 4)
     sizes = _global_read_bytes(ptx)
     assert sizes
     if qtype == "Q6_K":

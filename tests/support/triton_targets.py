@@ -57,3 +57,28 @@ def rel(a, b) -> float:
 
 def randn(*shape, dev, dtype, gen, scale=1.0):
     return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(dev)
+
+
+def compile_for_hopper(fn, sig: dict, const: dict, warps: int, multiples_of_16=()) -> str:
+    """PTX of kernel fn for sm_90, its pointers 16-byte aligned (as Triton's launcher finds torch's
+    allocations), and the integers named in multiples_of_16 known to be such (as the launcher marks sizes
+    that are). Needs Triton's bundled ptxas, not a GPU."""
+    if INTERPRET:
+        pytest.skip("compiles natively")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    const = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **const}
+    sig = {**sig, **{name: "constexpr" for name in const}}
+    names = list(sig)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+             if sig[n].startswith("*") or n in multiples_of_16}
+    try:
+        compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
+                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    except (FileNotFoundError, RuntimeError) as err:
+        if "ptxas" in str(err):
+            pytest.skip(f"no ptxas: {err}")
+        raise
+    return compiled.asm["ptx"]

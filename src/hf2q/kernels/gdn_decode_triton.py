@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hf2q.kernels import pdl
 from hf2q.kernels.quant_dp4a_triton import int8_buffers, int8_writes, quantize_and_store, remember
 
 
@@ -115,9 +116,10 @@ def _gdn_decode_kernel(qkv_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, z_ptr, nw_ptr, sta
 @triton.jit
 def _gdn_conv_columns_kernel(x_ptr, cw_ptr, conv_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, state_ptr, slot_ptr, o_ptr,
                              ss_ptr, stride_x, stride_conv, stride_ab, stride_bb, C, NK, NV, scale, eps,
-                             DK: tl.constexpr, DV: tl.constexpr, SPLIT: tl.constexpr):
+                             DK: tl.constexpr, DV: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr = False):
     """Program (b, h, j): columns j·DV/SPLIT .. of value head h for sequence b, up to the read-out (o and
     its partial Σ o² into scratch); shifts the conv state of its own value channels only."""
+    pdl.enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     j = tl.program_id(2)
@@ -145,10 +147,12 @@ def _gdn_conv_columns_kernel(x_ptr, cw_ptr, conv_ptr, a_ptr, b_ptr, A_ptr, dtb_p
 @triton.jit
 def _gdn_conv_finish_kernel(x_ptr, conv_ptr, z_ptr, nw_ptr, slot_ptr, o_ptr, ss_ptr, out_ptr, xq_ptr, act_ptr,
                             stride_x, stride_conv, stride_z, stride_out, C, NK, NV, eps, DK: tl.constexpr,
-                            DV: tl.constexpr, SPLIT: tl.constexpr, QUANT: tl.constexpr, BLOCKED: tl.constexpr):
+                            DV: tl.constexpr, SPLIT: tl.constexpr, QUANT: tl.constexpr, BLOCKED: tl.constexpr,
+                            PDL: tl.constexpr = False):
     """Program (b, h): the gated RMSNorm of head h's read-out (with QUANT also its int8 rows for the
     quantized output projection, quant_dp4a_triton.quantize_and_store); programs h < n_k also shift key
     head h's q/k conv channels (every reader of them ran in the previous launch)."""
+    pdl.enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     dv = tl.arange(0, DV)
@@ -213,13 +217,14 @@ def gdn_conv_decode_(x: torch.Tensor, conv_w: torch.Tensor, conv_pool: torch.Ten
                                                state_pool, slots, o, ss, x.stride(0), conv_pool.stride(0),
                                                a_raw.stride(0), b_raw.stride(0), c, nk,
                                                nv, dk ** -0.5, eps, DK=dk, DV=dv, SPLIT=split,
-                                               num_warps=warps_columns)
+                                               num_warps=warps_columns, **pdl.launch_options(x.device))
     quantize, blocked = int8_writes(int8_for, nv * dv)
     quantize = quantize and dv % 32 == 0  # a program's head holds whole groups
     xq, act = int8_buffers(bsz, nv * dv, x.device) if quantize else (out, out)
     _gdn_conv_finish_kernel[(bsz, nv)](x, conv_pool, z, norm_w, slots, o, ss, out, xq, act, x.stride(0),
                                        conv_pool.stride(0), z.stride(0), out.stride(0), c, nk, nv, eps, DK=dk, DV=dv,
-                                       SPLIT=split, QUANT=quantize, BLOCKED=blocked, num_warps=warps_finish)
+                                       SPLIT=split, QUANT=quantize, BLOCKED=blocked, num_warps=warps_finish,
+                                       **pdl.launch_options(x.device))
     if quantize:
         remember(out, xq, act, blocked)
     return out

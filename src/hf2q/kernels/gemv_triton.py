@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hf2q.kernels import pdl
+
 MAX_ROWS = 4
 
 Config = tuple[int, int, int, int]  # (BLOCK_N, BLOCK_K, num_warps, STAGES)
@@ -127,7 +129,7 @@ def _dot_row_pairs(g_ptrs, u_ptrs, x_ptrs, K, BLOCK_N: tl.constexpr, BLOCK_K: tl
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, w2_ptr, y_ptr, experts_ptr, N, n_first, K, rows_per_x, stride_xm, stride_we, stride_wn,
                  stride_ym, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, STAGES: tl.constexpr,
-                 EVEN_K: tl.constexpr, HAS_EXPERTS: tl.constexpr, GLU: tl.constexpr):
+                 EVEN_K: tl.constexpr, HAS_EXPERTS: tl.constexpr, GLU: tl.constexpr, PDL: tl.constexpr = False):
     """One row of x: multiply-adds on the CUDA cores, one reduction over K per tile.
 
     HAS_EXPERTS (MoE token-expert pairs): program column p multiplies x row p // rows_per_x by expert
@@ -135,7 +137,9 @@ def _gemv_kernel(x_ptr, w_ptr, w2_ptr, y_ptr, experts_ptr, N, n_first, K, rows_p
     GLU (SwiGLU in the epilogue, so gate and up never reach memory and no activation kernel follows):
     output columns n_first + j (j < N - n_first) are silu(g)·u with g from row n_first + j of w and u
     from row j of w2; the first cdiv(n_first, BLOCK_N) programs write columns 0..n_first from the
-    first rows of w as usual (a pack's other projections)."""
+    first rows of w as usual (a pack's other projections). PDL (kernels/pdl.py): wait for the previous
+    kernel before the first read; the next may start once the products are done."""
+    pdl.wait_prior(PDL)
     x_row = x_ptr
     y_row = y_ptr
     w = w_ptr
@@ -163,12 +167,14 @@ def _gemv_kernel(x_ptr, w_ptr, w2_ptr, y_ptr, experts_ptr, N, n_first, K, rows_p
         g_ptrs = w + (n_first + j_ok).to(tl.int64)[:, None] * stride_wn + ks[None, :]
         u_ptrs = w2 + j_ok.to(tl.int64)[:, None] * stride_wn + ks[None, :]
         g, u = _dot_row_pairs(g_ptrs, u_ptrs, x_ptrs, K, BLOCK_N, BLOCK_K, K_TILES, STAGES, EVEN_K)
+        pdl.release_next(PDL)
         tl.store(y_row + n_first + j, (g * tl.sigmoid(g) * u).to(y_ptr.dtype.element_ty), mask=j < n_glu)
     else:
         cols = tl.program_id(0) * BLOCK_N + lanes
         # Rows past the weight's last re-read that row so W's loads need no row mask; only the stores are masked.
         w_ptrs = w + tl.minimum(cols, n_plain - 1).to(tl.int64)[:, None] * stride_wn + ks[None, :]
         acc = _dot_rows(w_ptrs, x_ptrs, K, BLOCK_N, BLOCK_K, K_TILES, STAGES, EVEN_K)
+        pdl.release_next(PDL)
         tl.store(y_row + cols, acc.to(y_ptr.dtype.element_ty), mask=cols < n_plain)
 
 
@@ -177,12 +183,13 @@ def _down_combine_kernel(h_ptr, w_ptr, experts_ptr, route_ptr, hs_ptr, ws_ptr, g
                          stride_we, stride_wn, stride_hs, stride_wsn, stride_g, stride_ym, TOPK: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
                          KS_TILES: tl.constexpr, STAGES: tl.constexpr, EVEN_K: tl.constexpr, EVEN_KS: tl.constexpr,
-                         HAS_SHARED: tl.constexpr):
+                         HAS_SHARED: tl.constexpr, PDL: tl.constexpr = False):
     """Program (BLOCK_N output columns, token t): the MoE block's last step at once, in fp32,
     Σ_j route[t, j] · (down_exps[experts[t, j]] · h[t·TOPK + j]) + sigmoid(g[t]) · (W_shared · hs[t]),
     stored once. Neither the pair outputs nor the shared output reach memory, and no combine kernel follows.
     The weighted products are summed elementwise and reduced once at the end (_dot_tiles), so every
     expert's weight loads can be in flight together."""
+    pdl.wait_prior(PDL)
     t = tl.program_id(1)
     lanes = tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
@@ -202,15 +209,18 @@ def _down_combine_kernel(h_ptr, w_ptr, experts_ptr, route_ptr, hs_ptr, ws_ptr, g
         w_ptrs = ws_ptr + rows * stride_wsn + ks[None, :]
         x_ptrs = hs_ptr + t.to(tl.int64) * stride_hs + x_cols
         acc += gate * _dot_tiles(w_ptrs, x_ptrs, KS, BLOCK_N, BLOCK_K, KS_TILES, STAGES, EVEN_KS)
+    pdl.release_next(PDL)
     out = tl.sum(acc, 1)
     tl.store(y_ptr + t.to(tl.int64) * stride_ym + cols, out.to(y_ptr.dtype.element_ty), mask=cols < N)
 
 
 @triton.jit
 def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, STAGES: tl.constexpr, EVEN_K: tl.constexpr):
+                   BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, STAGES: tl.constexpr, EVEN_K: tl.constexpr,
+                   PDL: tl.constexpr = False):
     """2..16 rows of x: W tile [BLOCK_N, BLOCK_K] times xᵀ [BLOCK_K, 16] on the tensor cores, so each W
     element costs no CUDA-core work per row of x."""
+    pdl.wait_prior(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_K)
     ms = tl.arange(0, 16)
@@ -223,6 +233,7 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym
         acc = tl.dot(_load(w_ptrs, k_ok[None, :], EVEN_K), _load(x_ptrs, k_ok[:, None], EVEN_K), acc)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    pdl.release_next(PDL)
     y_ptrs = y_ptr + ms[None, :] * stride_ym + rows[:, None]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rows < N)[:, None] & (ms < M)[None, :])
 
@@ -279,9 +290,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = 
     grid = (triton.cdiv(n, meta["BLOCK_N"]),)
     if m == 1:
         _gemv_kernel[grid](x2, weight, weight, y, weight, n, n, k, 1, 0, 0, weight.stride(0), 0, HAS_EXPERTS=False,
-                           GLU=False, **meta)
+                           GLU=False, **meta, **pdl.launch_options(x.device))
     else:
-        _skinny_kernel[grid](x2, weight, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0), **meta)
+        _skinny_kernel[grid](x2, weight, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0), **meta,
+                             **pdl.launch_options(x.device))
     return y.view(*x.shape[:-1], n)
 
 
@@ -300,7 +312,7 @@ def gemv_glu(x: torch.Tensor, weight: torch.Tensor, n_first: int = 0, config: Co
     meta = _meta(k, config or pick_config(rows, k, 1))
     grid = (triton.cdiv(n_first, meta["BLOCK_N"]) + triton.cdiv(inter, meta["BLOCK_N"]),)
     _gemv_kernel[grid](x2, weight, weight[n_first + inter:], y, weight, n_first + inter, n_first, k, 1, 0, 0,
-                       weight.stride(0), 0, HAS_EXPERTS=False, GLU=True, **meta)
+                       weight.stride(0), 0, HAS_EXPERTS=False, GLU=True, **meta, **pdl.launch_options(x.device))
     return y.view(*x.shape[:-1], n_first + inter)
 
 
@@ -319,7 +331,7 @@ def expert_gemv(x: torch.Tensor, stack: torch.Tensor, experts: torch.Tensor, row
         _gemv_kernel[(triton.cdiv(n, meta["BLOCK_N"]), p)](
             x, stack, second if second is not None else stack, y, experts, n, 0 if second is not None else n, k,
             rows_per_x, x.stride(0), stack.stride(0), stack.stride(1), y.stride(0), HAS_EXPERTS=True,
-            GLU=second is not None, **meta)
+            GLU=second is not None, **meta, **pdl.launch_options(x.device))
     return y
 
 
@@ -352,5 +364,5 @@ def expert_down_combine(h: torch.Tensor, down: torch.Tensor, experts: torch.Tens
         _down_combine_kernel[(triton.cdiv(n, meta["BLOCK_N"]), t)](
             h, down, flat, route, hs, ws, g, y, n, k, ks, h.stride(0), down.stride(0), down.stride(1), hs.stride(0),
             ws.stride(0), g.stride(0), y.stride(0), TOPK=top_k, KS_TILES=triton.cdiv(ks, block_k),
-            EVEN_KS=ks % block_k == 0, HAS_SHARED=has_shared, **meta)
+            EVEN_KS=ks % block_k == 0, HAS_SHARED=has_shared, **meta, **pdl.launch_options(h.device))
     return y

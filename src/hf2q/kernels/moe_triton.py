@@ -11,10 +11,13 @@ import torch
 import triton
 import triton.language as tl
 
+from hf2q.kernels import pdl
+
 
 @triton.jit
 def _route_kernel(logit_ptr, w_ptr, e_ptr, E, stride, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
-                  BLOCK_E: tl.constexpr):
+                  BLOCK_E: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK_E)
     logits = tl.load(logit_ptr + t * stride + i, mask=i < E, other=float("-inf")).to(tl.float32)
@@ -42,13 +45,15 @@ def route(logits: torch.Tensor, top_k: int, dtype: torch.dtype) -> tuple[torch.T
         # One warp a token: its 2·k dependent reductions over the experts stay in warp shuffles (four warps
         # would add a shared-memory round trip and a barrier to each).
         _route_kernel[(t,)](logits, weights, experts, e, logits.stride(0), TOPK=top_k,
-                            TOPK_P2=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(e), num_warps=1)
+                            TOPK_P2=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(e), num_warps=1,
+                            **pdl.launch_options(logits.device))
     return weights, experts
 
 
 @triton.jit
 def _combine_kernel(y_ptr, w_ptr, s_ptr, g_ptr, out_ptr, H, s_stride, g_stride, TOPK: tl.constexpr,
-                    HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr):
+                    HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = c < H
@@ -79,5 +84,6 @@ def combine(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None 
     block = min(2048, triton.next_power_of_2(h))
     if t:
         _combine_kernel[(t, triton.cdiv(h, block))](y, weights, s, g, out, h, s.stride(0), g.stride(0), TOPK=top_k,
-                                                    HAS_SHARED=has_shared, BLOCK=block, num_warps=4)
+                                                    HAS_SHARED=has_shared, BLOCK=block, num_warps=4,
+                                                    **pdl.launch_options(y.device))
     return out

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hf2q.kernels import pdl
 from hf2q.kernels.quant_dp4a_triton import QUANT_SLICE, int8_buffers, int8_writes, quantize_and_store, remember
 
 
@@ -29,9 +30,10 @@ def _residual(x_ptr, r_ptr, res_ptr, row, stride_x, stride_r, c, m, HAS_R: tl.co
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, res_ptr, y_ptr, xq_ptr, act_ptr, N, stride_x, stride_r, stride_res,
                          stride_y, eps, HAS_R: tl.constexpr, BLOCK: tl.constexpr, SLICE: tl.constexpr,
-                         QUANT: tl.constexpr, BLOCKED: tl.constexpr):
+                         QUANT: tl.constexpr, BLOCKED: tl.constexpr, PDL: tl.constexpr = False):
     """Program (row, part): the row's inverse RMS from the whole row, then its outputs for columns
     part·SLICE .. (SLICE = BLOCK: the whole row in one program)."""
+    pdl.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     m = c < N
@@ -76,7 +78,8 @@ def add_rms_norm(x: torch.Tensor, add: Optional[torch.Tensor], weight: torch.Ten
     _add_rms_norm_kernel[(t, triton.cdiv(n, width))](
         x, add if add is not None else x, weight, res, y, xq, act, n, x.stride(0),
         add.stride(0) if add is not None else 0, res.stride(0), y.stride(0), eps, HAS_R=add is not None,
-        BLOCK=block, SLICE=width, QUANT=quantize, BLOCKED=blocked, num_warps=min(16, max(4, block // 512)))
+        BLOCK=block, SLICE=width, QUANT=quantize, BLOCKED=blocked, num_warps=min(16, max(4, block // 512)),
+        **pdl.launch_options(x.device))
     if quantize:
         remember(y, xq, act, blocked)
     return res, y

@@ -15,12 +15,16 @@ import torch
 import triton
 import triton.language as tl
 
+from hf2q.kernels import pdl
+
 
 @triton.jit
 def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, scale,
                          stride_qb, stride_qh, stride_kr, stride_kh, stride_bt, stride_ob, stride_oh, stride_os,
                          stride_lb, stride_lh, REP: tl.constexpr, REP_PAD: tl.constexpr, HD: tl.constexpr,
-                         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr):
+                         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    pdl.enter(PDL)
     b = tl.program_id(0)
     g = tl.program_id(1)
     sp = tl.program_id(2)
@@ -64,7 +68,9 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, s
 
 @triton.jit
 def _merge_kernel(parts_ptr, lse_ptr, gate_ptr, o_ptr, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-                  stride_gb, stride_gh, NH, HD: tl.constexpr, NSPLIT: tl.constexpr, HAS_GATE: tl.constexpr):
+                  stride_gb, stride_gh, NH, HD: tl.constexpr, NSPLIT: tl.constexpr, HAS_GATE: tl.constexpr,
+                  PDL: tl.constexpr = False):
+    pdl.enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     sp = tl.arange(0, NSPLIT)
@@ -135,12 +141,12 @@ def paged_decode_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.
         q.stride(0), q.stride(1), k_rows.stride(0), k_rows.stride(1), block_tables.stride(0),
         parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0), lse.stride(1),
         REP=rep, REP_PAD=max(16, triton.next_power_of_2(rep)), HD=hd, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        NSPLIT=num_splits, num_warps=num_warps)
+        NSPLIT=num_splits, num_warps=num_warps, **pdl.launch_options(q.device))
     out = torch.empty(bsz, nh, hd, dtype=q.dtype, device=q.device)
     if gate is not None:
         assert gate.shape == q.shape and gate.stride(2) == 1
     g = gate if gate is not None else q
     _merge_kernel[(bsz, nh)](parts, lse, g, out, parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0),
                              lse.stride(1), g.stride(0), g.stride(1), nh, HD=hd, NSPLIT=num_splits,
-                             HAS_GATE=gate is not None, num_warps=2)
+                             HAS_GATE=gate is not None, num_warps=2, **pdl.launch_options(q.device))
     return out

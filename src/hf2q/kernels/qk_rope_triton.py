@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hf2q.kernels import pdl
+
 
 @triton.jit
 def _norm_rope(x_ptr, w_ptr, cos, sin, eps, HD: tl.constexpr, RD: tl.constexpr):
@@ -32,7 +34,9 @@ def _norm_rope(x_ptr, w_ptr, cos, sin, eps, HD: tl.constexpr, RD: tl.constexpr):
 @triton.jit
 def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, map_ptr, qo_ptr, ko_ptr,
                          kpool_ptr, vpool_ptr, NH, stride_qt, stride_qh, stride_kt, stride_vt, stride_cos,
-                         stride_pool, eps, HD: tl.constexpr, RD: tl.constexpr, WRITE_POOL: tl.constexpr):
+                         stride_pool, eps, HD: tl.constexpr, RD: tl.constexpr, WRITE_POOL: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, HD)
@@ -76,5 +80,5 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_w: torch.T
     _qk_norm_rope_kernel[(t, nh + nkv)](q, k, v, q_w, k_w, cos, sin, mapping, q_out, k_out, k_rows, v_rows, nh,
                                         q.stride(0), q.stride(1), k.stride(0), v.stride(0), cos.stride(0),
                                         nkv * hd, eps, HD=hd, RD=rotary_dim, WRITE_POOL=pools is not None,
-                                        num_warps=2)
+                                        num_warps=2, **pdl.launch_options(q.device))
     return q_out, k_out

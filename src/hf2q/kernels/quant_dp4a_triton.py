@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf2q.kernels import tune_cache
+from hf2q.kernels import pdl, tune_cache
 from hf2q.kernels.quant_fields_triton import f16_bits
 from hf2q.kernels.quant_triton import QTYPE_ID, check_layout
 from hf2q.kernels.timing import cold_copies, graph_time_us
@@ -102,9 +102,11 @@ QUANT_SLICE = 512
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, xq_ptr, act_ptr, n_groups, x_stride, GROUPS: tl.constexpr, BLOCKED: tl.constexpr):
+def _quantize_kernel(x_ptr, xq_ptr, act_ptr, n_groups, x_stride, GROUPS: tl.constexpr, BLOCKED: tl.constexpr,
+                     PDL: tl.constexpr = False):
     """Row m, 32-value groups g: xq = round(x / dx) in int8 with dx = max|x| / 127, and per 16-value half
     the four floats (store_int8_groups) that the mat-vec's offset and min terms need."""
+    pdl.enter(PDL)
     m = tl.program_id(0)
     g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     l = tl.arange(0, 32)
@@ -371,7 +373,7 @@ def _gemv_dp4a_kernel(xq_ptr, act_ptr, w16, w32, w16b, w32b, out_ptr, expert_ptr
                       row_units_b, n_units, expert_units, n_g16, rows_per_x, out_stride, QTYPE: tl.constexpr,
                       QTYPE_B: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SB: tl.constexpr,
                       STAGES: tl.constexpr, HAS_EXPERTS: tl.constexpr, TWO: tl.constexpr, EVEN: tl.constexpr,
-                      EMULATE: tl.constexpr):
+                      EMULATE: tl.constexpr, PDL: tl.constexpr = False):
     """out[m, n] = Σ_k x[m, k] · W[n, k] for BM activation rows and BN weight rows per program. Row
     strides come in the unit the type's blocks are read in (16-byte quads for the interleaved K-quant
     rows, else halves), so that the compiler sees their alignment. Parts are summed elementwise; one
@@ -380,12 +382,15 @@ def _gemv_dp4a_kernel(xq_ptr, act_ptr, w16, w32, w16b, w32b, out_ptr, expert_ptr
     columns from n_first on come from a second weight (an MoE's gate and up stacks, or a layer's
     projections of one input kept in two types, in one launch; n_first is a multiple of BN), of type
     QTYPE_B and row stride row_units_b. Output row m multiplies activation row m // rows_per_x. EVEN: M,
-    N and the blocks a row are multiples of BM, BN and SB, so nothing is masked."""
+    N and the blocks a row are multiples of BM, BN and SB, so nothing is masked. PDL (kernels/pdl.py): the
+    program waits for the previous kernel before its first read, and lets the next kernel start once its
+    loop is done."""
     ms = tl.program_id(1) * BM + tl.arange(0, BM)
     m_ok = _below(ms, M, EVEN)
     cols = tl.program_id(0) * BN + tl.arange(0, BN)  # axis 0: a vocabulary's rows outnumber axis 1's limit
     row_ok = _below(cols, N, EVEN)
     x_g16 = (ms // rows_per_x).to(tl.int64) * n_g16  # first 16-value piece of each activation row
+    pdl.wait_prior(PDL)
     expert_base = 0
     if HAS_EXPERTS:
         expert_base = tl.load(expert_ptr + tl.program_id(1)).to(tl.int64) * expert_units
@@ -405,6 +410,7 @@ def _gemv_dp4a_kernel(xq_ptr, act_ptr, w16, w32, w16b, w32b, out_ptr, expert_ptr
         row_base = cols.to(tl.int64) * row_units + expert_base
         acc = _row_products(w16, w32, xq_ptr, act_ptr, x_g16, m_ok, row_base, row_ok, n_units, QTYPE, BM, BN, SB,
                             STAGES, EVEN, EMULATE)
+    pdl.release_next(PDL)
     out = out_ptr + ms.to(tl.int64)[:, None] * out_stride + cols[None, :]
     tl.store(out, tl.sum(acc, axis=2).to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & row_ok[None, :])
 
@@ -449,7 +455,8 @@ def quantize_rows(x: torch.Tensor, key: torch.Tensor | None = None, blocked: boo
     if blocked and k % 256:
         raise ValueError(f"BLOCKED int8 rows need a multiple of 256 values, not {k}")
     xq, act = int8_buffers(m, k, x.device)
-    _quantize_kernel[(m, triton.cdiv(groups, 16))](xc, xq, act, groups, xc.stride(0), GROUPS=16, BLOCKED=blocked)
+    _quantize_kernel[(m, triton.cdiv(groups, 16))](xc, xq, act, groups, xc.stride(0), GROUPS=16, BLOCKED=blocked,
+                                                     **pdl.launch_options(x.device))
     out = Int8Rows(xq.view(torch.int32), act, blocked)
     _RECENT.appendleft((weakref.ref(key), _stamp(key), out))
     return out
@@ -658,7 +665,8 @@ def _launch(xs, raw, qtype, n, experts, config, out_dtype=torch.float32, second=
             _row_units(qtype2, k), n_units, n * row_units, k // 16, rows_per_x, out.stride(0))
     meta = dict(QTYPE=QTYPE_ID[qtype], QTYPE_B=QTYPE_ID[qtype2], BM=bm, BN=block_n, SB=sb, STAGES=stages,
                 HAS_EXPERTS=experts is not None, TWO=second is not None,
-                EVEN=m % bm == 0 and n_total % block_n == 0 and n_units % sb == 0, EMULATE=EMULATE, num_warps=warps)
+                EVEN=m % bm == 0 and n_total % block_n == 0 and n_units % sb == 0, EMULATE=EMULATE, num_warps=warps,
+                **pdl.launch_options(xq.device))
     if warmup:  # compile (as this launch would) without running
         _gemv_dp4a_kernel.warmup(*args, grid=grid, **meta)
     else:

@@ -7,12 +7,14 @@ import torch
 import triton
 import triton.language as tl
 
+from hf2q.kernels import pdl
 from hf2q.kernels.quant_dp4a_triton import QUANT_SLICE, int8_buffers, int8_writes, quantize_and_store, remember
 
 
 @triton.jit
 def _silu_mul_kernel(g_ptr, u_ptr, o_ptr, xq_ptr, act_ptr, N, stride_g, stride_u, stride_o, BLOCK: tl.constexpr,
-                     QUANT: tl.constexpr, BLOCKED: tl.constexpr):
+                     QUANT: tl.constexpr, BLOCKED: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = c < N
@@ -37,7 +39,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, int8_for: str | None = None) 
     block = min(QUANT_SLICE if quantize else 2048, triton.next_power_of_2(n))
     _silu_mul_kernel[(t, triton.cdiv(n, block))](gate, up, out, xq, act, n, gate.stride(0), up.stride(0),
                                                  out.stride(0), BLOCK=block, QUANT=quantize, BLOCKED=blocked,
-                                                 num_warps=4 if quantize else 8)
+                                                 num_warps=4 if quantize else 8, **pdl.launch_options(gate.device))
     if quantize:
         remember(out, xq, act, blocked)
     return out
