@@ -122,3 +122,23 @@ def test_setting_is_checked(value):
     env = {**os.environ, "HF2Q_PDL": value}
     run = subprocess.run([sys.executable, "-c", "import hf2q.kernels.pdl"], env=env, capture_output=True, text=True)
     assert run.returncode != 0 and "HF2Q_PDL must be 0 or 1" in run.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_same_logits_with_and_without_pdl(tmp_path):
+    """The launch changes when kernels start, never what they compute: graph-replayed decode logits of a bf16
+    dense and MoE model, and the cached decode of a Q4_K_M-style model on the int8 mat-vecs, are bitwise the
+    same with HF2Q_PDL=1 (on, where the GPU has it) and HF2Q_PDL=0."""
+    runs = {}
+    for setting in ("1", "0"):
+        path = tmp_path / f"pdl{setting}.pt"
+        proc = subprocess.run([sys.executable, "-m", "tests.kernels.pdl_logits_child", str(path)],
+                              env={**os.environ, "HF2Q_PDL": setting, "HF2Q_GEMV_TUNE": "0"},
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[setting] = torch.load(path)
+    assert runs["1"]["pdl"] == (torch.cuda.get_device_capability()[0] >= 9) and not runs["0"]["pdl"]
+    for model in ("dense", "moe", "kept"):
+        for step, (a, b) in enumerate(zip(runs["1"][model], runs["0"][model])):
+            assert torch.equal(a, b), (model, step, float((a - b).abs().max()))
