@@ -47,11 +47,13 @@ def twins(mix: str, device: str, dtype):
     return dense, kept
 
 
-# How far the kept model's logits may be from its dequantized twin's, as a share of the largest logit. The
-# int8 activations (about 0.5% relative per product) compound over the layers: on this fixture at the 8-token
-# prompt, fp32 on CPU under Triton's interpreter, the kept Q4_K_M-style model's logits were 3.9% of the scale
-# apart at most (3.3% relative in norm). A misread layout or a wrong scale is off by the whole scale.
-MODEL_ERROR = 0.06
+# How far the kept model's logits may be from its dequantized twin's at a row, as a share of the row's largest
+# logit. The int8 activations (about 0.5% relative per product) compound over the layers, and more so over a
+# bf16 residual stream. Measured on this fixture at 8 to 14 rows: fp32 on CPU under Triton's interpreter, up
+# to 9.1% (fast path off; an H200's fp32 errors matched the interpreter's within 0.4% of the logit scale);
+# bf16 on an H200, 18.4% and 14.6% at the first differences of the two tests below. One projection's blocks
+# misread (layer 1's ffn.up given another tensor's blocks) puts every row 71% to 120% off.
+MODEL_ERROR = 0.3
 
 
 def assert_divergence_explained(want: torch.Tensor, got: torch.Tensor, where) -> None:
