@@ -113,7 +113,7 @@ def test_no_memory_access_before_the_wait(name):
 def test_off_where_it_cannot_run():
     """CPU tensors (and the interpreter) launch normally: no PDL constexpr set, no launch attribute."""
     from hf2q.kernels import pdl
-    assert pdl.launch_options(torch.device("cpu")) == {"PDL": False, "launch_pdl": False}
+    assert pdl.launch_options(torch.device("cpu")) == {}
 
 
 @pytest.mark.parametrize("value", ["2", "yes"])

@@ -47,9 +47,10 @@ def enabled(device: torch.device) -> bool:
 
 
 def launch_options(device: torch.device) -> dict:
-    """Launch keywords and the PDL constexpr for a kernel that calls wait_prior(PDL) before its reads."""
-    on = enabled(device)
-    return {"PDL": on, "launch_pdl": on}
+    """Launch keywords and the PDL constexpr for a kernel that calls wait_prior(PDL) before its reads; none
+    where PDL is off (the kernels' PDL defaults to False, and Triton builds without `launch_pdl` take no
+    such keyword)."""
+    return {"PDL": True, "launch_pdl": True} if enabled(device) else {}
 
 
 @triton.jit
