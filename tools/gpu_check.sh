@@ -1,19 +1,20 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks behind BENCHMARKS.md, in stages that each fit a few minutes:
-#   tools/gpu_check.sh tests|quant|bf16|moe|decode|decode-q|decode-q-moe|gemv|sweeps|ncu [OUT_DIR]
+#   tools/gpu_check.sh tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu [OUT_DIR]
 # tests: every GPU-marked test (the quantized greedy-token test first) and the Triton kernel tests on the device;
 # quant: 9B Q4_K_M end to end and per projection; bf16: 9B and 2B; moe: 35B-A3B bf16 and Q4_K_M;
 # decode (bf16: 35B-A3B, 2B, 9B), decode-q (9B Q4_K_M) and decode-q-moe (35B-A3B Q4_K_M): batch-1
 # decode, each bench in a time cap of its own (a fresh machine compiles and times every mat-vec candidate
 # for each weight type and type pair first: minutes); mat-vec choices go to OUT_DIR/tune.json unless
-# HF2Q_TUNE_CACHE names a file;
+# HF2Q_TUNE_CACHE names a file; pdl: the 9B Q4_K_M and 35B-A3B bf16 batch-1 decode with programmatic dependent
+# launch on, then off (HF2Q_PDL), on the same machine;
 # gemv: the bf16 GEMV sweep against cuBLAS at 9B and 2B shapes; sweeps: the configurations of the decode
 # step's other kernels at batch 1 (paged attention, the DeltaNet step, the MoE expert kernels); ncu: Nsight Compute's view (bandwidth,
 # occupancy, stall reasons) of the int8 mat-vec on a small and a large 9B projection, at the default
 # configuration. Figures also go to OUT_DIR/*.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?stage: tests|quant|bf16|moe|decode|decode-q|decode-q-moe|gemv|sweeps|ncu}
+stage=${1:?stage: tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu}
 out=${2:-.}
 mkdir -p "$out"
 bench() { python -m hf2q.bench --hf-new 0 "$@"; }
@@ -39,6 +40,11 @@ case "$stage" in
          one 500 --shape 9b --quant q4_k_m --json "$out/9b_q4_k_m_b1.json" ;;
   decode-q-moe) export HF2Q_TUNE_CACHE=${HF2Q_TUNE_CACHE:-$out/tune.json}
          one 500 --shape 35b-a3b --quant q4_k_m --json "$out/35b_q4_k_m_b1.json" ;;
+  pdl)   export HF2Q_TUNE_CACHE=${HF2Q_TUNE_CACHE:-$out/tune.json}
+         for s in 1 0; do
+           HF2Q_PDL=$s one 200 --shape 9b --quant q4_k_m --json "$out/9b_q4_k_m_b1_pdl$s.json"
+           HF2Q_PDL=$s one 150 --shape 35b-a3b --json "$out/35b_b1_pdl$s.json"
+         done ;;
   gemv)  python -m hf2q.kernels.gemv_bench --shape 9b 2b ;;
   sweeps) python -m hf2q.kernels.attention_bench --shape 35b-a3b 9b 2b --context 512 4096
          python -m hf2q.kernels.gdn_bench --shape 9b 35b-a3b --int8-for Q4_K
