@@ -41,8 +41,8 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter has 
 @functools.lru_cache(maxsize=None)
 def enabled(device: torch.device) -> bool:
     """Whether kernels on `device` launch with programmatic dependent launch (see HF2Q_PDL)."""
-    if _SETTING == "0" or _INTERPRETED or not _HAVE_GDC or device.type != "cuda":
-        return False
+    if _SETTING == "0" or _INTERPRETED or not _HAVE_GDC or device.type != "cuda" or torch.version.hip:
+        return False  # griddepcontrol is NVIDIA's (a ROCm build also answers to "cuda")
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
