@@ -99,15 +99,19 @@ def _before_wait(lines: list[str], pattern) -> list[str]:
 
 @pytest.mark.parametrize("name", list(_kernels()))
 def test_no_memory_access_before_the_wait(name):
-    """With PDL, no global read or write is reachable from the kernel's entry before griddepcontrol.wait;
-    the kernel lets its dependents launch; without PDL, neither is emitted."""
+    """With PDL, no global read or write is reachable from the kernel's entry before griddepcontrol.wait,
+    and the kernel lets its dependents launch."""
     fn, const, warps = _kernels()[name]
     lines = _ptx(fn, {**const, "PDL": True}, warps)
     assert any("griddepcontrol.wait" in line for line in lines), "no wait for the previous kernel"
     assert _before_wait(lines, _MEMORY) == []
     assert any("griddepcontrol.launch_dependents" in line for line in lines)
-    plain = _ptx(fn, {**const, "PDL": False}, warps)
-    assert not any("griddepcontrol" in line for line in plain)
+
+
+def test_plain_launch_has_no_grid_dependency_control():
+    """Without PDL the kernels compile as before: no wait, no early launch of the next kernel."""
+    fn, const, warps = _kernels()["dp4a_two"]
+    assert not any("griddepcontrol" in line for line in _ptx(fn, {**const, "PDL": False}, warps))
 
 
 def test_off_where_it_cannot_run():
