@@ -6,13 +6,13 @@ Runs on CPU through Triton's interpreter, and on a CUDA GPU at real sizes in bf1
 from __future__ import annotations
 
 import importlib
-import os
 
 import pytest
 import torch
 
 from hf2q.kernels import dispatch
-from tests.support.triton_targets import TARGETS, interpreter_child, randn, rel, target, torch_only
+from tests.support.triton_targets import (TARGETS, compile_for_hopper, interpreter_child, randn, rel, target,
+                                          torch_only)
 
 triton = pytest.importorskip("triton")
 
@@ -204,11 +204,6 @@ def test_new_kernels_compile_for_hopper(kernel):
     projections with the combine), the int8-writing norm and SwiGLU (rows in either order) and the two-launch
     DeltaNet decode step compile to
     sm_90 (the interpreter never runs the compiler). Needs Triton's bundled ptxas, not a GPU."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("compiles natively")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from hf2q.kernels import gdn_decode_triton, gemv_triton, moe_triton, norm_triton, swiglu_triton
 
     ptr, i32 = "*bf16", "i32"
@@ -257,14 +252,7 @@ def test_new_kernels_compile_for_hopper(kernel):
                   dict(DK=128, DV=128, SPLIT=4, QUANT=quant, BLOCKED=quant))
            for name, quant in (("gdn_finish", False), ("gdn_finish_int8_blocked", True))},
     }[kernel]
-    const = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **const}
-    sig.update({name: "constexpr" for name in const})
-    try:
-        triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32))
-    except (FileNotFoundError, RuntimeError) as err:
-        if "ptxas" in str(err):
-            pytest.skip(f"no ptxas: {err}")
-        raise
+    compile_for_hopper(fn, sig, const, warps=4)
 
 
 def test_paged_decode_config_setting(monkeypatch):
