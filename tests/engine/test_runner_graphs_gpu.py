@@ -15,8 +15,9 @@ from hf2q.engine.sampling_params import SamplingParams
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-def greedy(runner: ModelRunner, prompts: list[list[int]], steps: int) -> list[list[int]]:
-    """Prefill all prompts, decode `steps` tokens; the last request joins after two decode steps."""
+def greedy(runner: ModelRunner, prompts: list[list[int]], steps: int, logits: list | None = None) -> list[list[int]]:
+    """Prefill all prompts, decode `steps` tokens; the last request joins after two decode steps. Each step's
+    logits, on the CPU in fp32, are appended to `logits` if given."""
     reqs = []
     for i, p in enumerate(prompts):
         req = Request(f"r{i}", list(p), SamplingParams())
@@ -25,8 +26,10 @@ def greedy(runner: ModelRunner, prompts: list[list[int]], steps: int) -> list[li
     active = reqs[:-1]
     scheduled = [(r, len(r.prompt_ids)) for r in active]
     for step in range(steps):
-        sampling, logits = runner.run(scheduled)
-        for req, token in zip(sampling, logits.argmax(-1).tolist()):
+        sampling, step_logits = runner.run(scheduled)
+        if logits is not None:
+            logits.append(step_logits.float().cpu())
+        for req, token in zip(sampling, step_logits.argmax(-1).tolist()):
             req.output_ids.append(token)
         if step == 2:
             active.append(reqs[-1])

@@ -10,53 +10,32 @@ import torch
 from hf2q.bench_shapes import random_model, tiny_config
 from hf2q.cache.hybrid import HybridCache
 from hf2q.config import CacheConfig
-from hf2q.engine.request import Request
 from hf2q.engine.runner import ModelRunner
-from hf2q.engine.sampling_params import SamplingParams
-from hf2q.forward import ForwardBatch
 from hf2q.kernels import pdl
 from hf2q.kernels.dispatch import fast_path
-from tests.quant.test_model import PROMPT, twins
+from tests.engine.test_runner_graphs_gpu import greedy
+from tests.quant.test_model import twins
+from tests.quant.test_wiring import greedy_cached
 
 
 def runner_logits(moe: bool) -> list[torch.Tensor]:
-    """Eight graph-replayed decode steps of three prompts."""
+    """Eight graph-replayed decode steps of three prompts (the last joining after two)."""
     net = random_model(tiny_config(moe), device="cuda", dtype=torch.bfloat16, std=0.08, seed=7)
     cache = HybridCache(net.config, CacheConfig(num_slots=4, num_blocks=64, block_size=16, kv_dtype="bfloat16"),
                         device="cuda")
-    runner = ModelRunner(net, cache, cuda_graphs=True)
     gen = torch.Generator().manual_seed(0)
-    reqs = []
-    for i in range(3):
-        req = Request(f"r{i}", torch.randint(0, net.config.vocab_size, (5 + 3 * i,), generator=gen).tolist(),
-                      SamplingParams())
-        req.slot = cache.acquire()
-        reqs.append(req)
-    scheduled, out = [(r, len(r.prompt_ids)) for r in reqs], []
-    for _ in range(8):
-        sampling, logits = runner.run(scheduled)
-        out.append(logits.float().cpu())
-        for req, token in zip(sampling, logits.argmax(-1).tolist()):
-            req.output_ids.append(token)
-        scheduled = [(r, r.num_tokens - r.num_computed) for r in reqs]
+    prompts = [torch.randint(0, net.config.vocab_size, (5 + 3 * i,), generator=gen).tolist() for i in range(3)]
+    out: list[torch.Tensor] = []
+    greedy(ModelRunner(net, cache, cuda_graphs=True), prompts, 8, logits=out)
     return out
 
 
 def kept_logits() -> list[torch.Tensor]:
     """Eight decode steps of the Q4_K_M-style model through the paged cache, every fused kernel on."""
     _, kept = twins("q4_k_m", "cuda", torch.bfloat16)
-    cache = HybridCache(kept.config, CacheConfig(num_slots=1, num_blocks=16, block_size=4), device="cuda")
-    slot = cache.acquire()
-    ids, done, out = list(PROMPT), 0, []
+    out: list[torch.Tensor] = []
     with fast_path("force"):
-        for _ in range(8):
-            cache.reserve(slot, len(ids))
-            batch = ForwardBatch.single(ids[done:], start=done, slot=slot, cache=cache, device="cuda")
-            logits = kept.compute_logits(kept(batch)[-1:])
-            cache.commit(slot, len(ids))
-            done = len(ids)
-            ids.append(int(logits.argmax()))
-            out.append(logits.float().cpu())
+        greedy_cached(kept, 8, logits=out)
     return out
 
 

@@ -33,8 +33,9 @@ def load(path, keep_quantized: bool, device="cpu", dtype=torch.float32):
 
 
 @torch.inference_mode()
-def greedy_cached(net, n: int) -> list[int]:
-    """Greedy decoding through the paged cache: one prefill, then one token per step."""
+def greedy_cached(net, n: int, logits: list | None = None) -> list[int]:
+    """Greedy decoding through the paged cache: one prefill, then one token per step (each step's logits,
+    on the CPU in fp32, appended to `logits` if given)."""
     cache = HybridCache(net.config, CacheConfig(num_slots=1, num_blocks=16, block_size=4),
                         device=net.embed.device)
     slot = cache.acquire()
@@ -42,7 +43,10 @@ def greedy_cached(net, n: int) -> list[int]:
     for _ in range(n):
         cache.reserve(slot, len(ids))
         batch = ForwardBatch.single(ids[done:], start=done, slot=slot, cache=cache, device=net.embed.device)
-        nxt = int(net.compute_logits(net(batch)[-1:]).argmax())
+        last = net.compute_logits(net(batch)[-1:])
+        if logits is not None:
+            logits.append(last.float().cpu())
+        nxt = int(last.argmax())
         cache.commit(slot, len(ids))
         done = len(ids)
         ids.append(nxt)
