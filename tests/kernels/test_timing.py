@@ -1,7 +1,7 @@
 """The configuration sweeps' shared loop (kernels/timing.time_configs): what it keeps, what it leaves out."""
 from __future__ import annotations
 
-from hf2q.kernels.timing import time_configs
+from hf2q.kernels.timing import describe, time_configs
 
 
 def test_sweep_keeps_exact_configurations_fastest_first(capsys):
@@ -18,3 +18,9 @@ def test_sweep_keeps_exact_configurations_fastest_first(capsys):
     assert time_configs("abcd", error_of, speeds.get) == [(2.0, "c"), (3.0, "a")]
     printed = capsys.readouterr().out
     assert "b: relative error 5.00e-02, skipped" in printed and "d: RuntimeError out of shared memory" in printed
+
+
+def test_sweep_line_names_the_reference_beside_the_fastest():
+    times = [(2.0, (16, 32, 4)), (2.5, (8, 64, 4)), (3.0, (4, 16, 8))]
+    assert describe(times, (8, 64, 4), "served", top=2) == \
+        "served (8, 64, 4) 2.50 µs; fastest (16, 32, 4) 2.00, (8, 64, 4) 2.50"

@@ -15,7 +15,7 @@ import torch
 
 from hf2q.bench_shapes import SHAPES
 from hf2q.kernels.paged_attention_triton import config_for, paged_decode_attention
-from hf2q.kernels.timing import graph_time_us, time_configs
+from hf2q.kernels.timing import describe, graph_time_us, time_configs
 
 SPLITS = (4, 8, 16, 32)
 BLOCK_N = (16, 32, 64)
@@ -49,9 +49,8 @@ def bench_shape(shape: str, context: int, batch: int = 1) -> list[tuple[float, t
     times = time_configs(itertools.product(SPLITS, BLOCK_N, WARPS),
                          lambda c: float((run(pools[0], c).float() - want).norm() / want.norm()),
                          lambda c: graph_time_us(lambda kv: run(kv, c), pools))
-    served = next(t for t, c in times if c == served_config)
-    print(f"  {shape} context {context} batch {batch} (heads {nh}/{nkv}, dim {hd}): served {served_config} "
-          f"{served:.2f} µs; fastest " + ", ".join(f"{c} {t:.2f}" for t, c in times[:5]))
+    print(f"  {shape} context {context} batch {batch} (heads {nh}/{nkv}, dim {hd}): "
+          + describe(times, served_config, "served"))
     del pools
     torch.cuda.empty_cache()
     return times

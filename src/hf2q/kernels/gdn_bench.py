@@ -18,7 +18,7 @@ import torch
 from hf2q.bench_shapes import SHAPES
 from hf2q.kernels.gdn_decode_triton import DEFAULT_CONFIG as DEFAULT, gdn_conv_decode_
 from hf2q.kernels.quant_triton import QTYPE_ID
-from hf2q.kernels.timing import graph_time_us, time_configs
+from hf2q.kernels.timing import describe, graph_time_us, time_configs
 
 SPLITS = (2, 4, 8, 16)
 WARPS = (1, 2, 4, 8)
@@ -66,9 +66,7 @@ def bench_shape(shape: str, int8_for: str | None) -> list[tuple[float, tuple[int
 
     times = time_configs(itertools.product(SPLITS, WARPS, WARPS), error_of,
                          lambda c: graph_time_us(lambda a: run(a, c), pools))
-    default = next(t for t, c in times if c == DEFAULT)
-    print(f"  {shape} DeltaNet step (int8 rows for {int8_for}): default {DEFAULT} {default:.2f} µs; fastest "
-          + ", ".join(f"{c} {t:.2f}" for t, c in times[:5]))
+    print(f"  {shape} DeltaNet step (int8 rows for {int8_for}): " + describe(times, DEFAULT, "default"))
     del pools
     torch.cuda.empty_cache()
     return times

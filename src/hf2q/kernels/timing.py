@@ -52,3 +52,9 @@ def time_configs(configs, error_of, time_of, limit: float = 1e-2) -> list[tuple[
         except Exception as e:  # noqa: BLE001 - a configuration that does not compile is left out
             print(f"  {config}: {type(e).__name__} {str(e)[:80]}")
     return sorted(times)
+
+
+def describe(times: list[tuple[float, object]], reference, name: str, top: int = 5) -> str:
+    """A sweep's line: the reference configuration's time (under `name`) beside the `top` fastest."""
+    ref = next(t for t, c in times if c == reference)
+    return f"{name} {reference} {ref:.2f} µs; fastest " + ", ".join(f"{c} {t:.2f}" for t, c in times[:top])
