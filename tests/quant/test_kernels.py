@@ -181,6 +181,30 @@ def test_quant_linear(qtype, rows, k, m):
         assert got_bf.dtype == torch.bfloat16 and rel(got_bf, want) < INT8_TOL
 
 
+@kernels
+@pytest.mark.parametrize("qtype", QUANT_TYPES)
+def test_quant_mm(qtype):
+    """The tensor-core kernel for batched decode: every type, 1 to 64 activation rows, weight rows not a
+    multiple of BLOCK_N, K split over programs or not; each row's result is the same bitwise whatever
+    the other rows of the batch (what keeps batched greedy decoding equal to each sequence alone)."""
+    from hf2q.kernels.quant_mm_triton import config, quant_mm
+
+    n, k = 37, 768
+    raw, w = case(qtype, n, k, seed=5)
+    x = torch.randn(64, k, generator=torch.Generator().manual_seed(7))
+    want = x.double() @ w.double().T
+    dtypes = (torch.float32, torch.bfloat16) if CUDA else (torch.float32,)
+    for cfg in (None, (32, 4, 2)):
+        for dtype in dtypes:
+            xd = x.to(DEV, dtype)
+            full = quant_mm(xd, raw, qtype, n, cfg)
+            assert full.shape == (64, n) and full.dtype == dtype
+            assert rel(full, want) < (1e-5 if dtype == torch.float32 else 1e-2), (cfg, dtype)
+            for m in (1, 2, 17):
+                assert torch.equal(quant_mm(xd[:m].clone(), raw, qtype, n, cfg), full[:m]), (cfg, dtype, m)
+    assert config(n, k)[2] == 3  # few rows, long K: split
+
+
 def _gemv_cases():
     """Every candidate on the device; under the interpreter (slow) the extreme tile sizes."""
     from hf2q.kernels.quant_dp4a_triton import candidates
@@ -394,3 +418,16 @@ def test_dequantize_compiles_for_hopper(qtype):
     assert sizes
     if qtype == "Q6_K":
         assert min(sizes) == 4, sizes
+
+
+@pytest.mark.parametrize("qtype,chunks", [(q, 4) for q in QUANT_TYPES] + [("Q4_K", 1)])
+def test_quant_mm_compiles_for_hopper(qtype, chunks):
+    """The batched-decode kernel compiles to sm_90 machine code with tensor-core dots (mma)."""
+    from hf2q.kernels import quant_mm_triton as mm
+
+    sig = {"x_ptr": "*bf16", "w8": "*u8", "w16": "*fp16", "w32": "*i32", "out_ptr": "*fp32", "M": "i32", "N": "i32",
+           "K": "i32", "x_stride": "i32", "row_stride": "i32", "nblk": "i32", "tiles_per_split": "i32",
+           "n_tiles": "i32"}
+    const = dict(QTYPE=mm.QTYPE_ID[qtype], CHUNKS=chunks, BLOCK_N=32, IEEE=False)
+    ptx = compile_for_hopper(mm._quant_mm_kernel, sig, const, 8)
+    assert "mma" in ptx

@@ -1,10 +1,11 @@
 """Multiplying by GGUF-quantized weights: picks the Triton kernel or the exact reference, by device.
 
-Up to DECODE_ROWS rows (decode, batched decode, MoE token-expert pairs) go through the mat-vec kernel
-that streams the blocks and multiplies them on 8-bit integer dot products against int8-quantized
-activations (quant_dp4a_triton). Many rows (prefill) dequantize the weight into a reused bf16 scratch
-buffer and multiply on tensor cores: the dequantization costs one pass over the weight, the matmul
-dominates. Off CUDA (and
+Up to MATVEC_ROWS rows (decode of one sequence; MoE token-expert pairs, up to MOE_PAIRS) go through
+the mat-vec kernel that streams the blocks and multiplies them on 8-bit integer dot products against
+int8-quantized activations (quant_dp4a_triton). Up to MM_ROWS rows (batched decode) dequantize tiles of
+the blocks in registers and multiply them on tensor cores (quant_mm_triton): one pass over the blocks
+for the whole batch. Many rows (prefill) dequantize the weight into a reused bf16 scratch buffer and
+multiply with cuBLAS: the dequantization costs one pass over the weight, the matmul dominates. Off CUDA (and
 without Triton's interpreter) the reference dequantizes with gguf and multiplies in fp32.
 """
 from __future__ import annotations
@@ -17,7 +18,8 @@ import torch.nn.functional as F
 
 from hf2q.quant import KQUANTS, dequantize_ref, is_interleaved, kept_row
 
-DECODE_ROWS = 16  # at most this many rows go through the streaming mat-vec kernel
+MATVEC_ROWS = 1  # at most this many rows go through the int8 mat-vec kernel
+MM_ROWS = 64  # at most this many rows go through the tensor-core kernel that reads the blocks in place
 MOE_PAIRS = 1024  # token-expert pairs below which reading chosen experts beats dequantizing every expert
 _SCRATCH: dict[tuple, torch.Tensor] = {}
 
@@ -26,7 +28,7 @@ def int8_reader(x: torch.Tensor, qtype: str | None) -> str | None:
     """`qtype` if a projection of x quantized as `qtype` (None: not quantized) reads x through the int8
     mat-vec, so that the kernel producing x can write its int8 rows as well, in the order that type
     reads; else None."""
-    if qtype is not None and _triton(x) and x.numel() // max(x.shape[-1], 1) <= DECODE_ROWS:
+    if qtype is not None and _triton(x) and x.numel() // max(x.shape[-1], 1) <= MATVEC_ROWS:
         return qtype
     return None
 
@@ -80,10 +82,14 @@ def quant_linear(x: torch.Tensor, raw: torch.Tensor, qtype: str, out_features: i
     if not _triton(x):
         w = dequantize_ref(raw, qtype, (out_features, k)).to(x.device)
         return F.linear(x2.float(), w).to(x.dtype).reshape(*x.shape[:-1], out_features)
-    if x2.shape[0] <= DECODE_ROWS:
+    if x2.shape[0] <= MATVEC_ROWS:
         from hf2q.kernels.quant_dp4a_triton import gemv
 
         y = gemv(x2, raw, qtype, out_features, key=x)
+    elif x2.shape[0] <= MM_ROWS:
+        from hf2q.kernels.quant_mm_triton import quant_mm
+
+        y = quant_mm(x2, raw, qtype, out_features)
     else:
         w = dequantize(raw, qtype, (out_features, k), x.dtype,
                        out=scratch("linear", out_features * k, x.dtype, x.device))
@@ -101,7 +107,7 @@ def quant_linear_pair(x: torch.Tensor, first: tuple, second: tuple) -> torch.Ten
     (raw1, qtype1, n1), (raw2, qtype2, n2) = first, second
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
-    if not _triton(x) or x2.shape[0] > DECODE_ROWS or blocked_for(qtype1) != blocked_for(qtype2) or n1 % 32:
+    if not _triton(x) or x2.shape[0] > MATVEC_ROWS or blocked_for(qtype1) != blocked_for(qtype2) or n1 % 32:
         return None
     y = matvec(quantize_rows(x2, x, blocked_for(qtype1)), raw1, qtype1, n1, out_dtype=x.dtype,
                second=(raw2, n2, qtype2))
