@@ -80,6 +80,14 @@ class Engine:
         self.scheduler.finish(req)
         return req.extras["out"].aborted()
 
+    def warm_up(self) -> None:
+        """Compile, tune and capture everything a first request would wait for (see ModelRunner.warm_up);
+        call before taking requests."""
+        sched = self.config.scheduler
+        # On CUDA a whole chunk, so the prefill kernels meet their largest shape; elsewhere nothing compiles.
+        chunk = min(sched.prefill_chunk, sched.max_num_batched_tokens, self.max_model_len - 1)
+        self.runner.warm_up(sched.max_num_seqs, max(1, chunk if self.runner.device.type == "cuda" else 16))
+
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 

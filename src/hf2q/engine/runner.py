@@ -81,6 +81,26 @@ class ModelRunner:
         ids = [req.token_at(p) for (req, _), p in zip(scheduled, positions)]
         return graphs.step(ids, positions, slots)
 
+    @torch.inference_mode()
+    def warm_up(self, max_batch: int, prefill_tokens: int) -> None:
+        """Do before serving what a first request would otherwise wait for: one prefill of
+        `prefill_tokens` tokens (compiles the prefill kernels) in a scratch slot, then, on CUDA, the
+        decode graphs of every bucket up to `max_batch` sequences (compiles, times and captures the decode
+        kernels). The scratch slot is released; the graphs keep their padding slot."""
+        slot = self.cache.acquire()
+        try:
+            self.cache.reserve(slot, prefill_tokens)
+            batch = ForwardBatch.single([0] * prefill_tokens, slot=slot, cache=self.cache, device=self.device)
+            self.net.compute_logits(self.net(batch)[-1:])
+        finally:
+            self.cache.release(slot)
+        if self.use_graphs:
+            graphs = self._decode_graphs()
+            if graphs is not None:
+                graphs.capture([b for b in graphs.buckets if b <= graphs.bucket(min(max_batch, graphs.buckets[-1]))])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def _decode_graphs(self):
         if self.graphs is None:
             from hf2q.engine.cuda_graphs import DecodeGraphs

@@ -106,7 +106,8 @@ def build_state(args):
         log.warning("--max-model-len %d exceeds the model's context %d; using %d", args.max_model_len,
                     model.config.context_length, max_len)
     block = 16
-    cache = CacheConfig(num_slots=args.max_num_seqs, num_blocks=args.max_num_seqs * -(-max_len // block),
+    # One slot and one block more than the sequences need: the decode graphs' padding rows live there.
+    cache = CacheConfig(num_slots=args.max_num_seqs + 1, num_blocks=args.max_num_seqs * -(-max_len // block) + 1,
                         block_size=block, kv_dtype=dtype_name(dtype))
     sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                             prefill_chunk=args.prefill_chunk, max_waiting=args.max_waiting)
@@ -114,7 +115,13 @@ def build_state(args):
     if workers is not None:  # this process is rank 0
         aengine = workers.start_engine(model, engine_config)
     else:
-        aengine = AsyncEngine(Engine(model, engine_config))
+        engine = Engine(model, engine_config)
+        log.info("warming up: compiling, tuning and capturing decode graphs for up to %d sequences ...",
+                 args.max_num_seqs)
+        t0 = time.monotonic()
+        engine.warm_up()
+        log.info("warmed up in %.1f s", time.monotonic() - t0)
+        aengine = AsyncEngine(engine)
     config = ServerConfig(model_name=_model_name(args, model, is_demo), is_demo=is_demo, api_key=args.api_key,
                           default_chat_template_kwargs=dict(args.default_chat_template_kwargs),
                           max_model_len=max_len)
