@@ -134,7 +134,8 @@ def _add_convert(sub) -> None:
 def _add_bench(sub) -> None:
     from hf2q.bench import add_bench_args, run_bench
 
-    p = sub.add_parser("bench", help="benchmark real-shape random-weight models on a GPU")
+    p = sub.add_parser("bench", help="benchmark real-shape random-weight models on a GPU",
+                       epilog="`hf2q bench serve --help`: measure a server under concurrent streaming load")
     add_bench_args(p)
     p.set_defaults(func=run_bench)
 
@@ -152,9 +153,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _bench_serve_parser() -> argparse.ArgumentParser:
+    from hf2q.loadgen import __doc__ as doc, add_loadgen_args, run_loadgen
+
+    parser = argparse.ArgumentParser(prog="hf2q bench serve", description=doc.split("\n\n")[0])
+    add_loadgen_args(parser)
+    parser.set_defaults(func=run_loadgen)
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # `hf2q bench [flags]` is the GPU model bench; `hf2q bench serve [flags]` the load generator. Told apart
+    # here because the model bench takes no subcommand and must keep parsing its flags as before.
+    if argv[:2] == ["bench", "serve"]:
+        parser = _bench_serve_parser()
+        args = parser.parse_args(argv[2:])
+    else:
+        parser = build_parser()
+        args = parser.parse_args(argv)
     if not hasattr(args, "func"):
         parser.error(f"'{args.command}' is unavailable in this install")
     try:
