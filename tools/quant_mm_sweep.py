@@ -1,0 +1,68 @@
+"""Batched decode on Q4_K_M weights: the tensor-core kernel (quant_mm_triton) in several configurations
+against the int8 mat-vec and dequantize + cuBLAS, per 9B projection and row count (CUDA only).
+
+    python tools/quant_mm_sweep.py [--rows 2 8 16 32 64]
+
+Times are CUDA-graph replays over weight copies that overflow L2 (kernels/timing.py), summed over a 9B
+token's projections (kernels/quant_bench.LAYER_SET); the last lines give the step time of each path.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from hf2q.kernels import quant_mm_triton as mm
+from hf2q.kernels.quant_bench import LAYER_SET
+from hf2q.kernels.quant_dp4a_triton import gemv
+from hf2q.kernels.quant_ops import dequantize, scratch
+from hf2q.kernels.timing import cold_copies, graph_time_us
+from hf2q.quant import keep_blocks, random_blocks
+
+
+def _us(fn, weights) -> float:
+    fn(weights[0])
+    torch.cuda.synchronize()
+    return graph_time_us(fn, weights)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--rows", type=int, nargs="+", default=[2, 8, 16, 32, 64])
+    p.add_argument("--matvec", action="store_true", help="also time the int8 mat-vec (tunes per row count)")
+    args = p.parse_args()
+    configs = [(32, 4), (32, 8), (64, 4), (64, 8)]
+    totals: dict[tuple, float] = {}
+    for name, n, k, qtype, times in LAYER_SET:
+        raw = keep_blocks(random_blocks(qtype, n, k, std=0.02, seed=n + k), qtype, "cuda")
+        copies = cold_copies(raw)
+        for m in args.rows:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            row = {}
+            _, _, auto_split = mm.config(n, k)
+            for bn, warps in configs:
+                for split in sorted({auto_split, max(1, auto_split // 2), auto_split * 2}):
+                    cfg = (bn, warps, split)
+                    row[cfg] = _us(lambda w, c=cfg: mm.quant_mm(x, w, qtype, n, c), copies)
+            row["default"] = _us(lambda w: mm.quant_mm(x, w, qtype, n), copies)
+            row["dequant+cublas"] = _us(lambda w: torch.nn.functional.linear(
+                x, dequantize(w, qtype, (n, k), x.dtype, out=scratch("sweep", n * k, x.dtype, x.device))), copies)
+            if args.matvec and m <= 16:
+                row["int8 mat-vec"] = _us(lambda w: gemv(x, w, qtype, n), copies)
+            best = min((v, c) for c, v in row.items() if isinstance(c, tuple))
+            print(f"{name:12} {qtype} {n}x{k} m={m:3}: default {row['default']:8.1f} us, best {best[0]:8.1f} "
+                  f"{best[1]}, dequant+cublas {row['dequant+cublas']:8.1f}"
+                  + (f", int8 mat-vec {row['int8 mat-vec']:8.1f}" if "int8 mat-vec" in row else ""), flush=True)
+            for c, v in row.items():
+                totals[(m, c)] = totals.get((m, c), 0.0) + v * times
+        del raw, copies
+    for m in args.rows:
+        per = {c: v for (mm_, c), v in totals.items() if mm_ == m}
+        best = min((v, c) for c, v in per.items() if isinstance(c, tuple))
+        print(f"9B step, m={m}: default {per['default'] / 1e3:.3f} ms; best single config {best[0] / 1e3:.3f} ms "
+              f"{best[1]}; dequant+cublas {per['dequant+cublas'] / 1e3:.3f} ms"
+              + (f"; int8 mat-vec {per['int8 mat-vec'] / 1e3:.3f} ms" if "int8 mat-vec" in per else ""), flush=True)
+
+
+if __name__ == "__main__":
+    main()
