@@ -46,6 +46,12 @@ CASES = [
     ("negative thinking budget", {"messages": MSGS, "thinking_budget": -1}, "thinking_budget"),
     ("logit bias outside vocab", {"messages": MSGS, "logit_bias": {"999999999": 1}}, "logit_bias"),
     ("n too large", {"messages": MSGS, "n": 0}, "n"),
+    ("zero max_tokens beside max_completion_tokens", {"messages": MSGS, "max_tokens": 0, "max_completion_tokens": 4},
+     "max_tokens"),
+    ("zero max_completion_tokens", {"messages": MSGS, "max_completion_tokens": 0}, "max_completion_tokens"),
+    ("repetition_penalty beyond float32", {"messages": MSGS, "repetition_penalty": 1e39}, "repetition_penalty"),
+    ("temperature above 2", {"messages": MSGS, "temperature": 2.5}, "temperature"),
+    ("seed beyond int64", {"messages": MSGS, "seed": 2**63}, "seed"),
 ]
 
 
@@ -82,8 +88,22 @@ def test_unknown_model_and_route(plain_server):
 def test_bad_completions_requests(plain_server):
     for body, param in [({"prompt": "hi", "echo": True}, "echo"), ({"prompt": ["a", "b"]}, "prompt"),
                         ({"prompt": "hi", "suffix": "x"}, "suffix"), ({"prompt": ""}, "prompt"),
-                        ({"prompt": [999999999]}, "prompt")]:
+                        ({"prompt": [999999999]}, "prompt"), ({"prompt": "hi", "logprobs": 21}, "logprobs")]:
         assert envelope(post(plain_server, body, "/v1/completions"), 400)["param"] == param, body
+
+
+def test_bad_request_leaves_a_running_stream_alone(plain_server):
+    """The request that once failed the engine step, and every stream with it (issue 26), sent while a stream
+    is open: a 400, and the stream ends normally."""
+    body = {"prompt": "count with me", "max_tokens": 8, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", plain_server.url + "/v1/completions", json=body, timeout=60) as stream:
+        lines = stream.iter_lines()
+        assert next(line for line in lines if line.startswith("data: ")).startswith('data: {"id"')
+        bad = {"prompt": "hi", "max_tokens": 4, "repetition_penalty": 1e39}
+        assert envelope(post(plain_server, bad, "/v1/completions"), 400)["param"] == "repetition_penalty"
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]" and '"error"' not in "".join(rest)
+    assert '"finish_reason":"length"' in rest[-2].replace(" ", "")
 
 
 def test_server_still_healthy(plain_server):

@@ -1,12 +1,14 @@
 """Continuous batching: every request gets exactly the output it would get alone."""
 from __future__ import annotations
 
+import asyncio
 import random
 
 import pytest
 
 import hf2q
 from hf2q.config import CacheConfig
+from hf2q.engine.async_engine import AsyncEngine
 from hf2q.engine.engine import Engine, EngineConfig
 from hf2q.engine.sampling_params import SamplingParams
 from hf2q.engine.scheduler import QueueFull, SchedulerConfig
@@ -129,3 +131,57 @@ def run_all_group(engine, prompt, params) -> dict[str, list[int]]:
         for o in engine.step():
             out[o.request_id] += o.new_token_ids
     return out
+
+
+def test_a_failing_row_fails_only_its_request(model):
+    """One request's sampler row and another's output step raise; the third finishes as it would alone."""
+    (good_prompt, _), (p1, _), (p2, _) = workload(3, seed=4)
+    good = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    bad_sampler = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    object.__setattr__(bad_sampler, "repetition_penalty", 1e39)  # past validation: torch.full overflows
+    engine = make_engine(model, seqs=4)
+    engine.add_request(good_prompt, good, request_id="good")
+    engine.add_request(p1, bad_sampler, request_id="bad-sampler")
+    bad_output = engine.add_request(p2, good, request_id="bad-output").extras["out"]
+
+    def broken_push(token):
+        raise UnicodeError("detokenizer broke")
+
+    bad_output.detok.push = broken_push
+    got = {rid: [] for rid in ("good", "bad-sampler", "bad-output")}
+    last = {}
+    while engine.has_work():
+        outs = engine.step()
+        assert len({o.request_id for o in outs}) == len(outs)
+        for o in outs:
+            got[o.request_id] += o.new_token_ids
+            last[o.request_id] = o
+    assert got["good"] == solo(model, good_prompt, good) and last["good"].finish_reason == "length"
+    for rid, error in (("bad-sampler", "overflow"), ("bad-output", "detokenizer broke")):
+        assert last[rid].finish_reason == "error" and error in last[rid].error, last[rid]
+        assert got[rid] == []
+    assert engine.cache.num_free_slots == 4 and engine.cache.usage().kv_blocks_used == 0 and not engine.requests
+
+
+def test_async_engine_raises_in_the_failed_request_only(model):
+    """The engine's "error" output reaches its caller as an exception; the other caller is untouched."""
+    (good_prompt, _), (bad_prompt, _) = workload(2, seed=5)
+    good = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    bad = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    object.__setattr__(bad, "repetition_penalty", 1e39)
+    aengine = AsyncEngine(make_engine(model, seqs=4))
+
+    async def collect(rid, prompt, params):
+        return [t async for o in aengine.generate(rid, prompt, params) for t in o.new_token_ids]
+
+    async def both():
+        return await asyncio.gather(collect("good", good_prompt, good), collect("bad", bad_prompt, bad),
+                                    return_exceptions=True)
+
+    aengine.start()
+    try:
+        tokens, error = asyncio.run(both())
+    finally:
+        aengine.shutdown()
+    assert tokens == solo(model, good_prompt, good)
+    assert isinstance(error, RuntimeError) and "overflow" in str(error)

@@ -38,6 +38,9 @@ def freqs(tokens, v):
     ("frequency_penalty", -3), ("logit_bias", {5: 101}), ("logit_bias", {-1: 1.0}), ("seed", "7"),
     ("max_tokens", 0), ("min_tokens", -1), ("stop", ["ok", ""]), ("stop_token_ids", [-3]),
     ("ignore_eos", 1), ("logprobs", "yes"), ("top_logprobs", 21), ("n", 0),
+    # beyond what the sampler's float32 / int64 arithmetic holds, or OpenAI's documented range
+    ("temperature", 2.5), ("repetition_penalty", 1e39), ("repetition_penalty", 1e-40), ("seed", 2**63),
+    ("seed", -2**63 - 1), ("logit_bias", {"\u00b2": 1.0}),
 ])
 def test_invalid_params_name_the_field(field, value):
     kw = {field: value}
@@ -62,6 +65,7 @@ def test_params_cross_field_rules_and_normalisation():
     assert SamplingParams(temperature=0).greedy and not SamplingParams(temperature=0.1).greedy
     assert SamplingParams(seed=10, n=3).for_choice(2) == SamplingParams(seed=12, n=1)
     assert SamplingParams(n=3).for_choice(1).seed is None
+    assert SamplingParams(seed=2**63 - 1, n=2).for_choice(1).seed == -2**63  # wraps within int64
 
 
 # ---- greedy, temperature, truncation ------------------------------------------------------------------

@@ -97,11 +97,15 @@ class AsyncEngine:
             for out in outputs:
                 sink = self._sinks.get(out.request_id)
                 if sink is not None:
-                    sink(out)
+                    # A request that failed on its own ends with an exception; the others go on.
+                    sink(RuntimeError(out.error) if out.error is not None else out)
                 if out.finished:
                     self._sinks.pop(out.request_id, None)
             if self.on_step is not None:
-                self.on_step(self.engine, outputs)
+                try:
+                    self.on_step(self.engine, outputs)
+                except Exception:  # a metrics hook must not stop the engine thread
+                    log.exception("engine on_step hook failed")
 
     def _drain_commands(self, block: bool) -> None:
         try:

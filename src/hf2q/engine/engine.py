@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator, Optional
 
@@ -11,7 +12,7 @@ from hf2q.cache.hybrid import HybridCache
 from hf2q.config import CacheConfig
 from hf2q.engine.request import Request, RequestOutput
 from hf2q.engine.runner import ModelRunner
-from hf2q.engine.sampler import Sampler
+from hf2q.engine.sampler import RowState, SampleResult, Sampler
 from hf2q.engine.sampling_params import SamplingParams
 from hf2q.engine.scheduler import Scheduler, SchedulerConfig
 from hf2q.engine.sequence_output import SequenceOutput
@@ -19,6 +20,9 @@ from hf2q.model import Model
 
 if TYPE_CHECKING:  # xgrammar is imported only by requests that use a grammar
     from hf2q.engine.grammar import Grammar
+
+
+log = logging.getLogger(__name__)
 
 
 class PromptTooLong(ValueError):
@@ -94,6 +98,8 @@ class Engine:
     # ---- the loop ------------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
+        """One step. A failure of one request's own work (its forced token, grammar, sampler row or output)
+        fails only that request, with an "error" output; a failure of the forward pass raises."""
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
@@ -102,12 +108,25 @@ class Engine:
         outputs = []
         if sampling:
             states = [req.extras["out"] for req in sampling]
-            forced = [s.forced_token() for s in states]
-            self._mask(logits, states, forced)
-            result = self.sampler.sample(logits, [s.row for s in states])
+            failed: dict[int, Exception] = {}
+            forced = self._forced(states, failed)
+            self._mask(logits, states, forced, failed)
+            rows = [s.row for s in states]
+            try:
+                result = self.sampler.sample(logits, rows)
+            except Exception:
+                result = self._sample_each(logits, rows, failed)
             for i, (req, state) in enumerate(zip(sampling, states)):
-                token = forced[i] if forced[i] is not None else int(result.token_ids[i])
-                out = state.append(token, result, i, forced=forced[i] is not None)
+                error = failed.get(i)
+                if error is None:
+                    try:
+                        token = forced[i] if forced[i] is not None else int(result.token_ids[i])
+                        out = state.append(token, result, i, forced=forced[i] is not None)
+                    except Exception as exc:
+                        error = exc
+                if error is not None:
+                    log.error("request %s failed: %r", req.request_id, error, exc_info=error)
+                    out = state.failed(f"{type(error).__name__}: {error}")
                 if out.finished:
                     self.scheduler.finish(req)
                     self.requests.pop(req.request_id, None)
@@ -116,13 +135,48 @@ class Engine:
         return outputs
 
     @staticmethod
-    def _mask(logits: torch.Tensor, states: list[SequenceOutput], forced: list[Optional[int]]) -> None:
+    def _forced(states: list[SequenceOutput], failed: dict[int, Exception]) -> list[Optional[int]]:
+        forced: list[Optional[int]] = []
+        for i, state in enumerate(states):
+            try:
+                forced.append(state.forced_token())
+            except Exception as exc:
+                forced.append(None)
+                failed[i] = exc
+        return forced
+
+    @staticmethod
+    def _mask(logits: torch.Tensor, states: list[SequenceOutput], forced: list[Optional[int]],
+              failed: dict[int, Exception]) -> None:
         """Constrained rows keep only what their grammar allows. Masking to -inf before the sampler's bias
         and penalties gives the same tokens as after them (both leave -inf alone); logprobs then describe
         the constrained distribution, as vLLM's do."""
         for i, state in enumerate(states):
-            if state.constraint is not None and forced[i] is None:
-                state.constraint.mask(logits[i])
+            if state.constraint is not None and forced[i] is None and i not in failed:
+                try:
+                    state.constraint.mask(logits[i])
+                except Exception as exc:
+                    failed[i] = exc
+
+    def _sample_each(self, logits: torch.Tensor, rows: list[RowState], failed: dict[int, Exception]) -> SampleResult:
+        """After the batched draw raised: draw row by row, so that only the rows that raise again fail.
+
+        Rows draw independently of the batch, so the others get the token a solo run would, unless the
+        failed call had already edited their logits (bias, penalties) or drawn from their generator.
+        """
+        tokens: list[int] = []
+        logprobs: list = []
+        top: list = []
+        for i, row in enumerate(rows):
+            try:
+                one = self.sampler.sample(logits[i:i + 1], [row])
+            except Exception as exc:
+                failed.setdefault(i, exc)
+                one = SampleResult([0], [None], [None])
+            tokens += one.token_ids
+            logprobs += one.logprobs
+            top += one.top_logprobs
+        return SampleResult(tokens, logprobs, top)
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, **kwargs) -> Iterator[RequestOutput]:
         """Run one request to completion (other queued requests advance too), yielding its deltas."""

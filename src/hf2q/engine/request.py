@@ -30,12 +30,12 @@ class RequestOutput:
     new_token_ids: list[int]
     new_text: str
     finished: bool = False
-    finish_reason: Optional[str] = None  # "stop" | "length" | "abort"
+    finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | "error"
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     logprobs: Optional[list[TokenLogprob]] = None
-    error: Optional[str] = None
+    error: Optional[str] = None  # why the request failed (finish_reason "error")
 
 
 @dataclass

@@ -13,6 +13,12 @@ from typing import Any
 # Below this temperature a row is sampled greedily (argmax): dividing by it would only overflow.
 GREEDY_TEMPERATURE = 1e-5
 MAX_TOP_LOGPROBS = 20
+MAX_TEMPERATURE = 2.0  # OpenAI's documented range is [0, 2]
+# The sampler applies the repetition penalty as a float32 factor: it must be a normal float32, never 0 or inf.
+FLOAT32_TINY = 1.1754943508222875e-38
+FLOAT32_MAX = 3.4028234663852886e38
+# Seeds are int64, as vLLM's (torch.long) and OpenAI's.
+SEED_MIN, SEED_MAX = -2**63, 2**63 - 1
 
 
 def _is_int(value: Any) -> bool:
@@ -61,14 +67,16 @@ class SamplingParams:
 
     def _check_floats(self) -> None:
         t = self.temperature
-        if not (_is_number(t) and t >= 0):
-            _fail("temperature", "a finite number >= 0", t)
+        if not (_is_number(t) and 0 <= t <= MAX_TEMPERATURE):
+            _fail("temperature", f"in [0, {MAX_TEMPERATURE:g}]", t)
         if not (_is_number(self.top_p) and 0 < self.top_p <= 1):
             _fail("top_p", "in (0, 1]", self.top_p)
         if not (_is_number(self.min_p) and 0 <= self.min_p <= 1):
             _fail("min_p", "in [0, 1]", self.min_p)
-        if not (_is_number(self.repetition_penalty) and self.repetition_penalty > 0):
-            _fail("repetition_penalty", "a finite number > 0", self.repetition_penalty)
+        rp = self.repetition_penalty
+        if not (_is_number(rp) and FLOAT32_TINY <= rp <= FLOAT32_MAX):
+            _fail("repetition_penalty", f"a number > 0 that float32 holds (in [{FLOAT32_TINY:.3g}, {FLOAT32_MAX:.3g}])",
+                  rp)
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not (_is_number(value) and -2 <= value <= 2):
@@ -77,8 +85,8 @@ class SamplingParams:
     def _check_ints(self) -> None:
         if not (_is_int(self.top_k) and (self.top_k >= 1 or self.top_k in (0, -1))):
             _fail("top_k", "0 or -1 (off) or an integer >= 1", self.top_k)
-        if self.seed is not None and not _is_int(self.seed):
-            _fail("seed", "an integer or None", self.seed)
+        if self.seed is not None and not (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX):
+            _fail("seed", f"an integer in [{SEED_MIN}, {SEED_MAX}] or None", self.seed)
         if self.max_tokens is not None and not (_is_int(self.max_tokens) and self.max_tokens >= 1):
             _fail("max_tokens", "an integer >= 1 or None", self.max_tokens)
         if not (_is_int(self.min_tokens) and self.min_tokens >= 0):
@@ -113,7 +121,7 @@ class SamplingParams:
         bias: dict[int, float] = {}
         for key, value in self.logit_bias.items():
             # JSON object keys are strings: "50256" is token 50256.
-            token = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+            token = int(key) if isinstance(key, str) and key.strip().isdecimal() else key
             if not (_is_int(token) and token >= 0):
                 _fail("logit_bias", "keyed by token ids >= 0", key)
             if not (_is_number(value) and -100 <= value <= 100):
@@ -136,6 +144,6 @@ class SamplingParams:
 
     def for_choice(self, index: int) -> "SamplingParams":
         """Params for choice `index` of an n > 1 request: n = 1 and, if seeded, seed + index (as vLLM),
-        so the choices differ yet each one is reproducible."""
-        seed = None if self.seed is None else self.seed + index
+        so the choices differ yet each one is reproducible. The sum wraps within int64."""
+        seed = None if self.seed is None else (self.seed + index - SEED_MIN) % 2**64 + SEED_MIN
         return dataclasses.replace(self, n=1, seed=seed)

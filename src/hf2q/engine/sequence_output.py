@@ -77,13 +77,17 @@ class SequenceOutput:
     def aborted(self) -> RequestOutput:
         return self._output([], "", "abort", None)
 
-    def _output(self, tokens, text, finish, logprobs) -> RequestOutput:
+    def failed(self, error: str) -> RequestOutput:
+        """The last output of a request whose own work raised: finish reason "error", and why."""
+        return self._output([], "", "error", None, error)
+
+    def _output(self, tokens, text, finish, logprobs, error: Optional[str] = None) -> RequestOutput:
         req = self.req
         if finish is not None:
             req.finish_reason = finish
         return RequestOutput(req.request_id, tokens, text, finished=finish is not None, finish_reason=finish,
                              num_prompt_tokens=len(req.prompt_ids), num_output_tokens=len(req.output_ids),
-                             num_cached_tokens=req.num_cached, logprobs=logprobs)
+                             num_cached_tokens=req.num_cached, logprobs=logprobs, error=error)
 
     def _logprobs(self, token: int, result, row: int, forced: bool) -> Optional[list[TokenLogprob]]:
         if not self.params.logprobs:

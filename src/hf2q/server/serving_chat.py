@@ -47,6 +47,11 @@ def _template_message(i: int, m: Message) -> dict:
 
 
 def _check_unsupported(req: ChatCompletionRequest) -> None:
+    # Both token limits are checked, not only the one used: max_completion_tokens wins when both are given.
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = getattr(req, name)
+        if value is not None and value < 1:
+            raise bad_request(f"{name} must be an integer >= 1, got {value}", param=name)
     if req.thinking_budget is not None and req.thinking_budget < 0:
         raise bad_request(f"thinking_budget must be an integer >= 0, got {req.thinking_budget}",
                           param="thinking_budget")

@@ -9,6 +9,7 @@ from typing import AsyncIterator, Optional
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from hf2q.engine.sampling_params import MAX_TOP_LOGPROBS
 from hf2q.server.choices import Choices
 from hf2q.server.errors import APIError, bad_request
 from hf2q.server.sampling import build_params
@@ -70,8 +71,9 @@ class CompletionServing:
             raise bad_request("suffix (fill-in-the-middle) is not supported", param="suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request("best_of other than n is not supported", param="best_of")
-        if req.logprobs is not None and req.logprobs < 0:
-            raise bad_request(f"logprobs must be an integer >= 0, got {req.logprobs}", param="logprobs")
+        if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
+            raise bad_request(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {req.logprobs}",
+                              param="logprobs")
         ids = self.prompt_ids(req)
         want_lp = req.logprobs is not None
         params = build_params(req, self.state.model.config.vocab_size, req.max_tokens if req.max_tokens is not None
