@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks behind BENCHMARKS.md, in stages that each fit a few minutes:
-#   tools/gpu_check.sh tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu [OUT_DIR]
+#   tools/gpu_check.sh tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu|mm|serve [OUT_DIR]
 # tests: every GPU-marked test (the quantized greedy-token test first) and the Triton kernel tests on the device;
 # quant: 9B Q4_K_M end to end and per projection; bf16: 9B and 2B; moe: 35B-A3B bf16 and Q4_K_M;
 # decode (bf16: 35B-A3B, 2B, 9B), decode-q (9B Q4_K_M) and decode-q-moe (35B-A3B Q4_K_M): batch-1
@@ -11,10 +11,14 @@
 # gemv: the bf16 GEMV sweep against cuBLAS at 9B and 2B shapes; sweeps: the configurations of the decode
 # step's other kernels at batch 1 (paged attention, the DeltaNet step, the MoE expert kernels); ncu: Nsight Compute's view (bandwidth,
 # occupancy, stall reasons) of the int8 mat-vec on a small and a large 9B projection, at the default
-# configuration. Figures also go to OUT_DIR/*.json.
+# configuration; mm: the batched-decode kernel's tests on the device and its configurations against the int8
+# mat-vec and dequantize + cuBLAS (tools/quant_mm_sweep.py); serve: a random 9B GGUF (MIX=q4_k_m or bf16,
+# tools/random_gguf.py) served by hf2q serve and measured by hf2q bench serve at 1, 16 and 64 clients (64-token
+# prompts, 256 new tokens), then 16 clients with 2048-token prompts, with py-spy's record of the server during
+# the 64-client level when py-spy is installed. Figures also go to OUT_DIR/*.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?stage: tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu}
+stage=${1:?stage: tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu|mm|serve}
 out=${2:-.}
 mkdir -p "$out"
 bench() { python -m hf2q.bench --hf-new 0 "$@"; }
@@ -52,5 +56,24 @@ case "$stage" in
   ncu)   HF2Q_GEMV_TUNE=0 ncu --clock-control none --kernel-name regex:_gemv_dp4a --launch-count 2 --section SpeedOfLight \
            --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis --section LaunchStats \
            python -m hf2q.kernels.quant_bench --no-prefill --only gdn.out ffn.gate+up ;;
+  mm)    python -m pytest -q -p no:cacheprovider tests/quant/test_kernels.py -k "quant_mm or quant_linear"
+         timeout 240 python tools/quant_mm_sweep.py --rows 2 16 64 | tee "$out/quant_mm_sweep.txt" ;;
+  serve) mix=${MIX:-q4_k_m}; model=${MODEL_DIR:-/tmp}/hf2q-9b-$mix.gguf; port=8090
+         [ -f "$model" ] || python tools/random_gguf.py --shape 9b --mix "$mix" -o "$model"
+         t0=$(date +%s%N)
+         python -m hf2q.cli serve --model "$model" --port $port --max-num-seqs 64 --log-level info \
+           > "$out/serve_$mix.log" 2>&1 &
+         pid=$!
+         until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do
+           kill -0 $pid 2> /dev/null || { tail -30 "$out/serve_$mix.log"; exit 1; }; sleep 0.5; done
+         echo "start to /health 200: $(( ($(date +%s%N) - t0) / 1000000 )) ms"
+         load() { python -m hf2q.cli bench serve --url "http://127.0.0.1:$port" --no-progress "$@"; }
+         load --clients 1 16 --prompt-tokens 64 --max-tokens 256 --json "$out/serve_${mix}_1_16.json"
+         if command -v py-spy > /dev/null; then
+           (sleep 8; py-spy record -p $pid -d 15 -f raw -o "$out/spy_$mix.txt" > /dev/null 2>&1) &
+         fi
+         load --clients 64 --prompt-tokens 64 --max-tokens 256 --json "$out/serve_${mix}_64.json"
+         load --clients 16 --prompt-tokens 2048 --max-tokens 64 --json "$out/serve_${mix}_16x2048.json"
+         kill $pid; wait $pid ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
