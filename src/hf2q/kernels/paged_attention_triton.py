@@ -8,13 +8,13 @@ Splitting keeps the GPU busy at batch 1 with long contexts.
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
+from hf2q import envs
 from hf2q.kernels import pdl
 
 
@@ -98,16 +98,7 @@ BATCHED = (8, 64, 4)
 def _config_setting() -> tuple[int, int, int] | None:
     """(splits, keys a step, warps) of the first kernel at every batch size: HF2Q_PAGED_DECODE="S,N,W" (powers
     of two; N at least 16, the tensor cores' width), or None (ONE_SEQUENCE for one sequence, else BATCHED)."""
-    setting = os.environ.get("HF2Q_PAGED_DECODE")
-    if not setting:
-        return None
-    try:
-        splits, block_n, warps = (int(v) for v in setting.split(","))
-    except ValueError:
-        raise ValueError(f"HF2Q_PAGED_DECODE must be three integers S,N,W, not {setting!r}") from None
-    if any(v < 1 or v & (v - 1) for v in (splits, block_n, warps)) or block_n < 16:
-        raise ValueError(f"HF2Q_PAGED_DECODE: powers of two with N >= 16, not {setting!r}")
-    return splits, block_n, warps
+    return envs.paged_decode()
 
 
 CONFIG = _config_setting()

@@ -10,11 +10,11 @@ without Triton's interpreter) the reference dequantizes with gguf and multiplies
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.nn.functional as F
 
+from hf2q import envs
 from hf2q.quant import KQUANTS, dequantize_ref, is_interleaved, kept_row
 
 DECODE_ROWS = 16  # at most this many rows go through the streaming mat-vec kernel
@@ -32,7 +32,7 @@ def int8_reader(x: torch.Tensor, qtype: str | None) -> str | None:
 
 
 def _triton(x: torch.Tensor) -> bool:
-    return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    return x.is_cuda or envs.triton_interpret()
 
 
 def check_raw(raw: torch.Tensor, qtype: str, shape: tuple[int, ...]) -> None:
