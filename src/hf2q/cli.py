@@ -116,7 +116,7 @@ def run_generate(args) -> int:
 
 
 def _add_serve(sub) -> None:
-    from hf2q.server.app import add_serve_args, run_serve
+    from hf2q.server.launch import add_serve_args, run_serve
 
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     add_serve_args(p)

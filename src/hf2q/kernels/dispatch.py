@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from hf2q import envs
 from hf2q.kernels.conv import causal_conv1d_varlen
 from hf2q.kernels.gdn import gated_delta_rule_ref
-from hf2q.layers.norm import rms_norm
-from hf2q.layers.rotary import apply_rotary
+from hf2q.kernels.norm import rms_norm
+from hf2q.kernels.rotary import apply_rotary
 
 _MODE = {"value": "auto"}  # auto: CUDA tensors only; off: never; force: every device
 # The Triton GEMV for few rows of x. By default ("measured") it serves the shapes its table records as

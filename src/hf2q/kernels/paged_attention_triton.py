@@ -86,7 +86,7 @@ def _merge_kernel(parts_ptr, lse_ptr, gate_ptr, o_ptr, stride_pb, stride_ph, str
     tl.store(o_ptr + (b * NH + h) * HD + d, o)
 
 
-# (splits, keys a step, warps) for one sequence: the fastest of attention_bench's sweep on an H200 at a
+# (splits, keys a step, warps) for one sequence: the fastest of bench.attention's sweep on an H200 at a
 # 512-token context, for the 35B-A3B's heads (16 query, 2 KV, 256 wide: 5.63 µs, against 6.99 for (8, 64, 4))
 # and the 9B's (16 query, 4 KV: 6.48 against 7.53).
 ONE_SEQUENCE = (16, 32, 4)
@@ -116,7 +116,7 @@ def paged_decode_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.
     """q: [B, nh, hd]; k_rows/v_rows: [num_blocks * block_size, nkv, hd] (the flat pool);
     block_tables: [B, max_blocks] int32; context_lens: [B] int32 (>= 1); gate: [B, nh, hd] or None.
     Returns [B, nh, hd] in q's dtype, times sigmoid(gate) when given. num_splits, block_n (keys a
-    step) and num_warps shape the first kernel (default: config_for(B); attention_bench times them)."""
+    step) and num_warps shape the first kernel (default: config_for(B); bench.attention times them)."""
     bsz, nh, hd = q.shape
     config = config_for(bsz)
     num_splits = num_splits or config[0]
