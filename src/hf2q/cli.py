@@ -193,5 +193,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
 
+
 if __name__ == "__main__":
     sys.exit(main())
