@@ -31,7 +31,7 @@ case "$stage" in
            --ignore=tests/quant/test_loader.py tests
          python -m pytest -q -p no:cacheprovider tests/quant/test_kernels.py tests/kernels ;;
   quant) bench --shape 9b --quant q4_k_m --batch 1 16 --new 48 --json "$out/9b_q4_k_m.json"
-         python -m hf2q.kernels.quant_bench ;;
+         python -m hf2q.bench.quant ;;
   bf16)  bench --shape 9b --batch 1 64 --json "$out/9b.json"
          bench --shape 2b --batch 1 64 --json "$out/2b.json" ;;
   moe)   bench --shape 35b-a3b --quant q4_k_m --batch 1 16 --new 48 --json "$out/35b_q4_k_m.json"
@@ -49,13 +49,13 @@ case "$stage" in
            HF2Q_PDL=$s one 200 --shape 9b --quant q4_k_m --json "$out/9b_q4_k_m_b1_pdl$s.json"
            HF2Q_PDL=$s one 150 --shape 35b-a3b --json "$out/35b_b1_pdl$s.json"
          done ;;
-  gemv)  python -m hf2q.kernels.gemv_bench --shape 9b 2b ;;
-  sweeps) python -m hf2q.kernels.attention_bench --shape 35b-a3b 9b 2b --context 512 4096
-         python -m hf2q.kernels.gdn_bench --shape 9b 35b-a3b --int8-for Q4_K
-         python -m hf2q.kernels.gemv_bench --moe --shape 35b-a3b ;;
+  gemv)  python -m hf2q.bench.gemv --shape 9b 2b ;;
+  sweeps) python -m hf2q.bench.attention --shape 35b-a3b 9b 2b --context 512 4096
+         python -m hf2q.bench.gdn --shape 9b 35b-a3b --int8-for Q4_K
+         python -m hf2q.bench.gemv --moe --shape 35b-a3b ;;
   ncu)   HF2Q_GEMV_TUNE=0 ncu --clock-control none --kernel-name regex:_gemv_dp4a --launch-count 2 --section SpeedOfLight \
            --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis --section LaunchStats \
-           python -m hf2q.kernels.quant_bench --no-prefill --only gdn.out ffn.gate+up ;;
+           python -m hf2q.bench.quant --no-prefill --only gdn.out ffn.gate+up ;;
   mm)    python -m pytest -q -p no:cacheprovider tests/quant/test_kernels.py -k "quant_mm or quant_linear"
          timeout 240 python tools/quant_mm_sweep.py --rows 2 16 64 | tee "$out/quant_mm_sweep.txt" ;;
   serve) mix=${MIX:-q4_k_m}; model=${MODEL_DIR:-/tmp}/hf2q-9b-$mix.gguf; port=8090

@@ -116,7 +116,7 @@ def run_generate(args) -> int:
 
 
 def _add_serve(sub) -> None:
-    from hf2q.server.app import add_serve_args, run_serve
+    from hf2q.server.launch import add_serve_args, run_serve
 
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     add_serve_args(p)
@@ -140,6 +140,25 @@ def _add_bench(sub) -> None:
     p.set_defaults(func=run_bench)
 
 
+# pip's name for a module whose package is named otherwise
+_PIP_NAMES = {"fla": "flash-linear-attention", "prometheus_client": "prometheus-client"}
+
+
+def _missing_module(exc: ImportError) -> str | None:
+    """The third-party module an ImportError names (None: none, or hf2q's own, which is a bug to show)."""
+    module = (exc.name or "").split(".")[0]
+    return module if module and module != "hf2q" else None
+
+
+def _missing_message(command: str, exc: ImportError) -> str:
+    """Which module `hf2q <command>` could not import, and how to install it."""
+    module = _missing_module(exc)
+    if module is None:
+        return f"error: hf2q {command} is unavailable in this install: {exc}"
+    return (f"error: hf2q {command} needs the Python module '{module}', which could not be imported ({exc}); "
+            f"install it with: pip install {_PIP_NAMES.get(module, module)}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf2q", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -148,8 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     for add in (_add_serve, _add_convert, _add_bench):
         try:
             add(sub)
-        except ImportError as exc:  # an optional part missing from this install
-            sub.add_parser(add.__name__[5:], help=f"unavailable: {exc}")
+        except ImportError as exc:  # an optional part missing from this install: say so when it is asked for
+            name = add.__name__[5:]
+            sub.add_parser(name, help=f"unavailable: {exc}").set_defaults(missing=exc)
     return parser
 
 
@@ -167,17 +187,24 @@ def main(argv: list[str] | None = None) -> int:
     # `hf2q bench [flags]` is the GPU model bench; `hf2q bench serve [flags]` the load generator. Told apart
     # here because the model bench takes no subcommand and must keep parsing its flags as before.
     if argv[:2] == ["bench", "serve"]:
-        parser = _bench_serve_parser()
-        args = parser.parse_args(argv[2:])
+        args = _bench_serve_parser().parse_args(argv[2:])
     else:
         parser = build_parser()
-        args = parser.parse_args(argv)
-    if not hasattr(args, "func"):
-        parser.error(f"'{args.command}' is unavailable in this install")
+        args, unknown = parser.parse_known_args(argv)
+        if getattr(args, "missing", None) is not None:  # its flags are unknown only because its module is missing
+            print(_missing_message(args.command, args.missing), file=sys.stderr)
+            return 1
+        if unknown:
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130
+    except ImportError as exc:  # a module the command imports when it runs (uvicorn for serve) is missing
+        if _missing_module(exc) is None:
+            raise
+        print(_missing_message(args.command, exc), file=sys.stderr)
+        return 1
     except USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from hf2q import envs
+
 log = logging.getLogger(__name__)
 
 DEMO_VERSION = 2
@@ -78,8 +80,7 @@ like normal with your current knowledge and do not tell the user about function 
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(root) / "hf2q"
+    return envs.cache_home() / "hf2q"
 
 
 def demo_model_path() -> Path:

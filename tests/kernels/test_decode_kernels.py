@@ -32,16 +32,16 @@ def _gemv_cases(real: bool):
     if not real:  # N not a multiple of BLOCK_N, K not a multiple of BLOCK_K, one- and many-tile K loops
         return [(37, 100, None), (37, 100, (8, 32, 4, 1)), (19, 300, (4, 64, 2, 3)), (5, 64, (16, 64, 4, 1)),
                 (70, 520, (2, 128, 4, 2)), (70, 520, (32, 128, 4, 2)), (37, 100, (64, 64, 4, 1))]
-    from hf2q.kernels.gemv_bench import decode_projections
+    from hf2q.bench.gemv import decode_projections
     shapes = {(n, k) for s in ("2b", "9b") for _, n, k, _ in decode_projections(s)}
     return [(n, k, None) for n, k in sorted(shapes)] + [(8224, 2048, (4, 512, 4, 3)), (2048, 6144, (1, 4096, 8, 1)),
                                                         (8224, 2048, (64, 128, 4, 4)), (2048, 6144, (32, 256, 8, 3))]
 
 
 def test_gemv_bench_refuses_unknown_projection(capsys):
-    """`gemv_bench --only` names projections of the chosen shapes; a name none has is an error, not a
+    """`bench.gemv --only` names projections of the chosen shapes; a name none has is an error, not a
     sweep that times nothing."""
-    from hf2q.kernels import gemv_bench
+    from hf2q.bench import gemv as gemv_bench
 
     with pytest.raises(SystemExit) as exit_info:
         gemv_bench.main(["--shape", "2b", "--only", "lm_head", "nope"])
@@ -297,7 +297,7 @@ def _on_cpu(args: dict) -> dict:
 def test_fused_conv_gdn_decode_matches_two_step(env, heads, config):
     """Two decode steps in a row (the second reads the conv state the first shifted), over several slots;
     the slots no sequence owns are left alone. Also with another split of each head's columns and other
-    warp counts (gdn_bench's configurations)."""
+    warp counts (bench.gdn's configurations)."""
     from hf2q.kernels.gdn_decode_triton import gdn_conv_decode_
 
     dev, dtype, real = env

@@ -293,7 +293,7 @@ def test_two_types_one_launch(types, monkeypatch):
 @kernels
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0"] if CUDA else ["Q8_0", "Q6_K"])
 def test_moe_experts_quant(qtype, monkeypatch):
-    from hf2q.kernels import quant_dp4a_triton, quant_ops
+    from hf2q.kernels import quant_dp4a_triton, quant_moe
 
     # the interpreter runs every program serially: one token, small experts (32-value blocks where it can),
     # and K-quants in few programs of many rows each
@@ -318,7 +318,7 @@ def test_moe_experts_quant(qtype, monkeypatch):
             want[i] += weights[i, j] * (dense[2][e] @ h)
     from hf2q.kernels.dispatch import moe_combine
 
-    got = moe_combine(quant_ops.moe_expert_pairs_quant(x.to(DEV), experts.to(DEV), *stacks), weights.to(DEV))
+    got = moe_combine(quant_moe.moe_expert_pairs_quant(x.to(DEV), experts.to(DEV), *stacks), weights.to(DEV))
     assert rel(got, want) < INT8_TOL
 
 

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from hf2q import envs
 from hf2q.distributed.engine import TPEngine, serve_worker
 from hf2q.distributed.launch import free_port
 from hf2q.distributed.plan import plan_rank
@@ -76,7 +77,7 @@ class TPWorkers:
     def __init__(self, launch: TPLaunch):
         self.launch = dataclasses.replace(launch, port=free_port())
         if launch.device_type == "cuda":
-            os.environ["NCCL_NVLS_ENABLE"] = "0"  # before spawning: the workers inherit it
+            envs.disable_nccl_nvls()  # before spawning: the workers inherit it
         else:
             _share_cpu(launch.world)
         ctx = mp.start_processes(_worker, args=(self.launch, os.getpid()), nprocs=launch.world - 1, join=False,

@@ -8,25 +8,21 @@ testable without a GPU.
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 import torch.nn.functional as F
 
+from hf2q import envs
 from hf2q.kernels.conv import causal_conv1d_varlen
 from hf2q.kernels.gdn import gated_delta_rule_ref
-from hf2q.layers.norm import rms_norm
-from hf2q.layers.rotary import apply_rotary
+from hf2q.kernels.norm import rms_norm
+from hf2q.kernels.rotary import apply_rotary
 
 _MODE = {"value": "auto"}  # auto: CUDA tensors only; off: never; force: every device
 # The Triton GEMV for few rows of x. By default ("measured") it serves the shapes its table records as
 # faster than cuBLAS on the device (2B, one row: 20% faster); HF2Q_GEMV=N sends every product of at most
 # N (0..4) rows to it, HF2Q_GEMV=0 none.
-_GEMV = {"rows": os.environ.get("HF2Q_GEMV") or "measured"}
-if _GEMV["rows"] != "measured":
-    if _GEMV["rows"] not in ("0", "1", "2", "3", "4"):
-        raise ValueError(f"HF2Q_GEMV must be measured or a row count 0..4, not {_GEMV['rows']!r}")
-    _GEMV["rows"] = int(_GEMV["rows"])
+_GEMV = {"rows": envs.gemv_rows()}
 
 
 @contextlib.contextmanager
@@ -201,7 +197,7 @@ def _packed_raw(linears) -> torch.Tensor:
 
 
 def _triton(x: torch.Tensor) -> bool:
-    return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    return x.is_cuda or envs.triton_interpret()
 
 
 # ---- residual add + RMSNorm, activation -------------------------------------------------------------

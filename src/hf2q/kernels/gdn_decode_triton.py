@@ -201,7 +201,7 @@ def gdn_conv_decode_(x: torch.Tensor, conv_w: torch.Tensor, conv_pool: torch.Ten
     conv_w [C, 4]; conv_pool [S, 3, C] is updated in place at `slots` like the recurrent state. int8_for:
     the output's int8 rows, in the order weights of that type read, are written too and remembered for the
     quantized output projection. config: (column parts a head, warps of the first kernel, of the second),
-    default DEFAULT_CONFIG (gdn_bench times others)."""
+    default DEFAULT_CONFIG (bench.gdn times others)."""
     bsz, c = x.shape
     nv, dv = state_pool.shape[1], state_pool.shape[3]
     _check(a_raw, b_raw, z, state_pool, dk)

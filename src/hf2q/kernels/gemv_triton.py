@@ -6,7 +6,7 @@ contiguous rows of W), accumulating in fp32, so one launch writes the output and
 afterwards. One row of x runs on the CUDA cores; 2..4 rows on the tensor cores (x padded to 16 rows),
 since the CUDA cores' multiply-adds per W element grow with the rows and a 4-row CUDA-core version
 measured twice as slow as cuBLAS. The configuration of an (N, K) comes from `TABLE` (filled from
-`python -m hf2q.kernels.gemv_bench`), else from `default_config`. STAGES > 1 software-pipelines the K
+`python -m hf2q.bench.gemv`), else from `default_config`. STAGES > 1 software-pipelines the K
 loop (asynchronous copies into shared memory), which pays only when a program walks many K tiles. The
 K loop's trip count is a compile-time constant: one compilation per K of the model, a handful.
 
@@ -32,7 +32,7 @@ MAX_ROWS = 4
 Config = tuple[int, int, int, int]  # (BLOCK_N, BLOCK_K, num_warps, STAGES)
 
 # (N, K, 1 for one row of x or MAX_ROWS for 2..MAX_ROWS rows) -> (Config, GEMV µs, cuBLAS µs), from
-# `gemv_bench` on an H200 (2B: full sweep; 35B-A3B: `--quick`, its LM head shares the 2B entries). By default the GEMV serves exactly the entries where it measured faster.
+# `bench.gemv` on an H200 (2B: full sweep; 35B-A3B: `--quick`, its LM head shares the 2B entries). By default the GEMV serves exactly the entries where it measured faster.
 TABLE: dict[tuple[int, int, int], tuple[Config, float, float]] = {
     (8224, 2048, 1): ((2, 2048, 8, 1), 9.7, 11.3),  # 2b gdn.qkv+z+a+b
     (2048, 2048, 1): ((1, 2048, 4, 1), 4.1, 6.1),  # 2b gdn.out, attn.o
@@ -60,7 +60,7 @@ TABLE: dict[tuple[int, int, int], tuple[Config, float, float]] = {
 
 
 # The MoE kernels at one token: (kind, N, K) -> (Config, µs at that configuration, µs at the default), from
-# `gemv_bench --moe` on an H200. "glu": the pairs' gate and up rows (expert_gemv with two stacks: N the
+# `bench.gemv --moe` on an H200. "glu": the pairs' gate and up rows (expert_gemv with two stacks: N the
 # expert width, K the hidden size); "down": the pairs' down rows with the shared expert's and the combine
 # (expert_down_combine: N the hidden size, K the expert width).
 EXPERT_TABLE: dict[tuple[str, int, int], tuple[Config, float, float]] = {

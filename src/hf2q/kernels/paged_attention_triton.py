@@ -8,13 +8,13 @@ Splitting keeps the GPU busy at batch 1 with long contexts.
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
+from hf2q import envs
 from hf2q.kernels import pdl
 
 
@@ -86,7 +86,7 @@ def _merge_kernel(parts_ptr, lse_ptr, gate_ptr, o_ptr, stride_pb, stride_ph, str
     tl.store(o_ptr + (b * NH + h) * HD + d, o)
 
 
-# (splits, keys a step, warps) for one sequence: the fastest of attention_bench's sweep on an H200 at a
+# (splits, keys a step, warps) for one sequence: the fastest of bench.attention's sweep on an H200 at a
 # 512-token context, for the 35B-A3B's heads (16 query, 2 KV, 256 wide: 5.63 µs, against 6.99 for (8, 64, 4))
 # and the 9B's (16 query, 4 KV: 6.48 against 7.53).
 ONE_SEQUENCE = (16, 32, 4)
@@ -98,16 +98,7 @@ BATCHED = (8, 64, 4)
 def _config_setting() -> tuple[int, int, int] | None:
     """(splits, keys a step, warps) of the first kernel at every batch size: HF2Q_PAGED_DECODE="S,N,W" (powers
     of two; N at least 16, the tensor cores' width), or None (ONE_SEQUENCE for one sequence, else BATCHED)."""
-    setting = os.environ.get("HF2Q_PAGED_DECODE")
-    if not setting:
-        return None
-    try:
-        splits, block_n, warps = (int(v) for v in setting.split(","))
-    except ValueError:
-        raise ValueError(f"HF2Q_PAGED_DECODE must be three integers S,N,W, not {setting!r}") from None
-    if any(v < 1 or v & (v - 1) for v in (splits, block_n, warps)) or block_n < 16:
-        raise ValueError(f"HF2Q_PAGED_DECODE: powers of two with N >= 16, not {setting!r}")
-    return splits, block_n, warps
+    return envs.paged_decode()
 
 
 CONFIG = _config_setting()
@@ -125,7 +116,7 @@ def paged_decode_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.
     """q: [B, nh, hd]; k_rows/v_rows: [num_blocks * block_size, nkv, hd] (the flat pool);
     block_tables: [B, max_blocks] int32; context_lens: [B] int32 (>= 1); gate: [B, nh, hd] or None.
     Returns [B, nh, hd] in q's dtype, times sigmoid(gate) when given. num_splits, block_n (keys a
-    step) and num_warps shape the first kernel (default: config_for(B); attention_bench times them)."""
+    step) and num_warps shape the first kernel (default: config_for(B); bench.attention times them)."""
     bsz, nh, hd = q.shape
     config = config_for(bsz)
     num_splits = num_splits or config[0]

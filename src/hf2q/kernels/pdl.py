@@ -20,11 +20,12 @@ BENCHMARKS.md.)
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from hf2q import envs
 
 try:  # Triton's grid dependency control; absent in builds without it
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -32,16 +33,14 @@ try:  # Triton's grid dependency control; absent in builds without it
 except ImportError:  # pragma: no cover - Triton builds before 3.4
     _HAVE_GDC = False
 
-_SETTING = os.environ.get("HF2Q_PDL") or "1"
-if _SETTING not in ("0", "1"):
-    raise ValueError(f"HF2Q_PDL must be 0 or 1, not {_SETTING!r}")
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter has no grid dependency control
+_SETTING = envs.pdl()
+_INTERPRETED = envs.triton_interpret()  # the interpreter has no grid dependency control
 
 
 @functools.lru_cache(maxsize=None)
 def enabled(device: torch.device) -> bool:
     """Whether kernels on `device` launch with programmatic dependent launch (see HF2Q_PDL)."""
-    if _SETTING == "0" or _INTERPRETED or not _HAVE_GDC or device.type != "cuda" or torch.version.hip:
+    if not _SETTING or _INTERPRETED or not _HAVE_GDC or device.type != "cuda" or torch.version.hip:
         return False  # griddepcontrol is NVIDIA's (a ROCm build also answers to "cuda")
     return torch.cuda.get_device_capability(device)[0] >= 9
 

@@ -36,13 +36,14 @@ import torch
 import triton
 import triton.language as tl
 
+from hf2q import envs
 from hf2q.kernels import pdl, tune_cache
 from hf2q.kernels.quant_fields_triton import f16_bits
 from hf2q.kernels.quant_triton import QTYPE_ID, check_layout
 from hf2q.kernels.timing import cold_copies, graph_time_us
 from hf2q.quant import KQUANTS, block_layout, gpu_row_words
 
-EMULATE = os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter runs no PTX: dp4a in plain integer ops
+EMULATE = envs.triton_interpret()  # the interpreter runs no PTX: dp4a in plain integer ops
 NIBBLES = tl.constexpr(0x0F0F0F0F)
 HIGH_NIBBLES = tl.constexpr(-0x0F0F0F10)  # 0xF0F0F0F0 as int32
 
@@ -513,10 +514,7 @@ class TuneKey(NamedTuple):
 
 
 _TUNED: dict[TuneKey, tuple] = {}
-_TUNE_SETTING = os.environ.get("HF2Q_GEMV_TUNE") or "1"
-if _TUNE_SETTING not in ("0", "1"):
-    raise ValueError(f"HF2Q_GEMV_TUNE must be 0 or 1, not {_TUNE_SETTING!r}")
-_TUNE = _TUNE_SETTING == "1"
+_TUNE = envs.gemv_tune()
 
 
 def candidates(qtype: str, rows: int = 1) -> list[tuple[int, int, int, int]]:

@@ -11,11 +11,11 @@ without Triton's interpreter) the reference dequantizes with gguf and multiplies
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.nn.functional as F
 
+from hf2q import envs
 from hf2q.quant import KQUANTS, dequantize_ref, is_interleaved, kept_row
 
 MATVEC_ROWS = 1  # at most this many rows go through the int8 mat-vec kernel
@@ -34,7 +34,7 @@ def int8_reader(x: torch.Tensor, qtype: str | None) -> str | None:
 
 
 def _triton(x: torch.Tensor) -> bool:
-    return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    return x.is_cuda or envs.triton_interpret()
 
 
 def check_raw(raw: torch.Tensor, qtype: str, shape: tuple[int, ...]) -> None:
@@ -113,52 +113,3 @@ def quant_linear_pair(x: torch.Tensor, first: tuple, second: tuple) -> torch.Ten
                second=(raw2, n2, qtype2))
     return y.reshape(*x.shape[:-1], n1 + n2)
 
-
-def _expert_linear_ref(x: torch.Tensor, experts: torch.Tensor, raw: torch.Tensor, qtype: str,
-                       out_features: int) -> torch.Tensor:
-    """Row i of x [P, in] times expert experts[i] of a stacked quantized weight raw [E, out, row_bytes], by
-    the exact reference (the kernels' path is quant_dp4a_triton.matvec with experts)."""
-    w = dequantize_ref(raw, qtype, (raw.shape[0], out_features, x.shape[-1])).to(x.device)
-    return torch.einsum("pk,pnk->pn", x.float(), w[experts]).to(x.dtype)
-
-
-def moe_expert_pairs_quant(x: torch.Tensor, experts: torch.Tensor, gate: tuple, up: tuple,
-                           down: tuple) -> torch.Tensor:
-    """SwiGLU expert_k(x) of every token-expert pair [T·k, H] (pair p: token p // k, its (p % k)-th expert)
-    with quantized stacked experts; gate/up/down: (raw, qtype).
-
-    Few pairs read only the chosen experts' blocks: x is quantized once, gate and up of every pair come
-    from one launch when their types read activations in the same order, then the down projection; many
-    pairs dequantize the stacks into scratch and run the dense path (grouped GEMMs).
-    """
-    t, top_k = experts.shape
-    hidden, inter = x.shape[1], gate[0].shape[1]
-    n_exp = gate[0].shape[0]
-    flat = experts.reshape(-1)
-    if not _triton(x):
-        xs = x.repeat_interleave(top_k, dim=0)  # [T*k, H], pair p is token p // k
-        h = F.silu(_expert_linear_ref(xs, flat, *gate, inter)) * _expert_linear_ref(xs, flat, *up, inter)
-        return _expert_linear_ref(h, flat, *down, hidden)
-    if t * top_k <= MOE_PAIRS:
-        from hf2q.kernels.dispatch import silu_mul
-        from hf2q.kernels.quant_dp4a_triton import blocked_for, matvec, quantize_rows
-
-        flat = flat.to(torch.int32)
-        xs = quantize_rows(x, blocked=blocked_for(gate[1]))
-        if blocked_for(gate[1]) == blocked_for(up[1]):  # one launch, also for two types
-            gu = matvec(xs, gate[0], gate[1], inter, flat, out_dtype=x.dtype, second=(up[0], inter, up[1]),
-                        rows_per_x=top_k)
-            h = silu_mul(gu[:, :inter], gu[:, inter:], int8_for=down[1])
-        else:
-            h = silu_mul(matvec(xs, *gate, inter, flat, out_dtype=x.dtype, rows_per_x=top_k),
-                         matvec(quantize_rows(x, blocked=blocked_for(up[1])), *up, inter, flat, out_dtype=x.dtype,
-                                rows_per_x=top_k), int8_for=down[1])
-        return matvec(quantize_rows(h, blocked=blocked_for(down[1])), *down, hidden, flat, out_dtype=x.dtype)
-    stacks = []
-    for slot, (raw, qtype), shape in (("gate_exps", gate, (n_exp, inter, hidden)), ("up_exps", up, (n_exp, inter, hidden)),
-                                      ("down_exps", down, (n_exp, hidden, inter))):
-        buf = scratch(slot, n_exp * shape[1] * shape[2], x.dtype, x.device)
-        stacks.append(dequantize(raw, qtype, shape, x.dtype, out=buf))
-    from hf2q.kernels.dispatch import moe_expert_pairs
-
-    return moe_expert_pairs(x, experts, *stacks)

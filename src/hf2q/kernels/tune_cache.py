@@ -17,15 +17,11 @@ import tempfile
 import warnings
 from pathlib import Path
 
+from hf2q import envs
+
 
 def cache_path() -> Path | None:
-    setting = os.environ.get("HF2Q_TUNE_CACHE")
-    if setting == "":
-        return None
-    if setting:
-        return Path(setting)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "hf2q" / "matvec_configs.json"
+    return envs.tune_cache()
 
 
 def _read(path: Path) -> dict:

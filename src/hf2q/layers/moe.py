@@ -77,7 +77,7 @@ class MoE(nn.Module):
 
     def expert_pairs_quant(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """expert_k(x) of every token-expert pair [T·k, H] from the quantized stacks."""
-        from hf2q.kernels.quant_ops import moe_expert_pairs_quant
+        from hf2q.kernels.quant_moe import moe_expert_pairs_quant
 
         return moe_expert_pairs_quant(x, experts, *(self.quant_stack(n) for n in EXPERT_STACKS))
 

@@ -4,11 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf * weight.float()).to(x.dtype)
+from hf2q.kernels.norm import rms_norm
 
 
 class RMSNorm(nn.Module):

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hf2q.kernels.rotary import apply_rotary
+
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, rotary_dim: int, theta: float, sections: tuple[int, ...]):
@@ -38,11 +40,3 @@ class RotaryEmbedding(nn.Module):
         """x: [T, heads, head_dim]; rotates x[..., :rotary_dim]."""
         return apply_rotary(x, cos, sin, self.rotary_dim)
 
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rd: int) -> torch.Tensor:
-    """x: [T, heads, head_dim], cos/sin: [T, rd]; rotates x[..., :rd], pairing (p, p + rd/2)."""
-    rot, rest = x[..., :rd], x[..., rd:]
-    x1, x2 = rot[..., : rd // 2], rot[..., rd // 2:]
-    rotated = torch.cat((-x2, x1), dim=-1)
-    c, s = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
-    return torch.cat((rot * c + rotated * s, rest), dim=-1)

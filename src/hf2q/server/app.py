@@ -1,7 +1,6 @@
-"""The HTTP application: routes, API-key check, request metrics; and `hf2q serve` (load, then bind)."""
+"""The HTTP application: routes, API-key check, request metrics (`hf2q serve` is server/launch.py)."""
 from __future__ import annotations
 
-import argparse
 import hmac
 import time
 from contextlib import asynccontextmanager
@@ -110,28 +109,3 @@ def _model_card(state: ServerState) -> dict:
         card["description"] = "built-in demo model: tiny random weights, output is gibberish"
     return card
 
-
-# ---- `hf2q serve` ---------------------------------------------------------------------------------
-
-def add_serve_args(p: argparse.ArgumentParser) -> None:
-    from hf2q.server.launch import add_serve_args as add
-
-    add(p)
-
-
-def run_serve(args: argparse.Namespace) -> int:
-    from hf2q.server.launch import run_serve as run
-
-    return run(args)
-
-
-def run_server(args: argparse.Namespace) -> int:
-    return run_serve(args)
-
-
-if __name__ == "__main__":
-    import sys
-
-    parser = argparse.ArgumentParser(prog="hf2q serve")
-    add_serve_args(parser)
-    sys.exit(run_serve(parser.parse_args(sys.argv[1:])))

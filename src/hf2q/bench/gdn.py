@@ -5,7 +5,7 @@ kernel) configuration, at a model shape's DeltaNet heads (CUDA only).
 Each timing replays a CUDA graph over enough distinct state pools to overflow the L2, as a decode step
 finds each layer's recurrent state cold. Every configuration is first run on copies of the same inputs and
 checked against the default's output and new state.
-Run: python -m hf2q.kernels.gdn_bench [--shape 9b 35b-a3b] [--int8-for Q4_K]
+Run: python -m hf2q.bench.gdn [--shape 9b 35b-a3b] [--int8-for Q4_K]
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ bandwidth). Prefill: dequantize-to-scratch + bf16 matmul at 4096 rows, against t
 Kernel times come from CUDA-graph replays over copies of each weight that overflow L2, so host launch
 cost is not counted and each weight comes from memory (a served decode step is a graph replay, and
 the model's other weights pass between two uses of one). The mat-vec configuration is the one its first
-use picked on this device; each projection's line shows it. Run: python -m hf2q.kernels.quant_bench
+use picked on this device; each projection's line shows it. Run: python -m hf2q.bench.quant
 """
 from __future__ import annotations
 

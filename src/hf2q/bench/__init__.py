@@ -276,6 +276,3 @@ def main(argv=None) -> int:
     add_bench_args(p)
     return run_bench(p.parse_args(argv))
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -6,7 +6,7 @@ cuBLAS, the GEMV's default configuration and the best of a sweep (one sweep for 
 2..4 rows, as the two run different kernels). Each timing replays a CUDA graph
 that multiplies by enough distinct copies of W to overflow the L2, as a decode step reads cold weights
 with no host gaps. Ends with the per-step sums and the TABLE lines for gemv_triton.
-Run: python -m hf2q.kernels.gemv_bench [--shape 2b 9b] [--quick] [--only lm_head ...]
+Run: python -m hf2q.bench.gemv [--shape 2b 9b] [--quick] [--only lm_head ...]
 With --moe (--shape 35b-a3b): the expert kernels of one MoE token instead (bench_moe).
 """
 from __future__ import annotations

@@ -3,7 +3,7 @@ sequence, for each (splits, keys a step, warps) configuration, at a model shape'
 
 Each timing replays a CUDA graph over enough distinct K/V pools to overflow the L2, as a decode step
 finds each layer's keys cold. Every configuration is checked against the served one's output first.
-Run: python -m hf2q.kernels.attention_bench [--shape 35b-a3b 9b] [--context 512 4096]
+Run: python -m hf2q.bench.attention [--shape 35b-a3b 9b] [--context 512 4096]
 """
 from __future__ import annotations
 

@@ -1,0 +1,111 @@
+"""Every environment variable hf2q reads or sets, in one place: its name, default, values and why it exists.
+
+No other module touches `os.environ` (tests/test_structure.py checks). Each accessor reads the environment
+when it is called: a module that reads a setting at import keeps the value it found then, and a function
+that reads per call sees a later change. A malformed value raises ValueError naming the variable. The
+README's "Environment variables" table lists the same variables.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Variable:
+    """One environment variable: its default (None: unset), the values it takes and why it exists."""
+    name: str
+    default: str | None
+    values: str
+    why: str
+
+    def raw(self) -> str | None:
+        """The value set now (an empty string counts as set), or None."""
+        return os.environ.get(self.name)
+
+
+PDL = Variable("HF2Q_PDL", "1", "0 or 1", "1 launches the decode step's Triton kernels with programmatic dependent "
+               "launch on Hopper and later GPUs; 0 launches them one after another (read at import)")
+GEMV_TUNE = Variable("HF2Q_GEMV_TUNE", "1", "0 or 1", "1 times a few mat-vec configurations per quantized shape "
+                     "on first use; 0 keeps the defaults (read at import)")
+GEMV = Variable("HF2Q_GEMV", "measured", "measured or 0..4", "which dense bf16 products go to the Triton GEMV: "
+                "the shapes its table measured faster than cuBLAS, or every product of up to N rows (read at import)")
+PAGED_DECODE = Variable("HF2Q_PAGED_DECODE", None, "S,N,W (powers of two, N >= 16)", "the paged decode "
+                        "attention kernel's splits, keys a step and warps at every batch size; unset: 16,32,4 for "
+                        "one sequence, 8,64,4 for more (read at import)")
+TUNE_CACHE = Variable("HF2Q_TUNE_CACHE", None, "a file path, or empty", "where the timed mat-vec choices are kept "
+                      "across starts; unset: hf2q/matvec_configs.json under the cache directory; empty: nowhere")
+XDG_CACHE_HOME = Variable("XDG_CACHE_HOME", None, "a directory", "the cache directory (unset: ~/.cache) for the "
+                          "tune cache and the built-in demo model")
+TRITON_INTERPRET = Variable("TRITON_INTERPRET", None, "1 or unset", "Triton's interpreter: the Triton kernels run on "
+                            "CPU tensors (the tests use it), dp4a is emulated and PDL is off")
+NCCL_NVLS_ENABLE = Variable("NCCL_NVLS_ENABLE", None, "set to 0 by hf2q", "NVLink multicast off for a CUDA tensor-"
+                            "parallel group: set before the ranks are spawned, which inherit it")
+VARIABLES = (PDL, GEMV_TUNE, GEMV, PAGED_DECODE, TUNE_CACHE, XDG_CACHE_HOME, TRITON_INTERPRET, NCCL_NVLS_ENABLE)
+
+
+def _switch(var: Variable) -> bool:
+    setting = var.raw() or var.default
+    if setting not in ("0", "1"):
+        raise ValueError(f"{var.name} must be 0 or 1, not {setting!r}")
+    return setting == "1"
+
+
+def pdl() -> bool:
+    """HF2Q_PDL: whether programmatic dependent launch may be used."""
+    return _switch(PDL)
+
+
+def gemv_tune() -> bool:
+    """HF2Q_GEMV_TUNE: whether the quantized mat-vec times its candidate configurations."""
+    return _switch(GEMV_TUNE)
+
+
+def gemv_rows() -> str | int:
+    """HF2Q_GEMV: "measured", or the row count (0..4) up to which every bf16 product goes to the Triton GEMV."""
+    setting = GEMV.raw() or GEMV.default
+    if setting == "measured":
+        return setting
+    if setting not in ("0", "1", "2", "3", "4"):
+        raise ValueError(f"HF2Q_GEMV must be measured or a row count 0..4, not {setting!r}")
+    return int(setting)
+
+
+def paged_decode() -> tuple[int, int, int] | None:
+    """HF2Q_PAGED_DECODE: (splits, keys a step, warps), or None where unset or empty."""
+    setting = PAGED_DECODE.raw()
+    if not setting:
+        return None
+    try:
+        splits, block_n, warps = (int(v) for v in setting.split(","))
+    except ValueError:
+        raise ValueError(f"HF2Q_PAGED_DECODE must be three integers S,N,W, not {setting!r}") from None
+    if any(v < 1 or v & (v - 1) for v in (splits, block_n, warps)) or block_n < 16:
+        raise ValueError(f"HF2Q_PAGED_DECODE: powers of two with N >= 16, not {setting!r}")
+    return splits, block_n, warps
+
+
+def cache_home() -> Path:
+    """XDG_CACHE_HOME, or ~/.cache where it is unset or empty."""
+    return Path(XDG_CACHE_HOME.raw() or os.path.join(os.path.expanduser("~"), ".cache"))
+
+
+def tune_cache() -> Path | None:
+    """HF2Q_TUNE_CACHE: the tune cache file, or None (set empty) to keep nothing on disk."""
+    setting = TUNE_CACHE.raw()
+    if setting == "":
+        return None
+    if setting:
+        return Path(setting)
+    return cache_home() / "hf2q" / "matvec_configs.json"
+
+
+def triton_interpret() -> bool:
+    """TRITON_INTERPRET=1: Triton's interpreter is on (Triton reads it when it is imported)."""
+    return TRITON_INTERPRET.raw() == "1"
+
+
+def disable_nccl_nvls() -> None:
+    """Set NCCL_NVLS_ENABLE=0 for the processes spawned after this call."""
+    os.environ[NCCL_NVLS_ENABLE.name] = "0"
