@@ -57,7 +57,7 @@ case "$stage" in
            --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis --section LaunchStats \
            python -m hf2q.bench.quant --no-prefill --only gdn.out ffn.gate+up ;;
   mm)    python -m pytest -q -p no:cacheprovider tests/quant/test_kernels.py -k "quant_mm or quant_linear"
-         timeout 240 python tools/quant_mm_sweep.py --rows 2 16 64 | tee "$out/quant_mm_sweep.txt" ;;
+         timeout 200 python tools/quant_mm_sweep.py --rows 16 64 | tee "$out/quant_mm_sweep.txt" ;;
   serve) mix=${MIX:-q4_k_m}; model=${MODEL_DIR:-/tmp}/hf2q-9b-$mix.gguf; port=8090
          [ -f "$model" ] || python tools/random_gguf.py --shape 9b --mix "$mix" -o "$model"
          t0=$(date +%s%N)

@@ -42,20 +42,26 @@ def dequant_tile(w8, w16, w32, row_base, row_ok, t, nblk, QTYPE: tl.constexpr):
         return d * (q - 8).to(tl.float32)
     elif QTYPE <= 3:  # Q4_K: f16 d, f16 dmin, 12 scale bytes, 128 bytes of nibbles; Q5_K: 32 bytes of fifth
         # bits (bit s of byte l for sub-block s) before the nibbles. Interleaved rows (row_base in quads).
+        # Value 64g + 32h + l is nibble h of byte 32g + l of the nibbles, in sub-block s = 2g + h. The bytes
+        # are read as whole 16-byte quads ([rows, quad, word]) and split in registers: 8 vector loads a row
+        # instead of a byte load per value.
         QS: tl.constexpr = 1 if QTYPE == 2 else 3  # first quad of nibbles
         mask = row_ok[:, None]
         base = _quad_byte(row_base[:, None], 0, nblk, t, 0)  # the block's header quad
         d = tl.load(w16 + base // 2, mask=mask, other=0).to(tl.float32)
         dmin = tl.load(w16 + base // 2 + 1, mask=mask, other=0).to(tl.float32)
-        sc, mn = kquant_scale_min(w8, base, e // 32, mask)
-        qoff = (32 * (e // 64) + e % 32)[None, :]  # byte of the 128 of nibbles
-        q = (u8(w8, _quad_byte(row_base[:, None], QS + qoff // 16, nblk, t, qoff % 16), mask)
-             >> (4 * ((e // 32) % 2))[None, :]) & 15
+        sc, mn = kquant_scale_min(w8, base, tl.arange(0, 8), mask)  # [rows, 8] by sub-block
+        sc = tl.reshape(sc, (sc.shape[0], 4, 2, 1))
+        mn = tl.reshape(mn, (mn.shape[0], 4, 2, 1))
+        q = _quad_bytes(w32, row_base, QS, 8, nblk, t, row_ok)  # [rows, 128]
+        g_h = (2 * tl.arange(0, 4)[:, None] + tl.arange(0, 2)[None, :])[None, :, :, None]  # s = 2g + h
+        q = (tl.reshape(q, (q.shape[0], 4, 1, 32)) >> (4 * (g_h % 2))) & 15  # [rows, g, h, l]
         if QTYPE == 3:
-            l = (e % 32)[None, :]
-            q += ((u8(w8, _quad_byte(row_base[:, None], 1 + l // 16, nblk, t, l % 16), mask)
-                   >> (e // 32)[None, :]) & 1) << 4
-        return d * sc * q.to(tl.float32) - dmin * mn
+            hi = _quad_bytes(w32, row_base, 1, 2, nblk, t, row_ok)
+            hi = tl.reshape(hi, (hi.shape[0], 1, 1, 32))
+            q += ((hi >> g_h) & 1) << 4
+        value = d[:, :, None, None] * sc * q.to(tl.float32) - dmin[:, :, None, None] * mn
+        return tl.reshape(value, (value.shape[0], 256))
     else:  # Q6_K in interleaved rows (row_base in quads). Value 128h + 32j + l, l = 4w + b: low nibble in
         # byte b of ql word 16h + 8(j % 2) + w of the block, shifted by 4(j // 2); top bits in byte b of qh
         # word 8h + w, shifted by 2j; scale 8h + 2j + w // 4. So each (h, j, w) reads one ql, one qh and one
@@ -75,6 +81,17 @@ def dequant_tile(w8, w16, w32, row_base, row_ok, t, nblk, QTYPE: tl.constexpr):
         hi = (qh[:, :, None] >> (b + (2 * j)[None, :, None])) & 3
         q = (sc[:, :, None] * ((lo | (hi << 4)) - 32)).to(tl.float32)
         return d * tl.reshape(q, (q.shape[0], 256))
+
+
+@triton.jit
+def _quad_bytes(w32, row_q, first, QUADS: tl.constexpr, nblk, t, row_ok):
+    """Bytes [rows, 16 * QUADS] (int32) of quads first.. of block t in interleaved rows starting at quad
+    row_q [rows]; each quad one 16-byte load."""
+    quad = (first + tl.arange(0, QUADS))[None, :, None]
+    word = tl.arange(0, 4)[None, None, :]
+    words = tl.load(w32 + (row_q[:, None, None] + quad * nblk + t) * 4 + word, mask=row_ok[:, None, None], other=0)
+    shift = (8 * tl.arange(0, 4))[None, None, None, :]
+    return tl.reshape((words[:, :, :, None] >> shift) & 255, (words.shape[0], 16 * QUADS))
 
 
 @triton.jit
