@@ -2,10 +2,10 @@
 
 Up to MATVEC_ROWS rows (decode of one sequence; MoE token-expert pairs, up to MOE_PAIRS) go through
 the mat-vec kernel that streams the blocks and multiplies them on 8-bit integer dot products against
-int8-quantized activations (quant_dp4a_triton). Up to MM_ROWS rows (batched decode) dequantize tiles of
-the blocks in registers and multiply them on tensor cores (quant_mm_triton): one pass over the blocks
-for the whole batch. Many rows (prefill) dequantize the weight into a reused bf16 scratch buffer and
-multiply with cuBLAS: the dequantization costs one pass over the weight, the matmul dominates. Off CUDA (and
+int8-quantized activations (quant_dp4a_triton). More rows dequantize the weight into a reused bf16
+scratch buffer and multiply with cuBLAS: one pass over the weight, then tensor cores. Up to MM_ROWS rows
+may instead go through quant_mm_triton, which dequantizes tiles in registers and reads the blocks once;
+it is off (MM_ROWS = 0) because on the H200 it measured slower than dequantize + cuBLAS (BENCHMARKS.md). Off CUDA (and
 without Triton's interpreter) the reference dequantizes with gguf and multiplies in fp32.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from hf2q import envs
 from hf2q.quant import KQUANTS, dequantize_ref, is_interleaved, kept_row
 
 MATVEC_ROWS = 1  # at most this many rows go through the int8 mat-vec kernel
-MM_ROWS = 64  # at most this many rows go through the tensor-core kernel that reads the blocks in place
+MM_ROWS = 0  # at most this many rows go through quant_mm_triton (off: see the module docstring)
 MOE_PAIRS = 1024  # token-expert pairs below which reading chosen experts beats dequantizing every expert
 _SCRATCH: dict[tuple, torch.Tensor] = {}
 
