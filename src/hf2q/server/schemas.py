@@ -179,3 +179,18 @@ class CompletionRequest(_Sampling):
     suffix: Optional[StrictStr] = None
     best_of: Optional[StrictInt] = None
 
+
+class TokenizeRequest(_Strict):
+    """vLLM's `/tokenize`: a `prompt`, or `messages` rendered by the chat template as chat requests are."""
+    model: Optional[StrictStr] = None
+    prompt: Optional[StrictStr] = None
+    messages: Optional[list[Message]] = None
+    add_generation_prompt: StrictBool = True
+    tools: Optional[list[Tool]] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    return_token_strs: StrictBool = False
+
+
+class DetokenizeRequest(_Strict):
+    model: Optional[StrictStr] = None
+    tokens: list[StrictInt]
