@@ -62,6 +62,9 @@ CHAT_REFUSED_VALUES = [
     ("stream_options", {"include_obfuscation": True}, STREAM, "stream_options.include_obfuscation"),
     ("metadata", {f"k{i}": "v" for i in range(17)}, {}, "metadata"),
     ("reasoning_effort", "none", {"chat_template_kwargs": {"enable_thinking": True}}, "reasoning_effort"),
+    ("tools", [{"type": "custom", "custom": {"name": "x"}}], {}, "tools[0].type"),
+    ("tool_choice", {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": []}}, {"tools": [TOOL]},
+     "tool_choice"),
 ]
 
 COMPLETION_FIELDS = {

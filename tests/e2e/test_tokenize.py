@@ -33,6 +33,12 @@ def test_messages_as_chat_renders_them(plain_server, client):
     assert len(bare) < len(ids) and ids[:len(bare)] == bare
 
 
+def test_refusal_is_what_the_assistant_said(plain_server):
+    refused = {"role": "assistant", "content": None, "refusal": "I cannot help with that.", "annotations": []}
+    ids = post(plain_server, "/tokenize", {"messages": [MSGS[1], refused, MSGS[1]]}).json()["tokens"]
+    assert "I cannot help with that." in post(plain_server, "/detokenize", {"tokens": ids}).json()["prompt"]
+
+
 def test_bad_requests(plain_server):
     for path, body, param in [("/detokenize", {"tokens": [1, -1]}, "tokens[1]"),
                               ("/detokenize", {"tokens": [10**9]}, "tokens[0]"),
