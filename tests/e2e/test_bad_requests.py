@@ -100,7 +100,8 @@ def test_unknown_model_and_route(plain_server):
 def test_bad_completions_requests(plain_server):
     for body, param in [({"prompt": "hi", "echo": True}, "echo"), ({"prompt": ["a", "b"]}, "prompt"),
                         ({"prompt": "hi", "suffix": "x"}, "suffix"), ({"prompt": ""}, "prompt"),
-                        ({"prompt": [999999999]}, "prompt"), ({"prompt": "hi", "logprobs": 21}, "logprobs")]:
+                        ({"prompt": [999999999]}, "prompt"), ({"prompt": "hi", "logprobs": 21}, "logprobs"),
+                        ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options")]:
         assert envelope(post(plain_server, body, "/v1/completions"), 400)["param"] == param, body
 
 

@@ -40,6 +40,15 @@ def test_cors_preflight_and_response(origins, allowed):
         "access-control-allow-origin"] == allowed
 
 
+def test_preflight_needs_no_key_and_tokenize_does():
+    """Browsers send no Authorization header on the preflight; the calls themselves need the key."""
+    client = app_client(allowed_origins=("*",), api_key="k")
+    assert client.options("/v1/chat/completions", headers=PREFLIGHT).status_code == 200
+    r = client.post("/tokenize", json={"prompt": "hi"}, headers={"Origin": PREFLIGHT["Origin"]})
+    assert r.status_code == 401 and r.headers["access-control-allow-origin"] == "*"
+    assert client.post("/detokenize", json={"tokens": [1]}).status_code == 401
+
+
 def test_cors_other_origin_refused():
     client = app_client(allowed_origins=("https://app.example",))
     r = client.options("/v1/chat/completions", headers=PREFLIGHT)
