@@ -57,11 +57,33 @@ def test_truncated_file(tmp_path, gguf_dense_f32):
     assert "truncated" in err.lower()
 
 
-def test_header_cut_short(tmp_path, gguf_dense_f32):
+@pytest.mark.parametrize("size", [20, 4096])
+def test_header_cut_short(tmp_path, gguf_dense_f32, size):
+    """The message names the file and what is wrong, never the reader's numpy errors."""
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(open(gguf_dense_f32, "rb").read()[:size])
+    code, _, err = hf2q("info", str(path))
+    assert_clean_error(code, err, str(path), "truncated")
+    for internal in ("index", "axis", "dtype", "numpy"):
+        assert internal not in err, err
+
+
+def test_serve_truncated_file(tmp_path, gguf_dense_f32):
     path = tmp_path / "cut.gguf"
     path.write_bytes(open(gguf_dense_f32, "rb").read()[:4096])
-    code, _, err = hf2q("info", str(path))
-    assert_clean_error(code, err, str(path))
+    from tests.e2e.conftest import free_port
+
+    code, _, err = hf2q("serve", "--model", str(path), "--port", str(free_port()))
+    assert_clean_error(code, err, str(path), "truncated")
+    assert "index" not in err and "axis" not in err
+
+
+def test_serve_port_out_of_range():
+    """`python -m hf2q` is the command; a port getaddrinfo would wrap (99999 -> 34463) is refused."""
+    proc = subprocess.run([sys.executable, "-m", "hf2q", "serve", "--port", "99999"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "99999 is not a port number: use 1-65535" in proc.stderr
 
 
 def test_unknown_architecture(tmp_path):

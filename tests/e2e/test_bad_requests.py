@@ -62,6 +62,18 @@ def test_invalid_chat_request(plain_server, body, param):
     assert err["param"] == param
 
 
+def test_invalid_schema_message_is_plain(plain_server):
+    """The grammar compiler's complaint, without the C++ source location xgrammar prefixes it with."""
+    bad = {"type": "object", "properties": {"a": {"type": "foo"}}}
+    for body, param in [({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": bad}}},
+                         "response_format"),
+                        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": bad}}],
+                          "tool_choice": "required"}, "tool_choice")]:
+        err = envelope(post(plain_server, {"messages": MSGS, **body}), 400)
+        assert err["param"] == param and 'Unsupported type "foo"' in err["message"], err
+        assert ".cc:" not in err["message"] and "/project" not in err["message"], err
+
+
 def test_malformed_json(plain_server):
     err = envelope(post(plain_server, None, content=b'{"messages": [', headers={"content-type": "application/json"}),
                    400)
@@ -88,7 +100,8 @@ def test_unknown_model_and_route(plain_server):
 def test_bad_completions_requests(plain_server):
     for body, param in [({"prompt": "hi", "echo": True}, "echo"), ({"prompt": ["a", "b"]}, "prompt"),
                         ({"prompt": "hi", "suffix": "x"}, "suffix"), ({"prompt": ""}, "prompt"),
-                        ({"prompt": [999999999]}, "prompt"), ({"prompt": "hi", "logprobs": 21}, "logprobs")]:
+                        ({"prompt": [999999999]}, "prompt"), ({"prompt": "hi", "logprobs": 21}, "logprobs"),
+                        ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options")]:
         assert envelope(post(plain_server, body, "/v1/completions"), 400)["param"] == param, body
 
 

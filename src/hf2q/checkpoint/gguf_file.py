@@ -101,8 +101,10 @@ class GGUFFile:
             raise GGUFError(f"Not a GGUF file (bad magic {magic!r}): {self.path}")
         try:
             self._reader = _FastReader.get()(self.path, "r")
-        except Exception as exc:  # the reader raises many kinds on damaged headers
-            raise GGUFError(f"Damaged or truncated GGUF file {self.path}: {exc}") from exc
+        except Exception as exc:  # the reader's numpy errors on a short header say nothing to a user
+            size = self.path.stat().st_size
+            raise GGUFError(f"Damaged or truncated GGUF file {self.path}: its header (metadata and tensor "
+                            f"list) cannot be read from its {size} bytes; download or convert it again") from exc
         self._tensors = {t.name: t for t in self._reader.tensors}
         self._check_extent()
         self.metadata: dict[str, Any] = self._read_metadata()
@@ -124,7 +126,7 @@ class GGUFFile:
                 strings = self._reader.string_arrays.get(id(field.parts[-1])) if field.parts else None
                 meta[key] = strings if strings is not None else field.contents()
             except Exception as exc:
-                raise GGUFError(f"Damaged metadata field {key!r} in {self.path}: {exc}") from exc
+                raise GGUFError(f"Damaged metadata field {key!r} in {self.path}: its value cannot be read") from exc
         return meta
 
     @property

@@ -14,6 +14,7 @@ way the template writes it.
 """
 from __future__ import annotations
 
+import re
 import threading
 import weakref
 from typing import Any, Optional, Protocol
@@ -107,12 +108,22 @@ class GrammarCompiler:
         missing = sorted(m for m in _token_markers(fmt) if m not in self.markers)
         if missing:
             raise ValueError(f"this model's vocabulary has no {', '.join(missing)} token")
-        tag = xgr.StructuralTag.model_validate({"type": "structural_tag", "format": fmt})
         try:
+            tag = xgr.StructuralTag.model_validate({"type": "structural_tag", "format": fmt})
             compiled = self._compiler.compile_structural_tag(tag)
         except (RuntimeError, ValueError) as exc:  # a schema xgrammar cannot turn into a grammar
-            raise ValueError(f"cannot build a grammar for this request: {exc}") from None
+            raise ValueError(f"cannot build a grammar for this request: {_plain_message(exc)}") from None
         return Grammar(compiled, self.vocab_size)
+
+
+# xgrammar's C++ errors start "[12:00:00] /project/cpp/json_schema_converter.cc:5082: ": its source, not ours.
+_CPP_LOCATION = re.compile(r"^\[[\d:.]+\]\s+\S+:\d+:\s*")
+
+
+def _plain_message(exc: Exception) -> str:
+    """The first line of a compiler error, without the C++ source location xgrammar puts in front."""
+    lines = str(exc).strip().splitlines()
+    return _CPP_LOCATION.sub("", lines[0]) if lines else type(exc).__name__
 
 
 _compilers: "weakref.WeakKeyDictionary[Any, GrammarCompiler]" = weakref.WeakKeyDictionary()

@@ -1,4 +1,4 @@
-"""The HTTP application: routes, API-key check, request metrics (`hf2q serve` is server/launch.py)."""
+"""The HTTP application: routes, API-key check, CORS, request metrics (`hf2q serve` is server/launch.py)."""
 from __future__ import annotations
 
 import hmac
@@ -10,9 +10,10 @@ from fastapi.responses import JSONResponse, Response
 
 from hf2q.server.errors import APIError, install_error_handlers
 from hf2q.server.metrics import CONTENT_TYPE
-from hf2q.server.schemas import ChatCompletionRequest, CompletionRequest
+from hf2q.server.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from hf2q.server.serving_chat import ChatServing
 from hf2q.server.serving_completions import CompletionServing
+from hf2q.server.serving_tokens import detokenize, tokenize
 from hf2q.server.state import ServerState
 
 
@@ -41,7 +42,7 @@ class _RequestMetrics:
             self.state.metrics.requests.labels(route=route, status=str(status["code"])).inc()
 
 
-_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize", "/health", "/metrics")
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -56,6 +57,11 @@ def build_app(state: ServerState) -> FastAPI:
     app.state.hf2q = state
     install_error_handlers(app)
     app.add_middleware(_RequestMetrics, state=state)
+    if state.config.allowed_origins:  # browsers' cross-origin calls; off unless --allowed-origins is given
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(state.config.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
     chat, completions = ChatServing(state), CompletionServing(state)
 
     def check_key(request: Request) -> None:
@@ -77,6 +83,14 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/completions", dependencies=auth)
     async def text_completions(body: CompletionRequest, request: Request) -> Response:
         return await completions.create(body, request)
+
+    @app.post("/tokenize", dependencies=auth)
+    async def tokenize_route(body: TokenizeRequest) -> JSONResponse:
+        return JSONResponse(tokenize(state, body))
+
+    @app.post("/detokenize", dependencies=auth)
+    async def detokenize_route(body: DetokenizeRequest) -> JSONResponse:
+        return JSONResponse(detokenize(state, body))
 
     @app.get("/v1/models", dependencies=auth)
     async def models() -> JSONResponse:

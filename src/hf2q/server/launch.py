@@ -27,8 +27,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     d = SchedulerConfig()
     p.add_argument("--model", help="GGUF file to serve; without it a tiny built-in demo model is served")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8080)
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--port", type=port_number, default=8080, help="TCP port, 1-65535 (default: %(default)s)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes, /tokenize and /detokenize")
+    p.add_argument("--allowed-origins", type=origins, default=(),
+                   help="CORS: comma-separated origins browsers may call from, or '*' for any (default: none)")
     p.add_argument("--served-model-name", help="model id in the API (default: the GGUF's general.name or stem)")
     p.add_argument("--chat-template", help="Jinja chat template file overriding the GGUF's own")
     p.add_argument("--max-model-len", type=int,
@@ -124,7 +126,7 @@ def build_state(args):
         aengine = AsyncEngine(engine)
     config = ServerConfig(model_name=_model_name(args, model, is_demo), is_demo=is_demo, api_key=args.api_key,
                           default_chat_template_kwargs=dict(args.default_chat_template_kwargs),
-                          max_model_len=max_len)
+                          max_model_len=max_len, allowed_origins=tuple(getattr(args, "allowed_origins", ())))
     state = ServerState(model, aengine, config, scripted_replies=_scripted(args.scripted_replies, model.tokenizer))
     aengine.on_step = lambda eng, _outputs: state.metrics.observe_step(eng)
     aengine.start()
@@ -152,6 +154,22 @@ def run_serve(args: argparse.Namespace) -> int:
     server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5))
     server.run(sockets=[sock])
     return 0
+
+
+def port_number(text: str) -> int:
+    """argparse type: a TCP port one can listen on (getaddrinfo would wrap 99999 to another port)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port number: use 1-65535")
+    return port
+
+
+def origins(text: str) -> tuple[str, ...]:
+    """argparse type: 'https://a.example,http://localhost:3000' or '*'."""
+    return tuple(o.strip() for o in text.split(",") if o.strip())
 
 
 def reserve_port(host: str, port: int) -> socket.socket:

@@ -1,24 +1,47 @@
-"""OpenAI request bodies, strict: an unknown or unsupported field is a 400, never silently ignored.
+"""OpenAI request bodies, strict: an unknown field is a 400, never silently ignored.
 
-Types are checked here (pydantic, strict mode so `"5"` is not an integer); value ranges of sampling knobs
-are checked once, by `SamplingParams`.
+Every field of OpenAI's chat and completions request schemas is declared, and `null` means absent (the SDK
+and other clients send `null` for unset fields). Types are checked here (pydantic, strict mode so `"5"` is
+not an integer); whether a field's value can be honoured is decided in `request_fields`, value ranges of
+sampling knobs once, by `SamplingParams`.
 """
 from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
 
 Number = Union[StrictInt, StrictFloat]
+Anything = Optional[Any]  # a field we accept in any shape and then honour or refuse by its value
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data: Any) -> Any:
+        """`"field": null` means the field is not set: its default applies."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+
+class CacheBreakpoint(_Strict):
+    """A prompt-cache hint on a content part; hf2q's prefix cache is automatic, so it changes nothing."""
+    mode: Literal["explicit"]
+    ttl: Optional[Literal["30m", "12h"]] = None
+
+
+class CacheOptions(_Strict):
+    mode: Optional[Literal["implicit", "explicit"]] = None
+    ttl: Optional[StrictStr] = None
+
 
 class TextPart(_Strict):
     type: Literal["text"]
     text: StrictStr
+    prompt_cache_breakpoint: Optional[CacheBreakpoint] = None
 
 
 class OtherPart(BaseModel):
@@ -42,12 +65,17 @@ class ToolCallIn(_Strict):
 
 
 class Message(_Strict):
+    """A message as clients send it, including what the SDK's own response message dumps to."""
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Content] = None
     name: Optional[StrictStr] = None
     reasoning_content: Optional[StrictStr] = None
     tool_calls: Optional[list[ToolCallIn]] = None
     tool_call_id: Optional[StrictStr] = None
+    refusal: Optional[StrictStr] = None
+    annotations: Optional[list[dict[str, Any]]] = None  # url citations of an earlier answer: not model input
+    audio: Anything = None           # a reference to earlier audio output: refused unless null
+    function_call: Anything = None   # the legacy form of tool_calls: refused unless null
 
 
 class FunctionDef(_Strict):
@@ -73,7 +101,8 @@ class NamedToolChoice(_Strict):
 
 class StreamOptions(_Strict):
     include_usage: Optional[StrictBool] = None
-    continuous_usage_stats: Optional[StrictBool] = None
+    include_obfuscation: Optional[StrictBool] = None
+    continuous_usage_stats: Optional[StrictBool] = None  # vLLM extension: usage so far on every chunk
 
 
 class JSONSchemaSpec(BaseModel):
@@ -91,7 +120,7 @@ class ResponseFormat(_Strict):
 
 
 class _Sampling(_Strict):
-    """Fields shared by chat and text completions."""
+    """Fields shared by chat and text completions (vLLM's extensions among them: top_k ... stop_token_ids)."""
     model: Optional[StrictStr] = None
     max_tokens: Optional[StrictInt] = None
     temperature: Optional[Number] = None
@@ -107,7 +136,7 @@ class _Sampling(_Strict):
     n: StrictInt = 1
     stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
-    user: Optional[StrictStr] = None  # accepted and not used: an end-user id for abuse tracking
+    user: Optional[StrictStr] = None  # an end-user id: logged
     min_tokens: StrictInt = 0
     ignore_eos: StrictBool = False
     stop_token_ids: Optional[list[StrictInt]] = None
@@ -124,6 +153,23 @@ class ChatCompletionRequest(_Sampling):
     response_format: Optional[ResponseFormat] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
     thinking_budget: Optional[StrictInt] = None  # extension: reasoning tokens before `</think>` is forced
+    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]] = None
+    verbosity: Optional[Literal["low", "medium", "high"]] = None
+    store: Optional[StrictBool] = None
+    metadata: Optional[dict[StrictStr, StrictStr]] = None
+    service_tier: Optional[Literal["auto", "default", "flex", "scale", "priority", "fast"]] = None
+    prompt_cache_key: Optional[StrictStr] = None
+    prompt_cache_options: Optional[CacheOptions] = None
+    prompt_cache_retention: Optional[Literal["in_memory", "24h"]] = None
+    safety_identifier: Optional[StrictStr] = None
+    modalities: Optional[list[Literal["text", "audio"]]] = None
+    # Accepted in any shape, then refused unless null: honouring them would need what hf2q does not have.
+    audio: Anything = None
+    prediction: Anything = None
+    web_search_options: Anything = None
+    moderation: Anything = None
+    functions: Anything = None
+    function_call: Anything = None
 
 
 class CompletionRequest(_Sampling):
@@ -132,3 +178,19 @@ class CompletionRequest(_Sampling):
     echo: StrictBool = False
     suffix: Optional[StrictStr] = None
     best_of: Optional[StrictInt] = None
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's `/tokenize`: a `prompt`, or `messages` rendered by the chat template as chat requests are."""
+    model: Optional[StrictStr] = None
+    prompt: Optional[StrictStr] = None
+    messages: Optional[list[Message]] = None
+    add_generation_prompt: StrictBool = True
+    tools: Optional[list[Tool]] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    return_token_strs: StrictBool = False
+
+
+class DetokenizeRequest(_Strict):
+    model: Optional[StrictStr] = None
+    tokens: list[StrictInt]

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from hf2q.server.chat_output import ChatOutput
 from hf2q.server.choices import Choices, logprob_entries
 from hf2q.server.errors import APIError, bad_request
+from hf2q.server.request_fields import check_chat_fields, log_labels, thinking_budget, thinking_kwargs
 from hf2q.server.sampling import build_params
 from hf2q.server.schemas import ChatCompletionRequest, Message
 from hf2q.server.sse import DONE, event, unless_disconnected
@@ -31,7 +32,11 @@ def _template_message(i: int, m: Message) -> dict:
             if part.type != "text":
                 raise bad_request(f"content part type {part.type!r} is not supported: this server accepts text "
                                   f"parts only", param=f"messages[{i}].content[{j}]")
-    msg = m.model_dump(exclude_none=True)
+    msg = m.model_dump(exclude_none=True, exclude={"annotations", "refusal"})
+    if m.role == "developer":  # OpenAI's newer name for the system message
+        msg["role"] = "system"
+    if m.refusal and not m.content:  # an earlier answer that was a refusal: it is what the assistant said
+        msg["content"] = m.refusal
     for j, call in enumerate(msg.get("tool_calls") or []):
         args = call["function"]["arguments"]
         if isinstance(args, str):  # OpenAI sends a JSON string; Qwen's template iterates a mapping
@@ -78,24 +83,30 @@ def _constrained(req: ChatCompletionRequest) -> bool:
     return forced or (req.response_format is not None and req.response_format.type != "text")
 
 
+def render_prompt(state: ServerState, messages: list[Message], tools: Optional[list[dict]], extra: dict,
+                  add_generation_prompt: bool = True) -> str:
+    """The prompt text of a conversation: the model's chat template, the server's default kwargs under `extra`."""
+    kwargs = {**state.config.default_chat_template_kwargs, **extra}
+    bad = [k for k in kwargs if k in _RESERVED_TEMPLATE_KWARGS]
+    if bad:
+        raise bad_request(f"chat_template_kwargs may not set {', '.join(bad)}", param="chat_template_kwargs")
+    rendered = [_template_message(i, m) for i, m in enumerate(messages)]
+    try:
+        return state.model.chat_template.render(rendered, tools=tools, add_generation_prompt=add_generation_prompt,
+                                                **kwargs)
+    except Exception as exc:  # TemplateError, or a template raising on a message it refuses
+        raise bad_request(f"the chat template could not render these messages: {exc}", param="messages")
+
+
 class ChatServing:
     def __init__(self, state: ServerState):
         self.state = state
 
     def render(self, req: ChatCompletionRequest) -> tuple[str, Optional[list[dict]]]:
-        messages = [_template_message(i, m) for i, m in enumerate(req.messages)]
-        kwargs = {**self.state.config.default_chat_template_kwargs, **(req.chat_template_kwargs or {})}
-        bad = [k for k in kwargs if k in _RESERVED_TEMPLATE_KWARGS]
-        if bad:
-            raise bad_request(f"chat_template_kwargs may not set {', '.join(bad)}", param="chat_template_kwargs")
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         template_tools = None if req.tool_choice == "none" else tools
-        try:
-            text = self.state.model.chat_template.render(messages, tools=template_tools, add_generation_prompt=True,
-                                                         **kwargs)
-        except Exception as exc:  # TemplateError, or a template raising on a message it refuses
-            raise bad_request(f"the chat template could not render these messages: {exc}", param="messages")
-        return text, tools
+        extra = {**thinking_kwargs(req), **(req.chat_template_kwargs or {})}
+        return render_prompt(self.state, req.messages, template_tools, extra), tools
 
     async def grammar(self, req: ChatCompletionRequest, tools: Optional[list[dict]], opens_reasoning: bool):
         """The request's compiled grammar (compiled off the event loop; the compiler is built once per model)."""
@@ -114,6 +125,7 @@ class ChatServing:
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self.state.check_model(req.model)
+        check_chat_fields(req)
         _check_unsupported(req)
         prompt_text, tools = self.render(req)
         prompt_ids = self.state.model.tokenizer.encode(prompt_text)
@@ -121,7 +133,7 @@ class ChatServing:
         params = build_params(req, self.state.model.config.vocab_size, max_tokens, req.logprobs,
                               req.top_logprobs or 0)
         starts = prompt_opens_reasoning(prompt_text)
-        choices = Choices(self.state, prompt_ids, params, "messages", req.thinking_budget, starts)
+        choices = Choices(self.state, prompt_ids, params, "messages", thinking_budget(req), starts)
         if _constrained(req):
             choices.kwargs["grammar"] = await self.grammar(req, tools, starts)
         await choices.start()
@@ -129,8 +141,12 @@ class ChatServing:
                    for _ in range(params.n)]
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()),
                 "model": self.state.config.model_name}
+        if req.service_tier is not None:
+            head["service_tier"] = "default"  # what "auto" resolves to here: the only tier
+        log_labels("chat", head["id"], req)
         if req.stream:
-            usage = bool(req.stream_options and req.stream_options.include_usage)
+            opts = req.stream_options
+            usage = "continuous" if opts and opts.continuous_usage_stats else bool(opts and opts.include_usage)
             return StreamingResponse(self._stream(choices, outputs, head, req.logprobs, usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         body = await unless_disconnected(raw, self._collect(choices, outputs, head, req.logprobs))
@@ -157,7 +173,9 @@ class ChatServing:
                 "usage": choices.usage(sum(o.reasoning_tokens for o in outputs))}
 
     async def _stream(self, choices: Choices, outputs: list[ChatOutput], head: dict, logprobs: bool,
-                      include_usage: bool) -> AsyncIterator[str]:
+                      include_usage) -> AsyncIterator[str]:
+        """include_usage: False, True (a last chunk with the usage) or "continuous" (usage so far on every
+        chunk too, vLLM's continuous_usage_stats)."""
         chunk = {**head, "object": "chat.completion.chunk"}
         if include_usage:
             chunk["usage"] = None
@@ -166,6 +184,9 @@ class ChatServing:
             choice = {"index": index, "delta": delta, "finish_reason": finish}
             if logprobs:
                 choice["logprobs"] = {"content": lp} if lp is not None else None
+            if include_usage == "continuous":
+                return event({**chunk, "choices": [choice],
+                              "usage": choices.usage(sum(o.reasoning_tokens for o in outputs))})
             return event({**chunk, "choices": [choice]})
 
         try:

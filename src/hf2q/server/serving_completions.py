@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from hf2q.engine.sampling_params import MAX_TOP_LOGPROBS
 from hf2q.server.choices import Choices
 from hf2q.server.errors import APIError, bad_request
+from hf2q.server.request_fields import check_stream_options, log_labels
 from hf2q.server.sampling import build_params
 from hf2q.server.schemas import CompletionRequest
 from hf2q.server.sse import DONE, event, unless_disconnected
@@ -65,6 +66,7 @@ class CompletionServing:
 
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
         self.state.check_model(req.model)
+        check_stream_options(req)
         if req.echo:
             raise bad_request("echo is not supported", param="echo")
         if req.suffix is not None:
@@ -82,9 +84,11 @@ class CompletionServing:
         await choices.start()
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": self.state.config.model_name}
+        log_labels("completion", head["id"], req)
         lps = [CompletionLogprobs(self.state.model.tokenizer) if want_lp else None for _ in range(params.n)]
         if req.stream:
-            usage = bool(req.stream_options and req.stream_options.include_usage)
+            opts = req.stream_options
+            usage = "continuous" if opts and opts.continuous_usage_stats else bool(opts and opts.include_usage)
             return StreamingResponse(self._stream(choices, head, lps, usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         body = await unless_disconnected(raw, self._collect(choices, head, lps))
@@ -105,14 +109,18 @@ class CompletionServing:
                   for i, t in enumerate(texts)]
         return {**head, "choices": result, "usage": choices.usage()}
 
-    async def _stream(self, choices: Choices, head: dict, lps: list, include_usage: bool) -> AsyncIterator[str]:
+    async def _stream(self, choices: Choices, head: dict, lps: list, include_usage) -> AsyncIterator[str]:
+        """include_usage: False, True (a last chunk with the usage) or "continuous" (usage on every chunk too)."""
         try:
             async with aclosing(choices.stream()) as stream:
                 async for gen, out in stream:
                     lp = lps[gen.index]
-                    yield event({**head, "choices": [{
+                    chunk = {**head, "choices": [{
                         "index": gen.index, "text": out.new_text, "finish_reason": out.finish_reason,
-                        "logprobs": lp.piece(out.logprobs) if lp is not None else None}]})
+                        "logprobs": lp.piece(out.logprobs) if lp is not None else None}]}
+                    if include_usage == "continuous":
+                        chunk["usage"] = choices.usage()
+                    yield event(chunk)
             if include_usage:
                 yield event({**head, "choices": [], "usage": choices.usage()})
         except Exception as exc:  # the status line is already sent: report in the stream

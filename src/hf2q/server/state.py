@@ -17,6 +17,7 @@ class ServerConfig:
     api_key: Optional[str] = None
     default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     max_model_len: int = 4096
+    allowed_origins: tuple[str, ...] = ()  # CORS: origins browsers may call from ("*" for any); none by default
 
 
 @dataclass
