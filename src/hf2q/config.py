@@ -80,44 +80,71 @@ class ModelConfig:
                 raise ConfigError(f"GGUF metadata lacks required key {full!r}")
             return default
 
-        n_mtp = int(get("nextn_predict_layers", 0))
-        block_count = int(get("block_count"))
-        key_len, value_len = int(get("attention.key_length")), int(get("attention.value_length"))
+        def count(key: str, default: Any = ..., minimum: int = 1, maximum: int = 1 << 31) -> int:
+            value = get(key, default)
+            if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+                raise ConfigError(f"GGUF metadata {arch}.{key} must be an integer in [{minimum}, {maximum}], "
+                                  f"got {value!r}")
+            return value
+
+        def real(key: str) -> float:
+            value = get(key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ConfigError(f"GGUF metadata {arch}.{key} must be a finite number > 0, got {value!r}")
+            return float(value)
+
+        n_mtp = count("nextn_predict_layers", 0, minimum=0)
+        block_count = count("block_count", maximum=1 << 16)  # loops over layers must stay short
+        if block_count <= n_mtp:
+            raise ConfigError(f"GGUF metadata {arch}.nextn_predict_layers ({n_mtp}) leaves no decoder layer "
+                              f"of {arch}.block_count ({block_count})")
+        key_len, value_len = count("attention.key_length"), count("attention.value_length")
         if key_len != value_len:
             raise ConfigError(f"attention key_length {key_len} != value_length {value_len}")
-        n_v = int(get("ssm.time_step_rank"))
-        inner = int(get("ssm.inner_size"))
+        n_v, n_k = count("ssm.time_step_rank"), count("ssm.group_count")
+        inner = count("ssm.inner_size")
+        heads, kv_heads = count("attention.head_count"), count("attention.head_count_kv")
+        for a_key, a, b_key, b in (("attention.head_count", heads, "attention.head_count_kv", kv_heads),
+                                   ("ssm.time_step_rank", n_v, "ssm.group_count", n_k),
+                                   ("ssm.inner_size", inner, "ssm.time_step_rank", n_v)):
+            if a % b:
+                raise ConfigError(f"GGUF metadata {arch}.{a_key} ({a}) is not a multiple of {arch}.{b_key} ({b})")
+        if count("rope.dimension_count", minimum=0) > key_len:
+            raise ConfigError(f"GGUF metadata {arch}.rope.dimension_count exceeds the head size {key_len}")
+        sections = get("rope.dimension_sections", (0, 0, 0, 0))
+        if not isinstance(sections, (list, tuple)) or not all(type(x) is int for x in sections):
+            raise ConfigError(f"GGUF metadata {arch}.rope.dimension_sections must be a list of integers")
         vocab = meta.get(f"{arch}.vocab_size")
         if vocab is None:
             vocab = len(meta.get("tokenizer.ggml.tokens", []))
         common = dict(
             arch=arch,
-            hidden_size=int(get("embedding_length")),
+            hidden_size=count("embedding_length"),
             num_layers=block_count - n_mtp,
             num_mtp_layers=n_mtp,
-            num_heads=int(get("attention.head_count")),
-            num_kv_heads=int(get("attention.head_count_kv")),
+            num_heads=heads,
+            num_kv_heads=kv_heads,
             head_dim=key_len,
-            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
-            context_length=int(get("context_length")),
-            rope_theta=float(get("rope.freq_base")),
-            rotary_dim=int(get("rope.dimension_count")),
-            rope_sections=tuple(int(x) for x in get("rope.dimension_sections", (0, 0, 0, 0))),
-            full_attention_interval=int(get("full_attention_interval", 4)),
-            linear_num_k_heads=int(get("ssm.group_count")),
+            rms_norm_eps=real("attention.layer_norm_rms_epsilon"),
+            context_length=count("context_length"),
+            rope_theta=real("rope.freq_base"),
+            rotary_dim=count("rope.dimension_count", minimum=0),
+            rope_sections=tuple(sections),
+            full_attention_interval=count("full_attention_interval", 4),
+            linear_num_k_heads=n_k,
             linear_num_v_heads=n_v,
-            linear_k_head_dim=int(get("ssm.state_size")),
+            linear_k_head_dim=count("ssm.state_size"),
             linear_v_head_dim=inner // n_v,
-            conv_kernel=int(get("ssm.conv_kernel")),
+            conv_kernel=count("ssm.conv_kernel"),
             vocab_size=int(vocab),
             name=str(meta.get("general.name", "")),
         )
         if arch == "qwen35moe":
-            return cls(**common, num_experts=int(get("expert_count")),
-                       num_experts_per_tok=int(get("expert_used_count")),
-                       moe_intermediate_size=int(get("expert_feed_forward_length")),
-                       shared_expert_intermediate_size=int(get("expert_shared_feed_forward_length", 0)))
-        return cls(**common, intermediate_size=int(get("feed_forward_length")))
+            return cls(**common, num_experts=count("expert_count"),
+                       num_experts_per_tok=count("expert_used_count"),
+                       moe_intermediate_size=count("expert_feed_forward_length"),
+                       shared_expert_intermediate_size=count("expert_shared_feed_forward_length", 0, minimum=0))
+        return cls(**common, intermediate_size=count("feed_forward_length"))
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,8 @@ Block formats are decoded by the `gguf` package's reference dequantization (neve
 """
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +40,20 @@ class _FastReader:
                     self.string_arrays = {}
                     super().__init__(*args, **kwargs)
 
+                def _get(self, offset, dtype, count=1, override_order=None):
+                    end = int(offset) + np.dtype(dtype).itemsize * int(count)
+                    if end > len(self.data):  # numpy would hand back a short array: refuse it here
+                        raise GGUFError(f"needs bytes up to {end:,} but the file has {len(self.data):,}")
+                    return super()._get(offset, dtype, count, override_order)
+
+                def _build_tensors(self, start_offs, fields):
+                    for field in fields:  # declared sizes first: their product can wrap in numpy
+                        n = math.prod(int(d) for d in field.parts[3])
+                        if n > 8 * len(self.data):
+                            name = bytes(field.parts[1]).decode(errors="replace")
+                            raise GGUFError(f"tensor {name!r} declares {n:,} elements, more than the file holds")
+                    super()._build_tensors(start_offs, fields)
+
                 def _get_field_parts(self, orig_offs, raw_type):
                     if GGUFValueType(raw_type) != GGUFValueType.ARRAY:
                         return super()._get_field_parts(orig_offs, raw_type)
@@ -63,6 +79,8 @@ class _FastReader:
                             window = plain[offs:offs + max(1 << 24, 8 + int.from_bytes(
                                 plain[offs:offs + 8].tobytes(), order))].tobytes()
                         length = int.from_bytes(window[rel:rel + 8], order)
+                        if offs + 8 + length > len(plain):
+                            raise GGUFError(f"a string at byte {offs:,} runs past the end of the file")
                         strings.append(window[rel + 8:rel + 8 + length].decode("utf-8"))
                         offs += 8 + length
                     region = plain[orig_offs + 12:offs]
@@ -76,6 +94,21 @@ class _FastReader:
 
 class GGUFError(ValueError):
     """A file that cannot be loaded; the message names the file and what is wrong."""
+
+
+def _describe(exc: Exception) -> str:
+    """The gguf reader's error in words, without numpy's or the codec's phrasing."""
+    if isinstance(exc, UnicodeDecodeError):
+        return "a key, tensor name or string is not valid UTF-8"
+    bad_enum = re.search(r"(\d+)\)? is not a valid (GGUFValueType|GGMLQuantizationType)", str(exc))
+    if bad_enum:
+        kind = "metadata value type" if bad_enum[2] == "GGUFValueType" else "tensor type"
+        return f"unknown {kind} {bad_enum[1]}"
+    if isinstance(exc, KeyError):  # the reader's duplicate-key error
+        return str(exc.args[0]) if exc.args else "duplicate key"
+    if isinstance(exc, (IndexError, TypeError, OverflowError)) or "numpy" in type(exc).__module__:
+        return f"its structure is inconsistent ({type(exc).__name__})"
+    return str(exc)
 
 
 @dataclass(frozen=True)
@@ -101,10 +134,8 @@ class GGUFFile:
             raise GGUFError(f"Not a GGUF file (bad magic {magic!r}): {self.path}")
         try:
             self._reader = _FastReader.get()(self.path, "r")
-        except Exception as exc:  # the reader's numpy errors on a short header say nothing to a user
-            size = self.path.stat().st_size
-            raise GGUFError(f"Damaged or truncated GGUF file {self.path}: its header (metadata and tensor "
-                            f"list) cannot be read from its {size} bytes; download or convert it again") from exc
+        except Exception as exc:  # the reader raises many kinds on damaged headers
+            raise GGUFError(f"Damaged or truncated GGUF file {self.path}: {_describe(exc)}") from exc
         self._tensors = {t.name: t for t in self._reader.tensors}
         self._check_extent()
         self.metadata: dict[str, Any] = self._read_metadata()
@@ -116,6 +147,14 @@ class GGUFFile:
             if end > size:
                 raise GGUFError(f"Truncated GGUF file {self.path}: tensor {t.name!r} ends at byte {end} "
                                 f"but the file has {size} bytes")
+        spans = sorted((int(t.data_offset), int(t.data_offset) + int(t.n_bytes), t.name) for t in self._reader.tensors)
+        for start, _, name in spans:
+            if (start - self._reader.data_offset) % self._reader.alignment:
+                raise GGUFError(f"Damaged GGUF file {self.path}: tensor {name!r} data offset is not a multiple "
+                                f"of the alignment ({self._reader.alignment})")
+        for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+            if start < end:
+                raise GGUFError(f"Damaged GGUF file {self.path}: the data of tensors {a!r} and {b!r} overlap")
 
     def _read_metadata(self) -> dict[str, Any]:
         meta: dict[str, Any] = {}

@@ -24,6 +24,10 @@ def build_model(gguf: GGUFFile, cfg: ModelConfig, device="cpu", dtype=torch.floa
     embed_rows = gguf.info("token_embd.weight").shape[0] if "token_embd.weight" in names else None
     if embed_rows is None:
         raise GGUFError(f"{gguf.path}: no token_embd.weight tensor")
+    blocks = {int(n.split(".")[1]) for n in names if n.startswith("blk.") and n.split(".")[1].isdigit()}
+    if max(blocks, default=-1) + 1 != cfg.num_layers + cfg.num_mtp_layers:
+        raise GGUFError(f"{gguf.path}: block_count is {cfg.num_layers + cfg.num_mtp_layers} but the file holds "
+                        f"tensors for {max(blocks, default=-1) + 1} blocks")
     if embed_rows != cfg.vocab_size:
         cfg = dataclasses.replace(cfg, vocab_size=embed_rows)
     with torch.device("meta"):

@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse, Response
 
 from hf2q.server.errors import APIError, install_error_handlers
 from hf2q.server.metrics import CONTENT_TYPE
+from hf2q.server.openapi import install_openapi
 from hf2q.server.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from hf2q.server.serving_chat import ChatServing
 from hf2q.server.serving_completions import CompletionServing
@@ -42,7 +43,8 @@ class _RequestMetrics:
             self.state.metrics.requests.labels(route=route, status=str(status["code"])).inc()
 
 
-_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize", "/health", "/metrics")
+_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize", "/health", "/metrics",
+           "/openapi.json")
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -53,9 +55,11 @@ def build_app(state: ServerState) -> FastAPI:
         yield
         state.engine.shutdown()
 
-    app = FastAPI(title="hf2q", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="hf2q", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json")  # the request models, for clients and schema-driven fuzzers
     app.state.hf2q = state
     install_error_handlers(app)
+    install_openapi(app)
     app.add_middleware(_RequestMetrics, state=state)
     if state.config.allowed_origins:  # browsers' cross-origin calls; off unless --allowed-origins is given
         from starlette.middleware.cors import CORSMiddleware

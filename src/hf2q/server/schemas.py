@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
+from pydantic_core import PydanticCustomError
 
 Number = Union[StrictInt, StrictFloat]
 Anything = Optional[Any]  # a field we accept in any shape and then honour or refuse by its value
@@ -119,8 +120,45 @@ class ResponseFormat(_Strict):
     json_schema: Optional[JSONSchemaSpec] = None
 
 
+def _lone_surrogate(value: Any) -> Optional[str]:
+    """Where a string (or key) holds a lone UTF-16 surrogate: JSON's "\\ud800" parses to a str that has no
+    UTF-8 form, which the tokenizer and the grammar compiler cannot take."""
+    stack = [("body", value)]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, str) and not _is_utf8(v):
+            return path
+        if isinstance(v, dict):
+            for k, item in v.items():
+                if isinstance(k, str) and not _is_utf8(k):
+                    return path
+                stack.append((str(k) if path == "body" else f"{path}.{k}", item))
+        elif isinstance(v, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in enumerate(v))
+    return None
+
+
+def _is_utf8(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
 class _Sampling(_Strict):
     """Fields shared by chat and text completions (vLLM's extensions among them: top_k ... stop_token_ids)."""
+    """Fields shared by chat and text completions."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        where = _lone_surrogate(data)
+        if where is not None:
+            message = f"invalid value for {where}: not valid Unicode (a lone UTF-16 surrogate such as \\ud800)"
+            raise PydanticCustomError("unicode", "{message}", {"message": message})
+        return data
+
     model: Optional[StrictStr] = None
     max_tokens: Optional[StrictInt] = None
     temperature: Optional[Number] = None

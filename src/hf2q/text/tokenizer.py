@@ -106,6 +106,13 @@ class Tokenizer:
         for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.pre"):
             if key not in meta:
                 raise TokenizerError(f"GGUF metadata lacks {key}")
+        for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
+            if not isinstance(meta[key], list) or not all(isinstance(t, str) for t in meta[key]):
+                raise TokenizerError(f"GGUF metadata {key} must be a list of strings")
+        for key in ("eos_token_id", "eot_token_id", "bos_token_id", "padding_token_id"):
+            value = meta.get(f"tokenizer.ggml.{key}")
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise TokenizerError(f"GGUF metadata tokenizer.ggml.{key} must be an integer, got {value!r}")
         tokens = list(meta["tokenizer.ggml.tokens"])
         token_types = list(meta.get("tokenizer.ggml.token_type", [TokenType.NORMAL] * len(tokens)))
         eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
