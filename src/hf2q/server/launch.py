@@ -15,10 +15,10 @@ import time
 from pathlib import Path
 
 from hf2q.devices import add_device_args, dtype_name, keep_quantized, resolve_device, resolve_dtype
+from hf2q.server.sizing import CPU_MAX_MODEL_LEN, CPU_MAX_NUM_SEQS, CUDA_MAX_NUM_SEQS, choose
 
 log = logging.getLogger("hf2q.serve")
 
-DEFAULT_MAX_MODEL_LEN = 8192
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -34,8 +34,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", help="model id in the API (default: the GGUF's general.name or stem)")
     p.add_argument("--chat-template", help="Jinja chat template file overriding the GGUF's own")
     p.add_argument("--max-model-len", type=int,
-                   help=f"longest prompt + completion in tokens (default: min(model context, {DEFAULT_MAX_MODEL_LEN}))")
-    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="sequences decoded together")
+                   help="longest prompt + completion in tokens (default: on CUDA the model's context when one such "
+                        f"sequence fits in the K/V pool, else what fits; on the CPU min(model context, "
+                        f"{CPU_MAX_MODEL_LEN}))")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help=f"sequences decoded together (default: {CUDA_MAX_NUM_SEQS} on CUDA, {CPU_MAX_NUM_SEQS} on the CPU)")
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
     p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk)
     p.add_argument("--max-waiting", type=int, default=d.max_waiting, help="queued requests before 429")
@@ -69,10 +72,20 @@ def _scripted(path: str | None, tokenizer) -> list[list[int]] | None:
     return [tokenizer.encode(r) for r in replies]
 
 
+def _limits(args, model, device, dtype):
+    """The serving limits (server/sizing.py), from the GPU's free memory after loading on CUDA."""
+    import torch
+
+    free = total = None
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+    max_len = min(args.max_model_len, model.config.context_length) if args.max_model_len else None
+    return choose(model.config, device.type, dtype_name(dtype), args.max_num_seqs, max_len, free, total)
+
+
 def build_state(args):
     """Load the model and start the engine: everything `build_app` needs."""
     import hf2q
-    from hf2q.config import CacheConfig
     from hf2q.engine.async_engine import AsyncEngine
     from hf2q.engine.engine import Engine, EngineConfig
     from hf2q.engine.scheduler import SchedulerConfig
@@ -103,14 +116,13 @@ def build_state(args):
                       keep_quantized=keep_quantized(args))
     log.info("loaded %s (%s, %d layers) in %.1f s", path.name, model.config.arch, model.config.num_layers,
              time.monotonic() - t0)
-    max_len = min(args.max_model_len or DEFAULT_MAX_MODEL_LEN, model.config.context_length)
     if args.max_model_len and args.max_model_len > model.config.context_length:
         log.warning("--max-model-len %d exceeds the model's context %d; using %d", args.max_model_len,
-                    model.config.context_length, max_len)
-    block = 16
-    # One slot and one block more than the sequences need: the decode graphs' padding rows live there.
-    cache = CacheConfig(num_slots=args.max_num_seqs + 1, num_blocks=args.max_num_seqs * -(-max_len // block) + 1,
-                        block_size=block, kv_dtype=dtype_name(dtype))
+                    model.config.context_length, model.config.context_length)
+    limits = _limits(args, model, device, dtype)
+    log.info("sized: %s", limits.why)
+    max_len, cache = limits.max_model_len, limits.cache
+    args.max_num_seqs = limits.max_num_seqs
     sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                             prefill_chunk=args.prefill_chunk, max_waiting=args.max_waiting)
     engine_config = EngineConfig(max_model_len=max_len, scheduler=sched, cache=cache)

@@ -1,0 +1,39 @@
+"""Serving limits from the device's memory (server/sizing.py): what `hf2q serve` picks when not told."""
+from __future__ import annotations
+
+import pytest
+
+from hf2q.bench_shapes import SHAPES
+from hf2q.cache.hybrid import kv_bytes_per_token
+from hf2q.server.sizing import BLOCK, CPU_MAX_MODEL_LEN, choose
+
+GIB = 1 << 30
+CFG = SHAPES["9b"][0]  # context 262,144; 32 KiB of bf16 K/V a token
+
+
+def test_cpu_defaults_hold_every_sequence_at_full_length():
+    limits = choose(CFG, "cpu", "float32", None, None)
+    assert (limits.max_num_seqs, limits.max_model_len) == (8, CPU_MAX_MODEL_LEN)
+    assert limits.cache.num_slots == 9  # one more for the decode graphs' padding rows
+    assert limits.cache.num_blocks == 8 * CPU_MAX_MODEL_LEN // BLOCK + 1
+    given = choose(CFG, "cpu", "float32", 2, 100)
+    assert (given.max_num_seqs, given.max_model_len, given.cache.num_blocks) == (2, 100, 2 * 7 + 1)
+
+
+def test_cuda_pool_from_free_memory_and_the_model_context_by_default():
+    limits = choose(CFG, "cuda", "bfloat16", None, None, free_bytes=120 * GIB, total_bytes=140 * GIB)
+    assert limits.max_num_seqs == 64 and limits.max_model_len == CFG.context_length
+    pool = limits.cache.num_blocks * BLOCK * kv_bytes_per_token(CFG, "bfloat16")
+    assert 100 * GIB < pool <= 120 * GIB - 14 * GIB  # all but the reserve (10% of the card)
+    assert "262144" in limits.why and "GiB" in limits.why
+
+
+def test_cuda_context_shrinks_to_what_fits_unless_asked_for():
+    small = choose(CFG, "cuda", "bfloat16", 4, None, free_bytes=5 * GIB, total_bytes=10 * GIB)
+    per_token = kv_bytes_per_token(CFG, "bfloat16")
+    assert small.max_model_len < CFG.context_length
+    assert small.max_model_len * per_token <= 1 * GIB  # 5 GiB free less the 4 GiB reserve
+    with pytest.raises(ValueError, match="does not fit"):
+        choose(CFG, "cuda", "bfloat16", 4, CFG.context_length, free_bytes=5 * GIB, total_bytes=10 * GIB)
+    with pytest.raises(ValueError, match="too little"):
+        choose(CFG, "cuda", "bfloat16", 4, None, free_bytes=4 * GIB, total_bytes=10 * GIB)
