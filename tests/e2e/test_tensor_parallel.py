@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from hf2q.distributed.serve import check_tensor_parallel
+from tests.e2e.conftest import free_port
 from tests.e2e.conftest import PLAIN_FLAGS, Server
 
 TP_FLAGS = (*PLAIN_FLAGS, "--tensor-parallel-size", "2")
@@ -84,7 +85,7 @@ def test_tp2_greedy_chat_matches_one_rank_and_sigterm_ends_every_rank(server_fac
 def test_killed_rank0_leaves_no_worker(served_model_path, tmp_path):
     # workers are spawned before rank 0 loads; kill rank 0 as soon as one exists, with no shutdown at all
     cmd = [sys.executable, "-m", "hf2q.cli", "serve", "--model", str(served_model_path), "--device", "cpu",
-           "--port", "0", *TP_FLAGS]
+           "--port", str(free_port()), *TP_FLAGS]
     with open(tmp_path / "server.log", "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
