@@ -1,4 +1,5 @@
-"""Serve options that need no model: CORS (`--allowed-origins`) and the port's range."""
+"""Serve options that need no model: CORS (`--allowed-origins`), the port's range, the API key's reach and the
+request-size cap."""
 from __future__ import annotations
 
 import argparse
@@ -17,7 +18,7 @@ PREFLIGHT = {"Origin": "http://localhost:3000", "Access-Control-Request-Method":
 
 def app_client(**config) -> TestClient:
     state = ServerState(model=None, engine=SimpleNamespace(), config=ServerConfig("tiny", **config))
-    return TestClient(build_app(state))
+    return TestClient(build_app(state), raise_server_exceptions=False)  # no engine here: a route past auth fails
 
 
 def test_cors_off_by_default():
@@ -73,3 +74,36 @@ def test_port_out_of_range(port, capsys):
     with pytest.raises(SystemExit) as exit:
         parse("--port", port)
     assert exit.value.code == 2 and "--port" in capsys.readouterr().err
+
+
+def test_api_key_on_every_route_but_health():
+    client = app_client(api_key="k")
+    routes = [(r.path.replace("{name:path}", "x"), m) for r in client.app.routes for m in getattr(r, "methods", ())
+              if m != "HEAD"]
+    assert ("/metrics", "GET") in routes and ("/openapi.json", "GET") in routes
+    for path, method in routes:
+        r = client.request(method, path, json={} if method == "POST" else None)
+        assert r.status_code == (200 if path == "/health" else 401), (method, path)
+    assert client.get("/openapi.json", headers={"Authorization": "Bearer k"}).json()["paths"]
+
+
+def test_metrics_public_and_openapi_without_a_key():
+    """--metrics-public opens /metrics only; with no key set at all, the document is public too."""
+    client = app_client(api_key="k", metrics_public=True)
+    assert client.get("/metrics").status_code != 401
+    assert client.get("/openapi.json").status_code == 401
+    assert app_client().get("/openapi.json").status_code == 200
+    assert parse().max_request_bytes == 8 * 2**20 and parse("--metrics-public").metrics_public
+
+
+def test_request_body_cap():
+    client = app_client(max_request_bytes=1000)
+    r = client.post("/v1/completions", content=b"x" * 1001, headers={"Content-Type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    chunked = client.post("/v1/completions", content=iter([b"{" * 600, b" " * 600]))  # no Content-Length
+    assert chunked.status_code == 413
+    assert client.post("/detokenize", json={"tokens": "x"}).status_code == 400  # under the cap: parsed as usual
+
+
+def test_loopback_by_default():
+    assert parse().host == "127.0.0.1"

@@ -34,12 +34,22 @@ class _Abort:
     request_id: str
 
 
+@dataclass
+class _Stop:
+    reason: str
+
+
+class ShuttingDown(RuntimeError):
+    """The server is stopping: running requests end with this error and new ones are refused."""
+
+
 class AsyncEngine:
     def __init__(self, engine: Engine):
         self.engine = engine
         self._commands: "queue.Queue[object]" = queue.Queue()
         self._sinks: dict[str, Callable[[object], None]] = {}
         self._stop = threading.Event()
+        self._refusal: Optional[str] = None  # set by stop_requests: why new requests are refused
         self._thread = threading.Thread(target=self._loop, name="hf2q-engine", daemon=True)
         self.on_step: Optional[Callable[[Engine, list[RequestOutput]], None]] = None  # metrics hook
 
@@ -82,6 +92,10 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
 
+    def stop_requests(self, reason: str) -> None:
+        """End every running request with `ShuttingDown(reason)` and refuse new ones, so streams close at once."""
+        self._commands.put(_Stop(reason))
+
     # ---- worker thread -------------------------------------------------------------------------
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -92,7 +106,7 @@ class AsyncEngine:
                 outputs = self.engine.step()
             except Exception as exc:  # a broken step fails its requests, never the server
                 log.exception("engine step failed")
-                self._fail_all(exc)
+                self._fail_all(RuntimeError(f"internal error while generating: {exc}"))
                 continue
             for out in outputs:
                 sink = self._sinks.get(out.request_id)
@@ -121,6 +135,9 @@ class AsyncEngine:
 
     def _apply(self, cmd: object) -> None:
         if isinstance(cmd, _Submit):
+            if self._refusal is not None:
+                cmd.accepted.put(ShuttingDown(self._refusal))
+                return
             try:
                 self.engine.add_request(cmd.prompt_ids, cmd.params, request_id=cmd.request_id, **cmd.kwargs)
             except Exception as exc:
@@ -131,9 +148,12 @@ class AsyncEngine:
         elif isinstance(cmd, _Abort):
             self._sinks.pop(cmd.request_id, None)
             self.engine.abort(cmd.request_id)
+        elif isinstance(cmd, _Stop):
+            self._refusal = cmd.reason
+            self._fail_all(ShuttingDown(cmd.reason))
 
-    def _fail_all(self, exc: Exception) -> None:
+    def _fail_all(self, error: Exception) -> None:
         for request_id, sink in list(self._sinks.items()):
             self.engine.abort(request_id)
-            sink(RuntimeError(f"internal error while generating: {exc}"))
+            sink(error)
         self._sinks.clear()

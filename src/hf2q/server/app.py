@@ -1,6 +1,7 @@
 """The HTTP application: routes, API-key check, CORS, request metrics (`hf2q serve` is server/launch.py)."""
 from __future__ import annotations
 
+import asyncio
 import hmac
 import time
 from contextlib import asynccontextmanager
@@ -8,6 +9,7 @@ from contextlib import asynccontextmanager
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from hf2q.server.body_limit import BodyLimit
 from hf2q.server.errors import APIError, install_error_handlers
 from hf2q.server.metrics import CONTENT_TYPE
 from hf2q.server.openapi import install_openapi
@@ -55,11 +57,12 @@ def build_app(state: ServerState) -> FastAPI:
         yield
         state.engine.shutdown()
 
-    app = FastAPI(title="hf2q", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url="/openapi.json")  # the request models, for clients and schema-driven fuzzers
+    # /openapi.json (the request models, for clients and schema-driven fuzzers) is a route below, behind the key
+    app = FastAPI(title="hf2q", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.hf2q = state
     install_error_handlers(app)
     install_openapi(app)
+    app.add_middleware(BodyLimit, limit=state.config.max_request_bytes)
     app.add_middleware(_RequestMetrics, state=state)
     if state.config.allowed_origins:  # browsers' cross-origin calls; off unless --allowed-origins is given
         from starlette.middleware.cors import CORSMiddleware
@@ -78,7 +81,7 @@ def build_app(state: ServerState) -> FastAPI:
             raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
-    auth = [Depends(check_key)]
+    auth = [Depends(check_key)]  # every route but /health (and /metrics with --metrics-public)
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -90,7 +93,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/tokenize", dependencies=auth)
     async def tokenize_route(body: TokenizeRequest) -> JSONResponse:
-        return JSONResponse(tokenize(state, body))
+        return JSONResponse(await asyncio.to_thread(tokenize, state, body))
 
     @app.post("/detokenize", dependencies=auth)
     async def detokenize_route(body: DetokenizeRequest) -> JSONResponse:
@@ -110,10 +113,14 @@ def build_app(state: ServerState) -> FastAPI:
         return JSONResponse({"status": "ok", "model": state.config.model_name, "demo": state.config.is_demo,
                              "uptime_seconds": round(time.monotonic() - state.metrics.started, 3)})
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=[] if state.config.metrics_public else auth)
     async def metrics() -> Response:
         state.metrics.observe_engine(state.engine.engine)
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/openapi.json", dependencies=auth, include_in_schema=False)
+    async def openapi() -> JSONResponse:
+        return JSONResponse(app.openapi())
 
     return app
 

@@ -10,12 +10,15 @@ import argparse
 import errno
 import json
 import logging
+import signal
 import socket
 import time
 from pathlib import Path
 
 from hf2q.devices import add_device_args, dtype_name, keep_quantized, resolve_device, resolve_dtype
 from hf2q.server.sizing import CPU_MAX_MODEL_LEN, CPU_MAX_NUM_SEQS, CUDA_MAX_NUM_SEQS, choose
+
+from hf2q.server.body_limit import DEFAULT_MAX_REQUEST_BYTES
 
 log = logging.getLogger("hf2q.serve")
 
@@ -26,9 +29,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
     d = SchedulerConfig()
     p.add_argument("--model", help="GGUF file to serve; without it a tiny built-in demo model is served")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default: %(default)s, this machine only; 0.0.0.0 for every interface)")
     p.add_argument("--port", type=port_number, default=8080, help="TCP port, 1-65535 (default: %(default)s)")
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes, /tokenize and /detokenize")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but /health")
+    p.add_argument("--metrics-public", action="store_true",
+                   help="serve /metrics without the API key (for a Prometheus scraper that sends none)")
+    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help="largest request body accepted; larger ones get 413 before parsing (default: %(default)s)")
     p.add_argument("--allowed-origins", type=origins, default=(),
                    help="CORS: comma-separated origins browsers may call from, or '*' for any (default: none)")
     p.add_argument("--served-model-name", help="model id in the API (default: the GGUF's general.name or stem)")
@@ -138,7 +146,9 @@ def build_state(args):
         aengine = AsyncEngine(engine)
     config = ServerConfig(model_name=_model_name(args, model, is_demo), is_demo=is_demo, api_key=args.api_key,
                           default_chat_template_kwargs=dict(args.default_chat_template_kwargs),
-                          max_model_len=max_len, allowed_origins=tuple(getattr(args, "allowed_origins", ())))
+                          max_model_len=max_len, allowed_origins=tuple(getattr(args, "allowed_origins", ())),
+                          metrics_public=getattr(args, "metrics_public", False),
+                          max_request_bytes=getattr(args, "max_request_bytes", DEFAULT_MAX_REQUEST_BYTES))
     state = ServerState(model, aengine, config, scripted_replies=_scripted(args.scripted_replies, model.tokenizer))
     aengine.on_step = lambda eng, _outputs: state.metrics.observe_step(eng)
     aengine.start()
@@ -163,9 +173,30 @@ def run_serve(args: argparse.Namespace) -> int:
     demo = " (DEMO model)" if state.config.is_demo else ""
     log.info("serving %r%s at http://%s:%d/v1 (max_model_len %d, max_num_seqs %d)", state.config.model_name, demo,
              args.host, args.port, state.config.max_model_len, args.max_num_seqs)
-    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5))
+    server = _server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5), state)
     server.run(sockets=[sock])
     return 0
+
+
+def _server(config, state):
+    """uvicorn's server, which on SIGTERM (or Ctrl-C) first ends every running generation.
+
+    Streams then close at once with an error event and [DONE] instead of being cut when the graceful
+    timeout runs out, and a SIGTERM stop exits 0, as a requested stop should, not by uvicorn's re-raised signal.
+    """
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            state.engine.stop_requests("the server is shutting down")
+            await super().shutdown(sockets)
+
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            if sig == signal.SIGTERM and sig in self._captured_signals:
+                self._captured_signals.remove(sig)
+
+    return Server(config)
 
 
 def port_number(text: str) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import re
 from typing import Optional
 
+from hf2q.engine.async_engine import ShuttingDown
 from hf2q.engine.engine import PromptTooLong
 from hf2q.engine.sampling_params import SamplingParams
 from hf2q.engine.scheduler import QueueFull, RequestTooLarge
@@ -51,4 +52,6 @@ def engine_error(exc: BaseException, prompt_param: str) -> APIError | None:
                         headers={"Retry-After": "1"})
     if isinstance(exc, ValueError):
         return _param_error(exc)
+    if isinstance(exc, ShuttingDown):
+        return APIError(503, str(exc), code="server_shutting_down")
     return None

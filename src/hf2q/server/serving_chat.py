@@ -127,8 +127,9 @@ class ChatServing:
         self.state.check_model(req.model)
         check_chat_fields(req)
         _check_unsupported(req)
-        prompt_text, tools = self.render(req)
-        prompt_ids = self.state.model.tokenizer.encode(prompt_text)
+        # Rendering and tokenizing a large conversation takes a while: off the event loop, which keeps serving.
+        prompt_text, tools = await asyncio.to_thread(self.render, req)
+        prompt_ids = await asyncio.to_thread(self.state.model.tokenizer.encode, prompt_text)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = build_params(req, self.state.model.config.vocab_size, max_tokens, req.logprobs,
                               req.top_logprobs or 0)

@@ -1,6 +1,7 @@
 """POST /v1/completions: raw text (or token ids) in, text out; no template, no reasoning split."""
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from contextlib import aclosing
@@ -76,7 +77,7 @@ class CompletionServing:
         if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
             raise bad_request(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {req.logprobs}",
                               param="logprobs")
-        ids = self.prompt_ids(req)
+        ids = await asyncio.to_thread(self.prompt_ids, req)  # a long prompt tokenizes off the event loop
         want_lp = req.logprobs is not None
         params = build_params(req, self.state.model.config.vocab_size, req.max_tokens if req.max_tokens is not None
                               else 16, want_lp, req.logprobs or 0)

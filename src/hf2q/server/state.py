@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from hf2q.server.body_limit import DEFAULT_MAX_REQUEST_BYTES
 from hf2q.server.errors import APIError
 from hf2q.server.metrics import Metrics
 
@@ -18,6 +19,8 @@ class ServerConfig:
     default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     max_model_len: int = 4096
     allowed_origins: tuple[str, ...] = ()  # CORS: origins browsers may call from ("*" for any); none by default
+    metrics_public: bool = False  # /metrics without the API key, for scrapers that send none
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
 
 @dataclass

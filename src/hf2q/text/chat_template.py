@@ -1,8 +1,8 @@
 """The model's chat template, rendered exactly as HF `apply_chat_template(..., tokenize=False)` renders it.
 
-Templates are untrusted code shipped inside model files, so they run in jinja2's immutable sandbox with the
-same globals and filters HF provides (`raise_exception`, `strftime_now`, a `tojson` that keeps non-ASCII
-text), and messages are normalised the way HF normalises them before rendering.
+Templates are untrusted code shipped inside model files, so they run in jinja2's immutable sandbox, with time
+and size limits (text/template_limits.py), and the same globals and filters HF provides (`raise_exception`,
+`strftime_now`, a `tojson` that keeps non-ASCII text); messages are normalised the way HF normalises them.
 """
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from typing import Any, Mapping, Sequence
 
 import jinja2
 import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from hf2q.text.template_limits import TIME_LIMIT_S, LimitedSandbox, TemplateLimitError, render_limited
 
 # Names a message's reasoning may arrive under; templates read `reasoning_content` (HF also fills `thinking`).
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -68,9 +69,8 @@ class _Namespace(jinja2.utils.Namespace):
 
 
 @lru_cache(maxsize=1)
-def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[jinja2.ext.loopcontrols])
+def _environment() -> LimitedSandbox:
+    env = LimitedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -105,7 +105,8 @@ def _message(message: Any) -> dict:
 class ChatTemplate:
     """A compiled chat template plus the special-token strings templates may reference."""
 
-    def __init__(self, source: str, bos_token: str | None = None, eos_token: str | None = None):
+    def __init__(self, source: str, bos_token: str | None = None, eos_token: str | None = None,
+                 time_limit_s: float = TIME_LIMIT_S):
         try:
             self._template = _environment().from_string(source)
         except jinja2.exceptions.TemplateSyntaxError as exc:
@@ -113,6 +114,16 @@ class ChatTemplate:
         self.source = source
         self.bos_token = bos_token
         self.eos_token = eos_token
+        self.time_limit_s = time_limit_s
+        self._probe()
+
+    def _probe(self) -> None:
+        """Refuse at load a template that breaks a limit on a one-line conversation: it would on every request."""
+        try:
+            self.render([{"role": "user", "content": "hi"}])
+        except TemplateError as exc:
+            if isinstance(exc.__cause__, TemplateLimitError):
+                raise TemplateError(f"chat template refused: {exc}") from None
 
     @classmethod
     def from_gguf_metadata(cls, meta: Mapping[str, Any]) -> "ChatTemplate":
@@ -141,11 +152,12 @@ class ChatTemplate:
         variables = {k: v for k, v in (("bos_token", self.bos_token), ("eos_token", self.eos_token)) if v}
         variables.update(_plain(kwargs))
         variables.setdefault("documents", None)
+        variables.update(messages=[_message(m) for m in messages], tools=None if tools is None else _plain(list(tools)),
+                         add_generation_prompt=add_generation_prompt)
         try:
-            return self._template.render(messages=[_message(m) for m in messages],
-                                         tools=None if tools is None else _plain(list(tools)),
-                                         add_generation_prompt=add_generation_prompt, **variables)
+            return render_limited(self._template, variables, self.time_limit_s)
         except jinja2.exceptions.TemplateError as exc:
             raise TemplateError(exc.message or str(exc)) from exc
-        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+        except (TypeError, ValueError, LookupError, AttributeError, ArithmeticError, RecursionError,
+                MemoryError) as exc:
             raise TemplateError(f"chat template failed on this conversation: {exc}") from exc

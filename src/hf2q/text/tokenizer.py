@@ -37,6 +37,7 @@ PRE_TOKENIZER_PATTERNS = {
 EOS_TOKEN_NAMES = ("<|im_end|>", "<|endoftext|>")
 
 _BYTE_OF_CHAR = {c: b for b, c in bytes_to_unicode().items()}
+_LONG_TEXT = 1 << 16  # characters; shorter texts encode in well under a millisecond
 
 
 class TokenizerError(ValueError):
@@ -125,6 +126,8 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; special-token text becomes the special id. BOS is never added here: the
         chat template writes it where the model expects it."""
+        if len(text) > _LONG_TEXT:  # the batch call releases the GIL: a server thread keeps answering meanwhile
+            return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:

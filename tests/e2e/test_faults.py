@@ -1,0 +1,85 @@
+"""Faults through a real server: a storm of clients that leave mid-stream, and SIGTERM with streams running."""
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import threading
+import time
+
+import httpx
+
+from tests.e2e.conftest import PLAIN_FLAGS, Server
+
+HI = [{"role": "user", "content": "hi"}]
+LONG = {"messages": HI, "max_tokens": 400, "ignore_eos": True, "stream": True}
+
+
+def gauges(server) -> dict[str, float]:
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    return {g: float(re.search(rf"^{g} (\S+)$", text, re.M).group(1))
+            for g in ("hf2q_num_requests_running", "hf2q_num_requests_waiting")}
+
+
+async def leave_after_first_chunk(client: httpx.AsyncClient) -> int:
+    async with client.stream("POST", "/v1/chat/completions", json=LONG) as r:
+        if r.status_code == 200:
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    break
+        return r.status_code
+
+
+def test_disconnect_storm(plain_server):
+    """50 streams that leave after their first chunk: every one aborted, the gauges back to 0."""
+    async def storm() -> list[int]:
+        async with httpx.AsyncClient(base_url=plain_server.url, timeout=120,
+                                     limits=httpx.Limits(max_connections=50)) as client:
+            return await asyncio.gather(*(leave_after_first_chunk(client) for _ in range(50)))
+
+    statuses = asyncio.run(storm())
+    assert set(statuses) <= {200, 429} and statuses.count(200) >= 4, statuses
+    deadline = time.monotonic() + 10
+    while any(gauges(plain_server).values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert gauges(plain_server) == {"hf2q_num_requests_running": 0, "hf2q_num_requests_waiting": 0}
+    assert plain_server.healthy()
+
+
+def test_sigterm_with_streams_running(served_model_path, tmp_path):
+    """The server stops in seconds, every stream gets an error event and [DONE], exit 0, no traceback."""
+    server = Server(served_model_path, [*PLAIN_FLAGS, "--log-level", "info"], tmp_path / "server.log")
+    tails: list[list[str]] = []
+    started = threading.Barrier(5)
+
+    def stream() -> None:
+        lines: list[str] = []
+        tails.append(lines)
+        try:
+            with httpx.stream("POST", server.url + "/v1/chat/completions", json=LONG, timeout=60) as r:
+                for i, line in enumerate(r.iter_lines()):
+                    if line:
+                        lines.append(line)
+                    if i == 1:
+                        started.wait(30)
+        except httpx.HTTPError as exc:
+            lines.append(f"transport error: {exc!r}")
+
+    try:
+        clients = [threading.Thread(target=stream) for _ in range(4)]
+        for c in clients:
+            c.start()
+        started.wait(60)
+        t0 = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        code = server.proc.wait(timeout=15)
+        stopped = time.monotonic() - t0
+        for c in clients:
+            c.join(10)
+    finally:
+        server.stop()
+    log = server.log_path.read_text(errors="replace")
+    assert code == 0 and stopped < 5, (code, stopped, log[-3000:])
+    assert "Traceback" not in log and "timeout graceful shutdown exceeded" not in log, log[-3000:]
+    for lines in tails:
+        assert lines[-1] == "data: [DONE]" and "shutting down" in lines[-2], lines[-3:]
