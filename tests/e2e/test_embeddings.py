@@ -80,3 +80,12 @@ def test_embeddings_leave_generation_alone(client):
         stop.set()
         worker.join()
     assert beside == alone
+
+
+def test_every_sdk_field_is_accepted():
+    from openai.types import embedding_create_params
+
+    from hf2q.server.schemas import EmbeddingRequest
+
+    params = embedding_create_params.EmbeddingCreateParams
+    assert set(params.__required_keys__) | set(params.__optional_keys__) <= set(EmbeddingRequest.model_fields)
