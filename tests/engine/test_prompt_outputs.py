@@ -96,3 +96,34 @@ def test_embedding_request_checks(model):
     with pytest.raises(ValueError, match="pooling"):
         engine.add_request([1, 2], SamplingParams(), pooling="max")
     engine.add_request(list(range(100, 228)), SamplingParams(), pooling="last")  # the whole context, no output room
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@torch.inference_mode()
+def test_cuda_graph_runner_keeps_prompt_rows():
+    """One-token prompts that keep their hidden rows, or only prefill, never go through a decode graph, even in
+    a batch that otherwise would; their rows equal a cache-free forward's."""
+    from hf2q.bench_shapes import random_model, tiny_config
+    from hf2q.cache.hybrid import HybridCache
+    from hf2q.engine.prompt_outputs import pool
+    from hf2q.engine.request import Request
+    from hf2q.engine.runner import ModelRunner
+
+    net = random_model(tiny_config(False), device="cuda", dtype=torch.bfloat16, std=0.08, seed=7)
+    cache = HybridCache(net.config, CacheConfig(num_slots=4, num_blocks=64, block_size=16, kv_dtype="bfloat16"),
+                        device="cuda")
+    runner = ModelRunner(net, cache)
+    decode = Request("d", [5, 6, 7], SamplingParams())
+    embed = Request("e", [9], SamplingParams(), prefill_only=True, pooling="last")
+    scored = Request("s", [11], SamplingParams(), prompt_logprobs=1)
+    for req in (decode, embed, scored):
+        req.slot = cache.acquire()
+    runner.run([(decode, 3)])
+    decode.output_ids.append(1)
+    sampling, logits = runner.run([(decode, 1), (embed, 1), (scored, 1)])
+    assert sampling == [decode, scored] and logits.shape[0] == 2
+    want = net(ForwardBatch.single([9], device="cuda"))
+    torch.testing.assert_close(pool(torch.cat(embed.hidden), "last"), F.normalize(want[-1].float(), dim=0).cpu(),
+                               atol=2e-2, rtol=0)
+    assert len(scored.hidden) == 1 and not decode.hidden
