@@ -98,7 +98,7 @@ def test_unknown_model_and_route(plain_server):
 
 
 def test_bad_completions_requests(plain_server):
-    for body, param in [({"prompt": "hi", "echo": True}, "echo"), ({"prompt": ["a", "b"]}, "prompt"),
+    for body, param in [({"prompt": ["a", ""]}, "prompt"), ({"prompt": [[5], []]}, "prompt"), ({"prompt": []}, "prompt"),
                         ({"prompt": "hi", "suffix": "x"}, "suffix"), ({"prompt": ""}, "prompt"),
                         ({"prompt": [999999999]}, "prompt"), ({"prompt": "hi", "logprobs": 21}, "logprobs"),
                         ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options")]:

@@ -71,7 +71,7 @@ COMPLETION_FIELDS = {
     "model": ("tiny", {}, None),
     "prompt": ("hello", {}, None),
     "best_of": (1, {}, None),
-    "echo": (True, {}, "echo"),
+    "echo": (True, {}, None),
     "frequency_penalty": (0.5, {}, None),
     "logit_bias": ({"11": 1}, {}, None),
     "logprobs": (2, {}, None),

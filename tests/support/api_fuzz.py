@@ -48,6 +48,8 @@ def bound_generation(body, model: str):
         return body
     if isinstance(body.get("model"), str) and len(body["model"]) % 4:
         body["model"] = model
+    if "input" in body:  # an embeddings request: it generates nothing and has no token limit
+        return body
     for key in ("max_tokens", "max_completion_tokens"):
         value = body.get(key)
         if type(value) is int and MAX_GEN_TOKENS < value <= 512:

@@ -124,7 +124,7 @@ class TPRunner(ModelRunner):
         rows, row = [], 0
         for req, n in scheduled:
             row += n
-            if req.num_computed + n == req.num_tokens:
+            if req.num_computed + n == req.num_tokens and not req.prefill_only:
                 rows.append(row - 1)
         broadcast(StepMessage(self.cache.drain(), batch.input_ids.tolist(), batch.positions.tolist(), batch.seq_lens,
                               batch.start_lens, batch.slots, rows), self.group)
@@ -143,6 +143,12 @@ class TPEngine(Engine):
         RecordingCache.adopt(self.cache)  # the scheduler built on it keeps the same object
         self.runner = TPRunner(model.net, self.cache, group)
         self.group = group
+
+    def add_request(self, prompt_ids, params, **kwargs):
+        # The vocab-parallel head is a collective the other ranks would have to join for every prompt row.
+        if kwargs.get("prompt_logprobs") is not None:
+            raise ValueError("prompt logprobs (echo with logprobs) are not supported with tensor parallelism")
+        return super().add_request(prompt_ids, params, **kwargs)
 
     def close(self) -> None:
         broadcast(None, self.group)

@@ -10,6 +10,7 @@ import torch
 
 from hf2q.cache.hybrid import HybridCache
 from hf2q.config import CacheConfig
+from hf2q.engine.prompt_outputs import POOLINGS, pool, prompt_logprobs
 from hf2q.engine.request import Request, RequestOutput
 from hf2q.engine.runner import ModelRunner
 from hf2q.engine.sampler import RowState, SampleResult, Sampler
@@ -53,24 +54,34 @@ class Engine:
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: Optional[str] = None,
                     thinking_budget: Optional[int] = None, starts_in_reasoning: bool = False,
                     scripted_ids: Optional[list[int]] = None, group: Optional[str] = None,
-                    grammar: Optional[Grammar] = None) -> Request:
+                    grammar: Optional[Grammar] = None, prefill_only: bool = False,
+                    prompt_logprobs: Optional[int] = None, pooling: Optional[str] = None) -> Request:
         """Queue a request. `grammar` (from `hf2q.engine.grammar`) constrains its output: each sampled
-        row is masked to what the grammar allows next, and the request ends when the grammar is complete."""
+        row is masked to what the grammar allows next, and the request ends when the grammar is complete.
+
+        `prompt_logprobs` (top entries per token) makes the first output carry the prompt tokens' logprobs;
+        `prefill_only` ends the request after its prompt, without sampling; `pooling` ("last" or "mean")
+        makes it an embedding request: prefill only, its one output carries the embedding."""
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
         if not prompt_ids:
             raise ValueError("the prompt is empty")
+        if pooling is not None and pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+        prefill_only = prefill_only or pooling is not None
         n = len(prompt_ids)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
-        if n + max(max_tokens, 1) > self.max_model_len:
+        max_tokens = 0 if prefill_only else max_tokens
+        if n + (0 if prefill_only else max(max_tokens, 1)) > self.max_model_len:
             raise PromptTooLong(f"this model's maximum context length is {self.max_model_len} tokens; the request "
                                 f"has {n} prompt tokens and asks for {max_tokens} more")
         vocab = self.model.config.vocab_size
         bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})")
-        req = Request(request_id, list(prompt_ids), params, max_total_len=n + max_tokens, group=group)
+        req = Request(request_id, list(prompt_ids), params, max_total_len=n + max_tokens, group=group,
+                      prefill_only=prefill_only, prompt_logprobs=prompt_logprobs, pooling=pooling)
         req.extras["out"] = SequenceOutput(self.model, req, max_tokens, thinking_budget, starts_in_reasoning,
                                            scripted_ids, grammar.constraint() if grammar is not None else None)
         self.scheduler.add(req)
@@ -105,7 +116,8 @@ class Engine:
             return []
         self.last_batch = (len(scheduled), sum(n for _, n in scheduled))
         sampling, logits = self.runner.run(scheduled)
-        outputs = []
+        outputs = [self._prefill_done(req) for req, _ in scheduled
+                   if req.prefill_only and req.num_computed == req.num_tokens]
         if sampling:
             states = [req.extras["out"] for req in sampling]
             failed: dict[int, Exception] = {}
@@ -122,6 +134,8 @@ class Engine:
                     try:
                         token = forced[i] if forced[i] is not None else int(result.token_ids[i])
                         out = state.append(token, result, i, forced=forced[i] is not None)
+                        if req.hidden:  # its first token: the prompt's rows are complete
+                            out.prompt_logprobs = self._prompt_logprobs(req)
                     except Exception as exc:
                         error = exc
                 if error is not None:
@@ -133,6 +147,26 @@ class Engine:
                 outputs.append(out)
         self.scheduler.fork_siblings()
         return outputs
+
+    def _prefill_done(self, req: Request) -> RequestOutput:
+        """The one output of a prefill-only request: its prompt logprobs or its embedding."""
+        state = req.extras["out"]
+        try:
+            embedding = pool(torch.cat(req.hidden), req.pooling) if req.pooling is not None else None
+            logprobs = self._prompt_logprobs(req) if req.prompt_logprobs is not None else None
+            out = state.prefill_done()
+            out.prompt_logprobs, out.embedding = logprobs, embedding
+        except Exception as exc:
+            log.error("request %s failed: %r", req.request_id, exc, exc_info=exc)
+            out = state.failed(f"{type(exc).__name__}: {exc}")
+        req.hidden = []
+        self.scheduler.finish(req)
+        self.requests.pop(req.request_id, None)
+        return out
+
+    def _prompt_logprobs(self, req: Request) -> list:
+        hidden, req.hidden = torch.cat(req.hidden), []
+        return prompt_logprobs(self.model.net, hidden, req.prompt_ids, req.prompt_logprobs or 0)
 
     @staticmethod
     def _forced(states: list[SequenceOutput], failed: dict[int, Exception]) -> list[Optional[int]]:

@@ -36,6 +36,9 @@ class RequestOutput:
     num_cached_tokens: int = 0
     logprobs: Optional[list[TokenLogprob]] = None
     error: Optional[str] = None  # why the request failed (finish_reason "error")
+    # With the first output of a request that asked for them: one entry per prompt token, None for the first.
+    prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
+    embedding: Optional[Any] = None  # an embedding request's pooled, L2-normalised fp32 vector (CPU tensor)
 
 
 @dataclass
@@ -55,6 +58,15 @@ class Request:
     siblings: list["Request"] = field(default_factory=list)  # waiting to fork from this leader
     arrival: float = field(default_factory=time.monotonic)
     extras: dict[str, Any] = field(default_factory=dict)
+    prefill_only: bool = False  # computes its prompt and finishes without sampling (max_tokens 0, embeddings)
+    prompt_logprobs: Optional[int] = None  # top entries per prompt token's logprobs, when they are wanted
+    pooling: Optional[str] = None  # "last" | "mean": an embedding request
+    hidden: list[Any] = field(default_factory=list)  # prompt hidden-state chunks, kept only when keeps_hidden
+
+    @property
+    def keeps_hidden(self) -> bool:
+        """The runner keeps this request's prompt hidden rows: for prompt logprobs or an embedding."""
+        return self.prompt_logprobs is not None or self.pooling is not None
 
     @property
     def num_tokens(self) -> int:

@@ -43,7 +43,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, scheduled: list[tuple[Request, int]]) -> tuple[list[Request], torch.Tensor]:
-        """Advance every scheduled request; return the requests that now sample and their logits."""
+        """Advance every scheduled request; return the requests that now sample and their logits.
+
+        A request that keeps its hidden rows (`Request.keeps_hidden`) gets each prompt chunk's rows appended
+        to `req.hidden`; a prefill-only request never samples."""
         for req, n in scheduled:
             self.cache.reserve(req.slot, req.num_computed + n)
         logits = self._run_graph(scheduled)
@@ -57,10 +60,12 @@ class ModelRunner:
         rows, sampling = [], []
         row = 0
         for req, n in scheduled:
+            if req.keeps_hidden and req.num_computed < len(req.prompt_ids):
+                req.hidden.append(hidden[row:row + n].clone())  # chunked prefill: one chunk per step
             row += n
             req.num_computed += n
             self.cache.commit(req.slot, req.num_computed)
-            if req.num_computed == req.num_tokens:
+            if req.num_computed == req.num_tokens and not req.prefill_only:
                 rows.append(row - 1)
                 sampling.append(req)
         if not rows:
@@ -69,7 +74,8 @@ class ModelRunner:
 
     def _run_graph(self, scheduled: list[tuple[Request, int]]) -> Optional[torch.Tensor]:
         """Logits of a decode batch by graph replay (a view valid until the next step), or None to run eagerly."""
-        if not self.use_graphs or any(n != 1 or req.num_computed + 1 != req.num_tokens for req, n in scheduled):
+        if not self.use_graphs or any(n != 1 or req.num_computed + 1 != req.num_tokens or req.prefill_only
+                                      or req.keeps_hidden for req, n in scheduled):
             return None
         graphs = self._decode_graphs()
         if graphs is None or len(scheduled) > graphs.buckets[-1]:

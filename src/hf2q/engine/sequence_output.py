@@ -74,6 +74,10 @@ class SequenceOutput:
             text += tail if stopped else tail + self.stop.flush()
         return self._output([token], text, finish, logprobs)
 
+    def prefill_done(self) -> RequestOutput:
+        """The last output of a prefill-only request: no token, finish reason "length" (max_tokens 0)."""
+        return self._output([], "", "length", None)
+
     def aborted(self) -> RequestOutput:
         return self._output([], "", "abort", None)
 

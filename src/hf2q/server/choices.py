@@ -1,4 +1,4 @@
-"""Run the n engine requests of one API request and merge their deltas.
+"""Run the engine requests of one API request (n choices of each prompt) and merge their deltas.
 
 Every choice is submitted and its first delta awaited before the HTTP response starts, so engine
 refusals (prompt too long, queue full) still become proper 4xx answers. Leaving the merged stream
@@ -26,21 +26,24 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Generation:
-    """One choice: its engine request id and the deltas it produced so far."""
+    """One choice: its engine request id and the deltas it produced so far. As OpenAI numbers them, choice j
+    of prompt i has index i * n + j."""
     index: int
+    prompt: int
     request_id: str
     timer: RequestTimer
     last: Optional[RequestOutput] = None
 
 
 class Choices:
-    def __init__(self, state: ServerState, prompt_ids: list[int], params: SamplingParams, prompt_param: str,
-                 thinking_budget: Optional[int] = None, starts_in_reasoning: bool = False):
+    def __init__(self, state: ServerState, prompts: list[list[int]], params: SamplingParams, prompt_param: str,
+                 **engine_kwargs):
+        """engine_kwargs go to every engine request (`Engine.add_request`: thinking_budget, pooling, ...)."""
         self.state = state
-        self.prompt_ids = prompt_ids
+        self.prompts = prompts
         self.params = params
         self.prompt_param = prompt_param
-        self.kwargs = {"thinking_budget": thinking_budget, "starts_in_reasoning": starts_in_reasoning}
+        self.kwargs = engine_kwargs
         self.arrival = time.monotonic()
         self.gens: list[Generation] = []
         self._iters: list[AsyncIterator[RequestOutput]] = []
@@ -52,12 +55,15 @@ class Choices:
         Choices are submitted together as one group, so the engine prefills the prompt once and the
         other choices fork it.
         """
-        base = uuid.uuid4().hex
-        group = base if self.params.n > 1 else None
-        rids = [f"{base}-{i}" for i in range(self.params.n)]
-        self._iters = [self.state.engine.generate(rid, self.prompt_ids, self.params.for_choice(i), group=group,
+        base, n = uuid.uuid4().hex, self.params.n
+        # Prompt logprobs need every prompt row of every choice, which a forked choice does not compute.
+        fork = n > 1 and self.kwargs.get("prompt_logprobs") is None
+        which = [(p, j) for p in range(len(self.prompts)) for j in range(n)]
+        rids = [f"{base}-{p * n + j}" for p, j in which]
+        self._iters = [self.state.engine.generate(rid, self.prompts[p], self.params.for_choice(j),
+                                                  group=f"{base}-p{p}" if fork else None,
                                                   scripted_ids=self.state.next_script(), **self.kwargs)
-                       for i, rid in enumerate(rids)]
+                       for rid, (p, j) in zip(rids, which)]
         firsts = await asyncio.gather(*(it.__anext__() for it in self._iters), return_exceptions=True)
         failure = next((f for f in firsts if isinstance(f, BaseException)), None)
         if failure is not None:
@@ -67,7 +73,8 @@ class Choices:
                 raise api from None
             raise failure
         self._firsts = list(firsts)
-        self.gens = [Generation(i, rid, RequestTimer(self.state.metrics, self.arrival)) for i, rid in enumerate(rids)]
+        self.gens = [Generation(i, p, rid, RequestTimer(self.state.metrics, self.arrival))
+                     for i, (rid, (p, _)) in enumerate(zip(rids, which))]
 
     async def stream(self) -> AsyncIterator[tuple[Generation, RequestOutput]]:
         """(choice, delta) pairs in arrival order, until every choice finished."""
@@ -97,8 +104,8 @@ class Choices:
                 gen.last = item
                 gen.timer.tokens(len(item.new_token_ids))
                 if item.finished:
-                    gen.timer.done(item.num_prompt_tokens if gen.index == 0 else 0, item.num_cached_tokens,
-                                   item.finish_reason)
+                    prompt = item.num_prompt_tokens if gen.index % self.params.n == 0 else 0
+                    gen.timer.done(prompt, item.num_cached_tokens, item.finish_reason)
                 yield gen, item
         finally:
             for task in tasks:
@@ -116,9 +123,9 @@ class Choices:
         self._iters = []
 
     def usage(self, reasoning_tokens: Optional[int] = None) -> dict:
-        """OpenAI usage: the prompt counted once, completions summed over choices."""
+        """OpenAI usage: each prompt counted once, completions summed over choices."""
         lasts = [g.last for g in self.gens if g.last is not None]
-        prompt = lasts[0].num_prompt_tokens if lasts else len(self.prompt_ids)
+        prompt = sum(len(p) for p in self.prompts)
         completion = sum(o.num_output_tokens for o in lasts)
         usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                  "prompt_tokens_details": {"cached_tokens": max((o.num_cached_tokens for o in lasts), default=0)}}

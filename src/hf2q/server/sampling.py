@@ -51,7 +51,10 @@ def engine_error(exc: BaseException, prompt_param: str) -> APIError | None:
         return APIError(429, f"the server is busy: {exc}; retry shortly", code="queue_full",
                         headers={"Retry-After": "1"})
     if isinstance(exc, ValueError):
-        return _param_error(exc)
+        error = _param_error(exc)
+        if error.param == "prompt":  # the engine's word for the field that carried the tokens
+            error.param = prompt_param
+        return error
     if isinstance(exc, ShuttingDown):
         return APIError(503, str(exc), code="server_shutting_down")
     return None

@@ -146,10 +146,7 @@ def _is_utf8(s: str) -> bool:
         return False
 
 
-class _Sampling(_Strict):
-    """Fields shared by chat and text completions (vLLM's extensions among them: top_k ... stop_token_ids)."""
-    """Fields shared by chat and text completions."""
-
+class _Unicode(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _valid_unicode(cls, data: Any) -> Any:
@@ -158,6 +155,10 @@ class _Sampling(_Strict):
             message = f"invalid value for {where}: not valid Unicode (a lone UTF-16 surrogate such as \\ud800)"
             raise PydanticCustomError("unicode", "{message}", {"message": message})
         return data
+
+
+class _Sampling(_Unicode):
+    """Fields shared by chat and text completions (vLLM's extensions among them: top_k ... stop_token_ids)."""
 
     model: Optional[StrictStr] = None
     max_tokens: Optional[StrictInt] = None
@@ -210,12 +211,26 @@ class ChatCompletionRequest(_Sampling):
     function_call: Anything = None
 
 
+# A string, a list of strings, a token-id list or a list of token-id lists (lm-evaluation-harness sends those).
+Prompts = Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]
+
+
 class CompletionRequest(_Sampling):
-    prompt: Union[StrictStr, list[StrictStr], list[StrictInt]]
+    prompt: Prompts
     logprobs: Optional[StrictInt] = None  # legacy API: the number of top logprobs
     echo: StrictBool = False
     suffix: Optional[StrictStr] = None
     best_of: Optional[StrictInt] = None
+
+
+class EmbeddingRequest(_Unicode):
+    """OpenAI's embeddings request; `pooling` is an extension ("last" token, the default, or "mean")."""
+    input: Prompts
+    model: Optional[StrictStr] = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Optional[StrictInt] = None
+    user: Optional[StrictStr] = None
+    pooling: Literal["last", "mean"] = "last"
 
 
 class TokenizeRequest(_Strict):

@@ -134,7 +134,8 @@ class ChatServing:
         params = build_params(req, self.state.model.config.vocab_size, max_tokens, req.logprobs,
                               req.top_logprobs or 0)
         starts = prompt_opens_reasoning(prompt_text)
-        choices = Choices(self.state, prompt_ids, params, "messages", thinking_budget(req), starts)
+        choices = Choices(self.state, [prompt_ids], params, "messages", thinking_budget=thinking_budget(req),
+                          starts_in_reasoning=starts)
         if _constrained(req):
             choices.kwargs["grammar"] = await self.grammar(req, tools, starts)
         await choices.start()

@@ -1,4 +1,8 @@
-"""POST /v1/completions: raw text (or token ids) in, text out; no template, no reasoning split."""
+"""POST /v1/completions: raw text (or token ids) in, text out; no template, no reasoning split.
+
+Several prompts in one request are batched through the scheduler, one choice each (n per prompt); `echo`
+prepends the prompt, and with `logprobs` its tokens' log-probabilities (what log-likelihood evaluation reads).
+"""
 from __future__ import annotations
 
 import asyncio
@@ -28,12 +32,19 @@ class CompletionLogprobs:
         self.offset = 0
 
     def piece(self, logprobs) -> dict:
+        return self._entries([(lp.token_id, lp) for lp in logprobs or []])
+
+    def prompt_piece(self, prompt_ids: list[int], logprobs: list) -> dict:
+        """The echoed prompt's entries: the first token has null logprob and null top_logprobs, as OpenAI."""
+        return self._entries(list(zip(prompt_ids, logprobs)))
+
+    def _entries(self, pairs) -> dict:
         out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for lp in logprobs or []:
-            token = self._text(lp.token_id)
+        for token_id, lp in pairs:
+            token = self._text(token_id)
             out["tokens"].append(token)
-            out["token_logprobs"].append(float(lp.logprob))
-            out["top_logprobs"].append({self._text(t): float(v) for t, v in lp.top})
+            out["token_logprobs"].append(None if lp is None else _finite(lp.logprob))
+            out["top_logprobs"].append(None if lp is None else {self._text(t): _finite(v) for t, v in lp.top})
             out["text_offset"].append(self.offset)
             self.offset += len(token)
         return out
@@ -42,34 +53,35 @@ class CompletionLogprobs:
         return self.tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
 
 
+def _finite(logprob: float) -> float:
+    return max(float(logprob), -9999.0)  # JSON has no -inf
+
+
 def _merge(into: dict, piece: dict) -> None:
     for key, values in piece.items():
         into.setdefault(key, []).extend(values)
+
+
+def prompt_items(value, param: str) -> list:
+    """A `Prompts` field as a list of items, each a string or a token-id list; a 400 if any is empty."""
+    if isinstance(value, str) or (value and all(isinstance(t, int) for t in value)):
+        value = [value]
+    if not value or any(len(item) == 0 for item in value):
+        raise bad_request(f"the {param} is empty" if len(value) <= 1 else f"{param} has an empty item", param=param)
+    return list(value)
+
+
+def encode_items(tokenizer, items: list) -> list[list[int]]:
+    return [tokenizer.encode(item) if isinstance(item, str) else list(item) for item in items]
 
 
 class CompletionServing:
     def __init__(self, state: ServerState):
         self.state = state
 
-    def prompt_ids(self, req: CompletionRequest) -> list[int]:
-        prompt = req.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                raise bad_request("batched prompts are not supported; send one prompt per request", param="prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            ids = self.state.model.tokenizer.encode(prompt)
-        else:
-            ids = list(prompt)
-        if not ids:
-            raise bad_request("the prompt is empty", param="prompt")
-        return ids
-
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
         self.state.check_model(req.model)
         check_stream_options(req)
-        if req.echo:
-            raise bad_request("echo is not supported", param="echo")
         if req.suffix is not None:
             raise bad_request("suffix (fill-in-the-middle) is not supported", param="suffix")
         if req.best_of is not None and req.best_of != req.n:
@@ -77,48 +89,81 @@ class CompletionServing:
         if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
             raise bad_request(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {req.logprobs}",
                               param="logprobs")
-        ids = await asyncio.to_thread(self.prompt_ids, req)  # a long prompt tokenizes off the event loop
+        tokenizer = self.state.model.tokenizer
+        items = prompt_items(req.prompt, "prompt")
+        prompts = await asyncio.to_thread(encode_items, tokenizer, items)  # long prompts tokenize off the event loop
         want_lp = req.logprobs is not None
-        params = build_params(req, self.state.model.config.vocab_size, req.max_tokens if req.max_tokens is not None
-                              else 16, want_lp, req.logprobs or 0)
-        choices = Choices(self.state, ids, params, "prompt")
+        # max_tokens 0 (with echo: the prompt's logprobs only) computes the prompt and samples nothing.
+        prefill_only = req.max_tokens == 0
+        max_tokens = 16 if req.max_tokens is None else 1 if prefill_only else req.max_tokens
+        params = build_params(req, self.state.model.config.vocab_size, max_tokens, want_lp, req.logprobs or 0)
+        prompt_logprobs = req.logprobs if req.echo and want_lp else None
+        choices = Choices(self.state, prompts, params, "prompt", prefill_only=prefill_only,
+                          prompt_logprobs=prompt_logprobs)
         await choices.start()
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": self.state.config.model_name}
         log_labels("completion", head["id"], req)
-        lps = [CompletionLogprobs(self.state.model.tokenizer) if want_lp else None for _ in range(params.n)]
+        n = len(prompts) * params.n
+        lps = [CompletionLogprobs(tokenizer) if want_lp else None for _ in range(n)]
+        echoes = [item if isinstance(item, str) else tokenizer.decode(item) for item in items] if req.echo else None
         if req.stream:
             opts = req.stream_options
             usage = "continuous" if opts and opts.continuous_usage_stats else bool(opts and opts.include_usage)
-            return StreamingResponse(self._stream(choices, head, lps, usage), media_type="text/event-stream",
+            return StreamingResponse(self._stream(choices, head, lps, echoes, usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        body = await unless_disconnected(raw, self._collect(choices, head, lps))
+        body = await unless_disconnected(raw, self._collect(choices, head, lps, echoes))
         return JSONResponse(body) if body is not None else Response(status_code=499)
 
-    async def _collect(self, choices: Choices, head: dict, lps: list) -> dict:
+    def _first(self, choices: Choices, gen, out, lp, echoes) -> tuple[str, Optional[dict]]:
+        """A choice's first text and logprobs: with echo, its prompt (and the prompt's logprobs) come first."""
+        logprobs = {} if lp is not None else None
+        text = ""
+        if echoes is not None:
+            text = echoes[gen.prompt]
+            if lp is not None and out.prompt_logprobs is not None:
+                _merge(logprobs, lp.prompt_piece(choices.prompts[gen.prompt], out.prompt_logprobs))
+                lp.offset = len(text)
+        if lp is not None:
+            _merge(logprobs, lp.piece(out.logprobs))
+        return text + out.new_text, logprobs
+
+    async def _collect(self, choices: Choices, head: dict, lps: list, echoes) -> dict:
         texts = [[] for _ in lps]
-        logprobs: list[Optional[dict]] = [{} if lp is not None else None for lp in lps]
+        logprobs: list[Optional[dict]] = [None] * len(lps)
         reasons: list[Optional[str]] = [None] * len(lps)
+        started: set[int] = set()
         async with aclosing(choices.stream()) as stream:
             async for gen, out in stream:
-                texts[gen.index].append(out.new_text)
-                if lps[gen.index] is not None:
-                    _merge(logprobs[gen.index], lps[gen.index].piece(out.logprobs))
+                i, lp = gen.index, lps[gen.index]
+                if i not in started:
+                    started.add(i)
+                    text, logprobs[i] = self._first(choices, gen, out, lp, echoes)
+                    texts[i].append(text)
+                else:
+                    texts[i].append(out.new_text)
+                    if lp is not None:
+                        _merge(logprobs[i], lp.piece(out.logprobs))
                 if out.finished:
-                    reasons[gen.index] = out.finish_reason
+                    reasons[i] = out.finish_reason
         result = [{"index": i, "text": "".join(t), "logprobs": logprobs[i], "finish_reason": reasons[i]}
                   for i, t in enumerate(texts)]
         return {**head, "choices": result, "usage": choices.usage()}
 
-    async def _stream(self, choices: Choices, head: dict, lps: list, include_usage) -> AsyncIterator[str]:
+    async def _stream(self, choices: Choices, head: dict, lps: list, echoes, include_usage) -> AsyncIterator[str]:
         """include_usage: False, True (a last chunk with the usage) or "continuous" (usage on every chunk too)."""
+        started: set[int] = set()
         try:
             async with aclosing(choices.stream()) as stream:
                 async for gen, out in stream:
                     lp = lps[gen.index]
-                    chunk = {**head, "choices": [{
-                        "index": gen.index, "text": out.new_text, "finish_reason": out.finish_reason,
-                        "logprobs": lp.piece(out.logprobs) if lp is not None else None}]}
+                    if gen.index not in started:
+                        started.add(gen.index)
+                        text, logprobs = self._first(choices, gen, out, lp, echoes)
+                    else:
+                        text, logprobs = out.new_text, lp.piece(out.logprobs) if lp is not None else None
+                    chunk = {**head, "choices": [{"index": gen.index, "text": text,
+                                                  "finish_reason": out.finish_reason, "logprobs": logprobs}]}
                     if include_usage == "continuous":
                         chunk["usage"] = choices.usage()
                     yield event(chunk)
