@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Iterator, Optional
 import torch
 
 from hf2q.cache.hybrid import HybridCache
+from hf2q.cache.prefix_cache import PrefixCache
 from hf2q.config import CacheConfig
 from hf2q.engine.request import Request, RequestOutput
 from hf2q.engine.runner import ModelRunner
@@ -42,7 +43,9 @@ class Engine:
         self.config = config
         self.max_model_len = min(config.max_model_len, model.config.context_length)
         self.cache = HybridCache(model.config, config.cache, device=model.device)
-        self.scheduler = Scheduler(self.cache, config.scheduler)
+        cc = config.cache
+        self.prefix = PrefixCache(self.cache, cc.prefix_cache_bytes) if cc.prefix_cache_bytes > 0 else None
+        self.scheduler = Scheduler(self.cache, config.scheduler, self.prefix, cc.prefix_checkpoint_stride)
         self.runner = ModelRunner(model.net, self.cache)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
@@ -53,9 +56,10 @@ class Engine:
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: Optional[str] = None,
                     thinking_budget: Optional[int] = None, starts_in_reasoning: bool = False,
                     scripted_ids: Optional[list[int]] = None, group: Optional[str] = None,
-                    grammar: Optional[Grammar] = None) -> Request:
+                    grammar: Optional[Grammar] = None, anchor: Optional[int] = None) -> Request:
         """Queue a request. `grammar` (from `hf2q.engine.grammar`) constrains its output: each sampled
-        row is masked to what the grammar allows next, and the request ends when the grammar is complete."""
+        row is masked to what the grammar allows next, and the request ends when the grammar is complete.
+        `anchor`: the prompt length the next turn of a conversation will extend (a checkpoint is kept there)."""
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
@@ -70,7 +74,8 @@ class Engine:
         bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})")
-        req = Request(request_id, list(prompt_ids), params, max_total_len=n + max_tokens, group=group)
+        req = Request(request_id, list(prompt_ids), params, max_total_len=n + max_tokens, group=group,
+                      anchor=anchor if anchor is not None and 0 < anchor < n else None)
         req.extras["out"] = SequenceOutput(self.model, req, max_tokens, thinking_budget, starts_in_reasoning,
                                            scripted_ids, grammar.constraint() if grammar is not None else None)
         self.scheduler.add(req)
@@ -105,6 +110,7 @@ class Engine:
             return []
         self.last_batch = (len(scheduled), sum(n for _, n in scheduled))
         sampling, logits = self.runner.run(scheduled)
+        self.scheduler.retain_prefixes(scheduled)
         outputs = []
         if sampling:
             states = [req.extras["out"] for req in sampling]
@@ -128,7 +134,7 @@ class Engine:
                     log.error("request %s failed: %r", req.request_id, error, exc_info=error)
                     out = state.failed(f"{type(error).__name__}: {error}")
                 if out.finished:
-                    self.scheduler.finish(req)
+                    self.scheduler.finish(req, retain=out.finish_reason in ("stop", "length"))
                     self.requests.pop(req.request_id, None)
                 outputs.append(out)
         self.scheduler.fork_siblings()

@@ -45,6 +45,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scripted-replies", help="TESTING AID: a JSON file holding a list of strings; generation i "
                    "emits reply i mod len (tokenized, forced instead of sampled), so reasoning and tool-call "
                    "parsing can be tested end to end through the real server. Never for real use.")
+    p.add_argument("--prefix-cache-gb", type=float,
+                   help="retained-prefix budget: K/V and DeltaNet state kept for later prompts to resume from "
+                        "(default: 10%% of free GPU memory on CUDA, 1 GB on CPU)")
+    p.add_argument("--prefix-checkpoint-stride", type=int, default=1024,
+                   help="also keep a prefix checkpoint every N prompt tokens of a prefill, so long shared "
+                        "documents resume too (0: only turn anchors and finished requests; default: %(default)s)")
+    p.add_argument("--no-prefix-cache", action="store_true", help="turn retained-prefix reuse off")
     add_device_args(p)
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="shard the model over N local ranks (one GPU each on CUDA); this process is rank 0 and "
@@ -108,9 +115,12 @@ def build_state(args):
         log.warning("--max-model-len %d exceeds the model's context %d; using %d", args.max_model_len,
                     model.config.context_length, max_len)
     block = 16
+    seq_blocks = args.max_num_seqs * -(-max_len // block)
+    prefix_bytes, prefix_blocks = prefix_budget(args, model, device, block, dtype_name(dtype), seq_blocks)
     # One slot and one block more than the sequences need: the decode graphs' padding rows live there.
-    cache = CacheConfig(num_slots=args.max_num_seqs + 1, num_blocks=args.max_num_seqs * -(-max_len // block) + 1,
-                        block_size=block, kv_dtype=dtype_name(dtype))
+    cache = CacheConfig(num_slots=args.max_num_seqs + 1, num_blocks=seq_blocks + prefix_blocks + 1,
+                        block_size=block, kv_dtype=dtype_name(dtype), prefix_cache_bytes=prefix_bytes,
+                        prefix_checkpoint_stride=args.prefix_checkpoint_stride)
     sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                             prefill_chunk=args.prefill_chunk, max_waiting=args.max_waiting)
     engine_config = EngineConfig(max_model_len=max_len, scheduler=sched, cache=cache)
@@ -131,6 +141,33 @@ def build_state(args):
     aengine.on_step = lambda eng, _outputs: state.metrics.observe_step(eng)
     aengine.start()
     return state
+
+
+def prefix_budget(args, model, device, block: int, kv_dtype: str, seq_blocks: int) -> tuple[int, int]:
+    """(bytes, extra pool blocks) for retained prefixes. Their K/V lives in pool blocks beyond what the
+    sequences need, so keeping prefixes never shrinks the room of requests; at most 4x the sequences' blocks."""
+    from hf2q.cache.hybrid import kv_bytes_per_token
+
+    if getattr(args, "no_prefix_cache", False):
+        return 0, 0
+    if args.prefix_checkpoint_stride < 0:
+        raise ValueError("--prefix-checkpoint-stride must be >= 0")
+    gb = getattr(args, "prefix_cache_gb", None)
+    if gb is None:
+        if device.type == "cuda":
+            import torch
+
+            nbytes = int(torch.cuda.mem_get_info(device)[0] * 0.10)
+        else:
+            nbytes = 1 << 30
+    else:
+        nbytes = int(gb * (1 << 30))
+    if nbytes <= 0:
+        return 0, 0
+    per_block = kv_bytes_per_token(model.config, kv_dtype) * block
+    blocks = min(nbytes // per_block, 4 * seq_blocks) if per_block else 0
+    log.info("prefix cache: %.2f GB budget, %d K/V blocks of pool", nbytes / (1 << 30), blocks)
+    return nbytes, blocks
 
 
 def run_serve(args: argparse.Namespace) -> int:
