@@ -264,7 +264,7 @@ class HybridCache:
         self._copy_blocks(self.blocks.share(slot, _holder(key), n))
         self._retained[key] = (n, self._conv[:, slot].clone(), self._rec[:, slot].clone())
 
-    def adopt(self, key: str, slot: int) -> int:
+    def resume(self, key: str, slot: int) -> int:
         """Make the slot start as the retained prefix `key` (blocks shared, partial block and state copied,
         so the prefix stays intact); returns its length. CacheFull (slot unchanged) if no block is free."""
         self._check(slot)

@@ -67,7 +67,7 @@ class PrefixCache:
 
     def adopt(self, ckpt: Checkpoint, slot: int) -> int:
         """Start `slot` from the checkpoint; returns the tokens it covers. CacheFull if no block is free."""
-        n = self.cache.adopt(ckpt.key, slot)
+        n = self.cache.resume(ckpt.key, slot)
         self._entries.move_to_end(ckpt.tokens)
         return n
 

@@ -21,7 +21,7 @@ from hf2q.engine.runner import ModelRunner
 from hf2q.forward import ForwardBatch
 from hf2q.model import Model
 
-_LOGGED = ("acquire", "release", "reset", "reserve", "commit", "truncate", "fork", "retain", "adopt", "drop")
+_LOGGED = ("acquire", "release", "reset", "reserve", "commit", "truncate", "fork", "retain", "resume", "drop")
 
 
 class RecordingCache(HybridCache):
@@ -74,9 +74,9 @@ class RecordingCache(HybridCache):
         super().retain(slot, key)
         self._record("retain", slot, key)
 
-    def adopt(self, key: str, slot: int) -> int:
-        n = super().adopt(key, slot)
-        self._record("adopt", key, slot)
+    def resume(self, key: str, slot: int) -> int:
+        n = super().resume(key, slot)
+        self._record("resume", key, slot)
         return n
 
     def drop(self, key: str) -> None:
