@@ -120,7 +120,7 @@ def build_state(args):
     # One slot and one block more than the sequences need: the decode graphs' padding rows live there.
     cache = CacheConfig(num_slots=args.max_num_seqs + 1, num_blocks=seq_blocks + prefix_blocks + 1,
                         block_size=block, kv_dtype=dtype_name(dtype), prefix_cache_bytes=prefix_bytes,
-                        prefix_checkpoint_stride=args.prefix_checkpoint_stride)
+                        prefix_checkpoint_stride=getattr(args, "prefix_checkpoint_stride", 1024))
     sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                             prefill_chunk=args.prefill_chunk, max_waiting=args.max_waiting)
     engine_config = EngineConfig(max_model_len=max_len, scheduler=sched, cache=cache)
@@ -145,12 +145,13 @@ def build_state(args):
 
 def prefix_budget(args, model, device, block: int, kv_dtype: str, seq_blocks: int) -> tuple[int, int]:
     """(bytes, extra pool blocks) for retained prefixes. Their K/V lives in pool blocks beyond what the
-    sequences need, so keeping prefixes never shrinks the room of requests; at most 4x the sequences' blocks."""
+    sequences need (allocated up front, at most 4x the sequences' blocks), so keeping prefixes never shrinks
+    the room of requests; their DeltaNet states are allocated as checkpoints are taken."""
     from hf2q.cache.hybrid import kv_bytes_per_token
 
     if getattr(args, "no_prefix_cache", False):
         return 0, 0
-    if args.prefix_checkpoint_stride < 0:
+    if getattr(args, "prefix_checkpoint_stride", 1024) < 0:
         raise ValueError("--prefix-checkpoint-stride must be >= 0")
     gb = getattr(args, "prefix_cache_gb", None)
     if gb is None:
