@@ -156,3 +156,5 @@ class CacheConfig:
     block_size: int = 16
     kv_dtype: str = "float32"
     state_dtype: str = "float32"
+    prefix_cache_bytes: int = 0  # retained-prefix budget (K/V blocks + DeltaNet states); 0 turns reuse off
+    prefix_checkpoint_stride: int = 1024  # also checkpoint prefill every this many prompt tokens (0: never)

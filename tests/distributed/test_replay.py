@@ -25,8 +25,9 @@ def test_random_slot_operations_replay_to_the_same_layout():
     rng = random.Random(0)
     leader, follower = recording(), HybridCache(MC, CC)
     live: list[int] = []
-    for _ in range(300):
-        op = rng.choice(["acquire", "reserve", "commit", "release", "truncate", "fork"])
+    kept: list[str] = []
+    for i in range(300):
+        op = rng.choice(["acquire", "reserve", "commit", "release", "truncate", "fork", "retain", "resume", "drop"])
         try:
             if op == "acquire":
                 live.append(leader.acquire())
@@ -45,6 +46,13 @@ def test_random_slot_operations_replay_to_the_same_layout():
             elif len(live) >= 2 and op == "fork":
                 src, dst = rng.sample(live, 2)
                 leader.fork(src, dst)
+            elif live and op == "retain":
+                leader.retain(rng.choice(live), f"k{i}")
+                kept.append(f"k{i}")
+            elif live and kept and op == "resume":
+                leader.resume(rng.choice(kept), rng.choice(live))
+            elif kept and op == "drop":
+                leader.drop(kept.pop(rng.randrange(len(kept))))
         except (CacheFull, NoFreeSlot):
             pass
         replay(follower, leader.drain())
@@ -52,6 +60,7 @@ def test_random_slot_operations_replay_to_the_same_layout():
             assert follower.block_table(s) == leader.block_table(s)
             assert follower.seq_len(s) == leader.seq_len(s)
     assert follower.num_free_slots == leader.num_free_slots
+    assert [follower.retained_blocks(k) for k in kept] == [leader.retained_blocks(k) for k in kept]
 
 
 def test_restore_is_refused_under_tensor_parallelism():

@@ -24,6 +24,7 @@ CopyPairs = list[tuple[int, int]]  # (source block, target block): copy source's
 class BlockManager:
     """Free list, refcounts and per-slot block tables for a pool of `num_blocks` blocks of `block_size` tokens.
 
+    A "slot" is any hashable holder of a table: the cache's slots, and its retained prefixes.
     Each slot also records `num_tokens(slot)`: the token count its table was last sized for. Positions
     below it may sit in shared blocks; the block that holds position `num_tokens(slot)` is made private
     before the slot grows, so writes never land in a shared block.

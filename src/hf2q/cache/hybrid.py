@@ -32,6 +32,11 @@ def _dtype(name: str) -> torch.dtype:
     return dt
 
 
+def _holder(key: str) -> tuple[str, str]:
+    """Block-manager table name of a retained prefix (slots are ints, so the two never collide)."""
+    return ("retained", key)
+
+
 def _itemsize(name: str) -> int:
     return torch.empty((), dtype=_dtype(name)).element_size()
 
@@ -114,6 +119,7 @@ class HybridCache:
         self._acquired = [False] * cc.num_slots
         self._lens = [0] * cc.num_slots
         self._index_memo: dict[int, dict[tuple[int, int], torch.Tensor]] = {}
+        self._retained: dict[str, tuple[int, torch.Tensor, torch.Tensor]] = {}  # key -> (tokens, conv, recurrent)
 
     # ---- layer routing -------------------------------------------------------------------------
     def kv_index(self, layer_id: int) -> int:
@@ -245,6 +251,39 @@ class HybridCache:
         self._conv[:, dst].copy_(self._conv[:, src])
         self._rec[:, dst].copy_(self._rec[:, src])
         self._lens[dst] = self._lens[src]
+
+    # ---- retained prefixes (the device side of `hf2q.cache.prefix_cache`) -----------------------
+    def retain(self, slot: int, key: str) -> None:
+        """Keep the slot's committed prefix under `key`: full K/V blocks shared by refcount (the slot never
+        writes them again), the partial last block copied, and a copy of the DeltaNet state, which is at
+        exactly that token. CacheFull (nothing changed) when the partial block finds no free block."""
+        self._check(slot)
+        if key in self._retained:
+            raise ValueError(f"retained prefix {key!r} exists")
+        n = self._lens[slot]
+        self._copy_blocks(self.blocks.share(slot, _holder(key), n))
+        self._retained[key] = (n, self._conv[:, slot].clone(), self._rec[:, slot].clone())
+
+    def resume(self, key: str, slot: int) -> int:
+        """Make the slot start as the retained prefix `key` (blocks shared, partial block and state copied,
+        so the prefix stays intact); returns its length. CacheFull (slot unchanged) if no block is free."""
+        self._check(slot)
+        n, conv, rec = self._retained[key]
+        pairs = self.blocks.share(_holder(key), slot, n)
+        self._index_memo.pop(slot, None)
+        self._copy_blocks(pairs)
+        self._conv[:, slot].copy_(conv)
+        self._rec[:, slot].copy_(rec)
+        self._lens[slot] = n
+        return n
+
+    def drop(self, key: str) -> None:
+        """Forget a retained prefix; its blocks go back to the pool unless a slot still shares them."""
+        del self._retained[key]
+        self.blocks.free(_holder(key))
+
+    def retained_blocks(self, key: str) -> list[int]:
+        return self.blocks.block_table(_holder(key))
 
     # ---- sizing and usage -----------------------------------------------------------------------
     @property

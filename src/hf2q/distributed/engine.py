@@ -21,7 +21,7 @@ from hf2q.engine.runner import ModelRunner
 from hf2q.forward import ForwardBatch
 from hf2q.model import Model
 
-_LOGGED = ("acquire", "release", "reset", "reserve", "commit", "truncate", "fork")
+_LOGGED = ("acquire", "release", "reset", "reserve", "commit", "truncate", "fork", "retain", "resume", "drop")
 
 
 class RecordingCache(HybridCache):
@@ -69,6 +69,19 @@ class RecordingCache(HybridCache):
     def fork(self, src: int, dst: int) -> None:
         super().fork(src, dst)
         self._record("fork", src, dst)
+
+    def retain(self, slot: int, key: str) -> None:  # each rank retains its own shard of the prefix
+        super().retain(slot, key)
+        self._record("retain", slot, key)
+
+    def resume(self, key: str, slot: int) -> int:
+        n = super().resume(key, slot)
+        self._record("resume", key, slot)
+        return n
+
+    def drop(self, key: str) -> None:
+        super().drop(key)
+        self._record("drop", key)
 
     def restore(self, slot, snap) -> None:
         raise NotImplementedError("prefix restore is not supported under tensor parallelism yet: "

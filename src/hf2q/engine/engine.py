@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Iterator, Optional
 import torch
 
 from hf2q.cache.hybrid import HybridCache
+from hf2q.cache.prefix_cache import PrefixCache
 from hf2q.config import CacheConfig
 from hf2q.engine.prompt_outputs import POOLINGS, pool, prompt_logprobs
 from hf2q.engine.request import Request, RequestOutput
@@ -43,7 +44,9 @@ class Engine:
         self.config = config
         self.max_model_len = min(config.max_model_len, model.config.context_length)
         self.cache = HybridCache(model.config, config.cache, device=model.device)
-        self.scheduler = Scheduler(self.cache, config.scheduler)
+        cc = config.cache
+        self.prefix = PrefixCache(self.cache, cc.prefix_cache_bytes) if cc.prefix_cache_bytes > 0 else None
+        self.scheduler = Scheduler(self.cache, config.scheduler, self.prefix, cc.prefix_checkpoint_stride)
         self.runner = ModelRunner(model.net, self.cache)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
@@ -55,13 +58,15 @@ class Engine:
                     thinking_budget: Optional[int] = None, starts_in_reasoning: bool = False,
                     scripted_ids: Optional[list[int]] = None, group: Optional[str] = None,
                     grammar: Optional[Grammar] = None, prefill_only: bool = False,
-                    prompt_logprobs: Optional[int] = None, pooling: Optional[str] = None) -> Request:
+                    prompt_logprobs: Optional[int] = None, pooling: Optional[str] = None,
+                    anchor: Optional[int] = None) -> Request:
         """Queue a request. `grammar` (from `hf2q.engine.grammar`) constrains its output: each sampled
         row is masked to what the grammar allows next, and the request ends when the grammar is complete.
 
         `prompt_logprobs` (top entries per token) makes the first output carry the prompt tokens' logprobs;
         `prefill_only` ends the request after its prompt, without sampling; `pooling` ("last" or "mean")
-        makes it an embedding request: prefill only, its one output carries the embedding."""
+        makes it an embedding request: prefill only, its one output carries the embedding.
+        `anchor`: the prompt length the next turn of a conversation will extend (a checkpoint is kept there)."""
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
@@ -81,7 +86,8 @@ class Engine:
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})")
         req = Request(request_id, list(prompt_ids), params, max_total_len=n + max_tokens, group=group,
-                      prefill_only=prefill_only, prompt_logprobs=prompt_logprobs, pooling=pooling)
+                      prefill_only=prefill_only, prompt_logprobs=prompt_logprobs, pooling=pooling,
+                      anchor=anchor if anchor is not None and 0 < anchor < n else None)
         req.extras["out"] = SequenceOutput(self.model, req, max_tokens, thinking_budget, starts_in_reasoning,
                                            scripted_ids, grammar.constraint() if grammar is not None else None)
         self.scheduler.add(req)
@@ -116,6 +122,7 @@ class Engine:
             return []
         self.last_batch = (len(scheduled), sum(n for _, n in scheduled))
         sampling, logits = self.runner.run(scheduled)
+        self.scheduler.retain_prefixes(scheduled)
         outputs = [self._prefill_done(req) for req, _ in scheduled
                    if req.prefill_only and req.num_computed == req.num_tokens]
         if sampling:
@@ -142,7 +149,7 @@ class Engine:
                     log.error("request %s failed: %r", req.request_id, error, exc_info=error)
                     out = state.failed(f"{type(error).__name__}: {error}")
                 if out.finished:
-                    self.scheduler.finish(req)
+                    self.scheduler.finish(req, retain=out.finish_reason in ("stop", "length"))
                     self.requests.pop(req.request_id, None)
                 outputs.append(out)
         self.scheduler.fork_siblings()

@@ -5,6 +5,10 @@ decode (need 1) and bounded prefill are the same rule. Choices of one request (n
 the first prefills up to its last prompt token, the others fork its cache there and run only that token. Admission reserves cache room for the whole
 request (prompt + max_tokens), so an admitted request is never preempted or lost; the head of the
 queue waits for room rather than being overtaken, so long prompts do not starve.
+
+With a prefix cache, admission resumes a request from the longest retained prefix of its prompt, and a
+prefill chunk ends exactly at each checkpoint boundary (the request's anchor, every `stride` prompt
+tokens) so the state there is retained without an extra forward pass.
 """
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from dataclasses import dataclass
 
 from hf2q.cache.block_manager import CacheFull
 from hf2q.cache.hybrid import HybridCache, NoFreeSlot
+from hf2q.cache.prefix_cache import Checkpoint, PrefixCache
 from hf2q.engine.request import Request, RequestStatus
 
 
@@ -33,9 +38,12 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, cache: HybridCache, config: SchedulerConfig):
+    def __init__(self, cache: HybridCache, config: SchedulerConfig, prefix: PrefixCache | None = None,
+                 stride: int = 0):
         self.cache = cache
         self.config = config
+        self.prefix = prefix
+        self.stride = stride
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.leaders: dict[str, Request] = {}  # group -> the choice whose prompt the others fork
@@ -61,7 +69,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         batch: list[tuple[Request, int]] = []
         for req in self.running:
-            n = min(self._need(req), budget, self.config.prefill_chunk)
+            n = self._limit(req, min(self._need(req), budget, self.config.prefill_chunk))
             if n > 0:
                 batch.append((req, n))
                 budget -= n
@@ -71,7 +79,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.running.append(req)
-            n = min(self._need(req), budget, self.config.prefill_chunk)
+            n = self._limit(req, min(self._need(req), budget, self.config.prefill_chunk))
             if n > 0:
                 batch.append((req, n))
                 budget -= n
@@ -82,6 +90,26 @@ class Scheduler:
         if req.siblings and req.num_computed < req.fork_point:
             return req.fork_point - req.num_computed
         return req.num_tokens - req.num_computed
+
+    def _limit(self, req: Request, n: int) -> int:
+        """Cut a prefill chunk at the next checkpoint boundary inside it."""
+        if self.prefix is None or n <= 1:
+            return n
+        start, prompt_len = req.num_computed, len(req.prompt_ids)
+        bounds = [b for b in (req.anchor,) if b is not None and start < b <= prompt_len]
+        if self.stride > 0 and (start // self.stride + 1) * self.stride <= prompt_len:
+            bounds.append((start // self.stride + 1) * self.stride)
+        return min([n] + [b - start for b in bounds])
+
+    def retain_prefixes(self, scheduled: list[tuple[Request, int]]) -> None:
+        """After a step: retain the state of every request whose prefill just reached a checkpoint boundary."""
+        if self.prefix is None:
+            return
+        for req, _ in scheduled:
+            k = req.num_computed
+            if req.slot is not None and k <= len(req.prompt_ids) and \
+                    (k == req.anchor or (self.stride > 0 and k % self.stride == 0)):
+                self.prefix.store(req.slot, req.prompt_ids[:k])
 
     def fork_siblings(self) -> None:
         """After a step: siblings of a leader at its fork point take a copy of its cache and run on."""
@@ -114,20 +142,43 @@ class Scheduler:
         return True
 
     def _admit(self, req: Request) -> bool:
+        """Give the request a slot and cache room, resuming from the longest retained prefix of its prompt;
+        when blocks run short, retained prefixes are evicted for it (never those running requests hold)."""
         try:
             slot = self.cache.acquire()
         except NoFreeSlot:
             return False
-        try:
-            self.cache.reserve(slot, req.max_total_len)
-        except CacheFull:
+        # A request that reads its prompt's hidden rows (prompt logprobs, embeddings) computes every one of them.
+        reuse = self.prefix is not None and not req.keeps_hidden
+        ckpt = self.prefix.lookup(req.prompt_ids) if reuse else None
+        placed = self._place(req, slot, ckpt)
+        if not placed and self.prefix is not None:
+            need = self.cache.blocks.blocks_for(req.max_total_len) + 1
+            placed = self.prefix.make_room(need, keep=ckpt) and self._place(req, slot, ckpt)
+        if not placed:
             self.cache.release(slot)
             return False
+        if self.prefix is not None:
+            self.prefix.count(req.num_cached)
         req.slot = slot
         req.status = RequestStatus.RUNNING
         return True
 
-    def finish(self, req: Request) -> None:
+    def _place(self, req: Request, slot: int, ckpt: Checkpoint | None) -> bool:
+        try:
+            n = self.prefix.adopt(ckpt, slot) if ckpt is not None else 0
+            self.cache.reserve(slot, req.max_total_len)
+        except CacheFull:
+            self.cache.reset(slot)
+            return False
+        req.num_computed = req.num_cached = n
+        return True
+
+    def finish(self, req: Request, retain: bool = False) -> None:
+        """Remove a request; with `retain`, first keep its computed tokens (prompt + output but the last
+        sampled token, which was never fed) as a checkpoint, for clients that send the output back."""
+        if retain and self.prefix is not None and req.slot is not None and req in self.running:
+            self.prefix.store(req.slot, req.tokens(0, req.num_computed))
         if self.leaders.get(req.group) is req:  # its waiting siblings prefill on their own
             del self.leaders[req.group]
             self.waiting.extend(req.siblings)

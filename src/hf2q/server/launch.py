@@ -56,6 +56,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scripted-replies", help="TESTING AID: a JSON file holding a list of strings; generation i "
                    "emits reply i mod len (tokenized, forced instead of sampled), so reasoning and tool-call "
                    "parsing can be tested end to end through the real server. Never for real use.")
+    p.add_argument("--prefix-cache-gb", type=float,
+                   help="retained-prefix budget: K/V and DeltaNet state kept for later prompts to resume from "
+                        "(default: 10%% of free GPU memory on CUDA, 1 GB on CPU)")
+    p.add_argument("--prefix-checkpoint-stride", type=int, default=1024,
+                   help="also keep a prefix checkpoint every N prompt tokens of a prefill, so long shared "
+                        "documents resume too (0: only turn anchors and finished requests; default: %(default)s)")
+    p.add_argument("--no-prefix-cache", action="store_true", help="turn retained-prefix reuse off")
     add_device_args(p)
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="shard the model over N local ranks (one GPU each on CUDA); this process is rank 0 and "
@@ -80,13 +87,15 @@ def _scripted(path: str | None, tokenizer) -> list[list[int]] | None:
     return [tokenizer.encode(r) for r in replies]
 
 
-def _limits(args, model, device, dtype):
-    """The serving limits (server/sizing.py), from the GPU's free memory after loading on CUDA."""
+def _limits(args, model, device, dtype, prefix_bytes: int = 0):
+    """The serving limits (server/sizing.py), from the GPU's free memory after loading on CUDA, less what
+    the prefix cache is given."""
     import torch
 
     free = total = None
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
+        free -= prefix_bytes
     max_len = min(args.max_model_len, model.config.context_length) if args.max_model_len else None
     return choose(model.config, device.type, dtype_name(dtype), args.max_num_seqs, max_len, free, total)
 
@@ -127,10 +136,12 @@ def build_state(args):
     if args.max_model_len and args.max_model_len > model.config.context_length:
         log.warning("--max-model-len %d exceeds the model's context %d; using %d", args.max_model_len,
                     model.config.context_length, model.config.context_length)
-    limits = _limits(args, model, device, dtype)
+    prefix_bytes = prefix_budget(args, device)
+    limits = _limits(args, model, device, dtype, prefix_bytes)
     log.info("sized: %s", limits.why)
-    max_len, cache = limits.max_model_len, limits.cache
+    max_len = limits.max_model_len
     args.max_num_seqs = limits.max_num_seqs
+    cache = with_prefix_cache(limits.cache, args, model, prefix_bytes)
     sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                             prefill_chunk=args.prefill_chunk, max_waiting=args.max_waiting)
     engine_config = EngineConfig(max_model_len=max_len, scheduler=sched, cache=cache)
@@ -153,6 +164,41 @@ def build_state(args):
     aengine.on_step = lambda eng, _outputs: state.metrics.observe_step(eng)
     aengine.start()
     return state
+
+
+def prefix_budget(args, device) -> int:
+    """Bytes for retained prefixes: --prefix-cache-gb, else 10% of the GPU's free memory (1 GiB on the CPU);
+    0 with --no-prefix-cache."""
+    if getattr(args, "no_prefix_cache", False):
+        return 0
+    if getattr(args, "prefix_checkpoint_stride", 1024) < 0:
+        raise ValueError("--prefix-checkpoint-stride must be >= 0")
+    gb = getattr(args, "prefix_cache_gb", None)
+    if gb is not None:
+        return max(int(gb * (1 << 30)), 0)
+    if device.type == "cuda":
+        import torch
+
+        return int(torch.cuda.mem_get_info(device)[0] * 0.10)
+    return 1 << 30
+
+
+def with_prefix_cache(cache, args, model, nbytes: int):
+    """The sized cache plus the pool blocks retained prefixes keep their K/V in (at most 4x the sequences'
+    own): keeping prefixes never shrinks the room of requests. Their DeltaNet states are allocated as
+    checkpoints are taken."""
+    import dataclasses
+
+    from hf2q.cache.hybrid import kv_bytes_per_token
+
+    stride = getattr(args, "prefix_checkpoint_stride", 1024)
+    if nbytes <= 0:
+        return dataclasses.replace(cache, prefix_cache_bytes=0, prefix_checkpoint_stride=stride)
+    per_block = kv_bytes_per_token(model.config, cache.kv_dtype) * cache.block_size
+    blocks = min(nbytes // per_block, 4 * cache.num_blocks) if per_block else 0
+    log.info("prefix cache: %.2f GB budget, %d K/V blocks of pool", nbytes / (1 << 30), blocks)
+    return dataclasses.replace(cache, num_blocks=cache.num_blocks + blocks, prefix_cache_bytes=nbytes,
+                               prefix_checkpoint_stride=stride)
 
 
 def run_serve(args: argparse.Namespace) -> int:

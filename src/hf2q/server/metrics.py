@@ -1,6 +1,7 @@
 """Prometheus metrics for `/metrics`, on a registry of their own (one per app, so tests can build many)."""
 from __future__ import annotations
 
+import threading
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -36,6 +37,15 @@ class Metrics:
         self.waiting = Gauge("hf2q_num_requests_waiting", "Requests queued for a slot", registry=r)
         self.kv_usage = Gauge("hf2q_kv_cache_usage_ratio", "Fraction of K/V cache blocks in use", registry=r)
         self.slot_usage = Gauge("hf2q_slot_usage_ratio", "Fraction of sequence slots in use", registry=r)
+        self.prefix_hits = Counter("hf2q_prefix_cache_hits", "Admissions resumed from a retained prefix", registry=r)
+        self.prefix_misses = Counter("hf2q_prefix_cache_misses", "Admissions with no retained prefix to resume",
+                                     registry=r)
+        self.prefix_tokens = Counter("hf2q_prefix_cache_reused_tokens", "Prompt tokens resumed, not computed",
+                                     registry=r)
+        self.prefix_evictions = Counter("hf2q_prefix_cache_evictions", "Retained prefixes evicted", registry=r)
+        self.prefix_bytes = Gauge("hf2q_prefix_cache_bytes", "Bytes held by retained prefixes", registry=r)
+        self._prefix_seen = (0, 0, 0, 0)
+        self._prefix_lock = threading.Lock()  # the engine thread and /metrics scrapes both observe
         info = Gauge("hf2q_model_info", "The served model (value is always 1)", ["model"], registry=r)
         info.labels(model=model_name).set(1)
         self.started = time.monotonic()
@@ -57,6 +67,21 @@ class Metrics:
         usage = engine.cache.usage()
         self.kv_usage.set(usage.kv_blocks_used / max(usage.kv_blocks_total, 1))
         self.slot_usage.set(usage.slots_used / max(usage.slots_total, 1))
+        prefix = getattr(engine, "prefix", None)
+        if prefix is not None:
+            self._observe_prefix(prefix)
+
+    def _observe_prefix(self, prefix) -> None:
+        """The prefix cache keeps plain counts; the counters advance by what changed since last time."""
+        st = prefix.stats
+        now = (st.hits, st.misses, st.tokens_reused, st.evictions)
+        counters = (self.prefix_hits, self.prefix_misses, self.prefix_tokens, self.prefix_evictions)
+        with self._prefix_lock:
+            for counter, new, old in zip(counters, now, self._prefix_seen):
+                if new > old:
+                    counter.inc(new - old)
+            self._prefix_seen = tuple(max(a, b) for a, b in zip(now, self._prefix_seen))
+        self.prefix_bytes.set(prefix.nbytes)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -86,16 +86,34 @@ def _constrained(req: ChatCompletionRequest) -> bool:
 def render_prompt(state: ServerState, messages: list[Message], tools: Optional[list[dict]], extra: dict,
                   add_generation_prompt: bool = True) -> str:
     """The prompt text of a conversation: the model's chat template, the server's default kwargs under `extra`."""
-    kwargs = {**state.config.default_chat_template_kwargs, **extra}
-    bad = [k for k in kwargs if k in _RESERVED_TEMPLATE_KWARGS]
-    if bad:
-        raise bad_request(f"chat_template_kwargs may not set {', '.join(bad)}", param="chat_template_kwargs")
-    rendered = [_template_message(i, m) for i, m in enumerate(messages)]
+    rendered, kwargs = _template_args(state, messages, extra)
     try:
         return state.model.chat_template.render(rendered, tools=tools, add_generation_prompt=add_generation_prompt,
                                                 **kwargs)
     except Exception as exc:  # TemplateError, or a template raising on a message it refuses
         raise bad_request(f"the chat template could not render these messages: {exc}", param="messages")
+
+
+def turn_anchor(state: ServerState, messages: list[Message], tools: Optional[list[dict]], extra: dict,
+                prompt_ids: list[int]) -> Optional[int]:
+    """How many prompt tokens the next turn of this conversation will extend: the engine keeps a
+    checkpoint there. None when the template will not render a probe next turn."""
+    rendered, kwargs = _template_args(state, messages, extra)
+    try:
+        stable = state.model.chat_template.stable_prefix(rendered, tools=tools, **kwargs)
+    except Exception:
+        return None
+    ids = state.model.tokenizer.encode(stable)
+    n = next((i for i, (a, b) in enumerate(zip(ids, prompt_ids)) if a != b), min(len(ids), len(prompt_ids)))
+    return n or None
+
+
+def _template_args(state: ServerState, messages: list[Message], extra: dict) -> tuple[list[dict], dict]:
+    kwargs = {**state.config.default_chat_template_kwargs, **extra}
+    bad = [k for k in kwargs if k in _RESERVED_TEMPLATE_KWARGS]
+    if bad:
+        raise bad_request(f"chat_template_kwargs may not set {', '.join(bad)}", param="chat_template_kwargs")
+    return [_template_message(i, m) for i, m in enumerate(messages)], kwargs
 
 
 class ChatServing:
@@ -104,9 +122,18 @@ class ChatServing:
 
     def render(self, req: ChatCompletionRequest) -> tuple[str, Optional[list[dict]]]:
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-        template_tools = None if req.tool_choice == "none" else tools
-        extra = {**thinking_kwargs(req), **(req.chat_template_kwargs or {})}
-        return render_prompt(self.state, req.messages, template_tools, extra), tools
+        return render_prompt(self.state, req.messages, self._template_tools(req, tools), self._extra(req)), tools
+
+    def anchor(self, req: ChatCompletionRequest, tools: Optional[list[dict]], prompt_ids: list[int]) -> Optional[int]:
+        return turn_anchor(self.state, req.messages, self._template_tools(req, tools), self._extra(req), prompt_ids)
+
+    @staticmethod
+    def _template_tools(req: ChatCompletionRequest, tools: Optional[list[dict]]) -> Optional[list[dict]]:
+        return None if req.tool_choice == "none" else tools
+
+    @staticmethod
+    def _extra(req: ChatCompletionRequest) -> dict:
+        return {**thinking_kwargs(req), **(req.chat_template_kwargs or {})}
 
     async def grammar(self, req: ChatCompletionRequest, tools: Optional[list[dict]], opens_reasoning: bool):
         """The request's compiled grammar (compiled off the event loop; the compiler is built once per model)."""
@@ -136,6 +163,7 @@ class ChatServing:
         starts = prompt_opens_reasoning(prompt_text)
         choices = Choices(self.state, [prompt_ids], params, "messages", thinking_budget=thinking_budget(req),
                           starts_in_reasoning=starts)
+        choices.kwargs["anchor"] = self.anchor(req, tools, prompt_ids)
         if _constrained(req):
             choices.kwargs["grammar"] = await self.grammar(req, tools, starts)
         await choices.start()

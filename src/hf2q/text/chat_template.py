@@ -7,6 +7,7 @@ and size limits (text/template_limits.py), and the same globals and filters HF p
 from __future__ import annotations
 
 import json
+import os
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -145,6 +146,14 @@ class ChatTemplate:
                   eos_token: str | None = None) -> "ChatTemplate":
         """An override template (a `.jinja` file), e.g. a fixed upstream template for an older GGUF."""
         return cls(Path(path).read_text(encoding="utf-8"), bos_token=bos_token, eos_token=eos_token)
+
+    def stable_prefix(self, messages: Sequence[Any], tools: Sequence[Any] | None = None, **kwargs: Any) -> str:
+        """The start of this conversation's prompt that its next turn renders again unchanged: the prompt
+        minus the generation suffix (for Qwen3.5 `<think>\n`, or the empty think block, which later turns
+        drop). Found by rendering a probe next turn, so it follows whatever the template does."""
+        prompt = self.render(messages, tools, True, **kwargs)
+        probe = [*messages, {"role": "assistant", "content": "X"}, {"role": "user", "content": "Y"}]
+        return os.path.commonprefix([prompt, self.render(probe, tools, True, **kwargs)])
 
     def render(self, messages: Sequence[Any], tools: Sequence[Any] | None = None,
                add_generation_prompt: bool = True, **kwargs: Any) -> str:

@@ -1,0 +1,127 @@
+"""The registry of retained prefixes: checkpoints of the hybrid cache that later prompts resume from.
+
+A checkpoint is the K/V of a prefix (blocks shared by refcount) plus the DeltaNet state at exactly its last
+token. That state is one running summary and cannot be cut back to an earlier token, so a checkpoint
+serves only prompts that fully extend it (token-exact), and the scheduler takes checkpoints where later
+prompts are likely to depart: at the latest-turn anchor, every `stride` prompt tokens, and at the end
+of a finished request. The device data lives in `HybridCache` under each checkpoint's key; this module
+is pure bookkeeping: lookup, a byte-budgeted LRU, and the counters for /metrics.
+"""
+from __future__ import annotations
+
+import itertools
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+from typing import Optional
+
+from hf2q.cache.block_manager import CacheFull
+from hf2q.cache.hybrid import HybridCache
+
+
+@dataclass
+class PrefixStats:
+    hits: int = 0
+    misses: int = 0
+    tokens_reused: int = 0
+    evictions: int = 0
+
+
+@dataclass
+class Checkpoint:
+    key: str
+    tokens: tuple[int, ...]
+
+
+class PrefixCache:
+    """Checkpoints of token prefixes, least recently used first, within `budget_bytes`.
+
+    Evicting a checkpoint never disturbs a request that resumed from it: the request holds its own
+    references to the shared blocks and its own copy of the state.
+    """
+
+    def __init__(self, cache: HybridCache, budget_bytes: int):
+        self.cache = cache
+        self.budget_bytes = budget_bytes
+        self.stats = PrefixStats()
+        self._entries: OrderedDict[tuple[int, ...], Checkpoint] = OrderedDict()  # by tokens, LRU first
+        self._block_refs: Counter[int] = Counter()  # pool block -> how many checkpoints hold it
+        self._keys = (f"p{i}" for i in itertools.count())
+        self._block_bytes = cache.bytes_per_token * cache.block_size
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: distinct K/V blocks (shared ones once) plus one DeltaNet state per checkpoint."""
+        return len(self._block_refs) * self._block_bytes + len(self._entries) * self.cache.fixed_bytes_per_slot
+
+    def lookup(self, prompt: list[int]) -> Optional[Checkpoint]:
+        """The longest checkpoint the prompt strictly extends (one token at least is left to compute)."""
+        best: Optional[Checkpoint] = None
+        for tokens, ckpt in self._entries.items():
+            n = len(tokens)
+            if n < len(prompt) and (best is None or n > len(best.tokens)) and tuple(prompt[:n]) == tokens:
+                best = ckpt
+        return best
+
+    def adopt(self, ckpt: Checkpoint, slot: int) -> int:
+        """Start `slot` from the checkpoint; returns the tokens it covers. CacheFull if no block is free."""
+        n = self.cache.resume(ckpt.key, slot)
+        self._entries.move_to_end(ckpt.tokens)
+        return n
+
+    def count(self, reused: int) -> None:
+        """Count one admission: a hit that resumed `reused` tokens, or a miss (0)."""
+        if reused:
+            self.stats.hits += 1
+            self.stats.tokens_reused += reused
+        else:
+            self.stats.misses += 1
+
+    def store(self, slot: int, tokens: list[int]) -> None:
+        """Retain the slot's committed state, which covers exactly `tokens`; a no-op if already held or
+        if no block is free for the partial last block (a checkpoint is an optimisation, never a failure)."""
+        key_tokens = tuple(tokens)
+        if not key_tokens or self.cache.seq_len(slot) != len(key_tokens):
+            return
+        if key_tokens in self._entries:
+            self._entries.move_to_end(key_tokens)
+            return
+        key = next(self._keys)
+        try:
+            self.cache.retain(slot, key)
+        except CacheFull:
+            return
+        self._entries[key_tokens] = Checkpoint(key, key_tokens)
+        self._block_refs.update(self.cache.retained_blocks(key))
+        while self._entries and self.nbytes > self.budget_bytes:
+            self._evict_lru()
+
+    def make_room(self, blocks: int, keep: Optional[Checkpoint] = None) -> bool:
+        """Evict least recently used checkpoints until `blocks` pool blocks are free. Evicts nothing and
+        returns False when even evicting all of them would not free enough (running requests hold them)."""
+        pool = self.cache.blocks
+        reclaimable = sum(1 for b, n in self._block_refs.items() if pool.ref_count(b) == n)
+        if pool.num_free_blocks + reclaimable < blocks:
+            return False
+        for tokens in list(self._entries):
+            if pool.num_free_blocks >= blocks:
+                break
+            if keep is None or tokens != keep.tokens:
+                self._evict(tokens)
+        return pool.num_free_blocks >= blocks
+
+    def clear(self) -> None:
+        for tokens in list(self._entries):
+            self._evict(tokens)
+
+    def _evict_lru(self) -> None:
+        self._evict(next(iter(self._entries)))
+
+    def _evict(self, tokens: tuple[int, ...]) -> None:
+        ckpt = self._entries.pop(tokens)
+        self._block_refs.subtract(self.cache.retained_blocks(ckpt.key))
+        self._block_refs += Counter()  # drop zero counts
+        self.cache.drop(ckpt.key)
+        self.stats.evictions += 1

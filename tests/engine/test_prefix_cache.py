@@ -1,0 +1,143 @@
+"""Retained-prefix reuse: later prompts resume from checkpoints, and their tokens are exactly the tokens
+a cache-off engine produces (greedy and seeded sampling, dense and MoE)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+import hf2q
+from hf2q.config import CacheConfig
+from hf2q.engine.engine import Engine, EngineConfig
+from hf2q.engine.sampling_params import SamplingParams
+from hf2q.engine.scheduler import SchedulerConfig
+from hf2q.server.schemas import Message
+from hf2q.server.serving_chat import turn_anchor
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=["dense", "moe"])
+def model(request):
+    return hf2q.load(request.getfixturevalue(f"gguf_{request.param}_f32"))
+
+
+def make_engine(model, prefix_bytes=1 << 30, stride=0, seqs=4, blocks=1024, chunk=64) -> Engine:
+    return Engine(model, EngineConfig(
+        max_model_len=1024,
+        scheduler=SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=128, prefill_chunk=chunk),
+        cache=CacheConfig(num_slots=seqs, num_blocks=blocks, block_size=8, prefix_cache_bytes=prefix_bytes,
+                          prefix_checkpoint_stride=stride)))
+
+
+def run(engine, requests: dict) -> dict:
+    """requests: id -> (prompt, params, anchor). Returns id -> (tokens, cached tokens)."""
+    out = {}
+    for rid, (prompt, params, anchor) in requests.items():
+        engine.add_request(prompt, params, request_id=rid, anchor=anchor)
+        out[rid] = ([], 0)
+    while engine.has_work():
+        for o in engine.step():
+            toks, cached = out[o.request_id]
+            out[o.request_id] = (toks + o.new_token_ids, max(cached, o.num_cached_tokens))
+    return out
+
+
+def chat_turns(model, thinking: bool, turns: int = 3):
+    """Each turn's (prompt ids, anchor) of a conversation with a long system prompt and short follow-ups."""
+    state = SimpleNamespace(model=model, config=SimpleNamespace(default_chat_template_kwargs={}))
+    extra = {"enable_thinking": thinking}
+    messages = [Message(role="system", content="You answer questions about the weather. " * 40),
+                Message(role="user", content="Is it raining in Paris?")]
+    result = []
+    for t in range(turns):
+        text = model.chat_template.render([m.model_dump(exclude_none=True) for m in messages], **extra)
+        ids = model.tokenizer.encode(text)
+        result.append((ids, turn_anchor(state, messages, None, extra, ids)))
+        messages += [Message(role="assistant", content=f"Answer number {t}."),
+                     Message(role="user", content=f"And tomorrow, day {t}?")]
+    return result
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_multi_turn_chat_hits_each_anchor_and_matches_cache_off(model, thinking):
+    turns = chat_turns(model, thinking)
+    for params in (GREEDY, SEEDED):
+        on, off = make_engine(model), make_engine(model, prefix_bytes=0)
+        for i, (ids, anchor) in enumerate(turns):
+            got = run(on, {f"t{i}": (ids, params, anchor)})[f"t{i}"]
+            want = run(off, {f"t{i}": (ids, params, anchor)})[f"t{i}"]
+            assert got[0] == want[0], (i, params.temperature)
+            if i == 0:
+                assert got[1] == 0
+            else:  # the previous turn's anchor
+                assert got[1] == turns[i - 1][1] and got[1] >= 0.9 * len(ids), (i, got[1], len(ids))
+
+
+def test_finished_request_is_a_checkpoint(model):
+    prompt = list(range(1000, 1040))
+    engine, off = make_engine(model), make_engine(model, prefix_bytes=0)
+    first = run(engine, {"a": (prompt, GREEDY, None)})["a"][0]
+    follow = prompt + first + [5, 6, 7]
+    got = run(engine, {"b": (follow, GREEDY, None)})["b"]
+    assert got[1] == len(prompt) + len(first) - 1  # the last sampled token was never fed
+    assert got[0] == run(off, {"b": (follow, GREEDY, None)})["b"][0]
+
+
+def test_shared_document_reuses_the_stride_checkpoint(model):
+    doc = [1000 + (i * 37) % 5000 for i in range(300)]
+    questions = {f"q{i}": (doc + [200 + i, 300 + i, 400 + i], SEEDED, None) for i in range(5)}
+    off = make_engine(model, prefix_bytes=0)
+    want = {rid: run(off, {rid: q})[rid][0] for rid, q in questions.items()}
+    engine = make_engine(model, stride=64)
+    first = dict(list(questions.items())[:1])
+    got = {**run(engine, first), **run(engine, dict(list(questions.items())[1:]))}  # the rest concurrently
+    assert got["q0"][1] == 0
+    for rid in questions:
+        assert got[rid][0] == want[rid], rid
+        if rid != "q0":
+            assert got[rid][1] == 256, rid  # the last stride boundary of the document
+    assert engine.prefix.stats.hits == 4 and engine.prefix.stats.tokens_reused == 4 * 256
+
+
+def test_eviction_under_a_tiny_budget_never_breaks_a_running_request(model):
+    convs = {f"c{c}": ([2000 + 97 * c + i for i in range(30)], GREEDY, 20) for c in range(12)}
+    probe = make_engine(model)
+    run(probe, dict(list(convs.items())[:1]))
+    per_ckpt = probe.prefix.nbytes // len(probe.prefix)
+    off = make_engine(model, prefix_bytes=0)
+    first = run(off, convs)
+    # Turn 2 sends the output back; the newest conversations come first, so their checkpoints are still held.
+    turn2 = {rid: (p + first[rid][0] + [7, 8, 9, 10], GREEDY, None) for rid, (p, _, _) in reversed(convs.items())}
+    turn2["c11"] = (turn2["c11"][0], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), None)
+    want = run(off, turn2)
+    engine = make_engine(model, prefix_bytes=5 * per_ckpt)
+    run(engine, convs)
+    got = run(engine, turn2)
+    assert {rid: g[0] for rid, g in got.items()} == {rid: w[0] for rid, w in want.items()}
+    assert engine.prefix.stats.evictions > 0 and engine.prefix.nbytes <= 5 * per_ckpt
+    assert got["c11"][1] == 35 and not got["c0"][1]
+    assert engine.prefix.lookup(turn2["c11"][0]) is None  # evicted while c11 decoded on
+    assert engine.cache.usage().slots_used == 0
+
+
+def test_n_choices_fork_from_a_resumed_prompt(model):
+    prompt = list(range(3000, 3050))
+    follow = prompt + [11, 12, 13]
+    results = []
+    for prefix_bytes in (1 << 30, 0):
+        engine = make_engine(model, prefix_bytes=prefix_bytes)
+        run(engine, {"a": (prompt, GREEDY, 40)})
+        for i in range(3):
+            engine.add_request(follow, SEEDED.for_choice(i), request_id=f"c{i}", group="g")
+        out = {f"c{i}": [] for i in range(3)}
+        cached = set()
+        while engine.has_work():
+            for o in engine.step():
+                out[o.request_id] += o.new_token_ids
+                cached.add(o.num_cached_tokens)
+        results.append((out, cached))
+    (on, cached_on), (off, _) = results
+    assert on == off
+    assert min(cached_on) >= 40
