@@ -127,3 +127,23 @@ def test_cuda_graph_runner_keeps_prompt_rows():
     torch.testing.assert_close(pool(torch.cat(embed.hidden), "last"), F.normalize(want[-1].float(), dim=0).cpu(),
                                atol=2e-2, rtol=0)
     assert len(scored.hidden) == 1 and not decode.hidden
+
+
+def test_prompt_logprobs_never_resume_from_a_retained_prefix(model):
+    """With the prefix cache on, a request whose prompt extends a retained one still computes (and reports)
+    every prompt row: the same logprobs as with the cache off."""
+    engine = Engine(model, EngineConfig(
+        max_model_len=128, scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, prefill_chunk=64),
+        cache=CacheConfig(num_slots=4, num_blocks=128, block_size=8, prefix_cache_bytes=1 << 30,
+                          prefix_checkpoint_stride=8)))
+    greedy = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    engine.add_request(PROMPTS[2][:24], greedy, request_id="first")
+    run(engine)
+    assert engine.prefix.lookup(PROMPTS[2]) is not None  # the second prompt could resume from the first
+    engine.add_request(PROMPTS[2], greedy, request_id="lp", prompt_logprobs=0)
+    lps = run(engine)["lp"][0].prompt_logprobs
+    ref = torch.log_softmax(model.logits(PROMPTS[2]).float(), dim=-1)
+    assert len(lps) == len(PROMPTS[2])
+    got = torch.tensor([lp.logprob for lp in lps[1:]])
+    want = ref[torch.arange(len(PROMPTS[2]) - 1), torch.tensor(PROMPTS[2][1:])]
+    assert torch.allclose(got, want, atol=1e-5)
