@@ -53,6 +53,7 @@ class Request:
     group: Optional[str] = None  # choices of one request (n > 1): later ones fork the first one's prompt
     fork_point: Optional[int] = None  # a group leader pauses here until its siblings have forked
     siblings: list["Request"] = field(default_factory=list)  # waiting to fork from this leader
+    draft_ids: list[int] = field(default_factory=list)  # this step's proposed tokens, fed after the known ones
     arrival: float = field(default_factory=time.monotonic)
     extras: dict[str, Any] = field(default_factory=dict)
 
