@@ -31,6 +31,22 @@ class SpecConfig:
         return self.method != "off"
 
 
+def add_spec_args(parser) -> None:
+    """`--speculative` and its knobs, shared by `hf2q serve` and `hf2q generate`."""
+    d = SpecConfig()
+    parser.add_argument("--speculative", choices=METHODS, default=d.method,
+                        help="draft tokens and verify them in one forward; the output is unchanged "
+                             "(ngram: prompt lookup in the request's own history). Default: %(default)s")
+    parser.add_argument("--spec-tokens", type=int, default=d.num_tokens, help="drafts per step (k)")
+    parser.add_argument("--spec-ngram-min", type=int, default=d.ngram_min, help="shortest history suffix matched")
+    parser.add_argument("--spec-ngram-max", type=int, default=d.ngram_max, help="longest history suffix tried first")
+
+
+def spec_config(args) -> SpecConfig:
+    return SpecConfig(method=args.speculative, num_tokens=args.spec_tokens, ngram_min=args.spec_ngram_min,
+                      ngram_max=args.spec_ngram_max)
+
+
 class Proposer(Protocol):
     """Drafts for one request. `history` is its prompt plus verified output: between two calls it only
     grows at the end (drafts are never part of it), so a proposer may index it incrementally."""
