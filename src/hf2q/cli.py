@@ -7,6 +7,7 @@ import sys
 from collections import Counter
 
 from hf2q.devices import add_device_args, dtype_name, keep_quantized, resolve_device, resolve_dtype
+from hf2q.spec.proposer import add_spec_args, spec_config
 
 USER_ERRORS = (FileNotFoundError, ValueError, OSError)
 
@@ -71,6 +72,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--prefill-chunk", type=int, default=2048)
     p.add_argument("--json", action="store_true", help="print prompt tokens, tokens and text as JSON")
     add_device_args(p)
+    add_spec_args(p)
     p.set_defaults(func=run_generate)
 
 
@@ -99,7 +101,8 @@ def run_generate(args) -> int:
                                         scheduler=SchedulerConfig(max_num_seqs=1, prefill_chunk=args.prefill_chunk,
                                                                   max_num_batched_tokens=args.prefill_chunk),
                                         cache=CacheConfig(num_slots=1, num_blocks=blocks, block_size=16,
-                                                          kv_dtype=dtype_name(dtype))))
+                                                          kv_dtype=dtype_name(dtype)),
+                                        spec=spec_config(args)))
     tokens: list[int] = []
     text = []
     for out in engine.generate(prompt, params):

@@ -239,6 +239,17 @@ class HybridCache:
         self._rec[:, slot].copy_(snap.recurrent)
         self._lens[slot] = snap.num_tokens
 
+    def linear_state(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A copy of the slot's DeltaNet (conv, recurrent) state: what a speculative verify restores, since
+        that state cannot be rewound by truncation."""
+        self._check(slot)
+        return self._conv[:, slot].clone(), self._rec[:, slot].clone()
+
+    def set_linear_state(self, slot: int, state: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self._check(slot)
+        self._conv[:, slot].copy_(state[0])
+        self._rec[:, slot].copy_(state[1])
+
     def fork(self, src: int, dst: int) -> None:
         """Make dst an independent copy of src: full blocks shared by refcount, partial block and state copied."""
         self._check(src)

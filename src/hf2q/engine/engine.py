@@ -19,6 +19,8 @@ from hf2q.engine.sampling_params import SamplingParams
 from hf2q.engine.scheduler import Scheduler, SchedulerConfig
 from hf2q.engine.sequence_output import SequenceOutput
 from hf2q.model import Model
+from hf2q.spec.proposer import SpecConfig
+from hf2q.spec.speculator import Speculator, Verify, merge_outputs
 
 if TYPE_CHECKING:  # xgrammar is imported only by requests that use a grammar
     from hf2q.engine.grammar import Grammar
@@ -36,6 +38,7 @@ class EngineConfig:
     max_model_len: int = 4096
     scheduler: SchedulerConfig = SchedulerConfig()
     cache: CacheConfig = CacheConfig()
+    spec: SpecConfig = SpecConfig()
 
 
 class Engine:
@@ -49,6 +52,7 @@ class Engine:
         self.scheduler = Scheduler(self.cache, config.scheduler, self.prefix, cc.prefix_checkpoint_stride)
         self.runner = ModelRunner(model.net, self.cache)
         self.sampler = Sampler()
+        self.spec = Speculator(config.spec, self.cache) if config.spec.enabled else None
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.last_batch = (0, 0)  # (sequences, tokens) of the latest step, for metrics
@@ -117,6 +121,8 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One step. A failure of one request's own work (its forced token, grammar, sampler row or output)
         fails only that request, with an "error" output; a failure of the forward pass raises."""
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
@@ -137,12 +143,15 @@ class Engine:
                 result = self._sample_each(logits, rows, failed)
             for i, (req, state) in enumerate(zip(sampling, states)):
                 error = failed.get(i)
+                verify = req.extras.pop("verify", None)
                 if error is None:
                     try:
                         token = forced[i] if forced[i] is not None else int(result.token_ids[i])
                         out = state.append(token, result, i, forced=forced[i] is not None)
                         if req.hidden:  # its first token: the prompt's rows are complete
                             out.prompt_logprobs = self._prompt_logprobs(req)
+                        if verify is not None:
+                            out = self._verify(req, state, out, verify)
                     except Exception as exc:
                         error = exc
                 if error is not None:
@@ -174,6 +183,31 @@ class Engine:
     def _prompt_logprobs(self, req: Request) -> list:
         hidden, req.hidden = torch.cat(req.hidden), []
         return prompt_logprobs(self.model.net, hidden, req.prompt_ids, req.prompt_logprobs or 0)
+    def _verify(self, req: Request, state: SequenceOutput, out: RequestOutput, verify: Verify) -> RequestOutput:
+        """Decide the draft rows in order, each exactly as a plain decode step would, while the token just
+        decided equals the draft that was fed after it (so the next row saw the right history)."""
+        outs, accepted = [out], 0
+        for i, draft in enumerate(verify.drafts):
+            if out.finished or req.output_ids[-1] != draft:
+                break
+            accepted += 1
+            out = self._decide(state, verify.logits[i:i + 1])
+            outs.append(out)
+        # Settled also when the request ends: its slot may then be kept as a retained prefix, whose state
+        # must cover exactly its computed tokens.
+        self.spec.settle(req, verify, accepted)
+        self.spec.record(len(verify.drafts), accepted)
+        return merge_outputs(outs)
+
+    def _decide(self, state: SequenceOutput, logits: torch.Tensor) -> RequestOutput:
+        """One plain decode decision on one row [1, V]: a forced token still draws from the row's
+        generator, as it does in a batched step, so seeded rows stay in step."""
+        forced = state.forced_token()
+        if forced is None and state.constraint is not None:
+            state.constraint.mask(logits[0])
+        result = self.sampler.sample(logits, [state.row])
+        token = forced if forced is not None else int(result.token_ids[0])
+        return state.append(token, result, 0, forced=forced is not None)
 
     @staticmethod
     def _forced(states: list[SequenceOutput], failed: dict[int, Exception]) -> list[Optional[int]]:

@@ -57,6 +57,7 @@ class Request:
     fork_point: Optional[int] = None  # a group leader pauses here until its siblings have forked
     siblings: list["Request"] = field(default_factory=list)  # waiting to fork from this leader
     anchor: Optional[int] = None  # prompt tokens the next turn will reuse (the prompt minus the generation suffix)
+    draft_ids: list[int] = field(default_factory=list)  # this step's proposed tokens, fed after the known ones
     arrival: float = field(default_factory=time.monotonic)
     extras: dict[str, Any] = field(default_factory=dict)
     prefill_only: bool = False  # computes its prompt and finishes without sampling (max_tokens 0, embeddings)

@@ -3,6 +3,8 @@
 On CUDA a batch of pure decode rows (one new token per request, each then sampled) replays a captured
 CUDA graph of its batch-size bucket (captured on first use); every other batch, and every batch on CPU,
 runs eagerly.
+A speculating request (drafts after its known tokens, see hf2q.spec) runs eagerly too; its draft rows'
+logits go to its `Verify`, and its cache and `num_computed` are settled by the engine once it has decided.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from hf2q.cache.hybrid import CacheError, HybridCache
 from hf2q.engine.request import Request
 from hf2q.forward import ForwardBatch
 from hf2q.models.qwen35 import Qwen35Model
+from hf2q.spec.speculator import Verify
 
 GRAPH_MAX_CONTEXT = 65536  # block-table width of the graphs; longer sequences decode eagerly
 
@@ -30,7 +33,7 @@ class ModelRunner:
         ids: list[int] = []
         positions: list[int] = []
         for req, n in scheduled:
-            ids += req.tokens(req.num_computed, req.num_computed + n)
+            ids += req.tokens(req.num_computed, req.num_computed + n) + drafts_in(req, n)
             positions += range(req.num_computed, req.num_computed + n)
         return ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
@@ -56,21 +59,38 @@ class ModelRunner:
                 self.cache.commit(req.slot, req.num_computed)
             return [req for req, _ in scheduled], logits
         batch = self.build_batch(scheduled)
+        verifies = {}
+        for req, n in scheduled:
+            drafts = drafts_in(req, n)
+            if drafts:  # the DeltaNet state before the drafts, for a rejection to go back to
+                verifies[req.request_id] = Verify(req.num_computed, drafts, self.cache.linear_state(req.slot))
         hidden = self.net(batch)
-        rows, sampling = [], []
+        rows, draft_rows, sampling = [], [], []
         row = 0
         for req, n in scheduled:
             if req.keeps_hidden and req.num_computed < len(req.prompt_ids):
                 req.hidden.append(hidden[row:row + n].clone())  # chunked prefill: one chunk per step
             row += n
-            req.num_computed += n
-            self.cache.commit(req.slot, req.num_computed)
+            verify = verifies.get(req.request_id)
+            d = len(verify.drafts) if verify is not None else 0
+            req.num_computed += n - d  # the drafts count once the engine has accepted them
+            self.cache.commit(req.slot, req.num_computed + d)
             if req.num_computed == req.num_tokens and not req.prefill_only:
-                rows.append(row - 1)
+                rows.append(row - 1 - d)
                 sampling.append(req)
+                if verify is not None:
+                    draft_rows += range(row - d, row)
         if not rows:
             return [], hidden.new_zeros(0, self.net.config.vocab_size, dtype=torch.float32)
-        return sampling, self.net.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
+        logits = self.net.compute_logits(hidden[torch.tensor(rows + draft_rows, device=hidden.device)])
+        offset = len(rows)
+        for req in sampling:
+            verify = verifies.get(req.request_id)
+            if verify is not None:
+                verify.logits = logits[offset:offset + len(verify.drafts)]
+                offset += len(verify.drafts)
+                req.extras["verify"] = verify
+        return sampling, logits[:len(rows)]
 
     def _run_graph(self, scheduled: list[tuple[Request, int]]) -> Optional[torch.Tensor]:
         """Logits of a decode batch by graph replay (a view valid until the next step), or None to run eagerly."""
@@ -116,3 +136,8 @@ class ModelRunner:
             except CacheError:  # no slot or block free for the padding rows yet: eager until there is
                 return None
         return self.graphs
+
+
+def drafts_in(req: Request, n: int) -> list[int]:
+    """The drafts a chunk of n tokens carries: what is left after the request's known tokens."""
+    return req.draft_ids[:max(0, n - (req.num_tokens - req.num_computed))]

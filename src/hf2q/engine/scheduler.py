@@ -86,10 +86,11 @@ class Scheduler:
         return batch
 
     def _need(self, req: Request) -> int:
-        """Tokens left to compute; a leader with siblings to fork stops at its fork point first."""
+        """Tokens left to compute, plus this step's drafts to verify; a leader with siblings to fork stops at
+        its fork point first."""
         if req.siblings and req.num_computed < req.fork_point:
             return req.fork_point - req.num_computed
-        return req.num_tokens - req.num_computed
+        return req.num_tokens - req.num_computed + len(req.draft_ids)
 
     def _limit(self, req: Request, n: int) -> int:
         """Cut a prefill chunk at the next checkpoint boundary inside it."""

@@ -19,6 +19,7 @@ from hf2q.devices import add_device_args, dtype_name, keep_quantized, resolve_de
 from hf2q.server.sizing import CPU_MAX_MODEL_LEN, CPU_MAX_NUM_SEQS, CUDA_MAX_NUM_SEQS, choose
 
 from hf2q.server.body_limit import DEFAULT_MAX_REQUEST_BYTES
+from hf2q.spec.proposer import add_spec_args, spec_config
 
 log = logging.getLogger("hf2q.serve")
 
@@ -67,6 +68,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="shard the model over N local ranks (one GPU each on CUDA); this process is rank 0 and "
                         "spawns the others")
+    add_spec_args(p)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -121,6 +123,9 @@ def build_state(args):
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     tp = getattr(args, "tensor_parallel_size", 1)
+    spec = spec_config(args)
+    if tp != 1 and spec.enabled:  # the other ranks replay plain steps only
+        raise ValueError("--speculative does not work with --tensor-parallel-size yet")
     workers = None
     if tp != 1:
         from hf2q.distributed.serve import TPLaunch, TPWorkers, check_tensor_parallel
@@ -144,7 +149,7 @@ def build_state(args):
     cache = with_prefix_cache(limits.cache, args, model, prefix_bytes)
     sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                             prefill_chunk=args.prefill_chunk, max_waiting=args.max_waiting)
-    engine_config = EngineConfig(max_model_len=max_len, scheduler=sched, cache=cache)
+    engine_config = EngineConfig(max_model_len=max_len, scheduler=sched, cache=cache, spec=spec)
     if workers is not None:  # this process is rank 0
         aengine = workers.start_engine(model, engine_config)
     else:

@@ -46,6 +46,11 @@ class Metrics:
         self.prefix_bytes = Gauge("hf2q_prefix_cache_bytes", "Bytes held by retained prefixes", registry=r)
         self._prefix_seen = (0, 0, 0, 0)
         self._prefix_lock = threading.Lock()  # the engine thread and /metrics scrapes both observe
+        # vLLM's names: acceptance rate = accepted / draft tokens
+        self.spec_drafts = Counter("hf2q_spec_decode_num_drafts", "Speculative verify rounds", registry=r)
+        self.spec_draft_tokens = Counter("hf2q_spec_decode_num_draft_tokens", "Draft tokens proposed", registry=r)
+        self.spec_accepted = Counter("hf2q_spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=r)
+        self._spec_seen = (0, 0, 0)
         info = Gauge("hf2q_model_info", "The served model (value is always 1)", ["model"], registry=r)
         info.labels(model=model_name).set(1)
         self.started = time.monotonic()
@@ -58,6 +63,14 @@ class Metrics:
         if seqs:
             self.batch_seqs.observe(seqs)
             self.batch_tokens.observe(tokens)
+        spec = getattr(engine, "spec", None)
+        if spec is not None:
+            now = (spec.stats.rounds, spec.stats.drafted, spec.stats.accepted)
+            for counter, new, old in zip((self.spec_drafts, self.spec_draft_tokens, self.spec_accepted), now,
+                                         self._spec_seen):
+                if new > old:
+                    counter.inc(new - old)
+            self._spec_seen = now
         self.observe_engine(engine)
 
     def observe_engine(self, engine) -> None:

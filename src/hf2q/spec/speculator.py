@@ -1,0 +1,95 @@
+"""The engine's side of speculation: draft before scheduling, settle the cache after verifying.
+
+A speculating request's step feeds its known tokens plus k drafts (one chunk, one forward). The engine
+then decides row by row exactly as plain decoding would (same sampler, grammar, budget, stop rules);
+row i + 1 is valid only while the token decided at row i equals draft i. When every draft is accepted
+the cache already holds the right prefix. Otherwise the DeltaNet state, which has run over the rejected
+drafts and cannot be truncated, is restored from the copy taken before the forward, the K/V is
+truncated to match, and the accepted tokens are fed again with the next step's chunk.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from hf2q.cache.hybrid import HybridCache
+from hf2q.engine.request import Request, RequestOutput
+from hf2q.spec.ngram import NgramProposer
+from hf2q.spec.proposer import Proposer, SpecConfig, TokenView
+
+
+@dataclass
+class Verify:
+    """One request's verify in flight: set by the runner, consumed by the engine in the same step."""
+
+    start: int  # num_computed before the forward: where the cache goes back to on a rejection
+    drafts: list[int]
+    state: tuple[torch.Tensor, torch.Tensor]  # DeltaNet (conv, recurrent) state at `start`
+    logits: Optional[torch.Tensor] = None  # [len(drafts), V]: row i is the prediction after drafts[i]
+
+
+@dataclass
+class SpecStats:
+    rounds: int = 0  # verify forwards a request took part in
+    drafted: int = 0
+    accepted: int = 0
+    accepted_hist: list[int] = field(default_factory=list)  # [n]: rounds that accepted n drafts
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+class Speculator:
+    def __init__(self, config: SpecConfig, cache: HybridCache):
+        self.config = config
+        self.cache = cache
+        self.stats = SpecStats(accepted_hist=[0] * (config.num_tokens + 1))
+
+    def new_proposer(self) -> Proposer:
+        return NgramProposer(self.config.ngram_min, self.config.ngram_max)
+
+    def propose(self, running: list[Request]) -> None:
+        """Set each running request's drafts for the coming step. Only requests past their prompt draft,
+        and never more than fit in what is left of max_tokens after the step's own token."""
+        for req in running:
+            req.draft_ids = []
+            if not req.output_ids or req.finished:
+                continue
+            k = min(self.config.num_tokens, req.max_total_len - req.num_tokens - 1)
+            if k <= 0:
+                continue
+            proposer = req.extras.get("proposer")
+            if proposer is None:
+                proposer = req.extras["proposer"] = self.new_proposer()
+            req.draft_ids = proposer.propose(TokenView(req.prompt_ids, req.output_ids), k)[:k]
+
+    def settle(self, req: Request, verify: Verify, accepted: int) -> None:
+        """Leave the slot as plain decoding would: every fed token valid, or back to `verify.start`."""
+        if accepted == len(verify.drafts):
+            req.num_computed = self.cache.seq_len(req.slot)
+            return
+        self.cache.set_linear_state(req.slot, verify.state)
+        self.cache.truncate(req.slot, verify.start)
+        req.num_computed = verify.start
+
+    def record(self, drafted: int, accepted: int) -> None:
+        s = self.stats
+        s.rounds += 1
+        s.drafted += drafted
+        s.accepted += accepted
+        s.accepted_hist[accepted] += 1
+
+
+def merge_outputs(outs: list[RequestOutput]) -> RequestOutput:
+    """The deltas of several tokens decided in one step, as one delta."""
+    last = outs[-1]
+    if len(outs) == 1:
+        return last
+    logprobs = [lp for o in outs for lp in (o.logprobs or [])] if any(o.logprobs for o in outs) else None
+    return RequestOutput(last.request_id, [t for o in outs for t in o.new_token_ids], "".join(o.new_text for o in outs),
+                         finished=last.finished, finish_reason=last.finish_reason,
+                         num_prompt_tokens=last.num_prompt_tokens, num_output_tokens=last.num_output_tokens,
+                         num_cached_tokens=last.num_cached_tokens, logprobs=logprobs, error=last.error)

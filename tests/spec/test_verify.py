@@ -1,0 +1,153 @@
+"""Speculation never changes the output: token-identical to plain decoding, whatever the drafts.
+
+Random fixture weights accept no real proposal, so an oracle proposer drafts from the plain run's own
+output with some tokens spoiled: every step then mixes accepted and rejected drafts, and requests
+without drafts share the batch.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import hf2q
+from hf2q.config import CacheConfig
+from hf2q.engine.engine import Engine, EngineConfig
+from hf2q.engine.sampling_params import SamplingParams
+from hf2q.engine.scheduler import SchedulerConfig
+from hf2q.spec import SpecConfig
+
+MAX_TOKENS = 10
+
+
+@pytest.fixture(scope="module", params=["dense", "moe"])
+def model(request):
+    return hf2q.load(request.getfixturevalue(f"gguf_{request.param}_f32"))
+
+
+class Oracle:
+    """Drafts the plain run's continuation of a prompt, each token spoiled with probability `spoil`."""
+
+    def __init__(self, answers: dict[tuple, list[int]], spoil: float, seed: int):
+        self.answers, self.spoil, self.rng = answers, spoil, random.Random(seed)
+
+    def propose(self, history, k):
+        for prompt, answer in self.answers.items():
+            if tuple(history[:len(prompt)]) == prompt:
+                done = len(history) - len(prompt)
+                return [t if self.rng.random() >= self.spoil else t + 1 for t in answer[done:done + k]]
+        return []
+
+
+class CountingMask:
+    """A stand-in grammar: only even token ids, and it is complete after 6 tokens."""
+
+    def __init__(self):
+        self.n = 0
+
+    def constraint(self):
+        return self
+
+    def mask(self, logits):
+        logits[1::2] = float("-inf")
+
+    def accept(self, token):
+        self.n += 1
+        return token % 2 == 0
+
+    def is_terminated(self):
+        return self.n >= 6
+
+
+def make_engine(model, spec=SpecConfig()):
+    return Engine(model, EngineConfig(
+        max_model_len=128, spec=spec,
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, prefill_chunk=32),
+        cache=CacheConfig(num_slots=8, num_blocks=128, block_size=8)))
+
+
+def workload(model):
+    rng = random.Random(1)
+    prompts = [[rng.randrange(100, 20000) for _ in range(rng.randrange(3, 12))] for _ in range(7)]
+    sp = dict(max_tokens=MAX_TOKENS, ignore_eos=True)
+    return [
+        (prompts[0], SamplingParams(temperature=0, **sp), {}),
+        (prompts[1], SamplingParams(temperature=0.9, top_p=0.9, seed=7, **sp), {}),
+        (prompts[2], SamplingParams(temperature=0, logprobs=True, top_logprobs=2, repetition_penalty=1.3,
+                                    presence_penalty=0.5, **sp), {}),
+        (prompts[3], SamplingParams(temperature=0, stop=["e", "a"], **sp), {}),
+        (prompts[4], SamplingParams(temperature=0, **sp), {"thinking_budget": 3, "starts_in_reasoning": True}),
+        (prompts[5], SamplingParams(temperature=0, **sp), {"grammar": "mask"}),
+        (prompts[6], SamplingParams(temperature=0.7, seed=3, n=2, **sp), {"group": "g"}),
+    ]
+
+
+def run(engine, work):
+    outs = {}
+    for i, (prompt, params, kw) in enumerate(work):
+        kw = dict(kw, grammar=CountingMask()) if kw.get("grammar") else kw
+        for c in range(params.n):
+            rid = f"r{i}.{c}"
+            engine.add_request(prompt, params, request_id=rid, **kw)
+            outs[rid] = {"ids": [], "text": "", "logprobs": [], "finish": None}
+    while engine.has_work():
+        for o in engine.step():
+            got = outs[o.request_id]
+            got["ids"] += o.new_token_ids
+            got["text"] += o.new_text
+            got["logprobs"] += [(lp.token_id, lp.logprob, lp.top) for lp in o.logprobs or []]
+            got["finish"] = o.finish_reason
+    return outs
+
+
+def test_outputs_identical_with_mixed_accepted_and_rejected_drafts(model):
+    work = workload(model)
+    plain = run(make_engine(model), work)
+    forced = model.tokenizer.encode("\n</think>\n\n")
+    assert plain["r3.0"]["finish"] == "stop" and len(plain["r3.0"]["ids"]) < MAX_TOKENS  # a stop string hit
+    assert plain["r4.0"]["ids"][3:5] == forced[:2]  # the thinking budget forced its close
+    assert plain["r5.0"]["finish"] == "stop" and len(plain["r5.0"]["ids"]) == 6  # the grammar completed
+    assert all(t % 2 == 0 for t in plain["r5.0"]["ids"])
+    answers = {tuple(p): plain[f"r{i}.0"]["ids"] for i, (p, params, kw) in enumerate(work) if i != 0}
+    engine = make_engine(model, SpecConfig(method="ngram", num_tokens=3))  # r0 never gets a draft
+    engine.spec.new_proposer = lambda: Oracle(answers, spoil=0.25, seed=5)
+    spec = run(engine, work)
+    for rid in plain:
+        got, want = spec[rid], plain[rid]
+        assert (got["ids"], got["text"], got["finish"]) == (want["ids"], want["text"], want["finish"]), rid
+        # the verify chunk and a one-token step round differently: logprobs agree to float noise
+        assert [(t, [i for i, _ in top]) for t, _, top in got["logprobs"]] == \
+            [(t, [i for i, _ in top]) for t, _, top in want["logprobs"]]
+        assert [lp for _, lp, _ in got["logprobs"]] == pytest.approx([lp for _, lp, _ in want["logprobs"]], abs=1e-4)
+    stats = engine.spec.stats
+    assert 0 < stats.accepted < stats.drafted and stats.accepted_hist[0] > 0 and stats.accepted_hist[3] > 0
+    assert engine.cache.num_free_slots == engine.cache.num_slots
+
+
+def test_slot_state_after_rejections_equals_plain_decoding(model):
+    """After every settled step (K/V and DeltaNet state at a decode position), the slot holds what plain
+    decoding holds at that length."""
+    prompt, params = [11, 22, 33, 44, 55], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+    def states(engine):
+        req = engine.add_request(prompt, params, request_id="a")
+        seen = {}
+        while engine.has_work():
+            engine.step()
+            if not req.finished and req.num_computed == req.num_tokens - 1:
+                seen[req.num_computed] = (list(req.output_ids), engine.cache.snapshot(req.slot))
+        return seen
+
+    plain = states(make_engine(model))
+    answer = next(reversed(plain.values()))[0]
+    engine = make_engine(model, SpecConfig(method="ngram", num_tokens=3))
+    engine.spec.new_proposer = lambda: Oracle({tuple(prompt): answer + [0]}, spoil=0.3, seed=2)
+    spec = states(engine)
+    assert engine.spec.stats.accepted_hist[0] > 0 and engine.spec.stats.accepted > 0
+    assert len(spec) >= 2
+    for n, (ids, snap) in spec.items():
+        want_ids, want = plain[n]
+        assert ids == want_ids
+        for a, b in ((snap.k, want.k), (snap.v, want.v), (snap.conv, want.conv), (snap.recurrent, want.recurrent)):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
