@@ -151,3 +151,31 @@ def test_slot_state_after_rejections_equals_plain_decoding(model):
         assert ids == want_ids
         for a, b in ((snap.k, want.k), (snap.v, want.v), (snap.conv, want.conv), (snap.recurrent, want.recurrent)):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_end_of_request_prefix_after_unused_drafts_is_exact(model):
+    """A request that stops on a token with drafts fed after it is settled before its slot is kept as a
+    retained prefix: a follow-up prompt that resumes from it gets the tokens a cold run gives."""
+    rng = random.Random(3)
+    firsts = [[rng.randrange(100, 20000) for _ in range(9)] for _ in range(3)]
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    free = run(make_engine(model), [(p, greedy, {}) for p in firsts])
+    answers = {tuple(p): free[f"r{i}.0"]["ids"] for i, p in enumerate(firsts)}  # drafts run past the stop
+    stops = [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop_token_ids=[free[f"r{i}.0"]["ids"][4]])
+             for i in range(len(firsts))]
+    plain = run(make_engine(model), list(zip(firsts, stops, [{}] * 3)))
+    assert all(plain[r]["finish"] == "stop" for r in plain)
+    follow = [p + plain[f"r{i}.0"]["ids"] + [101, 102] for i, p in enumerate(firsts)]
+    cold = run(make_engine(model), [(p, greedy, {}) for p in follow])
+
+    engine = Engine(model, EngineConfig(
+        max_model_len=128, spec=SpecConfig(method="ngram", num_tokens=4),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, prefill_chunk=32),
+        cache=CacheConfig(num_slots=8, num_blocks=256, block_size=8, prefix_cache_bytes=1 << 30)))
+    engine.spec.new_proposer = lambda: Oracle(answers, spoil=0.0, seed=11)
+    first = run(engine, list(zip(firsts, stops, [{}] * 3)))
+    assert [first[r]["ids"] for r in plain] == [plain[r]["ids"] for r in plain]
+    hits = engine.prefix.stats.hits
+    warm = run(engine, [(p, greedy, {}) for p in follow])
+    assert engine.prefix.stats.hits >= hits + len(follow)  # each follow-up resumed from its first turn
+    assert [warm[r]["ids"] for r in cold] == [cold[r]["ids"] for r in cold]
