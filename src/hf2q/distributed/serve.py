@@ -146,6 +146,7 @@ class TPAsyncEngine(AsyncEngine):
             dead = [(i + 1, p.exitcode) for i, p in enumerate(self.workers.processes) if p.exitcode is not None]
             if dead:
                 log.error("tensor-parallel rank %d exited (code %s); shutting the server down", *dead[0])
+                self.failure = f"tensor-parallel rank {dead[0][0]} exited"  # the server then exits non-zero
                 os.kill(os.getpid(), signal.SIGTERM)
                 return
             time.sleep(1)

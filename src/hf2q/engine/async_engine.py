@@ -52,6 +52,7 @@ class AsyncEngine:
         self._refusal: Optional[str] = None  # set by stop_requests: why new requests are refused
         self._thread = threading.Thread(target=self._loop, name="hf2q-engine", daemon=True)
         self.on_step: Optional[Callable[[Engine, list[RequestOutput]], None]] = None  # metrics hook
+        self.failure: Optional[str] = None  # why this engine stopped the server, if it did (exit status 1)
 
     def start(self) -> None:
         self._thread.start()

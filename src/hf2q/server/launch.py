@@ -226,7 +226,8 @@ def run_serve(args: argparse.Namespace) -> int:
              args.host, args.port, state.config.max_model_len, args.max_num_seqs)
     server = _server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5), state)
     server.run(sockets=[sock])
-    return 0
+    # A stop the engine asked for because it cannot go on (a dead tensor-parallel rank) is a failure.
+    return 1 if state.engine.failure else 0
 
 
 def _server(config, state):
