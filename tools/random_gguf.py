@@ -72,7 +72,6 @@ def write(shape: str, mix: str, out: Path, seed: int = 0) -> None:
     with torch.device("meta"):
         net = Qwen35Model(cfg, tie_embeddings=tie)
     names, types = gguf_names(net), quant_types(net, mix)
-    tokens, token_types, merges = demo.qwen35_vocabulary()
     w = gguf.GGUFWriter(str(out), demo.ARCH)
     w.add_name(f"hf2q random {shape} {mix}")
     w.add_block_count(cfg.num_layers)
@@ -99,15 +98,7 @@ def write(shape: str, mix: str, out: Path, seed: int = 0) -> None:
     w.add_ssm_time_step_rank(cfg.linear_num_v_heads)
     w.add_ssm_inner_size(cfg.linear_num_v_heads * cfg.linear_v_head_dim)
     w.add_full_attention_interval(cfg.full_attention_interval)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen35")
-    w.add_token_list(tokens)
-    w.add_token_types(token_types)
-    w.add_token_merges(merges)
-    w.add_eos_token_id(tokens.index("<|im_end|>"))
-    w.add_pad_token_id(tokens.index("<|endoftext|>"))
-    w.add_add_bos_token(False)
-    w.add_chat_template(demo.CHAT_TEMPLATE)
+    demo.add_vocabulary(w)
     gen = torch.Generator().manual_seed(seed)
     pools: dict[tuple[str, int], np.ndarray] = {}
     for i, (path, param) in enumerate(net.named_parameters()):

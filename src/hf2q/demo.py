@@ -153,10 +153,23 @@ def _tensors(rng: np.random.Generator) -> dict[str, np.ndarray]:
     return t
 
 
+def add_vocabulary(writer) -> None:
+    """The tokenizer keys of a GGUF with the real Qwen3.5 vocabulary and the demo's chat template."""
+    tokens, types, merges = qwen35_vocabulary()
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen35")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_eos_token_id(tokens.index("<|im_end|>"))
+    writer.add_pad_token_id(tokens.index("<|endoftext|>"))
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHAT_TEMPLATE)
+
+
 def write_demo_gguf(path: Path, seed: int = 0) -> None:
     import gguf
 
-    tokens, types, merges = qwen35_vocabulary()
     writer = gguf.GGUFWriter(str(path), ARCH)
     writer.add_name("hf2q demo (random weights)")
     writer.add_block_count(LAYERS)
@@ -177,15 +190,7 @@ def write_demo_gguf(path: Path, seed: int = 0) -> None:
     writer.add_ssm_time_step_rank(NV)
     writer.add_ssm_inner_size(NV * DV)
     writer.add_full_attention_interval(4)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen35")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(merges)
-    writer.add_eos_token_id(tokens.index("<|im_end|>"))
-    writer.add_pad_token_id(tokens.index("<|endoftext|>"))
-    writer.add_add_bos_token(False)
-    writer.add_chat_template(CHAT_TEMPLATE)
+    add_vocabulary(writer)
     for name, value in _tensors(np.random.default_rng(seed)).items():
         writer.add_tensor(name, value)
     writer.write_header_to_file()
