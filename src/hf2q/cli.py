@@ -100,7 +100,8 @@ def run_generate(args) -> int:
     engine = Engine(model, EngineConfig(max_model_len=model.config.context_length,
                                         scheduler=SchedulerConfig(max_num_seqs=1, prefill_chunk=args.prefill_chunk,
                                                                   max_num_batched_tokens=args.prefill_chunk),
-                                        cache=CacheConfig(num_slots=1, num_blocks=blocks, block_size=16,
+                                        # a second slot and block hold the decode graphs' padding rows (CUDA)
+                                        cache=CacheConfig(num_slots=2, num_blocks=blocks + 1, block_size=16,
                                                           kv_dtype=dtype_name(dtype)),
                                         spec=spec_config(args)))
     tokens: list[int] = []
