@@ -8,14 +8,15 @@ from hf2q.server.metrics import Metrics
 from hf2q.spec.speculator import SpecStats
 
 
-def test_generate_with_ngram_gives_the_same_tokens(gguf_dense_f32, capsys):
+def test_generate_with_ngram_or_mtp_gives_the_same_tokens(gguf_dense_f32, capsys):
     prompt = ",".join(str(t) for t in [500, 501, 502, 503, 500, 501, 502])
     got = []
-    for extra in ([], ["--speculative", "ngram", "--spec-tokens", "2", "--spec-ngram-min", "1"]):
+    for extra in ([], ["--speculative", "ngram", "--spec-tokens", "2", "--spec-ngram-min", "1"],
+                  ["--speculative", "mtp", "--spec-tokens", "2"]):
         assert main(["generate", "--model", str(gguf_dense_f32), "--prompt-tokens", prompt, "--max-tokens", "8",
                      "--ignore-eos", "--json", "--device", "cpu", *extra]) == 0
         got.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["tokens"])
-    assert got[0] == got[1] and len(got[0]) == 8
+    assert got[0] == got[1] == got[2] and len(got[0]) == 8
 
 
 def test_metrics_count_drafts_and_accepted_tokens():

@@ -50,9 +50,9 @@ class Engine:
         cc = config.cache
         self.prefix = PrefixCache(self.cache, cc.prefix_cache_bytes) if cc.prefix_cache_bytes > 0 else None
         self.scheduler = Scheduler(self.cache, config.scheduler, self.prefix, cc.prefix_checkpoint_stride)
-        self.runner = ModelRunner(model.net, self.cache)
+        self.spec = Speculator(config.spec, self.cache, model.net) if config.spec.enabled else None
+        self.runner = ModelRunner(model.net, self.cache, mtp_rows=self.spec is not None and self.spec.mtp is not None)
         self.sampler = Sampler()
-        self.spec = Speculator(config.spec, self.cache) if config.spec.enabled else None
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.last_batch = (0, 0)  # (sequences, tokens) of the latest step, for metrics

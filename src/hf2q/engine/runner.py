@@ -5,6 +5,8 @@ CUDA graph of its batch-size bucket (captured on first use); every other batch, 
 runs eagerly.
 A speculating request (drafts after its known tokens, see hf2q.spec) runs eagerly too; its draft rows'
 logits go to its `Verify`, and its cache and `num_computed` are settled by the engine once it has decided.
+With the MTP proposer every batch runs eagerly, and each request keeps its rows of the forward's hidden
+states (`extras["mtp_rows"]`) for the MTP head to catch up on (hf2q.spec.mtp).
 """
 from __future__ import annotations
 
@@ -22,11 +24,12 @@ GRAPH_MAX_CONTEXT = 65536  # block-table width of the graphs; longer sequences d
 
 
 class ModelRunner:
-    def __init__(self, net: Qwen35Model, cache: HybridCache, cuda_graphs: bool = True):
+    def __init__(self, net: Qwen35Model, cache: HybridCache, cuda_graphs: bool = True, mtp_rows: bool = False):
         self.net = net
         self.cache = cache
         self.device = net.embed.device
-        self.use_graphs = cuda_graphs and self.device.type == "cuda"
+        self.mtp_rows = mtp_rows  # the graphs keep no hidden rows: with the MTP proposer all runs eagerly
+        self.use_graphs = cuda_graphs and self.device.type == "cuda" and not mtp_rows
         self.graphs = None  # DecodeGraphs, made on the first decode batch (it holds one padding slot)
 
     def build_batch(self, scheduled: list[tuple[Request, int]]) -> ForwardBatch:
@@ -70,6 +73,8 @@ class ModelRunner:
         for req, n in scheduled:
             if req.keeps_hidden and req.num_computed < len(req.prompt_ids):
                 req.hidden.append(hidden[row:row + n].clone())  # chunked prefill: one chunk per step
+            if self.mtp_rows and not req.prefill_only:
+                req.extras["mtp_rows"] = (req.num_computed, hidden[row:row + n])
             row += n
             verify = verifies.get(req.request_id)
             d = len(verify.drafts) if verify is not None else 0

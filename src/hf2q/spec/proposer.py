@@ -8,12 +8,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
-METHODS = ("off", "ngram")
+METHODS = ("off", "ngram", "mtp", "mtp+ngram")
 
 
 @dataclass(frozen=True)
 class SpecConfig:
-    method: str = "off"  # "off" | "ngram"
+    method: str = "off"  # one of METHODS
     num_tokens: int = 3  # drafts verified per step (k); the verify forward is k + 1 positions
     ngram_min: int = 6  # shortest suffix of the history the n-gram proposer matches
     ngram_max: int = 12  # longest suffix tried first
@@ -36,7 +36,8 @@ def add_spec_args(parser) -> None:
     d = SpecConfig()
     parser.add_argument("--speculative", choices=METHODS, default=d.method,
                         help="draft tokens and verify them in one forward; the output is unchanged "
-                             "(ngram: prompt lookup in the request's own history). Default: %(default)s")
+                             "(ngram: prompt lookup in the request's own history; mtp: the model's MTP head; "
+                             "mtp+ngram: an n-gram match first, else MTP). Default: %(default)s")
     parser.add_argument("--spec-tokens", type=int, default=d.num_tokens, help="drafts per step (k)")
     parser.add_argument("--spec-ngram-min", type=int, default=d.ngram_min, help="shortest history suffix matched")
     parser.add_argument("--spec-ngram-max", type=int, default=d.ngram_max, help="longest history suffix tried first")

@@ -16,6 +16,7 @@ import torch
 
 from hf2q.cache.hybrid import HybridCache
 from hf2q.engine.request import Request, RequestOutput
+from hf2q.spec.mtp import MTPProposer
 from hf2q.spec.ngram import NgramProposer
 from hf2q.spec.proposer import Proposer, SpecConfig, TokenView
 
@@ -43,28 +44,37 @@ class SpecStats:
 
 
 class Speculator:
-    def __init__(self, config: SpecConfig, cache: HybridCache):
+    def __init__(self, config: SpecConfig, cache: HybridCache, net=None):
         self.config = config
         self.cache = cache
         self.stats = SpecStats(accepted_hist=[0] * (config.num_tokens + 1))
+        self.mtp = MTPProposer(net, cache) if "mtp" in config.method else None
+        self.ngram = "ngram" in config.method
 
     def new_proposer(self) -> Proposer:
         return NgramProposer(self.config.ngram_min, self.config.ngram_max)
 
     def propose(self, running: list[Request]) -> None:
         """Set each running request's drafts for the coming step. Only requests past their prompt draft,
-        and never more than fit in what is left of max_tokens after the step's own token."""
+        and never more than fit in what is left of max_tokens after the step's own token. With both
+        proposers, an n-gram match is taken first (a repeat of the history is the likelier guess), else
+        the MTP head drafts; the head sees every forward either way, to keep its K/V in step."""
         for req in running:
             req.draft_ids = []
-            if not req.output_ids or req.finished:
+            if req.finished:
                 continue
-            k = min(self.config.num_tokens, req.max_total_len - req.num_tokens - 1)
-            if k <= 0:
-                continue
-            proposer = req.extras.get("proposer")
-            if proposer is None:
-                proposer = req.extras["proposer"] = self.new_proposer()
-            req.draft_ids = proposer.propose(TokenView(req.prompt_ids, req.output_ids), k)[:k]
+            k = max(0, min(self.config.num_tokens, req.max_total_len - req.num_tokens - 1)) if req.output_ids else 0
+            drafts = self._ngram(req, k) if self.ngram and k else []
+            if self.mtp is not None:
+                mtp_drafts = self.mtp.propose(req, 0 if drafts else k)
+                drafts = drafts or mtp_drafts
+            req.draft_ids = drafts[:k]
+
+    def _ngram(self, req: Request, k: int) -> list[int]:
+        proposer = req.extras.get("proposer")
+        if proposer is None:
+            proposer = req.extras["proposer"] = self.new_proposer()
+        return proposer.propose(TokenView(req.prompt_ids, req.output_ids), k)
 
     def settle(self, req: Request, verify: Verify, accepted: int) -> None:
         """Leave the slot as plain decoding would: every fed token valid, or back to `verify.start`."""

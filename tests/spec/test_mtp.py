@@ -1,0 +1,80 @@
+"""The MTP proposer: same tokens as plain decoding, and its drafts are the MTP head's own predictions.
+
+Random fixture weights accept few MTP drafts, so most rounds are rejections: the head's K/V must be
+caught up after each one. Both fixtures carry one MTP layer.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+import hf2q
+from hf2q.config import CacheConfig
+from hf2q.engine.engine import Engine, EngineConfig
+from hf2q.engine.sampling_params import SamplingParams
+from hf2q.engine.scheduler import SchedulerConfig
+from hf2q.spec import SpecConfig
+from hf2q.spec.mtp import MTPProposer
+
+PROMPTS = [[11, 22, 33, 44, 55], list(range(300, 340)), [7, 8, 9, 7, 8, 9, 7, 8]]  # the 40 tokens: two chunks
+
+
+@pytest.fixture(scope="module", params=["dense", "moe"])
+def model(request):
+    return hf2q.load(request.getfixturevalue(f"gguf_{request.param}_f32"))
+
+
+def make_engine(model, method="off", k=3):
+    return Engine(model, EngineConfig(
+        max_model_len=96, spec=SpecConfig(method=method, num_tokens=k, ngram_min=1),
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, prefill_chunk=32),
+        cache=CacheConfig(num_slots=6, num_blocks=96, block_size=8)))
+
+
+def run(engine, sampled=True):
+    params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop=["e"]),
+              SamplingParams(temperature=0.8, seed=3, n=2 if sampled else 1, max_tokens=8, ignore_eos=True)]
+    outs = {}
+    for i, (prompt, p) in enumerate(zip(PROMPTS, params)):
+        for c in range(p.n):
+            engine.add_request(prompt, p, request_id=f"r{i}.{c}", group="g" if p.n > 1 else None)
+            outs[f"r{i}.{c}"] = ([], None)
+    while engine.has_work():
+        for o in engine.step():
+            ids, _ = outs[o.request_id]
+            outs[o.request_id] = (ids + o.new_token_ids, o.finish_reason)
+    return outs
+
+
+@pytest.mark.parametrize("method", ["mtp", "mtp+ngram"])
+def test_outputs_identical_with_mtp_drafts(model, method):
+    plain = run(make_engine(model))
+    engine = make_engine(model, method)
+    assert run(engine) == plain
+    assert engine.spec.stats.drafted > 0
+    assert engine.cache.num_free_slots == engine.cache.num_slots
+
+
+def test_first_draft_is_the_mtp_heads_argmax(model):
+    """Every step, each request's first draft is what the MTP head predicts from a cache-free forward
+    over its whole history: the head's K/V, caught up over chunked prefill and rejected drafts, is right."""
+    engine = make_engine(model, "mtp", k=2)
+    seen = []
+    propose = engine.spec.propose
+
+    def recording(running):
+        propose(running)
+        seen.extend((req.prompt_ids + req.output_ids, req.draft_ids[0]) for req in running if req.draft_ids)
+
+    engine.spec.propose = recording
+    run(engine, sampled=False)
+    assert len(seen) > 10
+    for history, draft in seen:
+        assert draft == int(model.net.mtp_logits(history)[-1].argmax()), len(history)
+
+
+def test_mtp_needs_an_mtp_head():
+    with pytest.raises(ValueError, match="MTP head"):
+        MTPProposer(SimpleNamespace(mtp=None), cache=None)
