@@ -108,7 +108,8 @@ class PrefixCache:
             return
         self._entries[key_tokens] = Checkpoint(key, key_tokens)
         self._block_refs.update(self.cache.retained_blocks(key))
-        if self.disk is not None and self.disk.wants(key_tokens):
+        nbytes = len(key_tokens) * self.cache.bytes_per_token + self.cache.fixed_bytes_per_slot
+        if self.disk is not None and self.disk.wants(key_tokens, nbytes):
             self.disk.put(key_tokens, self.cache.snapshot(slot))
         while self._entries and self.nbytes > self.budget_bytes:
             self._evict_lru()

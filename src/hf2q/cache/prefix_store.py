@@ -62,13 +62,16 @@ class PrefixStore:
     The index (token ids -> file) is read once at start; tensors are read only on a hit.
     """
 
-    def __init__(self, directory: str | os.PathLike, budget_bytes: int, fingerprint: str, max_pending: int = 8):
+    def __init__(self, directory: str | os.PathLike, budget_bytes: int, fingerprint: str, max_pending: int = 8,
+                 max_pending_bytes: int = 1 << 30):
         self.dir = Path(directory)
         self.budget_bytes = budget_bytes
         self.fingerprint = fingerprint
         self._index: dict[tuple[int, ...], Path] = {}
         self._lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
+        self.max_pending_bytes = max_pending_bytes  # snapshots waiting to be written hold device memory
+        self._pending_bytes = 0
         self._write_failed = False
         self._seq = 0
         self._used: dict[str, int] = {}  # file name -> order of its last use in this process (mtimes are coarse)
@@ -139,18 +142,24 @@ class PrefixStore:
     # ---- writing --------------------------------------------------------------------------------
     def put(self, tokens: tuple[int, ...], snapshot: CacheSnapshot) -> None:
         """Queue a checkpoint for writing; dropped when already stored or when the queue is full."""
+        if not self.wants(tokens, snapshot.nbytes):
+            log.debug("prefix cache: write queue full; checkpoint of %d tokens not written", len(tokens))
+            return
         with self._lock:
-            if tokens in self._index:
-                return
+            self._pending_bytes += snapshot.nbytes
         try:
             self._queue.put_nowait((tokens, snapshot))
         except queue.Full:
-            log.debug("prefix cache: write queue full; checkpoint of %d tokens not written", len(tokens))
+            with self._lock:
+                self._pending_bytes -= snapshot.nbytes
 
-    def wants(self, tokens: tuple[int, ...]) -> bool:
-        """Whether a checkpoint of `tokens` would be written (skip taking the snapshot otherwise)."""
+    def wants(self, tokens: tuple[int, ...], nbytes: int) -> bool:
+        """Whether a checkpoint of `tokens` (`nbytes`) would be queued; callers skip the snapshot otherwise.
+        One snapshot is always accepted into an empty queue, however large."""
         with self._lock:
-            return tokens not in self._index and not self._queue.full()
+            if tokens in self._index or self._queue.full():
+                return False
+            return self._pending_bytes == 0 or self._pending_bytes + nbytes <= self.max_pending_bytes
 
     def flush(self) -> None:
         """Wait until every queued checkpoint is written (or dropped)."""
@@ -166,6 +175,8 @@ class PrefixStore:
                     log.warning("prefix cache: cannot write to %s (%s); requests go on without it", self.dir, err)
                 self._write_failed = True
             finally:
+                with self._lock:
+                    self._pending_bytes -= snap.nbytes
                 self._queue.task_done()
 
     def _write(self, tokens: tuple[int, ...], snap: CacheSnapshot) -> None:

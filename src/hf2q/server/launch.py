@@ -132,6 +132,8 @@ def build_state(args):
     spec = spec_config(args)
     if tp != 1 and spec.enabled:  # the other ranks replay plain steps only
         raise ValueError("--speculative does not work with --tensor-parallel-size yet")
+    if tp != 1 and getattr(args, "prefix_cache_dir", None):  # a rank's checkpoint holds only its shard
+        raise ValueError("--prefix-cache-dir does not work with --tensor-parallel-size yet")
     workers = None
     if tp != 1:
         from hf2q.distributed.serve import TPLaunch, TPWorkers, check_tensor_parallel
