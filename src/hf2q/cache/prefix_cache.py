@@ -108,9 +108,8 @@ class PrefixCache:
             return
         self._entries[key_tokens] = Checkpoint(key, key_tokens)
         self._block_refs.update(self.cache.retained_blocks(key))
-        nbytes = len(key_tokens) * self.cache.bytes_per_token + self.cache.fixed_bytes_per_slot
-        if self.disk is not None and self.disk.wants(key_tokens, nbytes):
-            self.disk.put(key_tokens, self.cache.snapshot(slot))
+        if self.disk is not None:
+            self._write(slot, key_tokens)
         while self._entries and self.nbytes > self.budget_bytes:
             self._evict_lru()
 
@@ -127,6 +126,11 @@ class PrefixCache:
             if keep is None or tokens != keep.tokens:
                 self._evict(tokens)
         return pool.num_free_blocks >= blocks
+
+    def _write(self, slot: int, tokens: tuple[int, ...]) -> None:
+        nbytes = len(tokens) * self.cache.bytes_per_token + self.cache.fixed_bytes_per_slot
+        if self.disk.wants(tokens, nbytes):  # the snapshot is a copy: skip it when the write would be dropped
+            self.disk.put(tokens, self.cache.snapshot(slot))
 
     def _load(self, ckpt: Checkpoint, slot: int) -> int:
         loaded = self._loaded
