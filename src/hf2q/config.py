@@ -158,3 +158,5 @@ class CacheConfig:
     state_dtype: str = "float32"
     prefix_cache_bytes: int = 0  # retained-prefix budget (K/V blocks + DeltaNet states); 0 turns reuse off
     prefix_checkpoint_stride: int = 1024  # also checkpoint prefill every this many prompt tokens (0: never)
+    prefix_cache_dir: str | None = None  # also keep checkpoints as files here, across restarts
+    prefix_cache_disk_bytes: int = 10 << 30  # LRU budget of those files

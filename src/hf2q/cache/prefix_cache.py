@@ -5,7 +5,9 @@ token. That state is one running summary and cannot be cut back to an earlier to
 serves only prompts that fully extend it (token-exact), and the scheduler takes checkpoints where later
 prompts are likely to depart: at the latest-turn anchor, every `stride` prompt tokens, and at the end
 of a finished request. The device data lives in `HybridCache` under each checkpoint's key; this module
-is pure bookkeeping: lookup, a byte-budgeted LRU, and the counters for /metrics.
+is pure bookkeeping: lookup, a byte-budgeted LRU, and the counters for /metrics. With a `PrefixStore`,
+new checkpoints are also written to disk, and a longer checkpoint found only on disk is loaded on its
+first hit and kept in memory from then on.
 """
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from hf2q.cache.block_manager import CacheFull
-from hf2q.cache.hybrid import HybridCache
+from hf2q.cache.hybrid import CacheSnapshot, HybridCache
+from hf2q.cache.prefix_store import PrefixStore
 
 
 @dataclass
@@ -30,6 +33,7 @@ class PrefixStats:
 class Checkpoint:
     key: str
     tokens: tuple[int, ...]
+    on_disk: bool = False  # found only in the store: `adopt` loads it
 
 
 class PrefixCache:
@@ -39,14 +43,16 @@ class PrefixCache:
     references to the shared blocks and its own copy of the state.
     """
 
-    def __init__(self, cache: HybridCache, budget_bytes: int):
+    def __init__(self, cache: HybridCache, budget_bytes: int, disk: Optional[PrefixStore] = None):
         self.cache = cache
         self.budget_bytes = budget_bytes
+        self.disk = disk
         self.stats = PrefixStats()
         self._entries: OrderedDict[tuple[int, ...], Checkpoint] = OrderedDict()  # by tokens, LRU first
         self._block_refs: Counter[int] = Counter()  # pool block -> how many checkpoints hold it
         self._keys = (f"p{i}" for i in itertools.count())
         self._block_bytes = cache.bytes_per_token * cache.block_size
+        self._loaded: Optional[tuple[tuple[int, ...], CacheSnapshot]] = None  # read, but no room to restore yet
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -63,10 +69,17 @@ class PrefixCache:
             n = len(tokens)
             if n < len(prompt) and (best is None or n > len(best.tokens)) and tuple(prompt[:n]) == tokens:
                 best = ckpt
+        if self.disk is not None:
+            tokens = self.disk.lookup(prompt, longer_than=len(best.tokens) if best else 0)
+            if tokens is not None:
+                return Checkpoint("", tokens, on_disk=True)
         return best
 
     def adopt(self, ckpt: Checkpoint, slot: int) -> int:
-        """Start `slot` from the checkpoint; returns the tokens it covers. CacheFull if no block is free."""
+        """Start `slot` from the checkpoint; returns the tokens it covers (0 when a file on disk turns out
+        bad: a miss). CacheFull if no block is free."""
+        if ckpt.on_disk:
+            return self._load(ckpt, slot)
         n = self.cache.resume(ckpt.key, slot)
         self._entries.move_to_end(ckpt.tokens)
         return n
@@ -95,6 +108,8 @@ class PrefixCache:
             return
         self._entries[key_tokens] = Checkpoint(key, key_tokens)
         self._block_refs.update(self.cache.retained_blocks(key))
+        if self.disk is not None:
+            self._write(slot, key_tokens)
         while self._entries and self.nbytes > self.budget_bytes:
             self._evict_lru()
 
@@ -111,6 +126,22 @@ class PrefixCache:
             if keep is None or tokens != keep.tokens:
                 self._evict(tokens)
         return pool.num_free_blocks >= blocks
+
+    def _write(self, slot: int, tokens: tuple[int, ...]) -> None:
+        nbytes = len(tokens) * self.cache.bytes_per_token + self.cache.fixed_bytes_per_slot
+        if self.disk.wants(tokens, nbytes):  # the snapshot is a copy: skip it when the write would be dropped
+            self.disk.put(tokens, self.cache.snapshot(slot))
+
+    def _load(self, ckpt: Checkpoint, slot: int) -> int:
+        loaded = self._loaded
+        snap = loaded[1] if loaded is not None and loaded[0] == ckpt.tokens else self.disk.load(ckpt.tokens)
+        if snap is None:
+            return 0
+        self._loaded = (ckpt.tokens, snap)  # admission may retry after evicting for room: read the file once
+        self.cache.restore(slot, snap)
+        self._loaded = None
+        self.store(slot, list(ckpt.tokens))  # later hits resume from memory
+        return snap.num_tokens
 
     def clear(self) -> None:
         for tokens in list(self._entries):

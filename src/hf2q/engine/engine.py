@@ -10,6 +10,7 @@ import torch
 
 from hf2q.cache.hybrid import HybridCache
 from hf2q.cache.prefix_cache import PrefixCache
+from hf2q.cache.prefix_store import PrefixStore, fingerprint
 from hf2q.config import CacheConfig
 from hf2q.engine.prompt_outputs import POOLINGS, pool, prompt_logprobs
 from hf2q.engine.request import Request, RequestOutput
@@ -41,6 +42,14 @@ class EngineConfig:
     spec: SpecConfig = SpecConfig()
 
 
+def _disk_store(model: Model, cc: CacheConfig) -> Optional[PrefixStore]:
+    if not cc.prefix_cache_dir:
+        return None
+    template = getattr(model.chat_template, "source", "")
+    return PrefixStore(cc.prefix_cache_dir, cc.prefix_cache_disk_bytes,
+                       fingerprint(model.path, template, cc, model.device.type))
+
+
 class Engine:
     def __init__(self, model: Model, config: EngineConfig = EngineConfig()):
         self.model = model
@@ -48,7 +57,8 @@ class Engine:
         self.max_model_len = min(config.max_model_len, model.config.context_length)
         self.cache = HybridCache(model.config, config.cache, device=model.device)
         cc = config.cache
-        self.prefix = PrefixCache(self.cache, cc.prefix_cache_bytes) if cc.prefix_cache_bytes > 0 else None
+        self.prefix = PrefixCache(self.cache, cc.prefix_cache_bytes, _disk_store(model, cc)) \
+            if cc.prefix_cache_bytes > 0 else None
         self.scheduler = Scheduler(self.cache, config.scheduler, self.prefix, cc.prefix_checkpoint_stride)
         self.spec = Speculator(config.spec, self.cache, model.net) if config.spec.enabled else None
         self.runner = ModelRunner(model.net, self.cache, mtp_rows=self.spec is not None and self.spec.mtp is not None)

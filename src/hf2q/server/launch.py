@@ -64,6 +64,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="also keep a prefix checkpoint every N prompt tokens of a prefill, so long shared "
                         "documents resume too (0: only turn anchors and finished requests; default: %(default)s)")
     p.add_argument("--no-prefix-cache", action="store_true", help="turn retained-prefix reuse off")
+    p.add_argument("--prefix-cache-dir", metavar="DIR",
+                   help="also write prefix checkpoints to files in DIR (created 0700) and resume from them "
+                        "after a restart of the same model")
+    p.add_argument("--prefix-cache-disk-gb", type=float, default=10.0,
+                   help="bytes the checkpoint files in --prefix-cache-dir may hold, least recently used "
+                        "deleted beyond it (default: %(default)s)")
     add_device_args(p)
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="shard the model over N local ranks (one GPU each on CUDA); this process is rank 0 and "
@@ -126,6 +132,8 @@ def build_state(args):
     spec = spec_config(args)
     if tp != 1 and spec.enabled:  # the other ranks replay plain steps only
         raise ValueError("--speculative does not work with --tensor-parallel-size yet")
+    if tp != 1 and getattr(args, "prefix_cache_dir", None):  # a rank's checkpoint holds only its shard
+        raise ValueError("--prefix-cache-dir does not work with --tensor-parallel-size yet")
     workers = None
     if tp != 1:
         from hf2q.distributed.serve import TPLaunch, TPWorkers, check_tensor_parallel
@@ -199,11 +207,14 @@ def with_prefix_cache(cache, args, model, nbytes: int):
     stride = getattr(args, "prefix_checkpoint_stride", 1024)
     if nbytes <= 0:
         return dataclasses.replace(cache, prefix_cache_bytes=0, prefix_checkpoint_stride=stride)
+    disk_dir = getattr(args, "prefix_cache_dir", None)
+    disk_bytes = max(int(getattr(args, "prefix_cache_disk_gb", 10.0) * (1 << 30)), 0)
     per_block = kv_bytes_per_token(model.config, cache.kv_dtype) * cache.block_size
     blocks = min(nbytes // per_block, 4 * cache.num_blocks) if per_block else 0
     log.info("prefix cache: %.2f GB budget, %d K/V blocks of pool", nbytes / (1 << 30), blocks)
     return dataclasses.replace(cache, num_blocks=cache.num_blocks + blocks, prefix_cache_bytes=nbytes,
-                               prefix_checkpoint_stride=stride)
+                               prefix_checkpoint_stride=stride, prefix_cache_dir=disk_dir,
+                               prefix_cache_disk_bytes=disk_bytes)
 
 
 def run_serve(args: argparse.Namespace) -> int:

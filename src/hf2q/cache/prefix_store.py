@@ -1,0 +1,234 @@
+"""The on-disk store of prefix checkpoints, so retained prefixes outlive the process.
+
+One safetensors file per checkpoint: the token ids, the K/V rows of the prefix and the DeltaNet conv and
+recurrent state at its last token, with a header (format version, model fingerprint, token count, sha256 of
+the tensors). Files are written by one background thread from a bounded queue (a full queue drops the
+write: a checkpoint is an optimisation), to a temp file that is fsynced and renamed, so a reader sees a
+whole file or none. A file that does not load, does not match its checksum or comes from another model is
+a miss and one log line; a write that fails (full disk, read-only directory) never fails a request.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import queue
+import threading
+from pathlib import Path
+from typing import Optional
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save
+
+from hf2q.cache.hybrid import CacheSnapshot
+from hf2q.config import CacheConfig
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = "1"
+_NAMES = ("tokens", "k", "v", "conv", "recurrent")
+_EDGE = 1 << 20  # bytes read at each end of the GGUF for its fingerprint
+
+
+def fingerprint(model_path: str | os.PathLike, chat_template: str, cache_config: CacheConfig,
+                device_type: str) -> str:
+    """What makes a saved state valid: the GGUF's identity (size, first and last MiB: header, metadata,
+    tensor infos and the tail of the data), the chat template, the cache layout, the device kind (CUDA
+    and CPU kernels round differently) and this file format's version."""
+    h = hashlib.sha256()
+    size = os.path.getsize(model_path)
+    with open(model_path, "rb") as f:
+        h.update(f.read(_EDGE))
+        f.seek(max(size - _EDGE, 0))
+        h.update(f.read(_EDGE))
+    cc = cache_config
+    for part in (str(size), chat_template or "", str(cc.block_size), cc.kv_dtype, cc.state_dtype, device_type,
+                 FORMAT_VERSION):
+        h.update(b"\0" + part.encode())
+    return h.hexdigest()
+
+
+def _digest(tensors: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for name in _NAMES:
+        h.update(tensors[name].contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+class PrefixStore:
+    """Checkpoint files in `directory` (0700, files 0600), least recently used evicted beyond `budget_bytes`.
+
+    The index (token ids -> file) is read once at start; tensors are read only on a hit.
+    """
+
+    def __init__(self, directory: str | os.PathLike, budget_bytes: int, fingerprint: str, max_pending: int = 8,
+                 max_pending_bytes: int = 1 << 30):
+        self.dir = Path(directory)
+        self.budget_bytes = budget_bytes
+        self.fingerprint = fingerprint
+        self._index: dict[tuple[int, ...], Path] = {}
+        self._lock = threading.Lock()
+        self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
+        self.max_pending_bytes = max_pending_bytes  # snapshots waiting to be written hold device memory
+        self._pending_bytes = 0
+        self._write_failed = False
+        self._seq = 0
+        self._used: dict[str, int] = {}  # file name -> order of its last use in this process (mtimes are coarse)
+        try:
+            self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self.dir.chmod(0o700)
+        except OSError as err:
+            log.warning("prefix cache dir %s: %s (checkpoints are not written)", self.dir, err)
+        self._read_index()
+        self._thread = threading.Thread(target=self._writer, name="prefix-store", daemon=True)
+        self._thread.start()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._index)
+
+    # ---- reading --------------------------------------------------------------------------------
+    def _read_index(self) -> None:
+        paths = sorted(self.dir.glob("*.safetensors")) if self.dir.is_dir() else []
+        for path in paths:
+            try:
+                with safe_open(str(path), framework="pt") as f:
+                    meta = f.metadata() or {}
+                    if meta.get("format") != FORMAT_VERSION or meta.get("fingerprint") != self.fingerprint:
+                        log.info("prefix cache: %s is from another model or version; ignored", path.name)
+                        continue
+                    tokens = tuple(f.get_tensor("tokens").tolist())
+            except Exception as err:  # truncated, not safetensors, unreadable
+                log.warning("prefix cache: %s does not load (%s); ignored", path.name, err)
+                continue
+            self._index[tokens] = path
+        if self._index:
+            log.info("prefix cache: %d checkpoints on disk in %s", len(self._index), self.dir)
+
+    def lookup(self, prompt: list[int], longer_than: int = 0) -> Optional[tuple[int, ...]]:
+        """The longest stored prefix the prompt strictly extends, if longer than `longer_than` tokens."""
+        best: Optional[tuple[int, ...]] = None
+        with self._lock:
+            keys = list(self._index)
+        for tokens in keys:
+            n = len(tokens)
+            if longer_than < n < len(prompt) and (best is None or n > len(best)) and tuple(prompt[:n]) == tokens:
+                best = tokens
+        return best
+
+    def load(self, tokens: tuple[int, ...]) -> Optional[CacheSnapshot]:
+        """The checkpoint of exactly `tokens`, or None (logged, and forgotten) when its file is bad."""
+        with self._lock:
+            path = self._index.get(tokens)
+        if path is None:
+            return None
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+                t = {name: f.get_tensor(name) for name in _NAMES}
+            if meta.get("fingerprint") != self.fingerprint or tuple(t["tokens"].tolist()) != tokens:
+                raise ValueError("header does not match")
+            if meta.get("sha256") != _digest(t) or int(meta.get("num_tokens", -1)) != len(tokens):
+                raise ValueError("checksum mismatch")
+        except Exception as err:
+            log.warning("prefix cache: %s does not load (%s); a miss", path.name, err)
+            with self._lock:
+                self._index.pop(tokens, None)
+            return None
+        self._touch(path)
+        return CacheSnapshot(len(tokens), t["k"], t["v"], t["conv"], t["recurrent"])
+
+    # ---- writing --------------------------------------------------------------------------------
+    def put(self, tokens: tuple[int, ...], snapshot: CacheSnapshot) -> None:
+        """Queue a checkpoint for writing; dropped when already stored or when the queue is full."""
+        if not self.wants(tokens, snapshot.nbytes):
+            log.debug("prefix cache: write queue full; checkpoint of %d tokens not written", len(tokens))
+            return
+        with self._lock:
+            self._pending_bytes += snapshot.nbytes
+        try:
+            self._queue.put_nowait((tokens, snapshot))
+        except queue.Full:
+            with self._lock:
+                self._pending_bytes -= snapshot.nbytes
+
+    def wants(self, tokens: tuple[int, ...], nbytes: int) -> bool:
+        """Whether a checkpoint of `tokens` (`nbytes`) would be queued; callers skip the snapshot otherwise.
+        One snapshot is always accepted into an empty queue, however large."""
+        with self._lock:
+            if tokens in self._index or self._queue.full():
+                return False
+            return self._pending_bytes == 0 or self._pending_bytes + nbytes <= self.max_pending_bytes
+
+    def flush(self) -> None:
+        """Wait until every queued checkpoint is written (or dropped)."""
+        self._queue.join()
+
+    def _writer(self) -> None:
+        while True:
+            tokens, snap = self._queue.get()
+            try:
+                self._write(tokens, snap)
+            except Exception as err:  # full disk, read-only directory, vanished directory
+                if not self._write_failed:
+                    log.warning("prefix cache: cannot write to %s (%s); requests go on without it", self.dir, err)
+                self._write_failed = True
+            finally:
+                with self._lock:
+                    self._pending_bytes -= snap.nbytes
+                self._queue.task_done()
+
+    def _write(self, tokens: tuple[int, ...], snap: CacheSnapshot) -> None:
+        t = {"tokens": torch.tensor(tokens, dtype=torch.int64), "k": snap.k.cpu().contiguous(),
+             "v": snap.v.cpu().contiguous(), "conv": snap.conv.cpu().contiguous(),
+             "recurrent": snap.recurrent.cpu().contiguous()}
+        meta = {"format": FORMAT_VERSION, "fingerprint": self.fingerprint, "num_tokens": str(len(tokens)),
+                "sha256": _digest(t)}
+        data = save(t, metadata=meta)
+        name = hashlib.sha256(repr(tokens).encode()).hexdigest()[:32] + ".safetensors"
+        tmp = self.dir / f".{name}.{os.getpid()}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.dir / name)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        with self._lock:
+            self._index[tokens] = self.dir / name
+        self._touch(self.dir / name)
+        self._evict()
+
+    def _touch(self, path: Path) -> None:
+        """Mark a file most recently used: by mtime across restarts, by use order within this process."""
+        with self._lock:
+            self._seq += 1
+            self._used[path.name] = self._seq
+        try:
+            os.utime(path)
+        except OSError:
+            pass
+
+    def _evict(self) -> None:
+        """Delete least recently used files until the directory's checkpoints fit the budget."""
+        files = []
+        for path in self.dir.glob("*.safetensors"):
+            try:
+                st = path.stat()
+            except OSError:
+                continue
+            files.append((self._used.get(path.name, 0), st.st_mtime, st.st_size, path))
+        files.sort()
+        total = sum(f[2] for f in files)
+        for _, _, size, path in files:
+            if total <= self.budget_bytes:
+                break
+            path.unlink(missing_ok=True)
+            total -= size
+            with self._lock:
+                for tokens in [k for k, p in self._index.items() if p == path]:
+                    del self._index[tokens]
