@@ -20,16 +20,6 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class _Submit:
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    kwargs: dict
-    sink: "_Sink"
-    accepted: "queue.Queue[Optional[BaseException]]"
-
-
-@dataclass
 class _Sink:
     """Where one request's deltas go: its asyncio queue, on the event loop that awaits it."""
     loop: asyncio.AbstractEventLoop
@@ -39,6 +29,16 @@ class _Sink:
 def _deliver(items: list[tuple[asyncio.Queue, object]]) -> None:
     for q, item in items:
         q.put_nowait(item)
+
+
+@dataclass
+class _Submit:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    kwargs: dict
+    sink: _Sink
+    accepted: "queue.Queue[Optional[BaseException]]"
 
 
 @dataclass
