@@ -20,12 +20,24 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
+class _Sink:
+    """Where one request's deltas go: its asyncio queue, on the event loop that awaits it."""
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+def _deliver(items: list[tuple[asyncio.Queue, object]]) -> None:
+    for q, item in items:
+        q.put_nowait(item)
+
+
+@dataclass
 class _Submit:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
     kwargs: dict
-    sink: Callable[[object], None]
+    sink: _Sink
     accepted: "queue.Queue[Optional[BaseException]]"
 
 
@@ -47,7 +59,7 @@ class AsyncEngine:
     def __init__(self, engine: Engine):
         self.engine = engine
         self._commands: "queue.Queue[object]" = queue.Queue()
-        self._sinks: dict[str, Callable[[object], None]] = {}
+        self._sinks: dict[str, _Sink] = {}
         self._stop = threading.Event()
         self._refusal: Optional[str] = None  # set by stop_requests: why new requests are refused
         self._thread = threading.Thread(target=self._loop, name="hf2q-engine", daemon=True)
@@ -69,10 +81,7 @@ class AsyncEngine:
         deltas: asyncio.Queue = asyncio.Queue()
         accepted: "queue.Queue[Optional[BaseException]]" = queue.Queue()
 
-        def sink(item: object) -> None:
-            loop.call_soon_threadsafe(deltas.put_nowait, item)
-
-        self._commands.put(_Submit(request_id, prompt_ids, params, kwargs, sink, accepted))
+        self._commands.put(_Submit(request_id, prompt_ids, params, kwargs, _Sink(loop, deltas), accepted))
         error = await loop.run_in_executor(None, accepted.get)
         if error is not None:
             raise error
@@ -109,13 +118,15 @@ class AsyncEngine:
                 log.exception("engine step failed")
                 self._fail_all(RuntimeError(f"internal error while generating: {exc}"))
                 continue
+            sends = []
             for out in outputs:
                 sink = self._sinks.get(out.request_id)
                 if sink is not None:
                     # A request that failed on its own ends with an exception; the others go on.
-                    sink(RuntimeError(out.error) if out.error is not None else out)
+                    sends.append((sink, RuntimeError(out.error) if out.error is not None else out))
                 if out.finished:
                     self._sinks.pop(out.request_id, None)
+            self._send(sends)
             if self.on_step is not None:
                 try:
                     self.on_step(self.engine, outputs)
@@ -154,7 +165,22 @@ class AsyncEngine:
             self._fail_all(ShuttingDown(cmd.reason))
 
     def _fail_all(self, error: Exception) -> None:
+        sends = []
         for request_id, sink in list(self._sinks.items()):
             self.engine.abort(request_id)
-            sink(error)
+            sends.append((sink, error))
         self._sinks.clear()
+        self._send(sends)
+
+    @staticmethod
+    def _send(sends: list[tuple[_Sink, object]]) -> None:
+        """Hand a step's deltas over with one callback per event loop, not one per request: each callback
+        wakes the loop, and at 64 streams that was 64 wake-ups per step."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
+        for sink, item in sends:
+            by_loop.setdefault(sink.loop, []).append((sink.queue, item))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # that loop has closed: nobody is waiting for these deltas
+                pass

@@ -18,6 +18,32 @@ from hf2q.models.qwen35 import Qwen35Model
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
+def pack_decode_rows(b: int, ids, positions: list[int], slots: list[int], tables: list[list[int]], pad_slot: int,
+                     pad_block: int, block_size: int, width: int) -> tuple[list[int], list[int], list[int]]:
+    """The host pack of one decode step of `len(positions)` sequences padded to `b` rows, as plain lists.
+
+    Returns (fields, cells, values): fields is ids, positions, slots, slot mapping and context lengths, b
+    each; the block tables ([b, width], zero elsewhere) hold `values` at the flat indices `cells`.
+    ids None (the ids come from a device tensor) packs zeros.
+    """
+    n = len(positions)
+    pad = b - n
+    pos = list(positions) + [0] * pad
+    rows = list(slots) + [pad_slot] * pad
+    tabs = list(tables) + [[pad_block]] * pad
+    cells: list[int] = []
+    values: list[int] = []
+    mapping = []
+    for i, (p, table) in enumerate(zip(pos, tabs)):
+        if len(table) > width:
+            raise ValueError(f"sequence of {len(table)} blocks exceeds the graph's {width}")
+        mapping.append(table[p // block_size] * block_size + p % block_size)
+        cells.extend(range(i * width, i * width + len(table)))
+        values.extend(table)
+    id_row = (list(ids) if ids is not None else [0] * n) + [0] * pad
+    return id_row + pos + rows + mapping + [p + 1 for p in pos], cells, values
+
+
 class DecodeGraphs:
     """Graph-replayed decode (one new token per sequence) for `net` over `cache`."""
 
@@ -51,24 +77,18 @@ class DecodeGraphs:
         return ids, pos, slots, mapping, lens, tables
 
     def _fill_host(self, b: int, ids, positions: list[int], slots: list[int]) -> None:
+        """Pack the step's rows into the pinned buffer with three bulk writes: per-row tensor writes cost
+        more host time than the replay itself at large batches."""
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's upload has left the pinned buffer
-        h_ids, h_pos, h_slots, h_map, h_lens, h_tab = self._views(self._host, b)
-        n, bs = len(positions), self.block_size
-        h_tab.zero_()
-        for i in range(b):
-            if i < n:
-                slot, pos, table = slots[i], positions[i], self.cache.block_table(slots[i])
-            else:
-                slot, pos, table = self.pad_slot, 0, [self.pad_block]
-            if len(table) > self.width:
-                raise ValueError(f"sequence of {len(table)} blocks exceeds the graph's {self.width}")
-            h_pos[i], h_slots[i], h_lens[i] = pos, slot, pos + 1
-            h_map[i] = table[pos // bs] * bs + pos % bs
-            h_tab[i, :len(table)] = torch.tensor(table, dtype=torch.long)
-        if ids is not None and not torch.is_tensor(ids):
-            h_ids[:n] = torch.tensor(ids, dtype=torch.long)
-        h_ids[n:] = 0
+        n = self.buckets[-1]
+        tables = [self.cache.block_table(s) for s in slots]
+        fields, cells, values = pack_decode_rows(b, None if torch.is_tensor(ids) else ids, positions, slots, tables,
+                                                 self.pad_slot, self.pad_block, self.block_size, self.width)
+        self._host[:5 * n].view(5, n)[:, :b].copy_(torch.tensor(fields, dtype=torch.long).view(5, b))
+        tab = self._host[5 * n: 5 * n + b * self.width]
+        tab.zero_()
+        tab[torch.tensor(cells, dtype=torch.long)] = torch.tensor(values, dtype=torch.long)
 
     def _batch(self, b: int) -> ForwardBatch:
         ids, pos, slots, mapping, lens, tables = self._views(self._dev, b)

@@ -41,6 +41,22 @@ class RequestOutput:
     embedding: Optional[Any] = None  # an embedding request's pooled, L2-normalised fp32 vector (CPU tensor)
 
 
+def merge_outputs(outs: list[RequestOutput]) -> RequestOutput:
+    """Consecutive deltas of one request as one: what a stream sends when its client reads slower than the
+    engine makes tokens. Texts, tokens and logprobs are concatenated; the counts and finish are the last's."""
+    if len(outs) == 1:
+        return outs[0]
+    first, last = outs[0], outs[-1]
+    logprobs = None
+    if any(o.logprobs is not None for o in outs):
+        logprobs = [lp for o in outs for lp in o.logprobs or []]
+    return RequestOutput(first.request_id, [t for o in outs for t in o.new_token_ids], "".join(o.new_text for o in outs),
+                         finished=last.finished, finish_reason=last.finish_reason,
+                         num_prompt_tokens=last.num_prompt_tokens, num_output_tokens=last.num_output_tokens,
+                         num_cached_tokens=last.num_cached_tokens, logprobs=logprobs, error=last.error,
+                         prompt_logprobs=first.prompt_logprobs, embedding=last.embedding)
+
+
 @dataclass
 class Request:
     request_id: str

@@ -86,3 +86,30 @@ class ChatOutput:
             last["function"]["arguments"] += event.json_fragment
             return None
         return {"index": event.index, "function": {"arguments": event.json_fragment}}
+
+
+def add_delta(pieces: list[tuple[dict, Optional[list]]], delta: dict, lp: Optional[list]) -> None:
+    """Append one OpenAI delta (and its logprobs entries) to `pieces`, merged into the last piece when both
+    carry one kind (reasoning, content or tool calls) or one carries nothing but logprobs: a stream that
+    is behind sends fewer, larger chunks, and a client still sees every kind change at a chunk boundary."""
+    if pieces:
+        prev, prev_lp = pieces[-1]
+        if len(prev) <= 1 and len(delta) <= 1 and (not prev or not delta or prev.keys() == delta.keys()):
+            merged = dict(prev)
+            for key, value in delta.items():
+                merged[key] = _merge_calls(prev.get(key, []), value) if key == "tool_calls" else prev.get(key, "") + value
+            lps = None if prev_lp is None and lp is None else (prev_lp or []) + (lp or [])
+            pieces[-1] = (merged, lps)
+            return
+    pieces.append((delta, lp))
+
+
+def _merge_calls(entries: list[dict], more: list[dict]) -> list[dict]:
+    """Tool-call delta entries, an argument fragment joined to the entry before it when both are one call's."""
+    out = [dict(e, function=dict(e["function"])) for e in entries]
+    for e in more:
+        if out and "id" not in e and out[-1]["index"] == e["index"]:
+            out[-1]["function"]["arguments"] += e["function"]["arguments"]
+        else:
+            out.append(dict(e, function=dict(e["function"])))
+    return out

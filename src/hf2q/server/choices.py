@@ -11,6 +11,7 @@ import asyncio
 import logging
 import time
 import uuid
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import AsyncIterator, Optional
 
@@ -78,6 +79,14 @@ class Choices:
 
     async def stream(self) -> AsyncIterator[tuple[Generation, RequestOutput]]:
         """(choice, delta) pairs in arrival order, until every choice finished."""
+        async with aclosing(self.batches()) as batches:
+            async for batch in batches:
+                for pair in batch:
+                    yield pair
+
+    async def batches(self) -> AsyncIterator[list[tuple[Generation, RequestOutput]]]:
+        """Every (choice, delta) pair that has arrived, in arrival order, as one list: a stream that is behind
+        the engine sends what piled up in one write (`merge_outputs`) rather than a write per token."""
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(gen: Generation, it: AsyncIterator[RequestOutput], first: RequestOutput) -> None:
@@ -95,18 +104,26 @@ class Choices:
         try:
             remaining = len(tasks)
             while remaining:
-                gen, item = await queue.get()
-                if item is None:
-                    remaining -= 1
-                    continue
-                if isinstance(item, Exception):
-                    raise APIError(500, f"generation failed: {item}", code="generation_error") from item
-                gen.last = item
-                gen.timer.tokens(len(item.new_token_ids))
-                if item.finished:
-                    prompt = item.num_prompt_tokens if gen.index % self.params.n == 0 else 0
-                    gen.timer.done(prompt, item.num_cached_tokens, item.finish_reason)
-                yield gen, item
+                items = [await queue.get()]
+                while not queue.empty():
+                    items.append(queue.get_nowait())
+                batch = []
+                for gen, item in items:
+                    if item is None:
+                        remaining -= 1
+                        continue
+                    if isinstance(item, Exception):
+                        if batch:
+                            yield batch  # what arrived before the failure is sent first
+                        raise APIError(500, f"generation failed: {item}", code="generation_error") from item
+                    gen.last = item
+                    gen.timer.tokens(len(item.new_token_ids))
+                    if item.finished:
+                        prompt = item.num_prompt_tokens if gen.index % self.params.n == 0 else 0
+                        gen.timer.done(prompt, item.num_cached_tokens, item.finish_reason)
+                    batch.append((gen, item))
+                if batch:
+                    yield batch
         finally:
             for task in tasks:
                 task.cancel()
@@ -132,6 +149,14 @@ class Choices:
         if reasoning_tokens is not None:
             usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
         return usage
+
+
+def by_choice(batch: list[tuple[Generation, RequestOutput]]) -> list[tuple[Generation, list[RequestOutput]]]:
+    """A batch's deltas grouped per choice, choices in order of their first delta."""
+    groups: dict[int, tuple[Generation, list[RequestOutput]]] = {}
+    for gen, out in batch:
+        groups.setdefault(gen.index, (gen, []))[1].append(out)
+    return list(groups.values())
 
 
 def logprob_entries(tokenizer, logprobs) -> list[dict]:

@@ -11,8 +11,8 @@ from typing import AsyncIterator, Optional
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from hf2q.server.chat_output import ChatOutput
-from hf2q.server.choices import Choices, logprob_entries
+from hf2q.server.chat_output import ChatOutput, add_delta
+from hf2q.server.choices import Choices, by_choice, logprob_entries
 from hf2q.server.errors import APIError, bad_request
 from hf2q.server.request_fields import check_chat_fields, log_labels, thinking_budget, thinking_kwargs
 from hf2q.server.sampling import build_params
@@ -223,20 +223,27 @@ class ChatServing:
             for i in range(len(outputs)):
                 yield frame(i, {"role": "assistant", "content": ""})
             open_choices = set(range(len(outputs)))
-            async with aclosing(choices.stream()) as stream:
-                async for gen, out in stream:
-                    if gen.index not in open_choices:
-                        continue
-                    o = outputs[gen.index]
-                    delta = o.feed(out)
-                    lp = logprob_entries(self.state.model.tokenizer, out.logprobs) if logprobs else None
-                    if delta or lp:
-                        yield frame(gen.index, delta, lp=lp)
-                    if out.finished or o.cut:
-                        open_choices.discard(gen.index)
-                        yield frame(gen.index, {}, o.finish_reason(out.finish_reason if out.finished else None))
-                        if not open_choices:
-                            break
+            async with aclosing(choices.batches()) as batches:
+                async for batch in batches:
+                    for gen, outs in by_choice(batch):
+                        if gen.index not in open_choices:
+                            continue
+                        o, pieces, end = outputs[gen.index], [], None
+                        for out in outs:
+                            delta = o.feed(out)
+                            lp = logprob_entries(self.state.model.tokenizer, out.logprobs) if logprobs else None
+                            if delta or lp:
+                                add_delta(pieces, delta, lp)
+                            if out.finished or o.cut:
+                                end = o.finish_reason(out.finish_reason if out.finished else None)
+                                break
+                        for delta, lp in pieces:
+                            yield frame(gen.index, delta, lp=lp)
+                        if end is not None:
+                            open_choices.discard(gen.index)
+                            yield frame(gen.index, {}, end)
+                    if not open_choices:
+                        break
             if include_usage:
                 usage = choices.usage(sum(o.reasoning_tokens for o in outputs))
                 yield event({**chunk, "choices": [], "usage": usage})

@@ -14,8 +14,9 @@ from typing import AsyncIterator, Optional
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from hf2q.engine.request import merge_outputs
 from hf2q.engine.sampling_params import MAX_TOP_LOGPROBS
-from hf2q.server.choices import Choices
+from hf2q.server.choices import Choices, by_choice
 from hf2q.server.errors import APIError, bad_request
 from hf2q.server.request_fields import check_stream_options, log_labels
 from hf2q.server.sampling import build_params
@@ -154,19 +155,20 @@ class CompletionServing:
         """include_usage: False, True (a last chunk with the usage) or "continuous" (usage on every chunk too)."""
         started: set[int] = set()
         try:
-            async with aclosing(choices.stream()) as stream:
-                async for gen, out in stream:
-                    lp = lps[gen.index]
-                    if gen.index not in started:
-                        started.add(gen.index)
-                        text, logprobs = self._first(choices, gen, out, lp, echoes)
-                    else:
-                        text, logprobs = out.new_text, lp.piece(out.logprobs) if lp is not None else None
-                    chunk = {**head, "choices": [{"index": gen.index, "text": text,
-                                                  "finish_reason": out.finish_reason, "logprobs": logprobs}]}
-                    if include_usage == "continuous":
-                        chunk["usage"] = choices.usage()
-                    yield event(chunk)
+            async with aclosing(choices.batches()) as batches:
+                async for batch in batches:
+                    for gen, outs in by_choice(batch):
+                        out, lp = merge_outputs(outs), lps[gen.index]
+                        if gen.index not in started:
+                            started.add(gen.index)
+                            text, logprobs = self._first(choices, gen, out, lp, echoes)
+                        else:
+                            text, logprobs = out.new_text, lp.piece(out.logprobs) if lp is not None else None
+                        chunk = {**head, "choices": [{"index": gen.index, "text": text,
+                                                      "finish_reason": out.finish_reason, "logprobs": logprobs}]}
+                        if include_usage == "continuous":
+                            chunk["usage"] = choices.usage()
+                        yield event(chunk)
             if include_usage:
                 yield event({**head, "choices": [], "usage": choices.usage()})
         except Exception as exc:  # the status line is already sent: report in the stream
