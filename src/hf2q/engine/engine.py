@@ -13,7 +13,7 @@ from hf2q.cache.prefix_cache import PrefixCache
 from hf2q.cache.prefix_store import PrefixStore, fingerprint
 from hf2q.config import CacheConfig
 from hf2q.engine.prompt_outputs import POOLINGS, pool, prompt_logprobs
-from hf2q.engine.request import Request, RequestOutput
+from hf2q.engine.request import Request, RequestOutput, merge_outputs
 from hf2q.engine.runner import ModelRunner
 from hf2q.engine.sampler import RowState, SampleResult, Sampler
 from hf2q.engine.sampling_params import SamplingParams
@@ -21,7 +21,7 @@ from hf2q.engine.scheduler import Scheduler, SchedulerConfig
 from hf2q.engine.sequence_output import SequenceOutput
 from hf2q.model import Model
 from hf2q.spec.proposer import SpecConfig
-from hf2q.spec.speculator import Speculator, Verify, merge_outputs
+from hf2q.spec.speculator import Speculator, Verify
 
 if TYPE_CHECKING:  # xgrammar is imported only by requests that use a grammar
     from hf2q.engine.grammar import Grammar

@@ -92,14 +92,3 @@ class Speculator:
         s.accepted += accepted
         s.accepted_hist[accepted] += 1
 
-
-def merge_outputs(outs: list[RequestOutput]) -> RequestOutput:
-    """The deltas of several tokens decided in one step, as one delta."""
-    last = outs[-1]
-    if len(outs) == 1:
-        return last
-    logprobs = [lp for o in outs for lp in (o.logprobs or [])] if any(o.logprobs for o in outs) else None
-    return RequestOutput(last.request_id, [t for o in outs for t in o.new_token_ids], "".join(o.new_text for o in outs),
-                         finished=last.finished, finish_reason=last.finish_reason,
-                         num_prompt_tokens=last.num_prompt_tokens, num_output_tokens=last.num_output_tokens,
-                         num_cached_tokens=last.num_cached_tokens, logprobs=logprobs, error=last.error)
