@@ -85,11 +85,13 @@ def input_messages(items) -> list[dict]:
         where = f"input[{i}]"
         if isinstance(item, ReasoningItem):
             if item.encrypted_content is not None:
-                raise bad_request("encrypted reasoning is not supported; send its text", param=f"{where}.encrypted_content")
+                raise bad_request("encrypted reasoning is not supported; send its text",
+                                  param=f"{where}.encrypted_content")
             reasoning = (reasoning or "") + "".join(p.text for p in (item.content or item.summary))
+        elif isinstance(item, InputMessage) and item.role == "assistant":
+            assistant()["content"] = _text(item.content, where)
         elif isinstance(item, InputMessage):
-            msg = assistant() if item.role == "assistant" else messages.append({"role": item.role}) or messages[-1]
-            msg["content"] = _text(item.content, where)
+            messages.append({"role": item.role, "content": _text(item.content, where)})
         elif isinstance(item, FunctionCallItem):
             last = messages[-1] if messages else None
             if last is None or last["role"] != "assistant" or reasoning is not None:
@@ -313,8 +315,9 @@ class _Run:
             self.serving.store.put(self.response["id"], self.conversation + [self.output.message()])
 
     async def collect(self) -> dict:
-        async for _ in self.deltas():
-            pass
+        async with aclosing(self.deltas()) as deltas:
+            async for _ in deltas:
+                pass
         return self.response
 
     async def stream(self) -> AsyncIterator[str]:
@@ -329,9 +332,10 @@ class _Run:
         yield frame({"type": "response.created", "response": copy.deepcopy(self.response)})
         yield frame({"type": "response.in_progress", "response": copy.deepcopy(self.response)})
         try:
-            async for events in self.deltas():
-                for e in events:
-                    yield frame(e)
+            async with aclosing(self.deltas()) as deltas:  # a client gone mid-stream aborts the generation
+                async for events in deltas:
+                    for e in events:
+                        yield frame(e)
         except Exception as exc:  # the status line is already sent: report in the stream
             error = exc if isinstance(exc, APIError) else APIError(500, f"internal error: {exc}", code="internal_error")
             yield frame({"type": "error", "code": error.code, "message": error.message, "param": error.param})
