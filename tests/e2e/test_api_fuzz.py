@@ -24,8 +24,8 @@ def test_openapi_document_describes_the_request_models(plain_server):
     resp = httpx.get(plain_server.url + "/openapi.json", timeout=30)
     assert resp.status_code == 200
     doc = resp.json()
-    assert set(doc["paths"]) == {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models",
-                                 "/v1/models/{name}", "/tokenize", "/detokenize", "/health", "/metrics"}
+    assert set(doc["paths"]) == {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings",
+                                 "/v1/models", "/v1/models/{name}", "/tokenize", "/detokenize", "/health", "/metrics"}
     for path, model in (("/v1/chat/completions", ChatCompletionRequest), ("/v1/completions", CompletionRequest)):
         op = doc["paths"][path]["post"]
         ref = op["requestBody"]["content"]["application/json"]["schema"]["$ref"]

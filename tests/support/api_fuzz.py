@@ -40,7 +40,7 @@ class FuzzStats:
         return dict(sorted(out.items()))
 
 
-def bound_generation(body, model: str):
+def bound_generation(body, model: str, path: str = ""):
     """Lower valid token limits above MAX_GEN_TOKENS (and set absent ones): the CPU demo model would
     otherwise write up to the whole context. Invalid limits are left for the server to refuse. Most
     model names become the served one, or nearly every valid request would be a 404."""
@@ -48,6 +48,13 @@ def bound_generation(body, model: str):
         return body
     if isinstance(body.get("model"), str) and len(body["model"]) % 4:
         body["model"] = model
+    if path == "/v1/responses":  # its token limit is max_output_tokens
+        value = body.get("max_output_tokens")
+        if value is None:
+            body["max_output_tokens"] = MAX_GEN_TOKENS
+        elif type(value) is int and MAX_GEN_TOKENS < value <= 512:
+            body["max_output_tokens"] = 1 + value % MAX_GEN_TOKENS
+        return body
     if "input" in body:  # an embeddings request: it generates nothing and has no token limit
         return body
     for key in ("max_tokens", "max_completion_tokens"):
@@ -82,7 +89,12 @@ def error_problem(status: int, text: str) -> str | None:
 def _stream_problem(text: str) -> str | None:
     for line in text.splitlines():
         if line.startswith("data: {") and '"error"' in line:
-            err = json.loads(line[6:]).get("error")
+            data = json.loads(line[6:])
+            if data.get("type") == "error":  # /v1/responses' error event: the error's fields inline
+                if data.get("code") in ("internal_error", "generation_error"):
+                    return f"stream carried a server error: {data.get('message')}"
+                continue
+            err = data.get("error")
             if isinstance(err, dict) and err.get("type") == "server_error":
                 return f"stream carried a server error: {err.get('message')}"
     return None
@@ -115,7 +127,7 @@ def _fuzz_operation(client: httpx.Client, op, mode: GenerationMode, examples: in
     @given(case=strategy)
     def run(case) -> None:
         kwargs = case.as_transport_kwargs(base_url=str(client.base_url))
-        body = bound_generation(kwargs.pop("json", None), model)
+        body = bound_generation(kwargs.pop("json", None), model, op.path)
         headers = dict(kwargs.get("headers") or {})
         if body is not None:
             content, headers["content-type"] = json.dumps(body).encode(), "application/json"

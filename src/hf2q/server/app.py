@@ -14,10 +14,11 @@ from hf2q.server.errors import APIError, install_error_handlers
 from hf2q.server.metrics import CONTENT_TYPE
 from hf2q.server.openapi import install_openapi
 from hf2q.server.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
-                                 TokenizeRequest)
+                                 ResponsesRequest, TokenizeRequest)
 from hf2q.server.serving_chat import ChatServing
 from hf2q.server.serving_completions import CompletionServing
 from hf2q.server.serving_embeddings import EmbeddingServing
+from hf2q.server.serving_responses import ResponsesServing
 from hf2q.server.serving_tokens import detokenize, tokenize
 from hf2q.server.state import ServerState
 
@@ -47,8 +48,8 @@ class _RequestMetrics:
             self.state.metrics.requests.labels(route=route, status=str(status["code"])).inc()
 
 
-_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models", "/tokenize", "/detokenize",
-           "/health", "/metrics", "/openapi.json")
+_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings", "/v1/models", "/tokenize",
+           "/detokenize", "/health", "/metrics", "/openapi.json")
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -72,6 +73,7 @@ def build_app(state: ServerState) -> FastAPI:
         app.add_middleware(CORSMiddleware, allow_origins=list(state.config.allowed_origins), allow_methods=["*"],
                            allow_headers=["*"])
     chat, completions, embeddings = ChatServing(state), CompletionServing(state), EmbeddingServing(state)
+    responses = ResponsesServing(state, chat)
 
     def check_key(request: Request) -> None:
         key = state.config.api_key
@@ -92,6 +94,10 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/completions", dependencies=auth)
     async def text_completions(body: CompletionRequest, request: Request) -> Response:
         return await completions.create(body, request)
+
+    @app.post("/v1/responses", dependencies=auth)
+    async def create_response(body: ResponsesRequest, request: Request) -> Response:
+        return await responses.create(body, request)
 
     @app.post("/v1/embeddings", dependencies=auth)
     async def create_embeddings(body: EmbeddingRequest, request: Request) -> Response:

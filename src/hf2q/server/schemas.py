@@ -247,3 +247,118 @@ class TokenizeRequest(_Strict):
 class DetokenizeRequest(_Strict):
     model: Optional[StrictStr] = None
     tokens: list[StrictInt]
+
+
+# /v1/responses: the Responses API's request, translated into a ChatCompletionRequest by serving_responses.
+
+class InputText(_Strict):
+    """A text part of an input message (`output_text` when an earlier answer is sent back)."""
+    type: Literal["input_text", "output_text"]
+    text: StrictStr
+    annotations: Optional[list[dict[str, Any]]] = None
+    logprobs: Optional[list[dict[str, Any]]] = None
+
+
+class InputMessage(_Strict):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: Union[StrictStr, list[Union[InputText, OtherPart]]]
+    id: Optional[StrictStr] = None
+    status: Optional[StrictStr] = None
+    phase: Optional[StrictStr] = None
+
+
+class FunctionCallItem(_Strict):
+    type: Literal["function_call"]
+    call_id: StrictStr
+    name: StrictStr
+    arguments: StrictStr
+    id: Optional[StrictStr] = None
+    status: Optional[StrictStr] = None
+
+
+class FunctionCallOutputItem(_Strict):
+    type: Literal["function_call_output"]
+    call_id: StrictStr
+    output: Union[StrictStr, list[InputText]]
+    id: Optional[StrictStr] = None
+    status: Optional[StrictStr] = None
+
+
+class ReasoningText(_Strict):
+    type: Literal["reasoning_text", "summary_text"]
+    text: StrictStr
+
+
+class ReasoningItem(_Strict):
+    """Earlier reasoning sent back: its text goes to the next assistant turn's `reasoning_content`."""
+    type: Literal["reasoning"]
+    summary: list[ReasoningText] = []
+    content: Optional[list[ReasoningText]] = None
+    id: Optional[StrictStr] = None
+    status: Optional[StrictStr] = None
+    encrypted_content: Anything = None  # refused unless null: nothing here encrypts reasoning
+
+
+InputItem = Union[InputMessage, FunctionCallItem, FunctionCallOutputItem, ReasoningItem]
+
+
+class ResponsesTool(_Strict):
+    """A function tool in the Responses shape (flat: no `function` wrapper)."""
+    type: Literal["function"]
+    name: StrictStr = Field(min_length=1)
+    description: Optional[StrictStr] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[StrictBool] = None
+
+
+class ResponsesNamedTool(_Strict):
+    type: Literal["function"]
+    name: StrictStr
+
+
+class ResponsesTextFormat(BaseModel):
+    """`text.format`: text, json_object, or json_schema with the schema's fields inline."""
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    type: Literal["text", "json_object", "json_schema"]
+    name: Optional[StrictStr] = None
+    description: Optional[StrictStr] = None
+    json_schema: Optional[Union[dict[str, Any], StrictBool]] = Field(default=None, alias="schema")
+    strict: Optional[StrictBool] = None
+
+
+class ResponsesText(_Strict):
+    format: Optional[ResponsesTextFormat] = None
+    verbosity: Optional[Literal["low", "medium", "high"]] = None
+
+
+class ResponsesReasoning(_Strict):
+    effort: Optional[Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]] = None
+    summary: Optional[Literal["auto", "concise", "detailed"]] = None
+    generate_summary: Optional[Literal["auto", "concise", "detailed"]] = None
+
+
+class ResponsesRequest(_Unicode):
+    model: Optional[StrictStr] = None
+    input: Union[StrictStr, list[InputItem]]
+    instructions: Optional[StrictStr] = None
+    previous_response_id: Optional[StrictStr] = None
+    tools: Optional[list[ResponsesTool]] = None
+    tool_choice: Optional[Union[Literal["auto", "none", "required"], ResponsesNamedTool]] = None
+    parallel_tool_calls: Optional[StrictBool] = None
+    max_output_tokens: Optional[StrictInt] = None
+    temperature: Optional[Number] = None
+    top_p: Optional[Number] = None
+    reasoning: Optional[ResponsesReasoning] = None
+    text: Optional[ResponsesText] = None
+    stream: StrictBool = False
+    metadata: Optional[dict[StrictStr, StrictStr]] = None
+    store: Optional[StrictBool] = None
+    user: Optional[StrictStr] = None
+    safety_identifier: Optional[StrictStr] = None
+    prompt_cache_key: Optional[StrictStr] = None
+    service_tier: Optional[Literal["auto", "default", "flex", "scale", "priority", "fast"]] = None
+    truncation: Optional[Literal["auto", "disabled"]] = None
+    # Accepted in any shape, then refused unless null (or empty): hf2q has no background jobs, no includes.
+    background: Optional[StrictBool] = None
+    include: Optional[list[StrictStr]] = None

@@ -151,6 +151,19 @@ class ChatServing:
             raise bad_request(str(exc), param=param) from None
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        choices, outputs, head = await self.start(req)
+        log_labels("chat", head["id"], req)
+        if req.stream:
+            opts = req.stream_options
+            usage = "continuous" if opts and opts.continuous_usage_stats else bool(opts and opts.include_usage)
+            return StreamingResponse(self._stream(choices, outputs, head, req.logprobs, usage),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        body = await unless_disconnected(raw, self._collect(choices, outputs, head, req.logprobs))
+        return JSONResponse(body) if body is not None else Response(status_code=499)
+
+    async def start(self, req: ChatCompletionRequest) -> tuple[Choices, list[ChatOutput], dict]:
+        """Check, render and submit a chat request: its running choices, one output router each, and the
+        response head (id, created, model). /v1/responses runs its requests through here too."""
         self.state.check_model(req.model)
         check_chat_fields(req)
         _check_unsupported(req)
@@ -173,14 +186,7 @@ class ChatServing:
                 "model": self.state.config.model_name}
         if req.service_tier is not None:
             head["service_tier"] = "default"  # what "auto" resolves to here: the only tier
-        log_labels("chat", head["id"], req)
-        if req.stream:
-            opts = req.stream_options
-            usage = "continuous" if opts and opts.continuous_usage_stats else bool(opts and opts.include_usage)
-            return StreamingResponse(self._stream(choices, outputs, head, req.logprobs, usage),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        body = await unless_disconnected(raw, self._collect(choices, outputs, head, req.logprobs))
-        return JSONResponse(body) if body is not None else Response(status_code=499)
+        return choices, outputs, head
 
     async def _collect(self, choices: Choices, outputs: list[ChatOutput], head: dict, logprobs: bool) -> dict:
         lps: list[list[dict]] = [[] for _ in outputs]

@@ -1,0 +1,132 @@
+"""/v1/responses through the openai SDK: text, instructions, reasoning and function-call items, streaming
+events, previous_response_id, and the 400s. Reuses the plain server and the scripted server of
+test_scripted.py (whose reply i is generation i mod 3)."""
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from tests.e2e.test_scripted import KEY, REPLIES, TOOLS, WEATHER_ARGS
+
+FLAT_TOOLS = [{"type": "function", "name": t["function"]["name"], "parameters": t["function"]["parameters"]}
+              for t in TOOLS]
+NO_THINKING = {"effort": "none"}
+
+
+class Scripted:
+    """Picks the scripted reply of the next response; the server's reply counter is shared with other
+    modules, so it is read once from the first token of a one-token request."""
+
+    def __init__(self, server):
+        self.client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+        first = self._one_token()
+        starts = [r.split()[0] for r in REPLIES]
+        self.count = next(i for i, s in enumerate(starts) if first.strip() and s.startswith(first.strip())) + 1
+
+    def _one_token(self) -> str:
+        r = self.client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "x"}],
+                                                max_tokens=1)
+        return (r.choices[0].message.model_extra or {}).get("reasoning_content") or r.choices[0].message.content
+
+    def next(self, reply: int) -> openai.OpenAI:
+        while self.count % len(REPLIES) != reply:
+            self._one_token()
+            self.count += 1
+        self.count += 1
+        return self.client
+
+
+@pytest.fixture(scope="module")
+def scripted(server_factory):
+    return Scripted(server_factory("--api-key", KEY, "--served-model-name", "scripted", scripted=REPLIES))
+
+
+def test_text_instructions_metadata_usage(client):
+    plain = client.responses.create(model="tiny", input="Hello", reasoning=NO_THINKING, max_output_tokens=6)
+    r = client.responses.create(model="tiny", input=[{"role": "user", "content": [
+        {"type": "input_text", "text": "Hello"}]}], instructions="Answer briefly.", reasoning=NO_THINKING,
+        max_output_tokens=6, metadata={"k": "v"}, temperature=0)
+    assert r.id.startswith("resp_") and r.object == "response" and r.model == "tiny"
+    assert r.metadata == {"k": "v"} and r.instructions == "Answer briefly."
+    assert [o.type for o in r.output] == ["message"] and r.output_text == r.output[0].content[0].text
+    assert r.usage.input_tokens > plain.usage.input_tokens  # the instructions are in the prompt
+    assert r.usage.output_tokens <= 6 and r.usage.output_tokens_details.reasoning_tokens == 0
+    if r.usage.output_tokens == 6:
+        assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+
+
+def test_reasoning_and_message_items(scripted):
+    r = scripted.next(0).responses.create(model="scripted", input="Weather in Paris?")
+    assert r.status == "completed" and [o.type for o in r.output] == ["reasoning", "message"]
+    assert "Paris is in France." in r.output[0].content[0].text
+    assert r.output_text == "It is sunny in Paris."
+    assert r.usage.output_tokens_details.reasoning_tokens > 0
+
+
+def test_function_calls_then_outputs(scripted):
+    r = scripted.next(1).responses.create(model="scripted", input="Weather in Paris?", tools=FLAT_TOOLS)
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert [c.name for c in calls] == ["get_weather", "get_time"]
+    assert json.loads(calls[0].arguments) == WEATHER_ARGS and calls[0].call_id
+    # The stateless continuation: the output items sent back, with the function outputs.
+    follow = [{"role": "user", "content": "Weather in Paris?"}, *(o.model_dump(exclude_none=True) for o in r.output),
+              *({"type": "function_call_output", "call_id": c.call_id, "output": "sunny"} for c in calls)]
+    r2 = scripted.next(0).responses.create(model="scripted", input=follow, tools=FLAT_TOOLS, store=False)
+    assert r2.output_text == "It is sunny in Paris." and r2.usage.input_tokens > r.usage.input_tokens
+
+
+def test_stream_events_and_final_response(scripted):
+    with scripted.next(0).responses.stream(model="scripted", input="Weather in Paris?") as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    types = [e.type for e in events]
+    assert types[:2] == ["response.created", "response.in_progress"] and types[-1] == "response.completed"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    for name in ("response.output_item.added", "response.reasoning_text.delta", "response.content_part.added",
+                 "response.output_text.delta", "response.output_text.done", "response.content_part.done",
+                 "response.output_item.done"):
+        assert name in types, name
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == final.output_text == "It is sunny in Paris."
+    assert [o.type for o in final.output] == ["reasoning", "message"] and final.usage.output_tokens > 0
+
+
+def test_stream_function_calls(scripted):
+    with scripted.next(1).responses.stream(model="scripted", input="Weather?", tools=FLAT_TOOLS) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert [e.name for e in done] == ["get_weather", "get_time"]
+    assert json.loads(done[0].arguments) == WEATHER_ARGS
+    calls = [o for o in final.output if o.type == "function_call"]
+    assert [c.arguments for c in calls] == [e.arguments for e in done]
+
+
+def test_previous_response_id(client):
+    r1 = client.responses.create(model="tiny", input="My name is Ann.", reasoning=NO_THINKING, max_output_tokens=3)
+    r2 = client.responses.create(model="tiny", input="My name?", reasoning=NO_THINKING, max_output_tokens=3,
+                                 previous_response_id=r1.id)
+    assert r2.previous_response_id == r1.id
+    alone = client.responses.create(model="tiny", input="My name?", reasoning=NO_THINKING, max_output_tokens=3,
+                                    store=False)
+    assert r2.usage.input_tokens > alone.usage.input_tokens + r1.usage.output_tokens
+    with pytest.raises(openai.NotFoundError) as err:
+        client.responses.create(model="tiny", input="x", previous_response_id=alone.id)  # not stored
+    assert err.value.body["code"] == "previous_response_not_found"
+
+
+@pytest.mark.parametrize("kw, param", [
+    ({"extra_body": {"frobnicate": 1}}, "frobnicate"),
+    ({"background": True}, "background"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
+     "input[0].content[0]"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"truncation": "auto"}, "truncation"),
+])
+def test_refused(client, kw, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(**{"model": "tiny", "input": "x", **kw})
+    assert err.value.body["param"] == param
