@@ -8,39 +8,16 @@ import json
 import openai
 import pytest
 
-from tests.e2e.test_scripted import KEY, REPLIES, TOOLS, WEATHER_ARGS
+from tests.e2e.test_scripted import KEY, REPLIES, TOOLS, WEATHER_ARGS, ScriptedClient
 
 FLAT_TOOLS = [{"type": "function", "name": t["function"]["name"], "parameters": t["function"]["parameters"]}
               for t in TOOLS]
 NO_THINKING = {"effort": "none"}
 
 
-class Scripted:
-    """Picks the scripted reply of the next response; the server's reply counter is shared with other
-    modules, so it is read once from the first token of a one-token request."""
-
-    def __init__(self, server):
-        self.client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
-        first = self._one_token()
-        starts = [r.split()[0] for r in REPLIES]
-        self.count = next(i for i, s in enumerate(starts) if first.strip() and s.startswith(first.strip())) + 1
-
-    def _one_token(self) -> str:
-        r = self.client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "x"}],
-                                                max_tokens=1)
-        return (r.choices[0].message.model_extra or {}).get("reasoning_content") or r.choices[0].message.content
-
-    def next(self, reply: int) -> openai.OpenAI:
-        while self.count % len(REPLIES) != reply:
-            self._one_token()
-            self.count += 1
-        self.count += 1
-        return self.client
-
-
 @pytest.fixture(scope="module")
 def scripted(server_factory):
-    return Scripted(server_factory("--api-key", KEY, "--served-model-name", "scripted", scripted=REPLIES))
+    return ScriptedClient(server_factory("--api-key", KEY, "--served-model-name", "scripted", scripted=REPLIES))
 
 
 def test_text_instructions_metadata_usage(client):

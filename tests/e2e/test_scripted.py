@@ -36,16 +36,30 @@ ASK = [{"role": "user", "content": "Weather in Paris?"}]
 
 
 class ScriptedClient:
+    """Requests that get a chosen scripted reply. The server's reply counter is shared by every module that
+    uses this server, so it is read once, from the first token of a one-token request."""
+
     def __init__(self, server):
         self.server = server
         self.client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
-        self.count = 0  # generations the server has run (all scripted requests go through here)
+        first = self._one_token().strip()
+        starts = [r.split()[0] for r in REPLIES]
+        self.count = next(i for i, s in enumerate(starts) if first and s.startswith(first)) + 1
+
+    def _one_token(self) -> str:
+        r = self.client.chat.completions.create(model="scripted", messages=ASK, max_tokens=1)
+        return (r.choices[0].message.model_extra or {}).get("reasoning_content") or r.choices[0].message.content
+
+    def next(self, reply: int, n: int = 1) -> openai.OpenAI:
+        """The client, once the server's next generation is scripted reply `reply` (n of them in a row)."""
+        while self.count % len(REPLIES) != reply:
+            self._one_token()
+            self.count += 1
+        self.count += n
+        return self.client
 
     def chat(self, reply: int, **kw):
-        while self.count % len(REPLIES) != reply:
-            self.client.chat.completions.create(model="scripted", messages=ASK, max_tokens=1)
-            self.count += 1
-        self.count += kw.get("n", 1)
+        self.next(reply, kw.get("n", 1))
         kw.setdefault("max_tokens", 300)
         kw.setdefault("messages", ASK)
         return self.client.chat.completions.create(model="scripted", **kw)
