@@ -133,6 +133,15 @@ def test_parallel_tool_calls_false_keeps_first(sc):
     assert json.loads(got["tool_calls"][0]["arguments"]) == WEATHER_ARGS
 
 
+@pytest.mark.parametrize("max_tokens, arguments", [(20, '{"city": "Paris'), (33, '{"city": "Paris", "days": 3')])
+def test_call_cut_by_max_tokens_keeps_raw_partial_arguments(sc, max_tokens, arguments):
+    """No invented closure: the arguments are what the model wrote, visibly unfinished, finish "length"."""
+    got = final(sc.chat(1, tools=TOOLS, max_tokens=max_tokens))
+    assert got["finish_reason"] == "length" and got["reasoning_content"] == "Look it up."
+    assert [(t["name"], t["arguments"]) for t in got["tool_calls"]] == [("get_weather", arguments)]
+    same_ignoring_ids(assembled(sc.chat(1, tools=TOOLS, max_tokens=max_tokens, stream=True)), got)
+
+
 def test_tool_choice_none_leaves_tags_as_text(sc):
     got = final(sc.chat(1, tools=TOOLS, tool_choice="none"))  # no parsing: the unclosed think holds everything
     assert got["tool_calls"] == [] and got["finish_reason"] == "stop"

@@ -12,8 +12,11 @@ delta cannot be taken back):
   (`ToolCallStart`, then one `ToolCallArgs` per parameter once its value is complete, then the closing `}`).
 - Until then nothing is emitted; if the header turns out malformed (no `<function=`, unknown name, or the
   generation ends first), its text goes out as plain content, verbatim.
-- A committed call is never turned back into content. If generation ends inside it, the open parameter
-  takes the remaining text as its value and the call is closed; `ToolCall.complete` is False then.
+- A committed call is never turned back into content. If generation ends inside it (`max_tokens`, a stop
+  string), nothing is invented to close it: `arguments` is what was produced so far, the JSON of the
+  complete parameters followed by the cut one as raw partial text (a string value as an unterminated JSON
+  string), with no closing `}` - visibly not JSON, as OpenAI returns a truncated call. `ToolCall.complete`
+  is False then, and the finish reason stays the engine's ("length").
 - A parameter value ends at the first `</parameter>`, `<parameter=`, `</function>` or `</tool_call>`.
 - Whitespace around calls is the template's separator: trailing whitespace of the content before a
   committed call and leading whitespace after a call are dropped.
@@ -63,7 +66,7 @@ ToolEvent = str | ToolCallStart | ToolCallArgs  # str: plain content text outsid
 class ToolCall:
     id: str
     name: str
-    arguments: str          # JSON object text
+    arguments: str          # JSON object text; only its unclosed beginning when `complete` is False
     complete: bool = True   # False when the generation ended inside the call
 
     def to_openai(self) -> dict:
@@ -329,14 +332,27 @@ class ToolCallParser:
         self._emit_args(out, piece + json.dumps(value, ensure_ascii=False))
 
     def _finish_body(self, out: list[ToolEvent]) -> None:
-        """Close the arguments object; at end of generation an open parameter takes the rest."""
+        """Close the arguments object, unless the generation ended inside the call: then the cut
+        parameter's partial text is appended as it is and the object stays open (no invented values)."""
+        if self._complete:
+            self._emit_args(out, "}" if self._call_args else "{}")
+            return
         body = self._buf.lstrip()
-        if not self._complete and body.startswith(PARAMETER_OPEN) and ">" in body:
+        fragment = ", " if self._call_args else "{"
+        if body.startswith(PARAMETER_OPEN) and ">" in body:
             key_end = body.find(">")
             value = body[key_end + 1:]
-            value = value[:len(value) - partial_suffix(value, PARAMETER_CLOSE)]
-            self._add_argument(out, body[len(PARAMETER_OPEN):key_end].strip(), value)
-        self._emit_args(out, "}" if self._call_args else "{}")
+            value = _strip_one_newline(value[:len(value) - partial_suffix(value, PARAMETER_CLOSE)])
+            self._emit_args(out, fragment + self._partial_argument(body[len(PARAMETER_OPEN):key_end].strip(), value))
+        elif not self._call_args:
+            self._emit_args(out, fragment)
+
+    def _partial_argument(self, key: str, raw: str) -> str:
+        """`"key": ` and the value cut short: an unterminated JSON string for string parameters, else the
+        raw text (converting a number or object that is not finished would invent its end)."""
+        schema = self._schemas.get(self._call_name, {}).get("properties", {}).get(key)
+        text = json.dumps(raw, ensure_ascii=False)[:-1] if "string" in _schema_types(schema) else raw.strip()
+        return json.dumps(key, ensure_ascii=False) + ": " + text
 
     def _emit_args(self, out: list[ToolEvent], fragment: str) -> None:
         self._call_args += fragment
