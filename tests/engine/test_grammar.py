@@ -179,3 +179,45 @@ def test_compile_per_request_is_fast(compiler):
     start = time.perf_counter()
     compiler.compile(fmt)
     assert time.perf_counter() - start < 1.0
+
+
+# Every keyword json_schema mode enforces, on tool parameters: string length, pattern, format, const,
+# numeric bounds.
+KEYWORDS = {"type": "function", "function": {"name": "label", "parameters": {
+    "type": "object",
+    "properties": {"code": {"type": "string", "minLength": 3, "maxLength": 8},
+                   "tag": {"type": "string", "pattern": "^[a-z]+$"},
+                   "day": {"type": "string", "format": "date"}, "kind": {"const": "box"},
+                   "n": {"type": "integer", "minimum": 1, "maximum": 5}},
+    "required": ["code", "tag", "kind", "n"]}}}
+
+
+def label_call(code="ABC", tag="abc", n="3", day=None, kind="box") -> str:
+    day_param = f"<parameter=day>\n{day}\n</parameter>\n" if day is not None else ""
+    return (f"<tool_call>\n<function=label>\n<parameter=code>\n{code}\n</parameter>\n<parameter=tag>\n{tag}\n"
+            f"</parameter>\n{day_param}<parameter=kind>\n{kind}\n</parameter>\n<parameter=n>\n{n}\n</parameter>\n"
+            f"</function>\n</tool_call>")
+
+
+@pytest.mark.parametrize("fields, ok", [
+    ({}, True), ({"code": "12345678"}, True), ({"day": "2024-02-29"}, True),
+    ({"code": "123456789"}, False), ({"code": "x" * 992}, False),  # maxLength
+    ({"code": "AB"}, False), ({"tag": "Abc"}, False),               # minLength, pattern
+    ({"day": "soon"}, False), ({"kind": "bag"}, False),             # format, const
+    ({"n": "0"}, False), ({"n": "6"}, False),                       # minimum, maximum
+])
+def test_tool_arguments_honour_json_schema_keywords(compiler, tok, fields, ok):
+    fmt = grammar.request_format([KEYWORDS], {"type": "function", "function": {"name": "label"}}, True, None, False)
+    assert accepts(compiler, tok, fmt, label_call(**fields), end=ok) is ok
+
+
+def test_random_logits_keep_a_bounded_string_bounded(compiler, tok):
+    """Unconstrained, random logits write strings of hundreds of characters; here they must stop at 8."""
+    props = KEYWORDS["function"]["parameters"]["properties"]
+    short = {"type": "function", "function": {"name": "label", "parameters": {
+        "type": "object", "properties": {k: props[k] for k in ("code", "n")}, "required": ["code", "n"]}}}
+    fmt = grammar.request_format([short], "required", False, None, False)
+    for seed in range(2):
+        text, done = sample(compiler, tok, fmt, seed=seed, max_steps=100)
+        args = json.loads(parse(text, [short]).tool_calls[0].arguments)
+        assert done and 3 <= len(args["code"]) <= 8 and 1 <= args["n"] <= 5, text

@@ -38,6 +38,9 @@ PARAMETER_END = "\n</parameter>\n"
 PARAMETER_NAME = r"[A-Za-z0-9_.:\-]+"
 # Text a free-text value may not contain: the tool-call parser would end the value there.
 VALUE_EXCLUDES = ("<parameter=", "</parameter>", "</function>", "<tool_call>", "</tool_call>")
+# String keywords json_schema mode enforces; a string parameter carrying one is built by xgrammar's own
+# JSON-schema converter in its `qwen_xml` style (the raw, unquoted value the template writes).
+STRING_KEYWORDS = ("maxLength", "minLength", "pattern", "format")
 
 
 class Constraint(Protocol):
@@ -170,9 +173,18 @@ def _is_text(schema: Any) -> bool:
 
 
 def _value(schema: Any) -> dict:
-    """A parameter value: free text for strings (up to the closing tag), else JSON of its schema."""
+    """A parameter value: free text for strings (up to the closing tag), else JSON of its schema.
+
+    Strings with length, pattern or format keywords are checked by xgrammar as in json_schema mode, so
+    tool arguments honour every keyword a JSON answer does (numbers' bounds come with the JSON schema).
+    Such a value may then contain a closing tag, but only where the schema itself allows that text."""
     if _is_text(schema):
+        if isinstance(schema, dict) and any(k in schema for k in STRING_KEYWORDS):
+            typed = schema if "type" in schema else {**schema, "type": "string"}
+            return {"type": "json_schema", "json_schema": typed, "style": "qwen_xml"}
         return {"type": "any_text", "excludes": list(VALUE_EXCLUDES)}
+    if isinstance(schema, dict) and isinstance(schema.get("const"), str):
+        return {"type": "const_string", "value": schema["const"]}
     if isinstance(schema, dict) and schema.get("enum") and all(isinstance(v, str) for v in schema["enum"]):
         return {"type": "or", "elements": [{"type": "const_string", "value": v} for v in schema["enum"]]}
     return _json(schema)
