@@ -35,11 +35,12 @@ def rss_kib(pid: int) -> int:
 
 
 def gauges(url: str) -> dict:
-    """Running and waiting request gauges from /metrics (both should read 0 once the load stops)."""
+    """Running and waiting request gauges (both should read 0 once the load stops) and the bytes held by
+    retained prefixes (which legitimately grow RSS up to --prefix-cache-gb), from /metrics."""
     text = httpx.get(url + "/metrics", timeout=10).text
     out = {}
     for line in text.splitlines():
-        for name in ("hf2q_num_requests_running", "hf2q_num_requests_waiting"):
+        for name in ("hf2q_num_requests_running", "hf2q_num_requests_waiting", "hf2q_prefix_cache_bytes"):
             if line.startswith(name + " "):
                 out[name] = float(line.split()[1])
     return out
