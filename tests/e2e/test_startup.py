@@ -6,7 +6,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 
 
 def test_port_in_use_fails_before_loading(served_model_path):
@@ -26,30 +25,13 @@ def test_port_in_use_fails_before_loading(served_model_path):
 def test_health_only_after_warm_up(served_model_path, tmp_path):
     """/health answers 200 only once the warm-up (prefill compile, decode graphs) has finished: the first
     request never waits for it."""
-    import httpx
+    from tests.e2e.conftest import Server
 
-    from tests.e2e.conftest import free_port
-
-    port = free_port()
     log_path = tmp_path / "serve.log"
-    cmd = [sys.executable, "-m", "hf2q.cli", "serve", "--model", str(served_model_path), "--port", str(port),
-           "--log-level", "info"]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    server = Server(served_model_path, ["--log-level", "info"], log_path)  # returns at the first /health 200
     try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, log_path.read_text()
-            try:
-                ok = httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                ok = False
-            if ok:
-                break
-            time.sleep(0.2)
         text = log_path.read_text()  # as it was when /health first said 200
         assert "warming up" in text and "warmed up in" in text, text
         assert text.index("warmed up in") < text.index("serving "), text
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        server.stop()
