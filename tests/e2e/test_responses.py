@@ -102,6 +102,7 @@ def test_previous_response_id(client):
      "input[0].content[0]"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"truncation": "auto"}, "truncation"),
+    ({"reasoning": {"summary": "auto"}}, "reasoning.summary"),
 ])
 def test_refused(client, kw, param):
     with pytest.raises(openai.BadRequestError) as err:

@@ -114,6 +114,11 @@ def _check(req: ResponsesRequest) -> None:
     if req.include:
         raise bad_request(f"include {req.include!r} is not supported: nothing extra can be included",
                           param="include")
+    if req.reasoning is not None:
+        for field in ("summary", "generate_summary"):
+            if getattr(req.reasoning, field) is not None:
+                raise bad_request("reasoning summaries are not generated: the reasoning comes back whole as a "
+                                  f"reasoning item; leave reasoning.{field} out", param=f"reasoning.{field}")
     if req.truncation == "auto":
         raise bad_request("truncation 'auto' is not supported: a conversation longer than the context is "
                           "refused; send 'disabled' or leave it out", param="truncation")
