@@ -172,7 +172,8 @@ def build_state(args):
                           default_chat_template_kwargs=dict(args.default_chat_template_kwargs),
                           max_model_len=max_len, allowed_origins=tuple(getattr(args, "allowed_origins", ())),
                           metrics_public=getattr(args, "metrics_public", False),
-                          max_request_bytes=getattr(args, "max_request_bytes", DEFAULT_MAX_REQUEST_BYTES))
+                          max_request_bytes=getattr(args, "max_request_bytes", DEFAULT_MAX_REQUEST_BYTES),
+                          prefix_cache=cache.prefix_cache_bytes > 0)
     state = ServerState(model, aengine, config, scripted_replies=_scripted(args.scripted_replies, model.tokenizer))
     aengine.on_step = lambda eng, _outputs: state.metrics.observe_step(eng)
     aengine.start()

@@ -176,7 +176,8 @@ class ChatServing:
         starts = prompt_opens_reasoning(prompt_text)
         choices = Choices(self.state, [prompt_ids], params, "messages", thinking_budget=thinking_budget(req),
                           starts_in_reasoning=starts)
-        choices.kwargs["anchor"] = self.anchor(req, tools, prompt_ids)
+        if self.state.config.prefix_cache:  # one more render and tokenization: off the event loop too
+            choices.kwargs["anchor"] = await asyncio.to_thread(self.anchor, req, tools, prompt_ids)
         if _constrained(req):
             choices.kwargs["grammar"] = await self.grammar(req, tools, starts)
         await choices.start()

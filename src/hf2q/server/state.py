@@ -21,6 +21,7 @@ class ServerConfig:
     allowed_origins: tuple[str, ...] = ()  # CORS: origins browsers may call from ("*" for any); none by default
     metrics_public: bool = False  # /metrics without the API key, for scrapers that send none
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    prefix_cache: bool = True  # the engine retains prefixes: chat requests then find their turn anchor
 
 
 @dataclass
