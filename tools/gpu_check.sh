@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks behind BENCHMARKS.md, in stages that each fit a few minutes:
-#   tools/gpu_check.sh tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu|mm|serve [OUT_DIR]
+#   tools/gpu_check.sh tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu|mm|serve|ttft [OUT_DIR]
 # tests: every GPU-marked test (the quantized greedy-token test first) and the Triton kernel tests on the device;
 # quant: 9B Q4_K_M end to end and per projection; bf16: 9B and 2B; moe: 35B-A3B bf16 and Q4_K_M;
 # decode (bf16: 35B-A3B, 2B, 9B), decode-q (9B Q4_K_M) and decode-q-moe (35B-A3B Q4_K_M): batch-1
@@ -15,10 +15,11 @@
 # mat-vec and dequantize + cuBLAS (tools/quant_mm_sweep.py); serve: a random 9B GGUF (MIX=q4_k_m or bf16,
 # tools/random_gguf.py) served by hf2q serve and measured by hf2q bench serve at 1, 16 and 64 clients (64-token
 # prompts, 256 new tokens), then 16 clients with 2048-token prompts, with py-spy's record of the server during
-# the 64-client level when py-spy is installed. Figures also go to OUT_DIR/*.json.
+# the 64-client level when py-spy is installed; ttft: one served request's chunk timeline and the engine's
+# step times and profile for a 64-token prompt (tools/ttft_trace.py). Figures also go to OUT_DIR/*.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?stage: tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu|mm|serve}
+stage=${1:?stage: tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu|mm|serve|ttft}
 out=${2:-.}
 mkdir -p "$out"
 bench() { python -m hf2q.bench --hf-new 0 "$@"; }
@@ -75,5 +76,14 @@ case "$stage" in
          load --clients 64 --prompt-tokens 64 --max-tokens 256 --json "$out/serve_${mix}_64.json"
          load --clients 16 --prompt-tokens 2048 --max-tokens 64 --json "$out/serve_${mix}_16x2048.json"
          kill $pid; wait $pid ;;
+  ttft)  model=${MODEL_DIR:-/tmp}/hf2q-9b-q4_k_m.gguf; port=8090
+         [ -f "$model" ] || python tools/random_gguf.py --shape 9b --mix q4_k_m -o "$model"
+         python -m hf2q.cli serve --model "$model" --port $port --max-num-seqs 4 > "$out/serve_ttft.log" 2>&1 &
+         pid=$!
+         until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do
+           kill -0 $pid 2> /dev/null || { tail -30 "$out/serve_ttft.log"; exit 1; }; sleep 0.5; done
+         python tools/ttft_trace.py --url "http://127.0.0.1:$port" --prompt-tokens 64 --max-tokens 64
+         kill $pid; wait $pid
+         python tools/ttft_trace.py --model "$model" --max-num-seqs 4 --profile ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

@@ -122,6 +122,31 @@ class Engine:
         # On CUDA a whole chunk, so the prefill kernels meet their largest shape; elsewhere nothing compiles.
         chunk = min(sched.prefill_chunk, sched.max_num_batched_tokens, self.max_model_len - 1)
         self.runner.warm_up(sched.max_num_seqs, max(1, chunk if self.runner.device.type == "cuda" else 16))
+        if self.runner.device.type == "cuda":  # elsewhere nothing compiles
+            self._warm_up_requests()
+
+    # Prompt lengths of the warm-up requests: Triton specialises a kernel on whether an integer argument
+    # is divisible by 16, and a batch of two prompts is a varlen batch, so each meets code the full-chunk
+    # prefill does not (on the H200 a first 64-token request waited 1.4 s for it, later ones 0.1 s).
+    WARM_UP_PROMPTS = ((67,), (33, 50))
+
+    def _warm_up_requests(self) -> None:
+        """Serve a few throwaway requests end to end (scheduler, runner, sampler, greedy and sampled), so the
+        first real request finds everything on its path compiled. They leave nothing in the prefix cache."""
+        prefix, self.scheduler.prefix = self.scheduler.prefix, None
+        try:
+            for lengths in self.WARM_UP_PROMPTS:
+                reqs = []
+                for i, n in enumerate(lengths):
+                    n = max(1, min(n, self.max_model_len - 2))
+                    params = SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0 if i == 0 else 0.8,
+                                            top_p=1.0 if i == 0 else 0.9, seed=i)
+                    reqs.append(self.add_request([(7 * j + 3) % self.model.config.vocab_size for j in range(n)],
+                                                 params, request_id=f"warm-up-{n}-{i}"))
+                while any(not r.finished for r in reqs):
+                    self.step()
+        finally:
+            self.scheduler.prefix = prefix
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()

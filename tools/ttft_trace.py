@@ -1,0 +1,119 @@
+"""Where a served request's first token waits: one streamed request's chunk timeline, and the engine's steps.
+
+    python tools/ttft_trace.py --url http://127.0.0.1:8090 [--prompt-tokens 64 --max-tokens 32]
+    python tools/ttft_trace.py --model F.gguf [--profile]      # in-process, the engine built as `hf2q serve` builds it
+
+`--url` prints when each SSE chunk of one streaming `/v1/completions` request arrived and how much text it
+carried (a chunk without text does not count as a first token for `hf2q bench serve`). `--model` times each
+engine step of a few requests (prefill step, then decode steps, synchronised) and with `--profile` prints the
+profiler's top kernels and host calls of one request.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+
+def chunk_timeline(url: str, prompt_tokens: int, max_tokens: int) -> None:
+    import httpx
+
+    from hf2q.loadgen import parse_sse_line
+
+    model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+    body = {"model": model, "prompt": " hello" * prompt_tokens, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    for attempt in range(2):
+        t0 = time.perf_counter()
+        rows = []
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                payload = parse_sse_line(line)
+                if payload is None or payload == "[DONE]":
+                    continue
+                text = "".join(c.get("text") or "" for c in payload.get("choices") or [])
+                rows.append((time.perf_counter() - t0, len(text), repr(text[:16]), payload.get("usage")))
+        print(f"request {attempt}: {len(rows)} chunks")
+        for t, n, text, usage in rows[:12] + rows[-2:]:
+            print(f"  {t * 1000:9.1f} ms  {n:3d} chars {text}{'  usage ' + json.dumps(usage) if usage else ''}")
+
+
+def engine_steps(model_path: str, prompt_tokens: int, max_tokens: int, requests: int, profile: bool,
+                 max_num_seqs: int | None) -> None:
+    import random
+
+    import torch
+
+    import hf2q
+    from hf2q.devices import resolve_device, resolve_dtype
+    from hf2q.engine.engine import Engine, EngineConfig
+    from hf2q.engine.sampling_params import SamplingParams
+    from hf2q.engine.scheduler import SchedulerConfig
+    from hf2q.server import launch
+
+    parser = argparse.ArgumentParser()
+    launch.add_serve_args(parser)
+    args = parser.parse_args(["--model", model_path] + (["--max-num-seqs", str(max_num_seqs)] if max_num_seqs else []))
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    t0 = time.perf_counter()
+    model = hf2q.load(model_path, device=device, dtype=dtype, keep_quantized=launch.keep_quantized(args))
+    print(f"loaded in {time.perf_counter() - t0:.1f} s")
+    prefix_bytes = launch.prefix_budget(args, device)
+    limits = launch._limits(args, model, device, dtype, prefix_bytes)
+    print("sized:", limits.why)
+    cache = launch.with_prefix_cache(limits.cache, args, model, prefix_bytes)
+    sched = SchedulerConfig(max_num_seqs=limits.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                            prefill_chunk=args.prefill_chunk, max_waiting=args.max_waiting)
+    engine = Engine(model, EngineConfig(max_model_len=limits.max_model_len, scheduler=sched, cache=cache))
+    t0 = time.perf_counter()
+    engine.warm_up()
+    print(f"warmed up in {time.perf_counter() - t0:.1f} s")
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    rng = random.Random(0)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+    def one(tag: str) -> None:
+        ids = [rng.randrange(1000, 100000) for _ in range(prompt_tokens)]
+        engine.add_request(ids, params)
+        steps = []
+        while engine.has_work():
+            t = time.perf_counter()
+            engine.step()
+            sync()
+            steps.append((time.perf_counter() - t) * 1000)
+        first = steps[0]
+        print(f"{tag}: first step {first:.1f} ms, then {len(steps) - 1} steps: median "
+              f"{sorted(steps[1:])[len(steps[1:]) // 2] if steps[1:] else 0:.2f} ms, max {max(steps[1:] or [0]):.2f}")
+
+    for i in range(requests):
+        one(f"request {i}")
+    if profile:
+        from torch.profiler import ProfilerActivity, profile as torch_profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with torch_profile(activities=acts) as prof:
+            one("profiled")
+        key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+        print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
+        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15, max_name_column_width=60))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url")
+    p.add_argument("--model")
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--requests", type=int, default=3)
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--max-num-seqs", type=int, help="as `hf2q serve --max-num-seqs` (fewer graphs to capture)")
+    a = p.parse_args()
+    if a.url:
+        chunk_timeline(a.url.rstrip("/"), a.prompt_tokens, a.max_tokens)
+    if a.model:
+        engine_steps(a.model, a.prompt_tokens, a.max_tokens, a.requests, a.profile, a.max_num_seqs)
+
+
+if __name__ == "__main__":
+    main()
