@@ -8,12 +8,17 @@ sequence's state.
 """
 from __future__ import annotations
 
+import logging
+import time
+
 import torch
 
 from hf2q.cache.hybrid import CacheError, HybridCache
 from hf2q.forward import ForwardBatch
 from hf2q.kernels.meta import FastMeta
 from hf2q.models.qwen35 import Qwen35Model
+
+log = logging.getLogger(__name__)
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -107,6 +112,7 @@ class DecodeGraphs:
         by default. Graphs share one memory pool and never run concurrently."""
         stream = torch.cuda.Stream()
         for b in sorted(self.buckets if buckets is None else buckets, reverse=True):
+            t0 = time.monotonic()
             self._fill_host(b, [0] * b, [0] * b, [self.pad_slot] * b)
             self._dev.copy_(self._host)
             stream.wait_stream(torch.cuda.current_stream())
@@ -119,7 +125,8 @@ class DecodeGraphs:
                 self.logits[b] = self._step(b)
             self._pool = graph.pool()
             self.graphs[b] = graph
-        torch.cuda.synchronize()
+            torch.cuda.synchronize()
+            log.info("decode graph for %d sequences captured in %.1f s", b, time.monotonic() - t0)
 
     def bucket(self, n: int) -> int:
         for b in self.buckets:
