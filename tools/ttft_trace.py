@@ -6,7 +6,8 @@
 `--url` prints when each SSE chunk of one streaming `/v1/completions` request arrived and how much text it
 carried (a chunk without text does not count as a first token for `hf2q bench serve`). `--model` times each
 engine step of a few requests (prefill step, then decode steps, synchronised) and with `--profile` prints the
-profiler's top kernels and host calls of one request.
+profiler's top kernels and host calls of one request; `--concurrent N` then does the same for N sequences
+decoding together.
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def chunk_timeline(url: str, prompt_tokens: int, max_tokens: int) -> None:
 
 
 def engine_steps(model_path: str, prompt_tokens: int, max_tokens: int, requests: int, profile: bool,
-                 max_num_seqs: int | None) -> None:
+                 max_num_seqs: int | None, concurrent: int = 0) -> None:
     import random
 
     import torch
@@ -88,6 +89,8 @@ def engine_steps(model_path: str, prompt_tokens: int, max_tokens: int, requests:
 
     for i in range(requests):
         one(f"request {i}")
+    if concurrent > 1:
+        batch_steps(engine, concurrent, prompt_tokens, rng, sync, profile)
     if profile:
         from torch.profiler import ProfilerActivity, profile as torch_profile
 
@@ -99,6 +102,38 @@ def engine_steps(model_path: str, prompt_tokens: int, max_tokens: int, requests:
         print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15, max_name_column_width=60))
 
 
+def batch_steps(engine, n: int, prompt_tokens: int, rng, sync, profile: bool) -> None:
+    """n requests decoding together: the step time once all are in decode, and (--profile) where it goes."""
+    from hf2q.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    for _ in range(n):
+        engine.add_request([rng.randrange(1000, 100000) for _ in range(prompt_tokens)], params)
+    while engine.last_batch[1] != n or engine.last_batch[0] != n:  # until a step is n decode rows
+        engine.step()
+    times = []
+    for _ in range(16):
+        t = time.perf_counter()
+        engine.step()
+        sync()
+        times.append((time.perf_counter() - t) * 1000)
+    print(f"{n} sequences decoding: step median {sorted(times)[len(times) // 2]:.2f} ms, min {min(times):.2f}")
+    if profile:
+        import torch
+        from torch.profiler import ProfilerActivity, profile as torch_profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        with torch_profile(activities=acts) as prof:
+            for _ in range(8):
+                engine.step()
+            sync()
+        key = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+        print(prof.key_averages().table(sort_by=key, row_limit=20, max_name_column_width=60))
+        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=20, max_name_column_width=60))
+    while engine.has_work():
+        engine.step()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url")
@@ -108,11 +143,12 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=3)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--max-num-seqs", type=int, help="as `hf2q serve --max-num-seqs` (fewer graphs to capture)")
+    p.add_argument("--concurrent", type=int, default=0, help="then time (and profile) this many sequences decoding together")
     a = p.parse_args()
     if a.url:
         chunk_timeline(a.url.rstrip("/"), a.prompt_tokens, a.max_tokens)
     if a.model:
-        engine_steps(a.model, a.prompt_tokens, a.max_tokens, a.requests, a.profile, a.max_num_seqs)
+        engine_steps(a.model, a.prompt_tokens, a.max_tokens, a.requests, a.profile, a.max_num_seqs, a.concurrent)
 
 
 if __name__ == "__main__":
