@@ -174,10 +174,14 @@ def test_penalties_steer_greedy_away_from_repeats():
 def test_history_counts_are_incremental_and_exact():
     row = RowState(SamplingParams(), prompt_ids=[3, 3, 9])
     out = [int(x) for x in torch.randint(0, 50, (300,), generator=torch.Generator().manual_seed(2))]
-    for t in out:
+    for t in out[:100]:
+        row.append(t)
+    # A penalty reads the tensors mid-stream: they are built then and kept up to date after.
+    assert dict(zip(row.output.ids.tolist(), row.output.counts.tolist())) == collections.Counter(out[:100])
+    for t in out[100:]:
         row.append(t)
     assert dict(zip(row.output.ids.tolist(), row.output.counts.tolist())) == collections.Counter(out)
-    assert sorted(row.seen.ids.tolist()) == sorted(set(out) | {3, 9})
+    assert dict(zip(row.seen.ids.tolist(), row.seen.counts.tolist())) == collections.Counter(out + [3, 3, 9])
     assert row.num_output_tokens == 300 and row.output_ids == out
 
 
