@@ -16,8 +16,9 @@ class _Cache:
 def _graphs(tables, buckets=(1, 2, 4, 8), width=6, block_size=4, pad_slot=9, pad_block=31):
     g = object.__new__(DecodeGraphs)
     g.cache, g.buckets, g.width, g.block_size = _Cache(tables), buckets, width, block_size
-    g.pad_slot, g.pad_block, g._copied = pad_slot, pad_block, None
-    g._host = torch.full((5 * buckets[-1] + buckets[-1] * width,), -7, dtype=torch.long)
+    g.pad_slot, g.pad_block, g._copied, g._written = pad_slot, pad_block, None, None
+    g._host = torch.zeros(5 * buckets[-1] + buckets[-1] * width, dtype=torch.long)  # as DecodeGraphs allocates it
+    g._host[:5 * buckets[-1]] = -7  # fields: each step must write its rows
     return g
 
 
@@ -40,18 +41,30 @@ def _reference(g, b, ids, positions, slots):
     return host
 
 
-@pytest.mark.parametrize("b,positions,slots", [(1, [0], [0]), (4, [5, 0, 13], [2, 0, 1]), (8, [23, 3], [1, 2])])
+STEPS = [(1, [0], [0]), (4, [5, 0, 13], [2, 0, 1]), (8, [23, 3], [1, 2]), (2, [4], [1]), (8, [1, 2, 3], [0, 1, 2])]
+
+
+@pytest.mark.parametrize("b,positions,slots", STEPS)
 def test_fill_host_matches_per_row_packing(b, positions, slots):
+    check_steps([(b, positions, slots)])
+
+
+def test_fill_host_steps_in_a_row_leave_no_stale_block_table_cells():
+    check_steps(STEPS)
+
+
+def check_steps(steps):
     tables = {0: [3], 1: [4, 8, 1, 0, 2, 5], 2: [7, 6]}
     g = _graphs(tables)
-    ids = [11 + i for i in range(len(positions))]
-    want = _reference(g, b, ids, positions, slots)
-    g._fill_host(b, ids, positions, slots)
     n = g.buckets[-1]
-    for k in range(5):  # each field's first b rows (the rest of a field is never read by bucket b)
-        assert g._host[k * n: k * n + b].tolist() == want[k * n: k * n + b].tolist()
-    used = 5 * n + b * g.width
-    assert g._host[5 * n: used].tolist() == want[5 * n: used].tolist()
+    for b, positions, slots in steps:
+        ids = [11 + i for i in range(len(positions))]
+        want = _reference(g, b, ids, positions, slots)
+        g._fill_host(b, ids, positions, slots)
+        for k in range(5):  # each field's first b rows (the rest of a field is never read by bucket b)
+            assert g._host[k * n: k * n + b].tolist() == want[k * n: k * n + b].tolist()
+        used = 5 * n + b * g.width
+        assert g._host[5 * n: used].tolist() == want[5 * n: used].tolist()
 
 
 def test_pack_rejects_a_table_wider_than_the_graph():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy as np
 import torch
 
 from hf2q.cache.hybrid import CacheError, HybridCache
@@ -74,6 +75,7 @@ class DecodeGraphs:
         self.logits: dict[int, torch.Tensor] = {}
         self._pool = None
         self._copied = torch.cuda.Event() if dev.type == "cuda" else None  # host pack free to rewrite
+        self._written = None  # block-table cells of the host pack the last step wrote
 
     def _views(self, pack: torch.Tensor, b: int):
         n = self.buckets[-1]
@@ -82,18 +84,22 @@ class DecodeGraphs:
         return ids, pos, slots, mapping, lens, tables
 
     def _fill_host(self, b: int, ids, positions: list[int], slots: list[int]) -> None:
-        """Pack the step's rows into the pinned buffer with three bulk writes: per-row tensor writes cost
-        more host time than the replay itself at large batches."""
+        """Pack the step's rows into the pinned buffer through a numpy view: per-row tensor writes (and even
+        a few tensor operations a step) cost more host time than the replay itself at large batches. The
+        block tables stay zero but for the cells the previous step wrote, which are cleared first."""
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's upload has left the pinned buffer
         n = self.buckets[-1]
         tables = [self.cache.block_table(s) for s in slots]
         fields, cells, values = pack_decode_rows(b, None if torch.is_tensor(ids) else ids, positions, slots, tables,
                                                  self.pad_slot, self.pad_block, self.block_size, self.width)
-        self._host[:5 * n].view(5, n)[:, :b].copy_(torch.tensor(fields, dtype=torch.long).view(5, b))
-        tab = self._host[5 * n: 5 * n + b * self.width]
-        tab.zero_()
-        tab[torch.tensor(cells, dtype=torch.long)] = torch.tensor(values, dtype=torch.long)
+        host = self._host.numpy()
+        host[:5 * n].reshape(5, n)[:, :b] = np.asarray(fields, dtype=np.int64).reshape(5, b)
+        tab = host[5 * n:]
+        if self._written is not None:
+            tab[self._written] = 0
+        self._written = np.asarray(cells, dtype=np.int64)
+        tab[self._written] = values
 
     def _batch(self, b: int) -> ForwardBatch:
         ids, pos, slots, mapping, lens, tables = self._views(self._dev, b)
