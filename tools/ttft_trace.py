@@ -109,8 +109,10 @@ def batch_steps(engine, n: int, prompt_tokens: int, rng, sync, profile: bool) ->
     params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
     for _ in range(n):
         engine.add_request([rng.randrange(1000, 100000) for _ in range(prompt_tokens)], params)
-    while engine.last_batch[1] != n or engine.last_batch[0] != n:  # until a step is n decode rows
-        engine.step()
+    started: set[str] = set()
+    while len(started) < n and engine.has_work():  # until every request has its first token
+        started.update(o.request_id for o in engine.step())
+    print(f"{n} requests in; the last step ran {engine.last_batch[0]} sequences, {engine.last_batch[1]} tokens")
     times = []
     for _ in range(16):
         t = time.perf_counter()
