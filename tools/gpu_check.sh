@@ -13,9 +13,8 @@
 # occupancy, stall reasons) of the int8 mat-vec on a small and a large 9B projection, at the default
 # configuration; mm: the batched-decode kernel's tests on the device and its configurations against the int8
 # mat-vec and dequantize + cuBLAS (tools/quant_mm_sweep.py); serve: a random 9B GGUF (MIX=q4_k_m or bf16,
-# tools/random_gguf.py) served by hf2q serve and measured by hf2q bench serve at 1, 16 and 64 clients (64-token
-# prompts, 256 new tokens), then 16 clients with 2048-token prompts, with py-spy's record of the server during
-# the 64-client level when py-spy is installed; ttft: one served request's chunk timeline and the engine's
+# tools/random_gguf.py) served by hf2q serve and measured by hf2q bench serve at 1, 4, 16 and 64 clients (64-token
+# prompts, 256 new tokens), then 16 clients with 2048-token prompts, then a second start (warm caches) and 1 client; ttft: one served request's chunk timeline and the engine's
 # step times and profile for a 64-token prompt (tools/ttft_trace.py). Figures also go to OUT_DIR/*.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -61,21 +60,22 @@ case "$stage" in
          timeout 200 python tools/quant_mm_sweep.py --rows 16 64 | tee "$out/quant_mm_sweep.txt" ;;
   serve) mix=${MIX:-q4_k_m}; model=${MODEL_DIR:-/tmp}/hf2q-9b-$mix.gguf; port=8090
          [ -f "$model" ] || python tools/random_gguf.py --shape 9b --mix "$mix" -o "$model"
-         t0=$(date +%s%N)
-         python -m hf2q.cli serve --model "$model" --port $port --max-num-seqs 64 --log-level info \
-           > "$out/serve_$mix.log" 2>&1 &
-         pid=$!
-         until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do
-           kill -0 $pid 2> /dev/null || { tail -30 "$out/serve_$mix.log"; exit 1; }; sleep 0.5; done
-         echo "start to /health 200: $(( ($(date +%s%N) - t0) / 1000000 )) ms"
+         start() {  # start hf2q serve, wait for /health 200, print how long that took and the load/warm-up lines
+           t0=$(date +%s%N)
+           python -m hf2q.cli serve --model "$model" --port $port --max-num-seqs 64 --log-level info > "$1" 2>&1 &
+           pid=$!
+           until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do
+             kill -0 $pid 2> /dev/null || { tail -30 "$1"; exit 1; }; sleep 0.2; done
+           echo "start to /health 200: $(( ($(date +%s%N) - t0) / 1000000 )) ms"
+           grep -e "loaded" -e "warmed" "$1" | cut -c1-160; }
          load() { python -m hf2q.cli bench serve --url "http://127.0.0.1:$port" --no-progress "$@"; }
-         load --clients 1 16 --prompt-tokens 64 --max-tokens 256 --json "$out/serve_${mix}_1_16.json"
-         if command -v py-spy > /dev/null; then
-           (sleep 8; py-spy record -p $pid -d 15 -f raw -o "$out/spy_$mix.txt" > /dev/null 2>&1) &
-         fi
-         load --clients 64 --prompt-tokens 64 --max-tokens 256 --json "$out/serve_${mix}_64.json"
+         start "$out/serve_$mix.log"
+         load --clients 1 4 16 64 --prompt-tokens 64 --max-tokens 256 --json "$out/serve_${mix}.json"
          load --clients 16 --prompt-tokens 2048 --max-tokens 64 --json "$out/serve_${mix}_16x2048.json"
-         kill $pid; wait $pid ;;
+         kill -INT $pid; wait $pid
+         start "$out/serve2_$mix.log"  # a second start: Triton's cache and the tune file are warm
+         load --clients 1 --prompt-tokens 64 --max-tokens 256
+         kill -INT $pid; wait $pid ;;
   ttft)  model=${MODEL_DIR:-/tmp}/hf2q-9b-q4_k_m.gguf; port=8090
          [ -f "$model" ] || python tools/random_gguf.py --shape 9b --mix q4_k_m -o "$model"
          python -m hf2q.cli serve --model "$model" --port $port --max-num-seqs 4 > "$out/serve_ttft.log" 2>&1 &
