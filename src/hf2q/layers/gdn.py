@@ -48,7 +48,7 @@ class GatedDeltaNet(nn.Module):
         g = self.a.float() * F.softplus(self.alpha(x).float() + self.dt_bias.float())  # [T, nv] log-decay
         beta = torch.sigmoid(self.beta(x).float())
         core = torch.empty(x.shape[0], self.nv, self.dv, dtype=x.dtype, device=x.device)
-        cache = batch.cache
+        cache, keep = batch.cache, batch.extras.get("position_states", {})
         for i, row, n, start, slot in batch.segments():
             rows = slice(row, row + n)
             if cache is None:
@@ -63,9 +63,11 @@ class GatedDeltaNet(nn.Module):
             k = l2_normalize(k.reshape(n, self.nk, self.dk).float(), self.eps)
             rep = self.nv // self.nk
             q, k = q.repeat(1, rep, 1), k.repeat(1, rep, 1)  # tiled: value head h -> key head h % nk
-            o, new_state, _ = gated_delta_rule_ref(q, k, v.reshape(n, self.nv, self.dv), g[rows], beta[rows],
-                                                   rec_state)
+            o, new_state, states = gated_delta_rule_ref(q, k, v.reshape(n, self.nv, self.dv), g[rows], beta[rows],
+                                                        rec_state, capture=i in keep)
             core[rows] = o.to(x.dtype)
+            if i in keep:
+                keep[i](j, torch.cat((conv_state.to(mixed.dtype), mixed[rows])), states)
             if cache is not None:
                 cache.conv_state[j][slot].copy_(new_conv)
                 cache.recurrent_state[j][slot].copy_(new_state)
@@ -87,6 +89,8 @@ class GatedDeltaNet(nn.Module):
             return self.out(core)
         n = len(meta.seq_lens)
         conv_pool, slots = (cache.conv_state[j], meta.slots) if cache is not None else (None, None)
+        keep = batch.extras.get("position_states", {}) if cache is not None else {}
+        conv_before = {i: conv_pool[batch.slots[i]].clone() for i in keep}  # the conv writes over them
         conv_out = dispatch.conv_varlen_(mixed, self.conv, conv_pool, slots, meta.cu_seqlens, meta.seq_lens)
         if cache is not None:
             rec = cache.recurrent_state[j][meta.slots].float()
@@ -100,4 +104,19 @@ class GatedDeltaNet(nn.Module):
                                       meta.cu_seqlens, meta.seq_lens, self.dk ** -0.5, self.eps)
         if cache is not None:
             cache.recurrent_state[j].index_copy_(0, meta.slots, final.to(cache.recurrent_state[j].dtype))
+        for i, row, length, _, _ in batch.segments():
+            if i in keep:
+                r = slice(row, row + length)
+                keep[i](j, torch.cat((conv_before[i].to(mixed.dtype), mixed[r])),
+                        self._states_after_each(q[r], k[r], v[r], g[r], beta_raw[r], rec[i]))
         return self.out(dispatch.gated_rms_norm(o, z, self.norm, self.eps, x.dtype))
+
+    def _states_after_each(self, q, k, v, g, beta_raw, state) -> torch.Tensor:
+        """The recurrent state after each token of one short sequence (a verify chunk), stepped token by
+        token as plain decoding does; the chunked kernel keeps only the final one."""
+        n, rep = q.shape[0], self.nv // self.nk
+        qf = l2_normalize(q.reshape(n, self.nk, self.dk).float(), self.eps) * self.dk ** -0.5
+        kf = l2_normalize(k.reshape(n, self.nk, self.dk).float(), self.eps)
+        _, _, states = gated_delta_rule_ref(qf.repeat(1, rep, 1), kf.repeat(1, rep, 1), v.reshape(n, self.nv, self.dv),
+                                            g, torch.sigmoid(beta_raw.float()), state, capture=True)
+        return states

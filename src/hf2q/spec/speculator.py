@@ -3,9 +3,9 @@
 A speculating request's step feeds its known tokens plus k drafts (one chunk, one forward). The engine
 then decides row by row exactly as plain decoding would (same sampler, grammar, budget, stop rules);
 row i + 1 is valid only while the token decided at row i equals draft i. When every draft is accepted
-the cache already holds the right prefix. Otherwise the DeltaNet state, which has run over the rejected
-drafts and cannot be truncated, is restored from the copy taken before the forward, the K/V is
-truncated to match, and the accepted tokens are fed again with the next step's chunk.
+the cache already holds the right prefix. Otherwise the slot takes the DeltaNet state the verify forward
+kept after the last accepted position (hf2q.spec.states) and the K/V past it is dropped: the slot is then
+exactly what plain decoding leaves, and no accepted token is fed again.
 """
 from __future__ import annotations
 
@@ -19,15 +19,17 @@ from hf2q.engine.request import Request, RequestOutput
 from hf2q.spec.mtp import MTPProposer
 from hf2q.spec.ngram import NgramProposer
 from hf2q.spec.proposer import Proposer, SpecConfig, TokenView
+from hf2q.spec.states import PositionStates
 
 
 @dataclass
 class Verify:
     """One request's verify in flight: set by the runner, consumed by the engine in the same step."""
 
-    start: int  # num_computed before the forward: where the cache goes back to on a rejection
+    start: int  # num_computed before the forward
+    known: int  # tokens of the chunk before the drafts (at least 1: the last decided token)
     drafts: list[int]
-    state: tuple[torch.Tensor, torch.Tensor]  # DeltaNet (conv, recurrent) state at `start`
+    states: PositionStates  # DeltaNet state after each of the chunk's known + len(drafts) positions
     logits: Optional[torch.Tensor] = None  # [len(drafts), V]: row i is the prediction after drafts[i]
 
 
@@ -77,13 +79,13 @@ class Speculator:
         return proposer.propose(TokenView(req.prompt_ids, req.output_ids), k)
 
     def settle(self, req: Request, verify: Verify, accepted: int) -> None:
-        """Leave the slot as plain decoding would: every fed token valid, or back to `verify.start`."""
-        if accepted == len(verify.drafts):
-            req.num_computed = self.cache.seq_len(req.slot)
-            return
-        self.cache.set_linear_state(req.slot, verify.state)
-        self.cache.truncate(req.slot, verify.start)
-        req.num_computed = verify.start
+        """Leave the slot as plain decoding would: valid through the last accepted draft, with the DeltaNet
+        state kept at that position and the rejected positions' K/V dropped."""
+        valid = verify.start + verify.known + accepted
+        if accepted < len(verify.drafts):
+            self.cache.set_linear_state(req.slot, verify.states.at(verify.known + accepted - 1))
+            self.cache.rewind(req.slot, valid)
+        req.num_computed = valid
 
     def record(self, drafted: int, accepted: int) -> None:
         s = self.stats
