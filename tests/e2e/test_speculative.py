@@ -12,7 +12,7 @@ REPLY = "Thought.\n</think>\n\n" + "one two three four five six seven eight. " *
 
 def test_streamed_reply_with_accepted_drafts(server_factory):
     server = server_factory("--max-model-len", "512", "--max-num-seqs", "2", "--speculative", "ngram",
-                            "--spec-tokens", "3", "--spec-ngram-min", "2", "--served-model-name", "m", scripted=[REPLY])
+                            "--spec-tokens", "3", "--spec-ngram-min", "2", "--spec-cost-window", "0", "--served-model-name", "m", scripted=[REPLY])
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
     stream = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Count."}],
                                             stream=True, stream_options={"include_usage": True})

@@ -111,7 +111,7 @@ def test_outputs_identical_with_mixed_accepted_and_rejected_drafts(model):
     assert plain["r5.0"]["finish"] == "stop" and len(plain["r5.0"]["ids"]) == 6  # the grammar completed
     assert all(t % 2 == 0 for t in plain["r5.0"]["ids"])
     answers = {tuple(p): plain[f"r{i}.0"]["ids"] for i, (p, params, kw) in enumerate(work) if i != 0}
-    engine = make_engine(model, SpecConfig(method="ngram", num_tokens=3))  # r0 never gets a draft
+    engine = make_engine(model, SpecConfig(method="ngram", num_tokens=3, cost_window=0))  # r0 never gets a draft
     engine.spec.new_proposer = lambda: Oracle(answers, spoil=0.25, seed=5)
     spec = run(engine, work)
     for rid in plain:
@@ -147,7 +147,7 @@ def test_slot_state_after_rejections_equals_plain_decoding(model, path):
     with dispatch.fast_path(path):
         plain = states(make_engine(model))
         answer = next(reversed(plain.values()))[0]
-        engine = make_engine(model, SpecConfig(method="ngram", num_tokens=3))
+        engine = make_engine(model, SpecConfig(method="ngram", num_tokens=3, cost_window=0))
         engine.spec.new_proposer = lambda: Oracle({tuple(prompt): answer + [0]}, spoil=0.3, seed=2)
         spec = states(engine)
     hist = engine.spec.stats.accepted_hist
@@ -176,7 +176,7 @@ def test_end_of_request_prefix_after_unused_drafts_is_exact(model):
     cold = run(make_engine(model), [(p, greedy, {}) for p in follow])
 
     engine = Engine(model, EngineConfig(
-        max_model_len=128, spec=SpecConfig(method="ngram", num_tokens=4),
+        max_model_len=128, spec=SpecConfig(method="ngram", num_tokens=4, cost_window=0),
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, prefill_chunk=32),
         cache=CacheConfig(num_slots=8, num_blocks=256, block_size=8, prefix_cache_bytes=1 << 30)))
     engine.spec.new_proposer = lambda: Oracle(answers, spoil=0.0, seed=11)

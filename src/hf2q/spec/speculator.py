@@ -10,12 +10,14 @@ exactly what plain decoding leaves, and no accepted token is fed again.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+import time
+from typing import Callable, Optional
 
 import torch
 
 from hf2q.cache.hybrid import HybridCache
 from hf2q.engine.request import Request, RequestOutput
+from hf2q.spec.cost import CostController
 from hf2q.spec.mtp import MTPProposer
 from hf2q.spec.ngram import NgramProposer
 from hf2q.spec.proposer import Proposer, SpecConfig, TokenView
@@ -45,13 +47,22 @@ class SpecStats:
         return self.accepted / self.drafted if self.drafted else 0.0
 
 
+PROPOSERS = ("ngram", "mtp")
+
+
 class Speculator:
-    def __init__(self, config: SpecConfig, cache: HybridCache, net=None):
+    """Drafts for the running requests, and the cost control that decides who may draft (hf2q.spec.cost):
+    each request has a controller per proposer, fed with the step times this engine measures; no request
+    drafts while `max_batch` or more requests decode (a large batch is already compute-bound)."""
+
+    def __init__(self, config: SpecConfig, cache: HybridCache, net=None, clock: Callable[[], float] = time.perf_counter):
         self.config = config
         self.cache = cache
+        self.clock = clock
         self.stats = SpecStats(accepted_hist=[0] * (config.num_tokens + 1))
         self.mtp = MTPProposer(net, cache) if "mtp" in config.method else None
         self.ngram = "ngram" in config.method
+        self._step_start, self._decoding, self._rounds = 0.0, set(), {}
 
     def new_proposer(self) -> Proposer:
         return NgramProposer(self.config.ngram_min, self.config.ngram_max)
@@ -60,17 +71,42 @@ class Speculator:
         """Set each running request's drafts for the coming step. Only requests past their prompt draft,
         and never more than fit in what is left of max_tokens after the step's own token. With both
         proposers, an n-gram match is taken first (a repeat of the history is the likelier guess), else
-        the MTP head drafts; the head sees every forward either way, to keep its K/V in step."""
+        the MTP head drafts; the head sees every forward either way while it is on, to keep its K/V in step.
+        Also starts the step's clock."""
+        self._step_start, self._rounds = self.clock(), {}
+        self._decoding = {id(r) for r in running if r.output_ids and not r.finished}
+        small = len(self._decoding) < self.config.max_batch
         for req in running:
             req.draft_ids = []
             if req.finished:
                 continue
+            costs = req.extras.setdefault("cost", {name: CostController(self.config.cost_window) for name in PROPOSERS})
             k = max(0, min(self.config.num_tokens, req.max_total_len - req.num_tokens - 1)) if req.output_ids else 0
-            drafts = self._ngram(req, k) if self.ngram and k else []
-            if self.mtp is not None:
-                mtp_drafts = self.mtp.propose(req, 0 if drafts else k)
-                drafts = drafts or mtp_drafts
+            k = k if small else 0
+            drafts = self._ngram(req, k) if self.ngram and k and costs["ngram"].may_speculate() else []
+            req.extras["drafted_by"] = "ngram"
+            if self.mtp is not None and costs["mtp"].enabled:
+                mtp_drafts = self.mtp.propose(req, 0 if drafts or not costs["mtp"].may_speculate() else k)
+                if not drafts:
+                    drafts, req.extras["drafted_by"] = mtp_drafts, "mtp"
             req.draft_ids = drafts[:k]
+
+    def observe_step(self, sampled: list[Request]) -> None:
+        """Feed the step's time (taken once the device is done) to the cost controllers of the requests that
+        decoded in it: a round for the proposer that drafted, a plain step for both otherwise."""
+        if self.cache.device.type == "cuda":
+            torch.cuda.synchronize(self.cache.device)
+        elapsed = self.clock() - self._step_start
+        for req in sampled:
+            if id(req) not in self._decoding:
+                continue  # its first token came from its prompt: not a decode step
+            costs = req.extras["cost"]
+            tokens = self._rounds.get(id(req))
+            if tokens is None:
+                for cost in costs.values():
+                    cost.observe_plain(elapsed)
+            else:
+                costs[req.extras["drafted_by"]].observe_round(tokens, elapsed)
 
     def _ngram(self, req: Request, k: int) -> list[int]:
         proposer = req.extras.get("proposer")
@@ -87,7 +123,8 @@ class Speculator:
             self.cache.rewind(req.slot, valid)
         req.num_computed = valid
 
-    def record(self, drafted: int, accepted: int) -> None:
+    def record(self, req: Request, drafted: int, accepted: int, emitted: int) -> None:
+        self._rounds[id(req)] = emitted
         s = self.stats
         s.rounds += 1
         s.drafted += drafted
