@@ -5,6 +5,7 @@ every guess against the target model in one forward, so a bad guess costs time, 
 """
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
@@ -46,9 +47,11 @@ def add_spec_args(parser) -> None:
                         help="draft tokens and verify them in one forward; the output is unchanged "
                              "(ngram: prompt lookup in the request's own history; mtp: the model's MTP head; "
                              "mtp+ngram: an n-gram match first, else MTP). Default: %(default)s")
-    parser.add_argument("--num-speculative-tokens", "--spec-tokens", dest="spec_tokens", type=int,
-                        choices=range(1, 4), default=d.num_tokens, metavar="{1,2,3}",
+    parser.add_argument("--num-speculative-tokens", dest="spec_tokens", type=int, choices=range(1, 4),
+                        default=d.num_tokens, metavar="{1,2,3}",
                         help="drafts verified per step (k). Default: %(default)s")
+    parser.add_argument("--spec-tokens", dest="spec_tokens", type=int, choices=range(1, 4),
+                        default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # the earlier name
     parser.add_argument("--spec-max-batch", type=int, default=d.max_batch,
                         help="no request drafts while this many or more requests decode together "
                              "(a large batch is compute-bound already). Default: %(default)s")

@@ -55,7 +55,8 @@ class Speculator:
     each request has a controller per proposer, fed with the step times this engine measures; no request
     drafts while `max_batch` or more requests decode (a large batch is already compute-bound)."""
 
-    def __init__(self, config: SpecConfig, cache: HybridCache, net=None, clock: Callable[[], float] = time.perf_counter):
+    def __init__(self, config: SpecConfig, cache: HybridCache, net=None,
+                 clock: Callable[[], float] = time.perf_counter):
         self.config = config
         self.cache = cache
         self.clock = clock
