@@ -35,19 +35,22 @@ class Verify:
     logits: Optional[torch.Tensor] = None  # [len(drafts), V]: row i is the prediction after drafts[i]
 
 
+PROPOSERS = ("ngram", "mtp")
+
+
 @dataclass
 class SpecStats:
     rounds: int = 0  # verify forwards a request took part in
     drafted: int = 0
     accepted: int = 0
     accepted_hist: list[int] = field(default_factory=list)  # [n]: rounds that accepted n drafts
+    by_proposer: dict[str, list[int]] = field(  # proposer -> [rounds, drafted, accepted]
+        default_factory=lambda: {name: [0, 0, 0] for name in PROPOSERS})
+    cost_disabled: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PROPOSERS, 0))  # requests
 
     @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
-
-
-PROPOSERS = ("ngram", "mtp")
 
 
 class Speculator:
@@ -107,7 +110,9 @@ class Speculator:
                 for cost in costs.values():
                     cost.observe_plain(elapsed)
             else:
-                costs[req.extras["drafted_by"]].observe_round(tokens, elapsed)
+                name = req.extras["drafted_by"]
+                if costs[name].enabled and not costs[name].observe_round(tokens, elapsed):
+                    self.stats.cost_disabled[name] += 1
 
     def _ngram(self, req: Request, k: int) -> list[int]:
         proposer = req.extras.get("proposer")
@@ -131,4 +136,6 @@ class Speculator:
         s.drafted += drafted
         s.accepted += accepted
         s.accepted_hist[accepted] += 1
+        mine = s.by_proposer[req.extras.get("drafted_by", "ngram")]
+        mine[0], mine[1], mine[2] = mine[0] + 1, mine[1] + drafted, mine[2] + accepted
 
