@@ -102,7 +102,13 @@ def run(engine, work):
     return outs
 
 
-def test_outputs_identical_with_mixed_accepted_and_rejected_drafts(model):
+@pytest.mark.parametrize("path", ["off", "force"])  # force: the fast path keeps several sequences' states at once
+def test_outputs_identical_with_mixed_accepted_and_rejected_drafts(model, path):
+    with dispatch.fast_path(path):
+        mixed_drafts_against_plain(model)
+
+
+def mixed_drafts_against_plain(model):
     work = workload(model)
     plain = run(make_engine(model), work)
     forced = model.tokenizer.encode("\n</think>\n\n")
