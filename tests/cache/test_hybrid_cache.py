@@ -252,6 +252,29 @@ def test_fork_is_independent_both_ways(src_len):
     assert same(view(cache, dst), dst_view) and same(view(cache, other), other_view)
 
 
+def test_rewind_drops_kv_but_keeps_the_reserved_room():
+    cache = make(num_blocks=6)
+    s = cache.acquire()
+    cache.reserve(s, 16)  # what admission reserves: the request's whole length
+    write(cache, s, 11, seed=1)
+    before = view(cache, s)
+    cache.rewind(s, 6)
+    assert cache.seq_len(s) == 6 and len(cache.block_table(s)) == 4  # nothing handed back
+    assert cache.usage().kv_blocks_used == 4 and not cache.can_reserve(cache.acquire(), 12)
+    assert all(torch.equal(a, b[:6]) for a, b in zip(view(cache, s)[1], before[1]))
+    cache.commit(s, 16)  # the room past the rewind is still the slot's
+
+
+def test_rewind_into_a_shared_block_copies_it():
+    cache = filled()
+    cache.fork(3, 2)  # slot 2 shares slot 3's three full blocks
+    cache.rewind(2, 6)  # now ends inside the second block, which the next write would change
+    assert cache.block_table(2)[0] == cache.block_table(3)[0]
+    assert cache.block_table(2)[1] != cache.block_table(3)[1]
+    n, kv, _ = view(cache, 2)
+    assert n == 6 and all(torch.equal(a, b[:6]) for a, b in zip(kv, view(cache, 3)[1]))
+
+
 def test_fork_shares_full_blocks():
     cache = filled()
     cache.fork(3, 2)  # 12 tokens = 3 full blocks

@@ -27,7 +27,7 @@ def model(request):
 
 def make_engine(model, method="off", k=3):
     return Engine(model, EngineConfig(
-        max_model_len=96, spec=SpecConfig(method=method, num_tokens=k, ngram_min=1),
+        max_model_len=96, spec=SpecConfig(method=method, num_tokens=k, ngram_min=1, cost_window=0),
         scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, prefill_chunk=32),
         cache=CacheConfig(num_slots=6, num_blocks=96, block_size=8)))
 

@@ -51,6 +51,7 @@ def test_token_view_reads_prompt_then_output():
 
 def test_config_validates():
     assert not SpecConfig().enabled and SpecConfig(method="ngram").enabled
-    for bad in (dict(method="mtp?"), dict(num_tokens=0), dict(ngram_min=3, ngram_max=2)):
+    for bad in (dict(method="mtp?"), dict(num_tokens=0), dict(ngram_min=3, ngram_max=2), dict(max_batch=0),
+                dict(cost_window=-1)):
         with pytest.raises(ValueError):
             SpecConfig(**bad)

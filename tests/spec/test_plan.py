@@ -26,7 +26,7 @@ class Fixed:
 
 
 def second_step(model, script, drafts):
-    engine = make_engine(model, SpecConfig(method="ngram", num_tokens=3))
+    engine = make_engine(model, SpecConfig(method="ngram", num_tokens=3, cost_window=0))
     engine.spec.new_proposer = lambda: Fixed(drafts)
     engine.add_request(PROMPT, SamplingParams(temperature=0, max_tokens=16), scripted_ids=script)
     engine.step()  # prefill: decides 5

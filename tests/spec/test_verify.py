@@ -16,6 +16,7 @@ from hf2q.config import CacheConfig
 from hf2q.engine.engine import Engine, EngineConfig
 from hf2q.engine.sampling_params import SamplingParams
 from hf2q.engine.scheduler import SchedulerConfig
+from hf2q.kernels import dispatch
 from hf2q.spec import SpecConfig
 
 MAX_TOKENS = 10
@@ -101,7 +102,13 @@ def run(engine, work):
     return outs
 
 
-def test_outputs_identical_with_mixed_accepted_and_rejected_drafts(model):
+@pytest.mark.parametrize("path", ["off", "force"])  # force: the fast path keeps several sequences' states at once
+def test_outputs_identical_with_mixed_accepted_and_rejected_drafts(model, path):
+    with dispatch.fast_path(path):
+        mixed_drafts_against_plain(model)
+
+
+def mixed_drafts_against_plain(model):
     work = workload(model)
     plain = run(make_engine(model), work)
     forced = model.tokenizer.encode("\n</think>\n\n")
@@ -110,7 +117,7 @@ def test_outputs_identical_with_mixed_accepted_and_rejected_drafts(model):
     assert plain["r5.0"]["finish"] == "stop" and len(plain["r5.0"]["ids"]) == 6  # the grammar completed
     assert all(t % 2 == 0 for t in plain["r5.0"]["ids"])
     answers = {tuple(p): plain[f"r{i}.0"]["ids"] for i, (p, params, kw) in enumerate(work) if i != 0}
-    engine = make_engine(model, SpecConfig(method="ngram", num_tokens=3))  # r0 never gets a draft
+    engine = make_engine(model, SpecConfig(method="ngram", num_tokens=3, cost_window=0))  # r0 never gets a draft
     engine.spec.new_proposer = lambda: Oracle(answers, spoil=0.25, seed=5)
     spec = run(engine, work)
     for rid in plain:
@@ -125,9 +132,11 @@ def test_outputs_identical_with_mixed_accepted_and_rejected_drafts(model):
     assert engine.cache.num_free_slots == engine.cache.num_slots
 
 
-def test_slot_state_after_rejections_equals_plain_decoding(model):
-    """After every settled step (K/V and DeltaNet state at a decode position), the slot holds what plain
-    decoding holds at that length."""
+@pytest.mark.parametrize("path", ["off", "force"])  # the exact reference layers, the fast path's layout
+def test_slot_state_after_rejections_equals_plain_decoding(model, path):
+    """After every step (each with drafts, some accepted, some rejected), the slot holds what plain decoding
+    holds at that length: K/V of the valid positions, DeltaNet conv and recurrent state, the same blocks.
+    A partial accept leaves the slot one token behind like a plain step, so no accepted token is fed again."""
     prompt, params = [11, 22, 33, 44, 55], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
     def states(engine):
@@ -135,20 +144,24 @@ def test_slot_state_after_rejections_equals_plain_decoding(model):
         seen = {}
         while engine.has_work():
             engine.step()
-            if not req.finished and req.num_computed == req.num_tokens - 1:
-                seen[req.num_computed] = (list(req.output_ids), engine.cache.snapshot(req.slot))
+            if not req.finished and req.output_ids:
+                assert req.num_computed == req.num_tokens - 1  # never behind: nothing to feed twice
+                blocks = len(engine.cache.block_table(req.slot))  # the admission's room kept
+                seen[req.num_computed] = (list(req.output_ids), blocks, engine.cache.snapshot(req.slot))
         return seen
 
-    plain = states(make_engine(model))
-    answer = next(reversed(plain.values()))[0]
-    engine = make_engine(model, SpecConfig(method="ngram", num_tokens=3))
-    engine.spec.new_proposer = lambda: Oracle({tuple(prompt): answer + [0]}, spoil=0.3, seed=2)
-    spec = states(engine)
-    assert engine.spec.stats.accepted_hist[0] > 0 and engine.spec.stats.accepted > 0
+    with dispatch.fast_path(path):
+        plain = states(make_engine(model))
+        answer = next(reversed(plain.values()))[0]
+        engine = make_engine(model, SpecConfig(method="ngram", num_tokens=3, cost_window=0))
+        engine.spec.new_proposer = lambda: Oracle({tuple(prompt): answer + [0]}, spoil=0.3, seed=2)
+        spec = states(engine)
+    hist = engine.spec.stats.accepted_hist
+    assert hist[0] > 0 and sum(hist[1:3]) > 0 and engine.spec.stats.accepted > 0  # rejections, partial accepts
     assert len(spec) >= 2
-    for n, (ids, snap) in spec.items():
-        want_ids, want = plain[n]
-        assert ids == want_ids
+    for n, (ids, blocks, snap) in spec.items():
+        want_ids, want_blocks, want = plain[n]
+        assert (ids, blocks) == (want_ids, want_blocks)
         for a, b in ((snap.k, want.k), (snap.v, want.v), (snap.conv, want.conv), (snap.recurrent, want.recurrent)):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
@@ -169,7 +182,7 @@ def test_end_of_request_prefix_after_unused_drafts_is_exact(model):
     cold = run(make_engine(model), [(p, greedy, {}) for p in follow])
 
     engine = Engine(model, EngineConfig(
-        max_model_len=128, spec=SpecConfig(method="ngram", num_tokens=4),
+        max_model_len=128, spec=SpecConfig(method="ngram", num_tokens=4, cost_window=0),
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, prefill_chunk=32),
         cache=CacheConfig(num_slots=8, num_blocks=256, block_size=8, prefix_cache_bytes=1 << 30)))
     engine.spec.new_proposer = lambda: Oracle(answers, spoil=0.0, seed=11)

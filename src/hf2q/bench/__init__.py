@@ -27,6 +27,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="weights as random GGUF blocks of this mix, multiplied by the quantized kernels")
     p.add_argument("--json", default=None, help="also write every figure to this JSON file")
     p.add_argument("--profile-prefill", action="store_true", help="also print the prefill's GPU time per kernel")
+    p.add_argument("--spec-accept", type=int, nargs="+", default=None, metavar="L",
+                   help="also time speculative verify rounds that accept exactly L drafts (0..k), per --batch "
+                        "size, against plain eager steps (hf2q.bench.spec)")
+    p.add_argument("--spec-k", type=int, default=3, help="drafts per verify round with --spec-accept")
 
 
 def _sync_time(fn, reps: int = 3) -> float:
@@ -234,6 +238,9 @@ def bench_shape(shape: str, args) -> dict:
     for b in args.batch:
         report[f"decode_b{b}_ceiling_tok_s"] = decode_ceiling(net, cfg, b, args.prompt + args.new // 2, bw)
     bench_ours(net, cfg, args, report)
+    if getattr(args, "spec_accept", None):
+        from hf2q.bench.spec import spec_curve
+        report.update(spec_curve(net, cfg, args.batch, args.spec_accept, args.spec_k, args.prompt))
     del net
     torch.cuda.empty_cache()
     if args.hf_new:
@@ -268,6 +275,9 @@ def run_bench(args) -> int:
             json.dump(report, f, indent=1)
     print(json.dumps(report))
     print(format_table(report, args.batch))
+    if args.spec_accept:
+        from hf2q.bench.spec import format_curve
+        print(format_curve(report, args.batch, args.spec_accept))
     return 0
 
 

@@ -197,6 +197,17 @@ class HybridCache:
         self._index_memo.pop(slot, None)
         self._lens[slot] = new_len
 
+    def rewind(self, slot: int, new_len: int) -> None:
+        """Drop K/V past new_len (a verify's rejected drafts) but keep the room reserved past it: admission
+        reserved the request's whole length, and blocks freed here could be taken by another request. A
+        shared block the slot now ends in is copied (as any write into it would be)."""
+        held = self.blocks.num_tokens(slot)
+        self.truncate(slot, new_len)
+        try:
+            self.reserve(slot, held)
+        except CacheFull:  # only a copy-on-write without a free block; the next reserve retries
+            pass
+
     def token_indices(self, slot: int, start: int, end: int) -> torch.Tensor:
         """Flat row indices into `k_pool[i].view(-1, n_kv, head_dim)` for positions [start, end) of a slot."""
         self._check(slot)
@@ -244,6 +255,12 @@ class HybridCache:
         that state cannot be rewound by truncation."""
         self._check(slot)
         return self._conv[:, slot].clone(), self._rec[:, slot].clone()
+
+    def empty_linear_states(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Uninitialised (conv [n_lin, n, K-1, C], recurrent [n_lin, n, h, dk, dv]) in the slots' layout: room
+        for n states of one slot, such as the state after each position of a speculative verify."""
+        return (self._conv.new_empty((self._conv.shape[0], n) + tuple(self._conv.shape[2:])),
+                self._rec.new_empty((self._rec.shape[0], n) + tuple(self._rec.shape[2:])))
 
     def set_linear_state(self, slot: int, state: tuple[torch.Tensor, torch.Tensor]) -> None:
         self._check(slot)

@@ -196,6 +196,8 @@ class Engine:
                     self.scheduler.finish(req, retain=out.finish_reason in ("stop", "length"))
                     self.requests.pop(req.request_id, None)
                 outputs.append(out)
+            if self.spec is not None:
+                self.spec.observe_step(sampling)
         self.scheduler.fork_siblings()
         return outputs
 
@@ -231,7 +233,7 @@ class Engine:
         # Settled also when the request ends: its slot may then be kept as a retained prefix, whose state
         # must cover exactly its computed tokens.
         self.spec.settle(req, verify, accepted)
-        self.spec.record(len(verify.drafts), accepted)
+        self.spec.record(req, len(verify.drafts), accepted, len(outs))
         return merge_outputs(outs)
 
     def _decide(self, state: SequenceOutput, logits: torch.Tensor) -> RequestOutput:

@@ -4,7 +4,8 @@ On CUDA a batch of pure decode rows (one new token per request, each then sample
 CUDA graph of its batch-size bucket (captured on first use); every other batch, and every batch on CPU,
 runs eagerly.
 A speculating request (drafts after its known tokens, see hf2q.spec) runs eagerly too; its draft rows'
-logits go to its `Verify`, and its cache and `num_computed` are settled by the engine once it has decided.
+logits and the DeltaNet state after each of its positions go to its `Verify`, and its cache and
+`num_computed` are settled by the engine once it has decided.
 With the MTP proposer every batch runs eagerly, and each request keeps its rows of the forward's hidden
 states (`extras["mtp_rows"]`) for the MTP head to catch up on (hf2q.spec.mtp).
 """
@@ -19,6 +20,7 @@ from hf2q.engine.request import Request
 from hf2q.forward import ForwardBatch
 from hf2q.models.qwen35 import Qwen35Model
 from hf2q.spec.speculator import Verify
+from hf2q.spec.states import PositionStates
 
 GRAPH_MAX_CONTEXT = 65536  # block-table width of the graphs; longer sequences decode eagerly
 
@@ -62,11 +64,13 @@ class ModelRunner:
                 self.cache.commit(req.slot, req.num_computed)
             return [req for req, _ in scheduled], logits
         batch = self.build_batch(scheduled)
-        verifies = {}
-        for req, n in scheduled:
+        verifies, keep = {}, {}
+        for i, (req, n) in enumerate(scheduled):
             drafts = drafts_in(req, n)
-            if drafts:  # the DeltaNet state before the drafts, for a rejection to go back to
-                verifies[req.request_id] = Verify(req.num_computed, drafts, self.cache.linear_state(req.slot))
+            if drafts:  # the DeltaNet layers keep the state after each position, for a partial accept
+                keep[i] = PositionStates(self.cache, n)
+                verifies[req.request_id] = Verify(req.num_computed, n - len(drafts), drafts, keep[i])
+        batch.extras["position_states"] = keep
         hidden = self.net(batch)
         rows, draft_rows, sampling = [], [], []
         row = 0

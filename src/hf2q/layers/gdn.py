@@ -48,7 +48,7 @@ class GatedDeltaNet(nn.Module):
         g = self.a.float() * F.softplus(self.alpha(x).float() + self.dt_bias.float())  # [T, nv] log-decay
         beta = torch.sigmoid(self.beta(x).float())
         core = torch.empty(x.shape[0], self.nv, self.dv, dtype=x.dtype, device=x.device)
-        cache = batch.cache
+        cache, keep = batch.cache, batch.extras.get("position_states", {})
         for i, row, n, start, slot in batch.segments():
             rows = slice(row, row + n)
             if cache is None:
@@ -63,9 +63,11 @@ class GatedDeltaNet(nn.Module):
             k = l2_normalize(k.reshape(n, self.nk, self.dk).float(), self.eps)
             rep = self.nv // self.nk
             q, k = q.repeat(1, rep, 1), k.repeat(1, rep, 1)  # tiled: value head h -> key head h % nk
-            o, new_state, _ = gated_delta_rule_ref(q, k, v.reshape(n, self.nv, self.dv), g[rows], beta[rows],
-                                                   rec_state)
+            o, new_state, states = gated_delta_rule_ref(q, k, v.reshape(n, self.nv, self.dv), g[rows], beta[rows],
+                                                        rec_state, capture=i in keep)
             core[rows] = o.to(x.dtype)
+            if i in keep:
+                keep[i](j, torch.cat((conv_state.to(mixed.dtype), mixed[rows])), states)
             if cache is not None:
                 cache.conv_state[j][slot].copy_(new_conv)
                 cache.recurrent_state[j][slot].copy_(new_state)
@@ -87,6 +89,8 @@ class GatedDeltaNet(nn.Module):
             return self.out(core)
         n = len(meta.seq_lens)
         conv_pool, slots = (cache.conv_state[j], meta.slots) if cache is not None else (None, None)
+        keep = batch.extras.get("position_states", {}) if cache is not None else {}
+        conv_before = {i: conv_pool[batch.slots[i]].clone() for i in keep}  # the conv writes over them
         conv_out = dispatch.conv_varlen_(mixed, self.conv, conv_pool, slots, meta.cu_seqlens, meta.seq_lens)
         if cache is not None:
             rec = cache.recurrent_state[j][meta.slots].float()
@@ -100,4 +104,39 @@ class GatedDeltaNet(nn.Module):
                                       meta.cu_seqlens, meta.seq_lens, self.dk ** -0.5, self.eps)
         if cache is not None:
             cache.recurrent_state[j].index_copy_(0, meta.slots, final.to(cache.recurrent_state[j].dtype))
+        self._keep_states(batch, keep, j, conv_before, mixed, q, k, v, g, beta_raw, rec)
         return self.out(dispatch.gated_rms_norm(o, z, self.norm, self.eps, x.dtype))
+
+    def _keep_states(self, batch, keep, j, conv_before, mixed, q, k, v, g, beta_raw, rec) -> None:
+        """Hand each verifying sequence its per-position states; sequences of one length step together."""
+        groups: dict[int, list[tuple[int, int]]] = {}
+        for i, row, length, _, _ in batch.segments():
+            if i in keep:
+                groups.setdefault(length, []).append((i, row))
+        for length, members in groups.items():
+            rows = torch.tensor([row + t for _, row in members for t in range(length)], device=q.device)
+            seqs = torch.tensor([i for i, _ in members], device=q.device)
+            states = self._states_after_each(q[rows], k[rows], v[rows], g[rows], beta_raw[rows], rec[seqs],
+                                             len(members))
+            for s, (i, row) in enumerate(members):
+                keep[i](j, torch.cat((conv_before[i].to(mixed.dtype), mixed[row:row + length])), states[:, s])
+
+    def _states_after_each(self, q, k, v, g, beta_raw, state, seqs: int) -> torch.Tensor:
+        """The recurrent state after each token of `seqs` short sequences of one length (verify chunks, rows
+        sequence-major), stepped token by token as plain decoding does; the chunked kernel keeps only the
+        final one. The sequences ride along the head axis. Returns [n, seqs, h, dk, dv]."""
+        n, rep = q.shape[0] // seqs, self.nv // self.nk
+
+        def by_token(x, heads, dim):  # [seqs * n, heads * dim] -> [n, seqs, heads, dim]
+            return x.reshape(seqs, n, heads, dim).transpose(0, 1)
+
+        qf = l2_normalize(by_token(q, self.nk, self.dk).float(), self.eps) * self.dk ** -0.5
+        kf = l2_normalize(by_token(k, self.nk, self.dk).float(), self.eps)
+        heads = seqs * self.nv
+        _, _, states = gated_delta_rule_ref(
+            qf.repeat(1, 1, rep, 1).reshape(n, heads, self.dk), kf.repeat(1, 1, rep, 1).reshape(n, heads, self.dk),
+            by_token(v, self.nv, self.dv).reshape(n, heads, self.dv),
+            g.reshape(seqs, n, self.nv).transpose(0, 1).reshape(n, heads),
+            torch.sigmoid(beta_raw.float()).reshape(seqs, n, self.nv).transpose(0, 1).reshape(n, heads),
+            state.reshape(heads, self.dk, self.dv), capture=True)
+        return states.view(n, seqs, self.nv, self.dk, self.dv)

@@ -7,6 +7,8 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from hf2q.server.spec_metrics import SpecMetrics
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -46,11 +48,7 @@ class Metrics:
         self.prefix_bytes = Gauge("hf2q_prefix_cache_bytes", "Bytes held by retained prefixes", registry=r)
         self._prefix_seen = (0, 0, 0, 0)
         self._prefix_lock = threading.Lock()  # the engine thread and /metrics scrapes both observe
-        # vLLM's names: acceptance rate = accepted / draft tokens
-        self.spec_drafts = Counter("hf2q_spec_decode_num_drafts", "Speculative verify rounds", registry=r)
-        self.spec_draft_tokens = Counter("hf2q_spec_decode_num_draft_tokens", "Draft tokens proposed", registry=r)
-        self.spec_accepted = Counter("hf2q_spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=r)
-        self._spec_seen = (0, 0, 0)
+        self.spec = SpecMetrics(r)
         info = Gauge("hf2q_model_info", "The served model (value is always 1)", ["model"], registry=r)
         info.labels(model=model_name).set(1)
         self.started = time.monotonic()
@@ -65,12 +63,7 @@ class Metrics:
             self.batch_tokens.observe(tokens)
         spec = getattr(engine, "spec", None)
         if spec is not None:
-            now = (spec.stats.rounds, spec.stats.drafted, spec.stats.accepted)
-            for counter, new, old in zip((self.spec_drafts, self.spec_draft_tokens, self.spec_accepted), now,
-                                         self._spec_seen):
-                if new > old:
-                    counter.inc(new - old)
-            self._spec_seen = now
+            self.spec.observe(spec.stats)
         self.observe_engine(engine)
 
     def observe_engine(self, engine) -> None:

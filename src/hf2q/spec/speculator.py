@@ -3,32 +3,39 @@
 A speculating request's step feeds its known tokens plus k drafts (one chunk, one forward). The engine
 then decides row by row exactly as plain decoding would (same sampler, grammar, budget, stop rules);
 row i + 1 is valid only while the token decided at row i equals draft i. When every draft is accepted
-the cache already holds the right prefix. Otherwise the DeltaNet state, which has run over the rejected
-drafts and cannot be truncated, is restored from the copy taken before the forward, the K/V is
-truncated to match, and the accepted tokens are fed again with the next step's chunk.
+the cache already holds the right prefix. Otherwise the slot takes the DeltaNet state the verify forward
+kept after the last accepted position (hf2q.spec.states) and the K/V past it is dropped: the slot is then
+exactly what plain decoding leaves, and no accepted token is fed again.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+import time
+from typing import Callable, Optional
 
 import torch
 
 from hf2q.cache.hybrid import HybridCache
 from hf2q.engine.request import Request, RequestOutput
+from hf2q.spec.cost import CostController
 from hf2q.spec.mtp import MTPProposer
 from hf2q.spec.ngram import NgramProposer
 from hf2q.spec.proposer import Proposer, SpecConfig, TokenView
+from hf2q.spec.states import PositionStates
 
 
 @dataclass
 class Verify:
     """One request's verify in flight: set by the runner, consumed by the engine in the same step."""
 
-    start: int  # num_computed before the forward: where the cache goes back to on a rejection
+    start: int  # num_computed before the forward
+    known: int  # tokens of the chunk before the drafts (at least 1: the last decided token)
     drafts: list[int]
-    state: tuple[torch.Tensor, torch.Tensor]  # DeltaNet (conv, recurrent) state at `start`
+    states: PositionStates  # DeltaNet state after each of the chunk's known + len(drafts) positions
     logits: Optional[torch.Tensor] = None  # [len(drafts), V]: row i is the prediction after drafts[i]
+
+
+PROPOSERS = ("ngram", "mtp")
 
 
 @dataclass
@@ -37,6 +44,9 @@ class SpecStats:
     drafted: int = 0
     accepted: int = 0
     accepted_hist: list[int] = field(default_factory=list)  # [n]: rounds that accepted n drafts
+    by_proposer: dict[str, list[int]] = field(  # proposer -> [rounds, drafted, accepted]
+        default_factory=lambda: {name: [0, 0, 0] for name in PROPOSERS})
+    cost_disabled: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PROPOSERS, 0))  # requests
 
     @property
     def acceptance_rate(self) -> float:
@@ -44,12 +54,19 @@ class SpecStats:
 
 
 class Speculator:
-    def __init__(self, config: SpecConfig, cache: HybridCache, net=None):
+    """Drafts for the running requests, and the cost control that decides who may draft (hf2q.spec.cost):
+    each request has a controller per proposer, fed with the step times this engine measures; no request
+    drafts while `max_batch` or more requests decode (a large batch is already compute-bound)."""
+
+    def __init__(self, config: SpecConfig, cache: HybridCache, net=None,
+                 clock: Callable[[], float] = time.perf_counter):
         self.config = config
         self.cache = cache
+        self.clock = clock
         self.stats = SpecStats(accepted_hist=[0] * (config.num_tokens + 1))
         self.mtp = MTPProposer(net, cache) if "mtp" in config.method else None
         self.ngram = "ngram" in config.method
+        self._step_start, self._decoding, self._rounds = 0.0, set(), {}
 
     def new_proposer(self) -> Proposer:
         return NgramProposer(self.config.ngram_min, self.config.ngram_max)
@@ -58,17 +75,44 @@ class Speculator:
         """Set each running request's drafts for the coming step. Only requests past their prompt draft,
         and never more than fit in what is left of max_tokens after the step's own token. With both
         proposers, an n-gram match is taken first (a repeat of the history is the likelier guess), else
-        the MTP head drafts; the head sees every forward either way, to keep its K/V in step."""
+        the MTP head drafts; the head sees every forward either way while it is on, to keep its K/V in step.
+        Also starts the step's clock."""
+        self._step_start, self._rounds = self.clock(), {}
+        self._decoding = {id(r) for r in running if r.output_ids and not r.finished}
+        small = len(self._decoding) < self.config.max_batch
         for req in running:
             req.draft_ids = []
             if req.finished:
                 continue
+            costs = req.extras.setdefault("cost", {name: CostController(self.config.cost_window) for name in PROPOSERS})
             k = max(0, min(self.config.num_tokens, req.max_total_len - req.num_tokens - 1)) if req.output_ids else 0
-            drafts = self._ngram(req, k) if self.ngram and k else []
-            if self.mtp is not None:
-                mtp_drafts = self.mtp.propose(req, 0 if drafts else k)
-                drafts = drafts or mtp_drafts
+            k = k if small else 0
+            drafts = self._ngram(req, k) if self.ngram and k and costs["ngram"].may_speculate() else []
+            req.extras["drafted_by"] = "ngram"
+            if self.mtp is not None and costs["mtp"].enabled:
+                mtp_drafts = self.mtp.propose(req, 0 if drafts or not costs["mtp"].may_speculate() else k)
+                if not drafts:
+                    drafts, req.extras["drafted_by"] = mtp_drafts, "mtp"
             req.draft_ids = drafts[:k]
+
+    def observe_step(self, sampled: list[Request]) -> None:
+        """Feed the step's time (taken once the device is done) to the cost controllers of the requests that
+        decoded in it: a round for the proposer that drafted, a plain step for both otherwise."""
+        if self.cache.device.type == "cuda":
+            torch.cuda.synchronize(self.cache.device)
+        elapsed = self.clock() - self._step_start
+        for req in sampled:
+            if id(req) not in self._decoding:
+                continue  # its first token came from its prompt: not a decode step
+            costs = req.extras["cost"]
+            tokens = self._rounds.get(id(req))
+            if tokens is None:
+                for cost in costs.values():
+                    cost.observe_plain(elapsed)
+            else:
+                name = req.extras["drafted_by"]
+                if costs[name].enabled and not costs[name].observe_round(tokens, elapsed):
+                    self.stats.cost_disabled[name] += 1
 
     def _ngram(self, req: Request, k: int) -> list[int]:
         proposer = req.extras.get("proposer")
@@ -77,18 +121,21 @@ class Speculator:
         return proposer.propose(TokenView(req.prompt_ids, req.output_ids), k)
 
     def settle(self, req: Request, verify: Verify, accepted: int) -> None:
-        """Leave the slot as plain decoding would: every fed token valid, or back to `verify.start`."""
-        if accepted == len(verify.drafts):
-            req.num_computed = self.cache.seq_len(req.slot)
-            return
-        self.cache.set_linear_state(req.slot, verify.state)
-        self.cache.truncate(req.slot, verify.start)
-        req.num_computed = verify.start
+        """Leave the slot as plain decoding would: valid through the last accepted draft, with the DeltaNet
+        state kept at that position and the rejected positions' K/V dropped."""
+        valid = verify.start + verify.known + accepted
+        if accepted < len(verify.drafts):
+            self.cache.set_linear_state(req.slot, verify.states.at(verify.known + accepted - 1))
+            self.cache.rewind(req.slot, valid)
+        req.num_computed = valid
 
-    def record(self, drafted: int, accepted: int) -> None:
+    def record(self, req: Request, drafted: int, accepted: int, emitted: int) -> None:
+        self._rounds[id(req)] = emitted
         s = self.stats
         s.rounds += 1
         s.drafted += drafted
         s.accepted += accepted
         s.accepted_hist[accepted] += 1
+        mine = s.by_proposer[req.extras.get("drafted_by", "ngram")]
+        mine[0], mine[1], mine[2] = mine[0] + 1, mine[1] + drafted, mine[2] + accepted
 

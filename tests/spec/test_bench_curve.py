@@ -1,0 +1,21 @@
+"""`hf2q bench --spec-accept`: the forced-acceptance verify rounds run (on the CPU with a tiny shape) and
+report tokens/s for every batch and acceptance length."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf2q.bench.spec import format_curve, spec_curve
+from hf2q.bench_shapes import random_model, tiny_config
+
+
+def test_curve_has_every_batch_and_length():
+    cfg = tiny_config()
+    net = random_model(cfg, device="cpu", dtype=torch.float32)
+    report = spec_curve(net, cfg, [1, 3], [0, 2, 3], k=3, prompt=12, rounds=2)
+    assert sorted(report) == sorted(f"spec_b{b}_{n}_tok_s" for b in (1, 3) for n in ("plain", "L0", "L2", "L3"))
+    assert all(v > 0 for v in report.values())
+    table = format_curve(report, [1, 3], [0, 2, 3])
+    assert table.count("\n") == 3 and "L=3" in table
+    with pytest.raises(ValueError, match="0..3"):
+        spec_curve(net, cfg, [1], [4], k=3)
