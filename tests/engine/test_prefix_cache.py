@@ -23,9 +23,10 @@ def model(request):
     return hf2q.load(request.getfixturevalue(f"gguf_{request.param}_f32"))
 
 
-def make_engine(model, prefix_bytes=1 << 30, stride=0, seqs=4, blocks=1024, chunk=64, batched=128) -> Engine:
+def make_engine(model, prefix_bytes=1 << 30, stride=0, seqs=4, blocks=1024, chunk=64, batched=128,
+                max_len=1024) -> Engine:
     return Engine(model, EngineConfig(
-        max_model_len=1024,
+        max_model_len=max_len,
         scheduler=SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=batched, prefill_chunk=chunk),
         cache=CacheConfig(num_slots=seqs, num_blocks=blocks, block_size=8, prefix_cache_bytes=prefix_bytes,
                           prefix_checkpoint_stride=stride)))
@@ -118,20 +119,18 @@ def test_finished_request_is_a_checkpoint(model):
     assert got[0] == run(off, {"b": (follow, GREEDY, None)})["b"][0]
 
 
-def test_shared_document_reuses_the_stride_checkpoint(model):
-    doc = [1000 + (i * 37) % 5000 for i in range(300)]
-    questions = {f"q{i}": (doc + [200 + i, 300 + i, 400 + i], SEEDED, None) for i in range(5)}
-    off = make_engine(model, prefix_bytes=0)
-    want = {rid: run(off, {rid: q})[rid][0] for rid, q in questions.items()}
-    engine = make_engine(model, stride=64)
-    first = dict(list(questions.items())[:1])
-    got = {**run(engine, first), **run(engine, dict(list(questions.items())[1:]))}  # the rest concurrently
+def test_shared_document_sent_with_eight_questions_at_once_reuses_the_stride_checkpoint(gguf_dense_f32):
+    model = hf2q.load(gguf_dense_f32)
+    doc = [1000 + (i * 37) % 5000 for i in range(3000)]
+    questions = {f"q{i}": (doc + [200 + i, 300 + i, 400 + i], SEEDED, None) for i in range(8)}
+    kwargs = dict(seqs=8, blocks=3200, chunk=512, batched=1024, max_len=3100)
+    want = run(make_engine(model, prefix_bytes=0, **kwargs), questions)
+    engine = make_engine(model, stride=512, **kwargs)
+    got = run(engine, questions)  # all eight queued together: the first prefills, the others wait for its checkpoint
+    assert {rid: g[0] for rid, g in got.items()} == {rid: w[0] for rid, w in want.items()}
     assert got["q0"][1] == 0
-    for rid in questions:
-        assert got[rid][0] == want[rid], rid
-        if rid != "q0":
-            assert got[rid][1] == 256, rid  # the last stride boundary of the document
-    assert engine.prefix.stats.hits == 4 and engine.prefix.stats.tokens_reused == 4 * 256
+    assert all(got[f"q{i}"][1] == 2560 for i in range(1, 8)), got  # the document's last stride boundary
+    assert engine.prefix.stats.hits == 7 and engine.prefix.stats.tokens_reused == 7 * 2560
 
 
 def test_eviction_under_a_tiny_budget_never_breaks_a_running_request(model):
