@@ -170,3 +170,27 @@ def test_serve_flags_reach_the_cache_config(model, tmp_path):
     cc = with_prefix_cache(CacheConfig(), args, model, 1 << 20)
     assert cc.prefix_cache_dir == str(tmp_path) and cc.prefix_cache_disk_bytes == 1 << 29
     assert with_prefix_cache(CacheConfig(), p.parse_args([]), model, 1 << 20).prefix_cache_dir is None
+
+
+def test_a_full_disk_never_fails_a_request(model, cold, tmp_path, caplog, monkeypatch):
+    import errno
+
+    import hf2q.cache.prefix_store as prefix_store
+
+    first, follow, want = cold
+
+    def no_space(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(prefix_store.os, "fsync", no_space)
+    with caplog.at_level(logging.WARNING, logger="hf2q.cache.prefix_store"):
+        engine = make_engine(model, tmp_path / "full")
+        assert run(engine, PROMPT, "a")[0] == first
+        engine.prefix.disk.flush()
+        got, cached = run(engine, follow, "b")
+        engine.prefix.disk.flush()
+    assert got == want and cached > 0  # the in-memory cache still works
+    assert sum("cannot write" in r.getMessage() for r in caplog.records) == 1
+    assert not list((tmp_path / "full").iterdir())  # no partial file left behind
+    monkeypatch.undo()
+    assert run(make_engine(model, tmp_path / "full"), follow, "c") == (want, 0)  # after a restart: a miss
