@@ -134,23 +134,24 @@ def test_shared_document_sent_with_eight_questions_at_once_reuses_the_stride_che
 
 
 def test_eviction_under_a_tiny_budget_never_breaks_a_running_request(model):
-    convs = {f"c{c}": ([2000 + 97 * c + i for i in range(30)], GREEDY, 20) for c in range(12)}
+    """64 conversations at once, with room for 4 checkpoints."""
+    convs = {f"c{c}": ([2000 + 97 * c + i for i in range(30)], GREEDY, 20) for c in range(64)}
     probe = make_engine(model)
     run(probe, dict(list(convs.items())[:1]))
     per_ckpt = probe.prefix.nbytes // len(probe.prefix)
-    off = make_engine(model, prefix_bytes=0)
+    off = make_engine(model, prefix_bytes=0, seqs=64)
     first = run(off, convs)
     # Turn 2 sends the output back; the newest conversations come first, so their checkpoints are still held.
     turn2 = {rid: (p + first[rid][0] + [7, 8, 9, 10], GREEDY, None) for rid, (p, _, _) in reversed(convs.items())}
-    turn2["c11"] = (turn2["c11"][0], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), None)
+    turn2["c63"] = (turn2["c63"][0], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), None)
     want = run(off, turn2)
-    engine = make_engine(model, prefix_bytes=5 * per_ckpt)
+    engine = make_engine(model, prefix_bytes=4 * per_ckpt, seqs=64)
     run(engine, convs)
     got = run(engine, turn2)
     assert {rid: g[0] for rid, g in got.items()} == {rid: w[0] for rid, w in want.items()}
-    assert engine.prefix.stats.evictions > 0 and engine.prefix.nbytes <= 5 * per_ckpt
-    assert got["c11"][1] == 35 and not got["c0"][1]
-    assert engine.prefix.lookup(turn2["c11"][0]) is None  # evicted while c11 decoded on
+    assert engine.prefix.stats.evictions > 0 and engine.prefix.nbytes <= 4 * per_ckpt
+    assert got["c63"][1] == 35 and not got["c0"][1]
+    assert engine.prefix.lookup(turn2["c63"][0]) is None  # evicted while c63 decoded on
     assert engine.cache.usage().slots_used == 0
 
 
