@@ -53,6 +53,11 @@ def add_loadgen_args(p: argparse.ArgumentParser) -> None:
                         f"--dataset: the reference reply's characters / {CHARS_PER_TOKEN})")
     p.add_argument("--dataset", help="JSON or JSONL conversations (ShareGPT `conversations` or `messages`): "
                                      "the first user turn is the prompt")
+    p.add_argument("--multi-turn", type=int, default=0, metavar="TURNS",
+                   help="each client plays a chat conversation of TURNS turns, each sent with the server's earlier "
+                        "answers appended; reports the prefix cache hit rate and the follow-up turns' TTFT")
+    p.add_argument("--shared-prefix-tokens", type=int, default=0,
+                   help="with --multi-turn: every conversation opens with the same system prompt of this many tokens")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompt words")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take")
@@ -77,6 +82,9 @@ class RequestResult:
     latency: Optional[float] = None  # the stream's end
     gaps: list[float] = field(default_factory=list)  # between successive chunks carrying text
     error: Optional[str] = None
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens: prompt tokens the server resumed
+    text: str = ""  # the answer's content, sent back by the next turn of a conversation (--multi-turn)
+    turn: int = 0  # the request's turn in its conversation (--multi-turn)
 
     @property
     def itl(self) -> Optional[float]:
@@ -187,6 +195,8 @@ async def read_stream(lines: AsyncIterable[str], clock: Callable[[], float], sta
             break
         if payload.get("usage"):
             usage = payload["usage"]
+        for choice in payload.get("choices") or []:
+            result.text += (choice.get("delta") or {}).get("content") or choice.get("text") or ""
         if _chunk_text(payload):
             now = clock() - start
             if result.ttft is None:
@@ -200,6 +210,7 @@ async def read_stream(lines: AsyncIterable[str], clock: Callable[[], float], sta
     if usage is not None:
         result.prompt_tokens = int(usage.get("prompt_tokens") or 0)
         result.completion_tokens = int(usage.get("completion_tokens") or 0)
+        result.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
     return result
 
 
@@ -265,10 +276,14 @@ def summarize(clients: int, results: list[RequestResult], wall: float) -> dict:
     ok = [r for r in results if r.error is None]
     errors = [r for r in results if r.error is not None]
     output_tokens = sum(r.completion_tokens for r in ok)
+    prompt_tokens = sum(r.prompt_tokens for r in ok)
+    cached = sum(r.cached_tokens for r in ok)
     return {
         "clients": clients, "requests": len(results), "ok": len(ok), "errors": len(errors),
         "first_error": errors[0].error if errors else None, "wall_s": round(wall, 4),
-        "prompt_tokens": sum(r.prompt_tokens for r in ok), "output_tokens": output_tokens,
+        "prompt_tokens": prompt_tokens, "output_tokens": output_tokens, "cached_tokens": cached,
+        "hit_rate": cached / prompt_tokens if prompt_tokens else None,
+        "follow_up_ttft_ms": _spread_ms([r.ttft for r in ok if r.turn and r.ttft is not None]),
         "output_tok_s": output_tokens / wall if wall > 0 else None,
         "requests_s": len(ok) / wall if wall > 0 else None,
         "ttft_ms": _spread_ms([r.ttft for r in ok if r.ttft is not None]),
@@ -276,6 +291,7 @@ def summarize(clients: int, results: list[RequestResult], wall: float) -> dict:
         "chunk_gap_ms": _spread_ms([g for r in ok for g in r.gaps]),
         "latency_ms": _spread_ms([r.latency for r in ok]),
         "per_request": [{"prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
+                         "cached_tokens": r.cached_tokens, "turn": r.turn,
                          "ttft_ms": None if r.ttft is None else round(r.ttft * 1000, 3),
                          "itl_ms": None if r.itl is None else round(r.itl * 1000, 3),
                          "latency_ms": None if r.latency is None else round(r.latency * 1000, 3),
@@ -287,14 +303,16 @@ def format_table(levels: list[dict]) -> str:
     def f(v, fmt=",.1f"):
         return "-" if v is None else format(v, fmt)
 
-    head = ("| clients | requests | errors | prompt tok/req | out tok/s | req/s | TTFT ms p50 / p90 / p99 "
-            "| ITL ms p50 / p90 / p99 |")
-    rows = [head, "|" + "---|" * 8]
+    head = ("| clients | requests | errors | prompt tok/req | cached | out tok/s | req/s | TTFT ms p50 / p90 / p99 "
+            "| follow-up TTFT ms p50 | ITL ms p50 / p90 / p99 |")
+    rows = [head, "|" + "---|" * 10]
     for lv in levels:
         t, i = lv["ttft_ms"], lv["itl_ms"]
         rows.append(f"| {lv['clients']} | {lv['requests']} | {lv['errors']} | "
-                    f"{f(lv['prompt_tokens'] / lv['ok'] if lv['ok'] else None)} | {f(lv['output_tok_s'])} | "
+                    f"{f(lv['prompt_tokens'] / lv['ok'] if lv['ok'] else None)} | "
+                    f"{f(None if lv['hit_rate'] is None else 100 * lv['hit_rate'])}% | {f(lv['output_tok_s'])} | "
                     f"{f(lv['requests_s'], '.2f')} | {f(t['p50'])} / {f(t['p90'])} / {f(t['p99'])} | "
+                    f"{f(lv['follow_up_ttft_ms']['p50'])} | "
                     f"{f(i['p50'], '.2f')} / {f(i['p90'], '.2f')} / {f(i['p99'], '.2f')} |")
     return "\n".join(rows)
 
@@ -388,12 +406,18 @@ def _check_args(args) -> None:
         raise ValueError("--prompt-tokens and --max-tokens must be >= 1")
     if args.serve_args and not args.model:
         raise ValueError("--serve-args needs --model")
+    if args.multi_turn < 0 or args.shared_prefix_tokens < 0:
+        raise ValueError("--multi-turn and --shared-prefix-tokens must be >= 0")
+    if args.shared_prefix_tokens and not args.multi_turn:
+        raise ValueError("--shared-prefix-tokens needs --multi-turn")
+    if args.multi_turn and (args.dataset or args.endpoint != "chat"):
+        raise ValueError("--multi-turn needs --endpoint chat and no --dataset")
 
 
 async def measure(args, url: str, model_name: Optional[str], prompts: list[Prompt]) -> list[dict]:
     path = "/v1/chat/completions" if args.endpoint == "chat" else "/v1/completions"
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    total = sum(args.clients) * args.requests_per_client
+    total = sum(args.clients) * (args.multi_turn or args.requests_per_client)
     from tqdm import tqdm
 
     show = not args.no_progress and sys.stderr.isatty()
@@ -404,6 +428,10 @@ async def measure(args, url: str, model_name: Optional[str], prompts: list[Promp
         async with httpx.AsyncClient(base_url=url, headers=headers, limits=limits, timeout=timeout) as client:
             for n in args.clients:
                 progress.set_description(f"{n} clients")
+                if args.multi_turn:
+                    results, wall = await _conversations(client, args, model_name, n, progress)
+                    levels.append(summarize(n, results, wall))
+                    continue
                 bodies = []
                 for _ in range(n):
                     mine = [prompts[(used + k) % len(prompts)] for k in range(args.requests_per_client)]
@@ -412,6 +440,19 @@ async def measure(args, url: str, model_name: Optional[str], prompts: list[Promp
                 results, wall = await run_level(client, path, bodies, progress)
                 levels.append(summarize(n, results, wall))
     return levels
+
+
+async def _conversations(client: httpx.AsyncClient, args, model_name: Optional[str], n: int,
+                         progress) -> tuple[list, float]:
+    from hf2q.loadgen_conversations import play, questions, shared_prefix
+
+    system = shared_prefix(args.shared_prefix_tokens, args.seed) if args.shared_prefix_tokens else None
+    body = {k: v for k, v in request_body("chat", Prompt("", args.max_tokens or DEFAULT_MAX_TOKENS), model_name,
+                                          args.temperature).items() if k != "messages"}
+    start = time.perf_counter()
+    played = await asyncio.gather(*(play(client, questions(c, args.multi_turn, args.prompt_tokens, args.seed),
+                                         system, body, progress) for c in range(n)))
+    return [r for conversation in played for r in conversation], time.perf_counter() - start
 
 
 def run_loadgen(args) -> int:

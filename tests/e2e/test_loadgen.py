@@ -142,3 +142,18 @@ def test_usage_errors_are_one_clean_line(flags, message):
     run = bench_serve(*(f.format(port=free_port()) for f in flags), "--clients", "1")
     assert run.returncode != 0
     assert message in run.stderr and "Traceback" not in run.stderr
+
+
+def test_multi_turn_conversations_report_the_prefix_cache_hit_rate(plain_server, tmp_path):
+    out = tmp_path / "multi.json"
+    done = bench_serve("--url", plain_server.url, "--endpoint", "chat", "--multi-turn", "3",
+                       "--shared-prefix-tokens", "150", "--clients", "2", "--prompt-tokens", "6", "--max-tokens", "3",
+                       "--json", str(out))
+    assert done.returncode == 0, done.stderr
+    (level,) = json.loads(out.read_text())["levels"]
+    requests = level["per_request"]
+    assert len(requests) == 6 and sorted(r["turn"] for r in requests) == [0, 0, 1, 1, 2, 2]
+    for r in requests:  # each follow-up resumes at least the turn before it (its prompt minus the new turn)
+        assert (r["cached_tokens"] > 150) == (r["turn"] > 0), r
+    assert level["hit_rate"] == level["cached_tokens"] / level["prompt_tokens"] > 0.5
+    assert level["follow_up_ttft_ms"]["p50"] is not None and "follow-up TTFT" in done.stdout

@@ -170,3 +170,63 @@ def test_serve_flags_reach_the_cache_config(model, tmp_path):
     cc = with_prefix_cache(CacheConfig(), args, model, 1 << 20)
     assert cc.prefix_cache_dir == str(tmp_path) and cc.prefix_cache_disk_bytes == 1 << 29
     assert with_prefix_cache(CacheConfig(), p.parse_args([]), model, 1 << 20).prefix_cache_dir is None
+
+
+def test_a_full_disk_never_fails_a_request(model, cold, tmp_path, caplog, monkeypatch):
+    import errno
+
+    import hf2q.cache.prefix_store as prefix_store
+
+    first, follow, want = cold
+
+    def no_space(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(prefix_store.os, "fsync", no_space)
+    with caplog.at_level(logging.WARNING, logger="hf2q.cache.prefix_store"):
+        engine = make_engine(model, tmp_path / "full")
+        assert run(engine, PROMPT, "a")[0] == first
+        engine.prefix.disk.flush()
+        got, cached = run(engine, follow, "b")
+        engine.prefix.disk.flush()
+    assert got == want and cached > 0  # the in-memory cache still works
+    assert sum("cannot write" in r.getMessage() for r in caplog.records) == 1
+    assert not list((tmp_path / "full").iterdir())  # no partial file left behind
+    monkeypatch.undo()
+    assert run(make_engine(model, tmp_path / "full"), follow, "c") == (want, 0)  # after a restart: a miss
+
+
+# A writer that stops for good inside its checkpoint write, after the data and before the rename.
+_STALLED_WRITER = """
+import os, sys, time, torch
+import hf2q.cache.prefix_store as ps
+def stall(fd):
+    print("writing", flush=True)
+    time.sleep(600)
+ps.os.fsync = stall
+store = ps.PrefixStore(sys.argv[1], 1 << 34, "fp")
+store.put(tuple(range(4096)), ps.CacheSnapshot(4096, torch.ones(2, 4096, 2, 256), torch.ones(2, 4096, 2, 256),
+                                               torch.ones(1, 2, 8), torch.ones(1, 2, 4, 4)))
+time.sleep(600)
+"""
+
+
+def test_kill_9_during_a_write_leaves_no_state_that_is_used(tmp_path, caplog):
+    import subprocess
+    import sys
+
+    directory = tmp_path / "store"
+    writer = subprocess.Popen([sys.executable, "-c", _STALLED_WRITER, str(directory)], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert writer.stdout.readline().strip() == "writing"
+        (partial,) = directory.glob(".*.tmp")
+        assert partial.stat().st_size > 1 << 20  # the checkpoint's data, never renamed
+    finally:
+        writer.kill()  # SIGKILL: no cleanup runs
+        writer.wait()
+    with caplog.at_level(logging.INFO, logger="hf2q.cache.prefix_store"):
+        store = PrefixStore(directory, 1 << 30, "fp")
+    assert len(store) == 0 and store.lookup(list(range(5000))) is None
+    assert not list(directory.iterdir())  # the orphan is gone
+    assert sum("interrupted write" in r.getMessage() for r in caplog.records) == 1

@@ -80,6 +80,7 @@ class PrefixStore:
             self.dir.chmod(0o700)
         except OSError as err:
             log.warning("prefix cache dir %s: %s (checkpoints are not written)", self.dir, err)
+        self._remove_orphans()
         self._read_index()
         self._thread = threading.Thread(target=self._writer, name="prefix-store", daemon=True)
         self._thread.start()
@@ -105,6 +106,19 @@ class PrefixStore:
             self._index[tokens] = path
         if self._index:
             log.info("prefix cache: %d checkpoints on disk in %s", len(self._index), self.dir)
+
+    def _remove_orphans(self) -> None:
+        """Delete temp files left by writers that died mid-write (kill -9, power loss): never renamed, never
+        read, they only hold disk. A live process's temp file (another server on this directory) is kept."""
+        for path in self.dir.glob(".*.tmp") if self.dir.is_dir() else []:
+            try:
+                pid = int(path.name.rsplit(".", 2)[-2])
+                os.kill(pid, 0)
+            except (ValueError, ProcessLookupError):
+                path.unlink(missing_ok=True)
+                log.info("prefix cache: removed %s, left by an interrupted write", path.name)
+            except OSError:  # a live process of another user
+                pass
 
     def lookup(self, prompt: list[int], longer_than: int = 0) -> Optional[tuple[int, ...]]:
         """The longest stored prefix the prompt strictly extends, if longer than `longer_than` tokens."""

@@ -73,6 +73,9 @@ class AsyncEngine:
         self._stop.set()
         self._commands.put(None)
         self._thread.join(timeout=10)
+        prefix = self.engine.prefix
+        if prefix is not None and prefix.disk is not None:  # checkpoints still queued reach the disk
+            prefix.disk.flush()
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                        **kwargs) -> AsyncIterator[RequestOutput]:

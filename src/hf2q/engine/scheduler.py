@@ -75,7 +75,7 @@ class Scheduler:
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            if not self._admit(req):
+            if self._awaits_checkpoint(req) or not self._admit(req):
                 break
             self.waiting.popleft()
             self.running.append(req)
@@ -141,6 +141,27 @@ class Scheduler:
         sib.num_computed = sib.num_cached = leader.num_computed
         self.running.append(sib)
         return True
+
+    def _awaits_checkpoint(self, req: Request) -> bool:
+        """Whether a running prefill will soon retain a longer checkpoint of this prompt than any held now
+        (requests sharing a document, sent together): admitted later, it resumes there instead of computing
+        the shared part again. The running request progresses every step, so the wait is bounded."""
+        if self.prefix is None or req.keeps_hidden:
+            return False
+        held = self.prefix.lookup(req.prompt_ids)
+        reuse = len(held.tokens) if held is not None else 0
+        for other in self.running:
+            done, prompt = other.num_computed, other.prompt_ids
+            if done >= len(prompt):
+                continue
+            shared = min(len(prompt), len(req.prompt_ids) - 1)
+            shared = next((i for i in range(shared) if prompt[i] != req.prompt_ids[i]), shared)
+            bounds = [b for b in (other.anchor,) if b is not None and b <= shared]
+            if self.stride > 0:
+                bounds.append(shared // self.stride * self.stride)
+            if max(bounds, default=0) > max(reuse, done):
+                return True
+        return False
 
     def _admit(self, req: Request) -> bool:
         """Give the request a slot and cache room, resuming from the longest retained prefix of its prompt;

@@ -97,15 +97,17 @@ def render_prompt(state: ServerState, messages: list[Message], tools: Optional[l
 def turn_anchor(state: ServerState, messages: list[Message], tools: Optional[list[dict]], extra: dict,
                 prompt_ids: list[int]) -> Optional[int]:
     """How many prompt tokens the next turn of this conversation will extend: the engine keeps a
-    checkpoint there. None when the template will not render a probe next turn."""
+    checkpoint there. Compared in tokens (the text can agree where the tokens do not: `<think>\n` then
+    `\n</think>` merges newlines), and one token short of the whole prompt at most, since a resumed
+    prompt computes at least one token. None when the template will not render a probe next turn."""
     rendered, kwargs = _template_args(state, messages, extra)
     try:
-        stable = state.model.chat_template.stable_prefix(rendered, tools=tools, **kwargs)
+        probe = state.model.chat_template.next_turn_probe(rendered, tools=tools, **kwargs)
     except Exception:
         return None
-    ids = state.model.tokenizer.encode(stable)
+    ids = state.model.tokenizer.encode(probe)
     n = next((i for i, (a, b) in enumerate(zip(ids, prompt_ids)) if a != b), min(len(ids), len(prompt_ids)))
-    return n or None
+    return min(n, len(prompt_ids) - 1) or None
 
 
 def _template_args(state: ServerState, messages: list[Message], extra: dict) -> tuple[list[dict], dict]:

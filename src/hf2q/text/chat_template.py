@@ -147,13 +147,21 @@ class ChatTemplate:
         """An override template (a `.jinja` file), e.g. a fixed upstream template for an older GGUF."""
         return cls(Path(path).read_text(encoding="utf-8"), bos_token=bos_token, eos_token=eos_token)
 
-    def stable_prefix(self, messages: Sequence[Any], tools: Sequence[Any] | None = None, **kwargs: Any) -> str:
-        """The start of this conversation's prompt that its next turn renders again unchanged: the prompt
-        minus the generation suffix (for Qwen3.5 `<think>\n`, or the empty think block, which later turns
-        drop). Found by rendering a probe next turn, so it follows whatever the template does."""
-        prompt = self.render(messages, tools, True, **kwargs)
-        probe = [*messages, {"role": "assistant", "content": "X"}, {"role": "user", "content": "Y"}]
-        return os.path.commonprefix([prompt, self.render(probe, tools, True, **kwargs)])
+    def next_turn_probe(self, messages: Sequence[Any], tools: Sequence[Any] | None = None, **kwargs: Any) -> str:
+        """The prompt of a probe next turn of this conversation: the start it shares with this turn's prompt is
+        what the next turn will render again unchanged (for Qwen3.5 all but the generation suffix, `<think>\n`
+        or the empty think block, which later turns drop). Rendered, so it follows whatever the template does.
+
+        After tool results the next turn is most likely another tool call and its result (an agent loop): a
+        user probe would stop before this turn's tool calls, which Qwen3.5 re-renders once a user speaks,
+        and that earlier point already has its checkpoint from the turn that asked."""
+        if messages and _message(messages[-1]).get("role") == "tool":
+            call = {"type": "function", "function": {"name": "X", "arguments": {}}}
+            probe = [*messages, {"role": "assistant", "content": "", "tool_calls": [call]},
+                     {"role": "tool", "content": "Y"}]
+        else:
+            probe = [*messages, {"role": "assistant", "content": "X"}, {"role": "user", "content": "Y"}]
+        return self.render(probe, tools, True, **kwargs)
 
     def render(self, messages: Sequence[Any], tools: Sequence[Any] | None = None,
                add_generation_prompt: bool = True, **kwargs: Any) -> str:
