@@ -21,17 +21,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncIterable, Callable, Optional
+from typing import Optional
 
 import httpx
 
-# Common English words that are one token in the usual BPE vocabularies (Qwen, Llama, GPT): a prompt of N of
-# them, each with its leading space, is N tokens. Drawn at random per request so that requests share no
-# cached prefix.
-PROMPT_WORDS = (" hello", " world", " house", " water", " river", " green", " table", " light", " music",
-                " paper", " stone", " night", " bread", " chair", " cloud", " money")
+from hf2q.loadgen_stream import (  # noqa: F401  (re-exported for tests and tools)
+    PROMPT_WORDS, RequestResult, parse_sse_line, read_stream, send)
+
 DEFAULT_MAX_TOKENS = 128
 CHARS_PER_TOKEN = 4  # the dataset reply's length in characters / this = its max_tokens hint
 
@@ -71,30 +69,6 @@ class Prompt:
     text: str
     max_tokens: int
 
-
-@dataclass
-class RequestResult:
-    """One request as the client saw it; times are seconds from when it was sent."""
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    ttft: Optional[float] = None  # first chunk carrying text
-    last_token: Optional[float] = None  # last chunk carrying text
-    latency: Optional[float] = None  # the stream's end
-    gaps: list[float] = field(default_factory=list)  # between successive chunks carrying text
-    error: Optional[str] = None
-    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens: prompt tokens the server resumed
-    text: str = ""  # the answer's content, sent back by the next turn of a conversation (--multi-turn)
-    turn: int = 0  # the request's turn in its conversation (--multi-turn)
-
-    @property
-    def itl(self) -> Optional[float]:
-        """Inter-token latency: the decode time spread over the tokens after the first."""
-        if self.error or self.ttft is None or self.completion_tokens < 2:
-            return None
-        return (self.last_token - self.ttft) / (self.completion_tokens - 1)
-
-
-# ---------------------------------------------------------------- prompts
 
 def fixed_prompts(count: int, prompt_tokens: int, max_tokens: int, seed: int) -> list[Prompt]:
     rng = random.Random(seed)
@@ -149,71 +123,6 @@ def load_dataset(path: str, max_tokens: Optional[int]) -> list[Prompt]:
 
 # ---------------------------------------------------------------- one streaming request
 
-def parse_sse_line(line: str):
-    """The JSON payload of a `data:` line, "[DONE]" for the end, None for anything else (comments, blank
-    lines, other SSE fields)."""
-    if not line.startswith("data:"):
-        return None
-    data = line[5:].strip()
-    if data == "[DONE]":
-        return data
-    return json.loads(data)
-
-
-def _chunk_text(chunk: dict) -> str:
-    """The text a chunk carries: completions `text`, chat `content` / `reasoning_content` / tool calls."""
-    out = []
-    for choice in chunk.get("choices") or []:
-        if choice.get("text"):
-            out.append(choice["text"])
-        delta = choice.get("delta") or {}
-        for key in ("content", "reasoning_content", "reasoning"):
-            if delta.get(key):
-                out.append(delta[key])
-        if delta.get("tool_calls"):
-            out.append(json.dumps(delta["tool_calls"]))
-    return "".join(out)
-
-
-async def read_stream(lines: AsyncIterable[str], clock: Callable[[], float], start: float) -> RequestResult:
-    """Time an SSE response body: text chunks, the usage chunk, the end."""
-    result = RequestResult()
-    usage = None
-    async for line in lines:
-        try:
-            payload = parse_sse_line(line)
-        except json.JSONDecodeError:
-            result.error = f"bad SSE data: {line[:200]}"
-            break
-        if payload is None:
-            continue
-        if payload == "[DONE]":
-            break
-        if "error" in payload:
-            err = payload["error"]
-            result.error = "error in stream: " + (err.get("message", str(err)) if isinstance(err, dict) else str(err))
-            break
-        if payload.get("usage"):
-            usage = payload["usage"]
-        for choice in payload.get("choices") or []:
-            result.text += (choice.get("delta") or {}).get("content") or choice.get("text") or ""
-        if _chunk_text(payload):
-            now = clock() - start
-            if result.ttft is None:
-                result.ttft = now
-            else:
-                result.gaps.append(now - result.last_token)
-            result.last_token = now
-    result.latency = clock() - start
-    if result.error is None and usage is None:
-        result.error = "the stream ended without usage"
-    if usage is not None:
-        result.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-        result.completion_tokens = int(usage.get("completion_tokens") or 0)
-        result.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-    return result
-
-
 def request_body(endpoint: str, prompt: Prompt, model: Optional[str], temperature: float) -> dict:
     body: dict = {"max_tokens": prompt.max_tokens, "temperature": temperature, "ignore_eos": True,
                   "stream": True, "stream_options": {"include_usage": True}}
@@ -225,21 +134,6 @@ def request_body(endpoint: str, prompt: Prompt, model: Optional[str], temperatur
         body["prompt"] = prompt.text
     return body
 
-
-async def send(client: httpx.AsyncClient, path: str, body: dict) -> RequestResult:
-    start = time.perf_counter()
-    try:
-        async with client.stream("POST", path, json=body) as response:
-            if response.status_code != 200:
-                text = (await response.aread()).decode("utf-8", errors="replace")
-                return RequestResult(error=f"HTTP {response.status_code}: {text[:300]}",
-                                     latency=time.perf_counter() - start)
-            return await read_stream(response.aiter_lines(), time.perf_counter, start)
-    except httpx.HTTPError as exc:
-        return RequestResult(error=f"{type(exc).__name__}: {exc}", latency=time.perf_counter() - start)
-
-
-# ---------------------------------------------------------------- one concurrency level
 
 async def run_level(client: httpx.AsyncClient, path: str, bodies: list[list[dict]], progress) -> tuple[list, float]:
     """bodies[i] are client i's requests, sent back to back; all clients start together."""

@@ -12,7 +12,7 @@ from typing import Optional
 
 import httpx
 
-from hf2q.loadgen import PROMPT_WORDS, RequestResult, send
+from hf2q.loadgen_stream import PROMPT_WORDS, RequestResult, send
 
 
 def shared_prefix(tokens: int, seed: int) -> str:
