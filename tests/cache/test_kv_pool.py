@@ -6,7 +6,9 @@ import torch
 
 from hf2q.cache.hybrid import HybridCache, kv_bytes_per_token
 from hf2q.cache.kv_codec import Fp8Codec, TurboQuantCodec
-from hf2q.cache.kv_pool import KV_FORMATS, CompressedKVPool, DenseKVPool, make_pool
+from hf2q.cache.kv_pool import (KV_FORMATS, CompressedKVPool, DenseKVPool, format_identity, kv_cache_format,
+                                make_pool)
+from hf2q.cache.prefix_store import PrefixStore, fingerprint
 from hf2q.config import CacheConfig, ModelConfig
 
 # A full-attention shape with a 64-channel head, so the codecs work at a realistic vector length.
@@ -105,3 +107,32 @@ def test_fingerprint_names_the_codec_tables():
         TurboQuantCodec(64, 8).fingerprint)
     with pytest.raises(ValueError, match="unknown K/V cache format 'int4'"):
         cache_of("int4")
+
+
+def test_kv_cache_dtype_flag_names_a_pool_format():
+    assert kv_cache_format("auto", "bfloat16") == "bfloat16"
+    assert [kv_cache_format(f, "float32") for f in ("fp32", "bf16", "fp16", "fp8", "tq8", "tq6", "tq5")] == [
+        "float32", "bfloat16", "float16", "fp8", "tq8", "tq6", "tq5"]
+    with pytest.raises(ValueError, match="unknown K/V cache format"):
+        kv_cache_format("q4_0", "float32")
+
+
+def test_checkpoint_files_of_another_kv_format_are_a_miss(tmp_path, gguf_dense_f32):
+    """The disk fingerprint carries the format, codebook width and sign/codebook digests: a file written with tq8
+    K/V is not read by a server storing tq6 or fp8 rows of the same shape, and is read back under tq8."""
+    prints = {f: fingerprint(gguf_dense_f32, "t", CacheConfig(kv_dtype=f), "cpu") for f in KV_FORMATS}
+    assert len(set(prints.values())) == len(KV_FORMATS)
+    assert "bits=8" in format_identity("tq8") and "signs=" in format_identity("tq8")
+    cache = cache_of("tq8")
+    slot = cache.acquire()
+    cache.reserve(slot, 5)
+    cache.kv.store(0, cache.token_indices(slot, 0, 5), *kv(5, 3))
+    cache.commit(slot, 5)
+    writer = PrefixStore(tmp_path, 1 << 30, prints["tq8"])
+    writer.put((1, 2, 3, 4, 5), cache.snapshot(slot))
+    writer.flush()
+    for fmt in ("tq6", "fp8"):
+        assert PrefixStore(tmp_path, 1 << 30, prints[fmt]).lookup([1, 2, 3, 4, 5, 6]) is None
+    same = PrefixStore(tmp_path, 1 << 30, prints["tq8"])
+    assert same.lookup([1, 2, 3, 4, 5, 6]) == (1, 2, 3, 4, 5)
+    assert torch.equal(same.load((1, 2, 3, 4, 5)).k, cache.snapshot(slot).k)

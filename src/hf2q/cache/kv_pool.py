@@ -130,6 +130,26 @@ class CompressedKVPool(KVPool):
         return self.codec.decode(payload, side)
 
 
+def format_identity(fmt: str) -> str:
+    """A format and, for TurboQuant, its codebook width and sign-table and codebook digests; FP8, its scale rule.
+
+    Independent of the head shape (the model's identity covers that): what a saved row needs to mean the same."""
+    row_bytes(fmt, 8)  # rejects unknown names
+    if fmt in DENSE_FORMATS:
+        return fmt
+    codec = _codec(fmt, 8)
+    if isinstance(codec, Fp8Codec):
+        return codec.fingerprint
+    return f"{fmt}:bits={codec.bits}:signs={TurboQuantCodec(256, codec.bits).sign_table_id}:{codec.fingerprint}"
+
+
+def kv_cache_format(flag: str, model_dtype: str) -> str:
+    """The pool format of a `--kv-cache-dtype` value (auto: the model's dtype)."""
+    name = {"auto": model_dtype, "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(flag, flag)
+    row_bytes(name, 8)
+    return name
+
+
 def make_pool(fmt: str, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
               device: torch.device) -> KVPool:
     """The pool class of a format name (CacheConfig.kv_dtype)."""
