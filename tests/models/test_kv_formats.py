@@ -145,3 +145,31 @@ def test_speculation_rolls_back_a_compressed_pool(model):
     spec, _ = run_engine(engine, {"s": (LONG, None)})
     assert 0 < engine.spec.stats.accepted < engine.spec.stats.drafted
     assert spec["s"] == plain["s"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@torch.inference_mode()
+@pytest.mark.parametrize("fmt", ["tq8", "fp8"])
+def test_cuda_compressed_pool_decodes_like_eager_and_near_bf16(fmt):
+    """On CUDA a compressed pool runs the plain attention path: CUDA-graph decode gives the eager tokens, and the
+    logits stay near the bf16 pool's."""
+    from hf2q.bench_shapes import random_model, tiny_config
+
+    net = random_model(tiny_config(False), device="cuda", dtype=torch.bfloat16, std=0.08, seed=7)
+    results = {}
+    for kv_dtype, graphs in ((fmt, True), (fmt, False), ("bfloat16", False)):
+        cache = HybridCache(net.config, CacheConfig(num_slots=2, num_blocks=16, block_size=16, kv_dtype=kv_dtype),
+                            device="cuda")
+        runner = ModelRunner(net, cache, cuda_graphs=graphs)
+        req = Request("r", [t % 500 for t in PROMPT], SamplingParams())
+        req.slot = cache.acquire()
+        _, logits = runner.run([(req, len(PROMPT))])
+        rows = [logits[-1].float()]
+        for _ in range(31):
+            req.output_ids.append(int(rows[-1].argmax()))
+            _, logits = runner.run([(req, 1)])
+            rows.append(logits[-1].float())
+        results[(kv_dtype, graphs)] = (list(req.output_ids), torch.stack(rows))
+    assert results[(fmt, True)][0] == results[(fmt, False)][0]
+    assert rel(results[(fmt, False)][1][:4], results[("bfloat16", False)][1][:4]) < 0.05
