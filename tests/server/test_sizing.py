@@ -52,3 +52,14 @@ def test_compressed_kv_formats_size_the_pool_by_their_bytes():
     held = tq8.num_blocks // (32768 // BLOCK)
     assert held >= 1.9 * (bf16.num_blocks // (32768 // BLOCK))
     assert f"K/V tq8 at {per_token['tq8']} B/token: room for {held} sequences of 32768 tokens" in limits["tq8"].why
+
+
+def test_kv_bench_capacity_rows():
+    """`python -m hf2q.bench.kv`'s sizing columns: the 9B shape in 40 GiB free admits ≈2× the 32k-token sequences
+    with tq8 or fp8 as with bf16 K/V."""
+    from hf2q.bench.kv import capacity
+
+    rows = {f: capacity(CFG, f, 40 * GIB, 140 * GIB, 32768) for f in ("bfloat16", "fp8", "tq8")}
+    assert rows["bfloat16"]["bytes_per_token"] == 32768 and rows["tq8"]["bytes_per_token"] == 16640
+    assert rows["tq8"] == rows["fp8"]
+    assert rows["tq8"]["max_seqs"] >= 1.9 * rows["bfloat16"]["max_seqs"] > 0
