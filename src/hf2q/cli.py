@@ -81,6 +81,7 @@ def run_generate(args) -> int:
     from hf2q.engine.engine import Engine, EngineConfig
     from hf2q.engine.sampling_params import SamplingParams
     from hf2q.engine.scheduler import SchedulerConfig
+    from hf2q.cache.kv_pool import kv_cache_format
     from hf2q.config import CacheConfig
 
     device = resolve_device(args.device)
@@ -102,7 +103,8 @@ def run_generate(args) -> int:
                                                                   max_num_batched_tokens=args.prefill_chunk),
                                         # a second slot and block hold the decode graphs' padding rows (CUDA)
                                         cache=CacheConfig(num_slots=2, num_blocks=blocks + 1, block_size=16,
-                                                          kv_dtype=dtype_name(dtype)),
+                                                          kv_dtype=kv_cache_format(args.kv_cache_dtype,
+                                                                                   dtype_name(dtype))),
                                         spec=spec_config(args)))
     tokens: list[int] = []
     text = []

@@ -37,7 +37,7 @@ def write(cache: HybridCache, slot: int, new_len: int, seed: int) -> None:
     start = cache.seq_len(slot)
     cache.reserve(slot, new_len)
     idx = cache.token_indices(slot, start, new_len)
-    for pools in (cache.k_pool, cache.v_pool):
+    for pools in (cache.kv.k_layers, cache.kv.v_layers):
         for pool in pools:
             flat = pool.view(-1, SMALL.num_kv_heads, SMALL.head_dim)
             flat.index_copy_(0, idx, torch.randn(len(idx), *flat.shape[1:], generator=g).to(flat))
@@ -51,7 +51,7 @@ def view(cache: HybridCache, slot: int):
     """Everything a slot holds, read through the public contract (K/V of [0, len) and state)."""
     n = cache.seq_len(slot)
     idx = cache.token_indices(slot, 0, n)
-    kv = [p.view(-1, SMALL.num_kv_heads, SMALL.head_dim)[idx].clone() for p in cache.k_pool + cache.v_pool]
+    kv = [p.view(-1, SMALL.num_kv_heads, SMALL.head_dim)[idx].clone() for p in cache.kv.k_layers + cache.kv.v_layers]
     st = [s[slot].clone() for s in cache.conv_state + cache.recurrent_state]
     return n, kv, st
 
@@ -78,9 +78,9 @@ def test_pool_shapes_and_bytes_match_independent_formula(kv_dtype, tiny_dense_co
     full = [i for i in range(mc.num_layers) if (i + 1) % mc.full_attention_interval == 0]
     linear = [i for i in range(mc.num_layers) if i not in full]
     n_kv_layers = len(full) + mc.num_mtp_layers
-    assert len(cache.k_pool) == len(cache.v_pool) == n_kv_layers
+    assert len(cache.kv.k_layers) == len(cache.kv.v_layers) == n_kv_layers
     assert len(cache.conv_state) == len(cache.recurrent_state) == len(linear)
-    for p in cache.k_pool + cache.v_pool:
+    for p in cache.kv.k_layers + cache.kv.v_layers:
         assert p.shape == (7, 16, mc.num_kv_heads, mc.head_dim) and p.dtype == getattr(torch, kv_dtype)
     channels = mc.linear_num_k_heads * mc.linear_k_head_dim * 2 + mc.linear_num_v_heads * mc.linear_v_head_dim
     for c, r in zip(cache.conv_state, cache.recurrent_state):
@@ -91,7 +91,7 @@ def test_pool_shapes_and_bytes_match_independent_formula(kv_dtype, tiny_dense_co
     fixed = len(linear) * ((mc.conv_kernel - 1) * channels
                            + mc.linear_num_v_heads * mc.linear_k_head_dim * mc.linear_v_head_dim) * 4
     assert cache.fixed_bytes_per_slot == fixed
-    held = sum(t.numel() * t.element_size() for t in cache.k_pool + cache.v_pool + cache.conv_state
+    held = sum(t.numel() * t.element_size() for t in cache.kv.k_layers + cache.kv.v_layers + cache.conv_state
                + cache.recurrent_state)
     assert cache.total_bytes == held == cache.bytes_per_token * 7 * 16 + fixed * 3
 

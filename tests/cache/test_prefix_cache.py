@@ -15,7 +15,7 @@ def filled(cache: HybridCache, n: int, value: float) -> int:
     """A slot holding n tokens whose K and DeltaNet state are all `value`."""
     slot = cache.acquire()
     cache.reserve(slot, n)
-    cache.k_pool[0].view(-1, MC.num_kv_heads, MC.head_dim)[cache.token_indices(slot, 0, n)] = value
+    cache.kv.k_layers[0].view(-1, MC.num_kv_heads, MC.head_dim)[cache.token_indices(slot, 0, n)] = value
     cache.recurrent_state[0][slot].fill_(value)
     cache.commit(slot, n)
     return slot
@@ -41,7 +41,7 @@ def test_a_checkpoint_outlives_its_slot_and_resumes_exactly():
     filled(cache, 16, -1.0)  # reuses every free block
     new = cache.acquire()
     assert prefix.adopt(prefix.lookup(list(range(7))), new) == 6
-    k = cache.k_pool[0].view(-1, MC.num_kv_heads, MC.head_dim)[cache.token_indices(new, 0, 6)]
+    k = cache.kv.k_layers[0].view(-1, MC.num_kv_heads, MC.head_dim)[cache.token_indices(new, 0, 6)]
     assert torch.all(k == 5.0) and torch.all(cache.recurrent_state[0][new] == 5.0)
 
 

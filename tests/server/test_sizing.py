@@ -37,3 +37,29 @@ def test_cuda_context_shrinks_to_what_fits_unless_asked_for():
         choose(CFG, "cuda", "bfloat16", 4, CFG.context_length, free_bytes=5 * GIB, total_bytes=10 * GIB)
     with pytest.raises(ValueError, match="too little"):
         choose(CFG, "cuda", "bfloat16", 4, None, free_bytes=4 * GIB, total_bytes=10 * GIB)
+
+
+def test_compressed_kv_formats_size_the_pool_by_their_bytes():
+    """tq8 and fp8 store 260 bytes per 256-channel vector against bf16's 512: ≈1.97× the tokens in the same memory,
+    and the log line names the format, its bytes per token and the sequences it holds."""
+    per_token = {f: kv_bytes_per_token(CFG, f) for f in ("bfloat16", "fp8", "tq8")}
+    assert per_token["tq8"] == per_token["fp8"] == CFG.num_kv_layers * 2 * CFG.num_kv_heads * (CFG.head_dim + 4)
+    limits = {f: choose(CFG, "cuda", f, None, 32768, free_bytes=40 * GIB, total_bytes=140 * GIB) for f in per_token}
+    bf16, tq8 = limits["bfloat16"].cache, limits["tq8"].cache
+    assert tq8.kv_dtype == "tq8" and bf16.kv_dtype == "bfloat16"
+    assert tq8.num_blocks * BLOCK * per_token["tq8"] <= 26 * GIB  # 40 GiB free less the 14 GiB reserve
+    assert 1.9 < tq8.num_blocks / bf16.num_blocks < 2.0
+    held = tq8.num_blocks // (32768 // BLOCK)
+    assert held >= 1.9 * (bf16.num_blocks // (32768 // BLOCK))
+    assert f"K/V tq8 at {per_token['tq8']} B/token: room for {held} sequences of 32768 tokens" in limits["tq8"].why
+
+
+def test_kv_bench_capacity_rows():
+    """`python -m hf2q.bench.kv`'s sizing columns: the 9B shape in 40 GiB free admits ≈2× the 32k-token sequences
+    with tq8 or fp8 as with bf16 K/V."""
+    from hf2q.bench.kv import capacity
+
+    rows = {f: capacity(CFG, f, 40 * GIB, 140 * GIB, 32768) for f in ("bfloat16", "fp8", "tq8")}
+    assert rows["bfloat16"]["bytes_per_token"] == 32768 and rows["tq8"]["bytes_per_token"] == 16640
+    assert rows["tq8"] == rows["fp8"]
+    assert rows["tq8"]["max_seqs"] >= 1.9 * rows["bfloat16"]["max_seqs"] > 0

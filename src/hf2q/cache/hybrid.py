@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from hf2q.cache.block_manager import BlockManager, CacheError, CacheFull, CopyPairs
+from hf2q.cache.kv_pool import KVPool, make_pool, row_bytes
 from hf2q.config import CacheConfig, ModelConfig
 
 __all__ = ["HybridCache", "CacheSnapshot", "CacheUsage", "CacheError", "CacheFull", "NoFreeSlot", "SlotError",
@@ -42,8 +43,8 @@ def _itemsize(name: str) -> int:
 
 
 def kv_bytes_per_token(mc: ModelConfig, kv_dtype: str) -> int:
-    """K and V bytes one token takes across every KV layer (decoder full attention + MTP)."""
-    return mc.num_kv_layers * 2 * mc.num_kv_heads * mc.head_dim * _itemsize(kv_dtype)
+    """K and V bytes one token takes across every KV layer (decoder full attention + MTP) in a K/V format."""
+    return mc.num_kv_layers * 2 * mc.num_kv_heads * row_bytes(kv_dtype, mc.head_dim)
 
 
 def state_bytes_per_slot(mc: ModelConfig, state_dtype: str) -> int:
@@ -58,8 +59,8 @@ class CacheSnapshot:
     """A deep copy of one slot's prefix: K/V of positions [0, num_tokens) and the DeltaNet state there."""
 
     num_tokens: int
-    k: torch.Tensor  # [num_kv_layers, num_tokens, n_kv, head_dim]
-    v: torch.Tensor  # [num_kv_layers, num_tokens, n_kv, head_dim]
+    k: torch.Tensor  # [num_kv_layers, num_tokens, n_kv, row]: the pool's stored rows (row = head_dim when dense)
+    v: torch.Tensor  # [num_kv_layers, num_tokens, n_kv, row]
     conv: torch.Tensor  # [num_linear_layers, conv_kernel - 1, conv_channels]
     recurrent: torch.Tensor  # [num_linear_layers, n_v_heads, k_head_dim, v_head_dim]
 
@@ -85,8 +86,8 @@ class HybridCache:
     """Paged K/V pools + per-slot DeltaNet state for one model, with slot lifecycle and snapshots.
 
     Contract with the layers: attention layer i (`kv_index(layer_id)`) writes new K/V with
-    `k_pool[i].view(-1, n_kv, head_dim).index_copy_(0, token_indices(slot, start, end), k)` and reads
-    positions [0, end) with `token_indices(slot, 0, end)`; DeltaNet layer j (`linear_index(layer_id)`)
+    `kv.store(i, token_indices(slot, start, end), k, v)` and reads positions [0, end) with
+    `kv.gather(i, token_indices(slot, 0, end), dtype)`; DeltaNet layer j (`linear_index(layer_id)`)
     updates `conv_state[j][slot]` and `recurrent_state[j][slot]` in place. The runner calls
     `reserve` before the forward and `commit` after it.
     """
@@ -99,18 +100,14 @@ class HybridCache:
         self.device = torch.device(device)
         self.num_slots, self.num_blocks, self.block_size = cc.num_slots, cc.num_blocks, cc.block_size
         self.blocks = BlockManager(cc.num_blocks, cc.block_size)
-        kv_dt, st_dt = _dtype(cc.kv_dtype), _dtype(cc.state_dtype)
-        n_kv, n_lin = mc.num_kv_layers, len(mc.linear_layers)
-        kv_shape = (n_kv, cc.num_blocks, cc.block_size, mc.num_kv_heads, mc.head_dim)
-        # One tensor per kind keeps cross-layer copies (fork, snapshot) to one op; the lists are views.
-        self._k = torch.zeros(kv_shape, dtype=kv_dt, device=self.device)
-        self._v = torch.zeros(kv_shape, dtype=kv_dt, device=self.device)
+        st_dt, n_lin = _dtype(cc.state_dtype), len(mc.linear_layers)
+        self.kv: KVPool = make_pool(cc.kv_dtype, mc.num_kv_layers, cc.num_blocks, cc.block_size, mc.num_kv_heads,
+                                    mc.head_dim, self.device)
+        self._k, self._v = self.kv.k, self.kv.v  # stored rows, moved as is by forks, snapshots and block copies
         self._conv = torch.zeros((n_lin, cc.num_slots, mc.conv_kernel - 1, mc.conv_channels),
                                  dtype=st_dt, device=self.device)
         self._rec = torch.zeros((n_lin, cc.num_slots, mc.linear_num_v_heads, mc.linear_k_head_dim,
                                  mc.linear_v_head_dim), dtype=st_dt, device=self.device)
-        self.k_pool: list[torch.Tensor] = list(self._k.unbind(0))
-        self.v_pool: list[torch.Tensor] = list(self._v.unbind(0))
         self.conv_state: list[torch.Tensor] = list(self._conv.unbind(0))
         self.recurrent_state: list[torch.Tensor] = list(self._rec.unbind(0))
         self._kv_rank = {layer: r for r, layer in enumerate(mc.full_attention_layers)}
@@ -209,7 +206,7 @@ class HybridCache:
             pass
 
     def token_indices(self, slot: int, start: int, end: int) -> torch.Tensor:
-        """Flat row indices into `k_pool[i].view(-1, n_kv, head_dim)` for positions [start, end) of a slot."""
+        """Flat row indices into the K/V pool's rows (`kv.rows(i)`) for positions [start, end) of a slot."""
         self._check(slot)
         if not 0 <= start <= end <= self._reserved(slot):
             raise ValueError(f"slot {slot}: positions [{start}, {end}) outside reserved [0, {self._reserved(slot)})")
@@ -360,9 +357,11 @@ class HybridCache:
 
     def _check_snapshot(self, snap: CacheSnapshot) -> None:
         mc = self.model_config
-        want = (mc.num_kv_layers, snap.num_tokens, mc.num_kv_heads, mc.head_dim)
+        want = (mc.num_kv_layers, snap.num_tokens, mc.num_kv_heads, self._k.shape[-1])
         if tuple(snap.k.shape) != want or tuple(snap.v.shape) != want:
             raise ValueError(f"snapshot K/V shape {tuple(snap.k.shape)} does not match {want}")
+        if (snap.k.dtype == torch.uint8) != (self._k.dtype == torch.uint8):  # compressed rows vs values
+            raise ValueError(f"snapshot K/V is {snap.k.dtype}, this cache stores {self.cache_config.kv_dtype}")
         if snap.conv.shape != self._conv[:, 0].shape or snap.recurrent.shape != self._rec[:, 0].shape:
             raise ValueError("snapshot DeltaNet state does not match this model")
 
@@ -377,7 +376,7 @@ class HybridCache:
         self._lens[slot] = 0
 
     def _flat(self, pool: torch.Tensor) -> torch.Tensor:
-        return pool.view(pool.shape[0], -1, *pool.shape[3:])  # [L, num_blocks * block_size, n_kv, head_dim]
+        return pool.view(pool.shape[0], -1, *pool.shape[3:])  # [L, num_blocks * block_size, n_kv, row]
 
     def _copy_blocks(self, pairs: CopyPairs) -> None:
         if not pairs:

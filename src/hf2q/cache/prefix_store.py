@@ -22,6 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import save
 
 from hf2q.cache.hybrid import CacheSnapshot
+from hf2q.cache.kv_pool import format_identity
 from hf2q.config import CacheConfig
 
 log = logging.getLogger(__name__)
@@ -34,7 +35,8 @@ _EDGE = 1 << 20  # bytes read at each end of the GGUF for its fingerprint
 def fingerprint(model_path: str | os.PathLike, chat_template: str, cache_config: CacheConfig,
                 device_type: str) -> str:
     """What makes a saved state valid: the GGUF's identity (size, first and last MiB: header, metadata,
-    tensor infos and the tail of the data), the chat template, the cache layout, the device kind (CUDA
+    tensor infos and the tail of the data), the chat template, the cache layout (with the K/V format's codebook
+    width, sign table and codebook), the device kind (CUDA
     and CPU kernels round differently) and this file format's version."""
     h = hashlib.sha256()
     size = os.path.getsize(model_path)
@@ -43,7 +45,8 @@ def fingerprint(model_path: str | os.PathLike, chat_template: str, cache_config:
         f.seek(max(size - _EDGE, 0))
         h.update(f.read(_EDGE))
     cc = cache_config
-    for part in (str(size), chat_template or "", str(cc.block_size), cc.kv_dtype, cc.state_dtype, device_type,
+    for part in (str(size), chat_template or "", str(cc.block_size), format_identity(cc.kv_dtype), cc.state_dtype,
+                 device_type,
                  FORMAT_VERSION):
         h.update(b"\0" + part.encode())
     return h.hexdigest()

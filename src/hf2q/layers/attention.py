@@ -31,7 +31,8 @@ class GatedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
-        if dispatch.use_fast_path(x):  # one GEMM for q+gate, k and v
+        compressed = batch.cache is not None and not batch.cache.kv.is_dense  # the fused kernels store dense rows
+        if dispatch.use_fast_path(x) and not compressed:  # one GEMM for q+gate, k and v
             return self._forward_fast(*dispatch.packed_linear(x, (self.q, self.k, self.v)), batch, cos, sin)
         qg = self.q(x).reshape(t, self.nh, 2 * self.hd)
         q, gate = qg[..., : self.hd], qg[..., self.hd:].reshape(t, self.nh * self.hd)
@@ -51,13 +52,8 @@ class GatedAttention(nn.Module):
 
     def _update_cache(self, cache, slot: int, start: int, n: int, k: torch.Tensor, v: torch.Tensor):
         i = cache.kv_index(self.layer_id)
-        k_flat = cache.k_pool[i].view(-1, self.nkv, self.hd)
-        v_flat = cache.v_pool[i].view(-1, self.nkv, self.hd)
-        new = cache.token_indices(slot, start, start + n)
-        k_flat.index_copy_(0, new, k.to(k_flat.dtype))
-        v_flat.index_copy_(0, new, v.to(v_flat.dtype))
-        every = cache.token_indices(slot, 0, start + n)
-        return k_flat[every].to(k.dtype), v_flat[every].to(v.dtype)
+        cache.kv.store(i, cache.token_indices(slot, start, start + n), k, v)
+        return cache.kv.gather(i, cache.token_indices(slot, 0, start + n), k.dtype)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
         """q: [n, nh, hd] at positions start.., k/v: [start + n, nkv, hd]. Causal, GQA."""
@@ -79,8 +75,7 @@ class GatedAttention(nn.Module):
         pools = None
         if cache is not None:
             i = cache.kv_index(self.layer_id)
-            k_rows = cache.k_pool[i].view(-1, self.nkv, self.hd)
-            v_rows = cache.v_pool[i].view(-1, self.nkv, self.hd)
+            k_rows, v_rows = cache.kv.rows(i)
             pools = (k_rows, v_rows, meta.slot_mapping)
         q, k = dispatch.qk_norm_rope(qg[..., : self.hd], k_lin.reshape(t, self.nkv, self.hd), v, self.q_norm,
                                      self.k_norm, cos, sin, self.eps, self.rotary.rotary_dim, pools)

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from hf2q.devices import add_device_args, dtype_name, keep_quantized, resolve_device, resolve_dtype
+from hf2q.cache.kv_pool import kv_cache_format
 from hf2q.server.sizing import CPU_MAX_MODEL_LEN, CPU_MAX_NUM_SEQS, CUDA_MAX_NUM_SEQS, choose
 
 from hf2q.server.body_limit import DEFAULT_MAX_REQUEST_BYTES
@@ -105,7 +106,8 @@ def _limits(args, model, device, dtype, prefix_bytes: int = 0):
         free, total = torch.cuda.mem_get_info(device)
         free -= prefix_bytes
     max_len = min(args.max_model_len, model.config.context_length) if args.max_model_len else None
-    return choose(model.config, device.type, dtype_name(dtype), args.max_num_seqs, max_len, free, total)
+    kv_format = kv_cache_format(getattr(args, "kv_cache_dtype", "auto"), dtype_name(dtype))
+    return choose(model.config, device.type, kv_format, args.max_num_seqs, max_len, free, total)
 
 
 def build_state(args):

@@ -44,7 +44,7 @@ def choose(cfg: ModelConfig, device_type: str, kv_dtype: str, max_num_seqs: int 
         length = min(max_model_len or CPU_MAX_MODEL_LEN, cfg.context_length)
         blocks = seqs * -(-length // BLOCK) + 1
         why = (f"max_num_seqs {seqs}, max_model_len {length} (model context {cfg.context_length}), "
-               f"K/V pool {blocks} blocks: every sequence at full length")
+               f"K/V pool {blocks} blocks: every sequence at full length; {_capacity(cfg, kv_dtype, blocks, length)}")
         return ServingLimits(seqs, length, _cache(slots, blocks, kv_dtype), why)
     reserve = max(RESERVE_MIN_BYTES, int(RESERVE_FRACTION * (total_bytes or free_bytes)))
     budget = free_bytes - reserve - state_bytes_per_slot(cfg, "float32") * slots
@@ -61,8 +61,16 @@ def choose(cfg: ModelConfig, device_type: str, kv_dtype: str, max_num_seqs: int 
                          f"allows ({fits} tokens)")
     why = (f"max_num_seqs {seqs}, max_model_len {length} (model context {cfg.context_length}), K/V pool "
            f"{blocks} blocks = {blocks * BLOCK} tokens, {blocks * per_block / 2**30:.1f} GiB of "
-           f"{free_bytes / 2**30:.1f} GiB free after loading ({reserve / 2**30:.1f} GiB kept in reserve)")
+           f"{free_bytes / 2**30:.1f} GiB free after loading ({reserve / 2**30:.1f} GiB kept in reserve); "
+           f"{_capacity(cfg, kv_dtype, blocks, length)}")
     return ServingLimits(seqs, length, _cache(slots, blocks, kv_dtype), why)
+
+
+def _capacity(cfg: ModelConfig, kv_dtype: str, blocks: int, length: int) -> str:
+    """The K/V format, its bytes per token and how many sequences of `length` tokens the pool holds."""
+    per_seq = -(-length // BLOCK)
+    return (f"K/V {kv_dtype} at {kv_bytes_per_token(cfg, kv_dtype)} B/token: room for {blocks // per_seq} "
+            f"sequences of {length} tokens")
 
 
 def _cache(slots: int, blocks: int, kv_dtype: str) -> CacheConfig:

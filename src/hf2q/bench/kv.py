@@ -1,0 +1,100 @@
+"""`python -m hf2q.bench.kv`: what each K/V format buys at a real shape: bytes per token, the 32k-token sequences
+the server's sizing admits, and decode tok/s at 1 and 64 streams at 4k and 32k contexts (CUDA).
+
+Contexts are filled by writing random K/V through the pool (the attention cost depends on the length, not the
+values); decode runs eagerly, so every format takes the same path and the figures compare formats, not graphs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from hf2q.bench_shapes import SHAPES, random_model
+from hf2q.cache.hybrid import HybridCache, kv_bytes_per_token
+from hf2q.config import CacheConfig
+from hf2q.server.sizing import BLOCK, choose
+
+FORMATS = ("bfloat16", "fp8", "tq8", "tq6", "tq5")
+
+
+def capacity(cfg, fmt: str, free_bytes: int, total_bytes: int, context: int, max_num_seqs: int = 64) -> dict:
+    """Bytes per token and the sequences of `context` tokens the server's sizing admits in `free_bytes` (at most
+    `max_num_seqs`, the server's default decode batch)."""
+    limits = choose(cfg, "cuda", fmt, max_num_seqs, context, free_bytes=free_bytes, total_bytes=total_bytes)
+    return {"bytes_per_token": kv_bytes_per_token(cfg, fmt), "pool_tokens": limits.cache.num_blocks * BLOCK,
+            "max_seqs": min(limits.cache.num_blocks // -(-context // BLOCK), max_num_seqs)}
+
+
+def _fill(cache: HybridCache, slots: list[int], context: int) -> None:
+    mc, gen = cache.model_config, torch.Generator(device="cuda").manual_seed(0)
+    for s in slots:
+        cache.reserve(s, context + 64)
+        rows = cache.token_indices(s, 0, context)
+        for layer in range(mc.num_kv_layers):
+            k = torch.randn(context, mc.num_kv_heads, mc.head_dim, device="cuda", generator=gen,
+                            dtype=torch.bfloat16)
+            cache.kv.store(layer, rows, k, k)
+        cache.commit(s, context)
+
+
+@torch.inference_mode()
+def decode_tok_s(net, fmt: str, streams: int, context: int, steps: int) -> float:
+    from hf2q.forward import ForwardBatch
+
+    cfg = net.config
+    blocks = streams * -(-(context + 64) // BLOCK) + 1
+    cache = HybridCache(cfg, CacheConfig(num_slots=streams, num_blocks=blocks, block_size=BLOCK, kv_dtype=fmt),
+                        device="cuda")
+    slots = [cache.acquire() for _ in range(streams)]
+    _fill(cache, slots, context)
+    ids = torch.zeros(streams, dtype=torch.long, device="cuda")
+    pos = [context] * streams
+    for i in range(steps + 2):
+        if i == 2:  # two warm-up steps
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+        batch = ForwardBatch(ids, torch.tensor(pos, device="cuda"), [1] * streams, list(pos), list(slots), cache)
+        ids = net.compute_logits(net(batch)).argmax(-1)
+        pos = [p + 1 for p in pos]
+    torch.cuda.synchronize()
+    return streams * steps / (time.perf_counter() - t)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m hf2q.bench.kv", description=__doc__)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="9b")
+    p.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
+    p.add_argument("--streams", type=int, nargs="+", default=[1, 64])
+    p.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768])
+    p.add_argument("--steps", type=int, default=16, help="decode steps timed per point")
+    p.add_argument("--free-gib", type=float, default=None, help="size against this much free memory (default: the "
+                                                                 "GPU's after loading the model; 120 without CUDA)")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    cfg = SHAPES[args.shape][0]
+    cuda = torch.cuda.is_available()
+    net = random_model(cfg, device="cuda", dtype=torch.bfloat16) if cuda else None
+    free, total = torch.cuda.mem_get_info() if cuda else (120 << 30, 141 << 30)
+    if args.free_gib is not None:
+        free = int(args.free_gib * (1 << 30))
+    report = {}
+    for fmt in args.formats:
+        row = capacity(cfg, fmt, free, total, 32768)
+        if cuda:
+            for s in args.streams:
+                for c in args.contexts:
+                    row[f"decode_{s}x{c}_tok_s"] = round(decode_tok_s(net, fmt, s, c, args.steps), 1)
+                    torch.cuda.empty_cache()
+        report[fmt] = row
+        print(fmt, json.dumps(row), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

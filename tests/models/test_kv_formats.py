@@ -1,0 +1,175 @@
+"""Compressed K/V at model level: logits and greedy runs with tq8/fp8 K/V against the model-dtype K/V.
+
+The yardstick is the model's own rounding: bf16 K/V against fp32 K/V on the same fixture.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import hf2q
+from hf2q.cache.hybrid import HybridCache
+from hf2q.config import CacheConfig
+from hf2q.engine.engine import Engine, EngineConfig
+from hf2q.engine.request import Request
+from hf2q.engine.runner import ModelRunner
+from hf2q.engine.sampling_params import SamplingParams
+from hf2q.engine.scheduler import SchedulerConfig
+from hf2q.spec.proposer import SpecConfig
+
+PROMPT = [3, 17, 250, 9, 1044, 77, 5, 610]
+STEPS = 256
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=["dense", "moe"])
+def model(request):
+    return hf2q.load(request.getfixturevalue(f"gguf_{request.param}_f32"))
+
+
+@torch.inference_mode()
+def greedy(model, fmt: str, steps: int = STEPS, forced: list[int] | None = None) -> tuple[list[int], torch.Tensor]:
+    """Greedy tokens and the logits of every step, decoding one token at a time through a `fmt` K/V pool
+    (feeding `forced` tokens instead of its own when given, so every format sees the same context)."""
+    blocks = -(-(len(PROMPT) + steps) // 16) + 1
+    cache = HybridCache(model.config, CacheConfig(num_slots=1, num_blocks=blocks, block_size=16, kv_dtype=fmt))
+    runner = ModelRunner(model.net, cache, cuda_graphs=False)
+    req = Request("r", list(PROMPT), SamplingParams())
+    req.slot = cache.acquire()
+    _, logits = runner.run([(req, len(PROMPT))])
+    rows = [logits[-1].float()]
+    for i in range(steps - 1):
+        req.output_ids.append(forced[i] if forced else int(rows[-1].argmax()))
+        _, logits = runner.run([(req, 1)])
+        rows.append(logits[-1].float())
+    req.output_ids.append(int(rows[-1].argmax()))
+    return req.output_ids, torch.stack(rows)
+
+
+def agreed(a: list[int], b: list[int]) -> int:
+    """Length of the common greedy prefix."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def test_logits_with_compressed_kv_stay_close_to_fp32_kv(model):
+    """Relative logit error over 24 decode steps fed the same tokens (fp32 K/V's greedy run). Measured: dense tq8
+    0.0018, fp8 0.0074, bf16 0.0005; MoE tq8 0.0039, fp8 0.014, bf16 0.0010 (bounds leave ~2× room)."""
+    tokens, base = greedy(model, "float32", 24)
+    errors = {fmt: rel(greedy(model, fmt, 24, tokens)[1], base) for fmt in ("bfloat16", "fp8", "tq8")}
+    print("relative logit error vs fp32 K/V:", errors)
+    assert errors["tq8"] < 0.008 and errors["fp8"] < 0.03 and errors["bfloat16"] < 0.003
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("HF2Q_KV_GREEDY") != "1", reason="opt-in (≈2 min): HF2Q_KV_GREEDY=1")
+def test_greedy_agreement_against_the_bf16_yardstick(model):
+    """Greedy tokens over 256 steps: how long tq8 and fp8 K/V agree with fp32 K/V, against how long bf16 K/V does.
+
+    Measured (CPU): dense bf16 256, tq8 172, fp8 44; MoE bf16 256, tq8 17, fp8 10. Neither compressed format
+    reaches the bf16 yardstick on these tiny random-weight fixtures (why the MoE one parts so early is not yet
+    understood); the floors below are half the measured lengths.
+    """
+    runs = {fmt: greedy(model, fmt) for fmt in ("float32", "bfloat16", "fp8", "tq8")}
+    base = runs["float32"][0]
+    lengths = {fmt: agreed(runs[fmt][0], base) for fmt in ("bfloat16", "fp8", "tq8")}
+    print("greedy agreement with fp32 K/V (tokens of 256):", lengths)
+    assert lengths["bfloat16"] == STEPS
+    assert lengths["tq8"] >= 8 and lengths["fp8"] >= 5
+
+
+def make_engine(model, prefix_bytes=0, spec=SpecConfig()) -> Engine:
+    return Engine(model, EngineConfig(
+        max_model_len=512, spec=spec,
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, prefill_chunk=16),
+        cache=CacheConfig(num_slots=4, num_blocks=256, block_size=8, kv_dtype="tq8", prefix_cache_bytes=prefix_bytes,
+                          prefix_checkpoint_stride=0)))
+
+
+def run_engine(engine, requests) -> tuple[dict, dict]:
+    """requests: id -> (prompt, group), run together; returns id -> tokens, id -> cached tokens."""
+    tokens, cached = {}, {}
+    for rid, (prompt, group) in requests.items():
+        engine.add_request(prompt, GREEDY, request_id=rid, group=group)
+        tokens[rid], cached[rid] = [], 0
+    while engine.has_work():
+        for o in engine.step():
+            tokens[o.request_id] += o.new_token_ids
+            cached[o.request_id] = max(cached[o.request_id], o.num_cached_tokens)
+    return tokens, cached
+
+
+LONG = [(7 * i) % 500 + 3 for i in range(40)]
+
+
+def test_prefix_checkpoints_resume_a_compressed_pool(model):
+    """A prompt extending a finished request's sequence resumes from its tq8 checkpoint and gives the tokens of a
+    fresh tq8 run."""
+    engine = make_engine(model, prefix_bytes=1 << 28)
+    first, _ = run_engine(engine, {"a": (LONG, None)})
+    follow = LONG + first["a"] + [11, 12]
+    reused, cached = run_engine(engine, {"b": (follow, None)})
+    fresh, _ = run_engine(make_engine(model), {"b": (follow, None)})
+    assert cached["b"] >= len(LONG) + len(first["a"]) - 1 and reused["b"] == fresh["b"]
+
+
+def test_forks_share_compressed_blocks(model):
+    """n = 2 siblings fork from the leader's tq8 prefix; greedy, both equal a lone request."""
+    alone, _ = run_engine(make_engine(model), {"x": (LONG, None)})
+    forked, _ = run_engine(make_engine(model), {"x0": (LONG, "g"), "x1": (LONG, "g")})
+    assert forked["x0"] == forked["x1"] == alone["x"]
+
+
+class HalfRight:
+    """Drafts the plain run's next tokens with the last one wrong: every verify accepts some and rolls back one."""
+
+    def __init__(self, prompt_len: int, plain: list[int]):
+        self.prompt_len, self.plain = prompt_len, plain
+
+    def propose(self, history, k):
+        drafts = list(self.plain[len(history) - self.prompt_len:][:k])
+        return drafts[:-1] + [drafts[-1] + 1] if len(drafts) > 1 else []
+
+
+def test_speculation_rolls_back_a_compressed_pool(model):
+    """Drafts verified against a tq8 pool, rejected ones truncated from it: the tokens equal a run without
+    speculation."""
+    plain, _ = run_engine(make_engine(model), {"s": (LONG, None)})
+    engine = make_engine(model, spec=SpecConfig("ngram", 3))
+    engine.spec.new_proposer = lambda: HalfRight(len(LONG), plain["s"])
+    spec, _ = run_engine(engine, {"s": (LONG, None)})
+    assert 0 < engine.spec.stats.accepted < engine.spec.stats.drafted
+    assert spec["s"] == plain["s"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@torch.inference_mode()
+@pytest.mark.parametrize("fmt", ["tq8", "fp8"])
+def test_cuda_compressed_pool_decodes_like_eager_and_near_bf16(fmt):
+    """On CUDA a compressed pool runs the plain attention path, eagerly even when graphs are asked for (the runner
+    turns them off): the same tokens either way, and logits near the bf16 pool's."""
+    from hf2q.bench_shapes import random_model, tiny_config
+
+    net = random_model(tiny_config(False), device="cuda", dtype=torch.bfloat16, std=0.08, seed=7)
+    results = {}
+    for kv_dtype, graphs in ((fmt, True), (fmt, False), ("bfloat16", False)):
+        cache = HybridCache(net.config, CacheConfig(num_slots=2, num_blocks=16, block_size=16, kv_dtype=kv_dtype),
+                            device="cuda")
+        runner = ModelRunner(net, cache, cuda_graphs=graphs)
+        req = Request("r", [t % 500 for t in PROMPT], SamplingParams())
+        req.slot = cache.acquire()
+        _, logits = runner.run([(req, len(PROMPT))])
+        rows = [logits[-1].float()]
+        for _ in range(31):
+            req.output_ids.append(int(rows[-1].argmax()))
+            _, logits = runner.run([(req, 1)])
+            rows.append(logits[-1].float())
+        results[(kv_dtype, graphs)] = (list(req.output_ids), torch.stack(rows))
+    assert results[(fmt, True)][0] == results[(fmt, False)][0]
+    assert rel(results[(fmt, False)][1][:4], results[("bfloat16", False)][1][:4]) < 0.05
