@@ -6,6 +6,7 @@ import filecmp
 import gguf
 import pytest
 
+from hf2q.checkpoint.gguf_file import GGUFFile
 from hf2q.cli import main
 from tests.support.fixtures import hf_checkpoint, hf_vl_checkpoint, llama_cpp_mmproj, our_vl_ggufs
 
@@ -23,11 +24,10 @@ def test_mmproj_bytes_equal_llama_cpp(kind, outtype, tmp_path):
 
 
 def test_vl_fixture_text_gguf_is_the_text_model():
-    text, mmproj = our_vl_ggufs("dense")
-    reader = gguf.GGUFReader(text)
-    assert reader.fields["general.architecture"].contents() == "qwen35"
-    assert not any(t.name.startswith(("v.", "mm.")) for t in reader.tensors)
-    assert gguf.GGUFReader(mmproj).fields["general.type"].contents() == "mmproj"
+    text, mmproj = (GGUFFile(p) for p in our_vl_ggufs("dense"))
+    assert text.metadata["general.architecture"] == "qwen35"
+    assert not any(name.startswith(("v.", "mm.")) for name in text.tensor_names)
+    assert mmproj.metadata["general.type"] == "mmproj"
 
 
 @pytest.mark.parametrize("args,message", [
