@@ -31,3 +31,10 @@ def test_device_values_equal_host_values(fixture, request):
         assert torch.equal(value, gguf.tensor(name)), name
         kinds.add(gguf.info(name).type_name)
     assert kinds >= ({"BF16", "F32"} if "bf16" in fixture else {"Q4_K", "Q6_K", "F32"}), kinds
+
+
+def test_dense_models_leave_blocks_to_the_reference(gguf_dense_q4_k_m):
+    gguf = GGUFFile(gguf_dense_q4_k_m)
+    copier = StagedCopier("cpu")
+    assert _device_value(gguf, "token_embd.weight", copier, blocks=False) is None
+    assert gguf.info("token_embd.weight").type_name not in ("F32", "F16", "BF16")

@@ -69,7 +69,7 @@ def _fill(model: Qwen35Model, gguf: GGUFFile, cfg: ModelConfig, device, dtype, w
         if keep_quantized and _assign_quantized(model, target, name, gguf, device, copier):
             filled.add(target)
             continue
-        value = _device_value(gguf, name, copier) if copier is not None else None
+        value = _device_value(gguf, name, copier, keep_quantized) if copier is not None else None
         if value is None:
             value = gguf.tensor(name, dtype=torch.float32)
         _assign(model, target, params[target], value, name, gguf, device, dtype)
@@ -134,21 +134,21 @@ def _assign_quantized(model: nn.Module, target: str, name: str, gguf: GGUFFile, 
 
 
 # ---- dense values decoded on the device ---------------------------------------------------------------
-def _device_value(gguf: GGUFFile, name: str, copier: StagedCopier) -> torch.Tensor | None:
+def _device_value(gguf: GGUFFile, name: str, copier: StagedCopier, blocks: bool = True) -> torch.Tensor | None:
     """fp32 values of a tensor decoded on the copier's device, CUDA when loading (None: a type left to the
     host path).
 
-    Float types convert exactly. Block-quantized tensors (a Q4_K token embedding) are dequantized by the
-    Triton kernel the quantized projections use, within 1e-6 of the largest weight of gguf's reference
-    (tests/quant/test_kernels.py): far below bf16's rounding, and the CUDA path reads every other
-    quantized weight through the same kernels."""
+    Float types convert exactly. With `blocks` (a model keeping its quantized weights, which it then reads
+    through the Triton kernels anyway), block-quantized tensors such as a Q4_K token embedding are
+    dequantized by the Triton kernel, within 1e-6 of the largest weight of gguf's reference
+    (tests/quant/test_kernels.py), far below bf16's rounding; a dense model keeps gguf's exact values."""
     from hf2q.quant import QUANT_TYPES, keep_blocks
 
     info = gguf.info(name)
     floats = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
     if info.type_name in floats:
         return copier.copy(gguf.raw(name)).view(floats[info.type_name]).float().view(info.shape)
-    if info.type_name not in QUANT_TYPES or len(info.shape) != 2:
+    if not blocks or info.type_name not in QUANT_TYPES or len(info.shape) != 2:
         return None
     from hf2q.kernels.quant_ops import dequantize
 
