@@ -38,3 +38,24 @@ def test_dense_models_leave_blocks_to_the_reference(gguf_dense_q4_k_m):
     copier = StagedCopier("cpu")
     assert _device_value(gguf, "token_embd.weight", copier, blocks=False) is None
     assert gguf.info("token_embd.weight").type_name not in ("F32", "F16", "BF16")
+
+
+@pytest.mark.parametrize("keep_quantized", [True, False])
+def test_device_path_builds_the_same_model(gguf_dense_q4_k_m, keep_quantized, monkeypatch):
+    """The whole CUDA loading path (bytes staged, then decoded and laid out on the device) run on the CPU."""
+    from hf2q.checkpoint import loader
+    from hf2q.config import ModelConfig
+
+    def build():
+        gguf = GGUFFile(gguf_dense_q4_k_m)
+        cfg = ModelConfig.from_gguf_metadata(gguf.metadata)
+        return loader.build_model(gguf, cfg, with_mtp=False, keep_quantized=keep_quantized)
+
+    plain = build()
+    monkeypatch.setattr(loader, "staged_copier", lambda device: StagedCopier(device, chunk_bytes=1 << 16))
+    staged = build()
+    a, b = plain.state_dict(), staged.state_dict()
+    assert a.keys() == b.keys() and len(a) > 10
+    assert any(v.dtype == torch.uint8 for v in a.values()) == keep_quantized  # blocks kept as bytes
+    for key in a:
+        assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key

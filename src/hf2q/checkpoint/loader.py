@@ -56,7 +56,7 @@ def _fill(model: Qwen35Model, gguf: GGUFFile, cfg: ModelConfig, device, dtype, w
 
     params = dict(model.named_parameters())
     filled: set[str] = set()
-    copier = StagedCopier(device) if torch.device(device).type == "cuda" else None
+    copier = staged_copier(device)
     names = tqdm(gguf.tensor_names, desc="loading", unit="tensor", file=sys.stderr, disable=not sys.stderr.isatty())
     for name in names:
         target = param_name(name, cfg.num_layers)
@@ -134,6 +134,12 @@ def _assign_quantized(model: nn.Module, target: str, name: str, gguf: GGUFFile, 
 
 
 # ---- dense values decoded on the device ---------------------------------------------------------------
+def staged_copier(device) -> StagedCopier | None:
+    """The copier that carries file bytes to `device` for decoding there: CUDA only (on the CPU the file's
+    pages are read in place)."""
+    return StagedCopier(device) if torch.device(device).type == "cuda" else None
+
+
 def _device_value(gguf: GGUFFile, name: str, copier: StagedCopier, blocks: bool = True) -> torch.Tensor | None:
     """fp32 values of a tensor decoded on the copier's device, CUDA when loading (None: a type left to the
     host path).
