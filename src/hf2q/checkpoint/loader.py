@@ -74,6 +74,8 @@ def _fill(model: Qwen35Model, gguf: GGUFFile, cfg: ModelConfig, device, dtype, w
             value = gguf.tensor(name, dtype=torch.float32)
         _assign(model, target, params[target], value, name, gguf, device, dtype)
         filled.add(target)
+    if copier is not None:  # the decoding temporaries stay cached otherwise, and the K/V pool is sized
+        torch.cuda.empty_cache()  # from the memory the driver reports free
     missing = sorted(set(params) - filled)
     if missing:
         raise GGUFError(f"{gguf.path}: missing tensors for {', '.join(missing[:8])}"
