@@ -1,6 +1,7 @@
 """A loaded model: the network plus everything a server needs from the same GGUF file."""
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,10 +64,13 @@ def load(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtyp
     gguf = GGUFFile(path)
     gguf.check_types()
     cfg = ModelConfig.from_gguf_metadata(gguf.metadata)
-    tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
     if keep_quantized is None:
         keep_quantized = torch.device(device).type == "cuda"
-    net = build_model(gguf, cfg, device=device, dtype=dtype, with_mtp=with_mtp, keep_quantized=keep_quantized)
+    # Building a 248k-token BPE takes seconds; it runs beside the weight copies, which mostly wait on I/O.
+    with ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as pool:
+        tokenizer_built = pool.submit(Tokenizer.from_gguf_metadata, gguf.metadata)
+        net = build_model(gguf, cfg, device=device, dtype=dtype, with_mtp=with_mtp, keep_quantized=keep_quantized)
+        tokenizer = tokenizer_built.result()
     tokenizer.check_vocab(net.config.vocab_size)
     if chat_template is not None:
         template = ChatTemplate.from_file(chat_template)

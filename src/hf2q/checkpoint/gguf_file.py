@@ -205,4 +205,6 @@ class GGUFFile:
             arr = gguf.quants.dequantize(t.data, t.tensor_type)
         else:
             raise GGUFError(f"Unsupported tensor type {kind} for tensor {name!r} in {self.path}")
-        return torch.from_numpy(np.array(arr, copy=True).reshape(shape)).to(dtype)
+        if kind == "F32":  # the file's read-only pages; every other branch made a fresh array
+            arr = np.array(arr, copy=True)
+        return torch.from_numpy(arr.reshape(shape)).to(dtype)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import numpy as np
 import torch
@@ -9,6 +10,7 @@ from torch import nn
 
 from hf2q.checkpoint.gguf_file import GGUFError, GGUFFile
 from hf2q.checkpoint.names import param_name
+from hf2q.checkpoint.staging import StagedCopier
 from hf2q.config import ModelConfig
 from hf2q.layers.mlp import MLP
 from hf2q.layers.rotary import RotaryEmbedding
@@ -50,9 +52,13 @@ def _make_mtp(cfg: ModelConfig, names: set[str]) -> MTPHead:
 
 def _fill(model: Qwen35Model, gguf: GGUFFile, cfg: ModelConfig, device, dtype, with_mtp: bool,
           keep_quantized: bool = False) -> None:
+    from tqdm import tqdm
+
     params = dict(model.named_parameters())
     filled: set[str] = set()
-    for name in gguf.tensor_names:
+    copier = staged_copier(device)
+    names = tqdm(gguf.tensor_names, desc="loading", unit="tensor", file=sys.stderr, disable=not sys.stderr.isatty())
+    for name in names:
         target = param_name(name, cfg.num_layers)
         if target is None:
             raise GGUFError(f"{gguf.path}: unexpected tensor {name!r} for architecture {cfg.arch}")
@@ -60,12 +66,16 @@ def _fill(model: Qwen35Model, gguf: GGUFFile, cfg: ModelConfig, device, dtype, w
             continue  # MTP weights present but not wanted
         if target not in params:
             raise GGUFError(f"{gguf.path}: tensor {name!r} has no place in this {cfg.arch} model ({target})")
-        if keep_quantized and _assign_quantized(model, target, name, gguf, device):
+        if keep_quantized and _assign_quantized(model, target, name, gguf, device, copier):
             filled.add(target)
             continue
-        value = gguf.tensor(name, dtype=torch.float32)
+        value = _device_value(gguf, name, copier, keep_quantized) if copier is not None else None
+        if value is None:
+            value = gguf.tensor(name, dtype=torch.float32)
         _assign(model, target, params[target], value, name, gguf, device, dtype)
         filled.add(target)
+    if copier is not None:  # the decoding temporaries stay cached otherwise, and the K/V pool is sized
+        torch.cuda.empty_cache()  # from the memory the driver reports free
     missing = sorted(set(params) - filled)
     if missing:
         raise GGUFError(f"{gguf.path}: missing tensors for {', '.join(missing[:8])}"
@@ -92,7 +102,8 @@ def _assign(model: nn.Module, target: str, param: nn.Parameter, value: torch.Ten
 
 
 # ---- quantized weights kept as blocks -----------------------------------------------------------------
-def _assign_quantized(model: nn.Module, target: str, name: str, gguf: GGUFFile, device) -> bool:
+def _assign_quantized(model: nn.Module, target: str, name: str, gguf: GGUFFile, device,
+                      copier: StagedCopier | None = None) -> bool:
     """Copy a block-quantized Linear weight or MoE expert stack to `device` as bytes; False leaves it to
     the dense path (other types, other targets, shape mismatches)."""
     from hf2q.layers.linear import Linear
@@ -112,10 +123,42 @@ def _assign_quantized(model: nn.Module, target: str, name: str, gguf: GGUFFile, 
         return False
     if info.shape != shape:
         return False
-    raw = keep_blocks(torch.from_numpy(np.array(gguf.raw(name), dtype=np.uint8).reshape(*shape[:-1], -1)),
-                      info.type_name, device)
+    if copier is not None:  # bytes to the device first: the K-quant re-layout runs there
+        raw = copier.copy(gguf.raw(name))
+    else:
+        raw = torch.from_numpy(np.array(gguf.raw(name), dtype=np.uint8))
+    raw = keep_blocks(raw.reshape(*shape[:-1], -1), info.type_name, device)
     if isinstance(owner, MoE):
         owner.set_quantized(attr, raw, info.type_name)
     else:
         owner.set_quantized(raw, info.type_name)
     return True
+
+
+# ---- dense values decoded on the device ---------------------------------------------------------------
+def staged_copier(device) -> StagedCopier | None:
+    """The copier that carries file bytes to `device` for decoding there: CUDA only (on the CPU the file's
+    pages are read in place)."""
+    return StagedCopier(device) if torch.device(device).type == "cuda" else None
+
+
+def _device_value(gguf: GGUFFile, name: str, copier: StagedCopier, blocks: bool = True) -> torch.Tensor | None:
+    """fp32 values of a tensor decoded on the copier's device, CUDA when loading (None: a type left to the
+    host path).
+
+    Float types convert exactly. With `blocks` (a model keeping its quantized weights, which it then reads
+    through the Triton kernels anyway), block-quantized tensors such as a Q4_K token embedding are
+    dequantized by the Triton kernel, within 1e-6 of the largest weight of gguf's reference
+    (tests/quant/test_kernels.py), far below bf16's rounding; a dense model keeps gguf's exact values."""
+    from hf2q.quant import QUANT_TYPES, keep_blocks
+
+    info = gguf.info(name)
+    floats = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+    if info.type_name in floats:
+        return copier.copy(gguf.raw(name)).view(floats[info.type_name]).float().view(info.shape)
+    if not blocks or info.type_name not in QUANT_TYPES or len(info.shape) != 2:
+        return None
+    from hf2q.kernels.quant_ops import dequantize
+
+    raw = keep_blocks(copier.copy(gguf.raw(name)).view(info.shape[0], -1), info.type_name, copier.device)
+    return dequantize(raw, info.type_name, info.shape, torch.float32)

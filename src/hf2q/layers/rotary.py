@@ -16,15 +16,19 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, rotary_dim: int, theta: float, sections: tuple[int, ...]):
         super().__init__()
         self.rotary_dim = rotary_dim
-        inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # Tables are computed on the CPU, then moved: a model built on the meta device (the loader's) would
+        # otherwise run these ops through torch's Python decompositions, whose first use imports torch._dynamo
+        # (seconds of every start).
+        cpu, target = torch.device("cpu"), torch.get_default_device()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=cpu) / rotary_dim))
+        self.register_buffer("inv_freq", inv_freq.to(target), persistent=False)
         half = rotary_dim // 2
-        axis = torch.zeros(half, dtype=torch.long)  # which position axis drives frequency j
+        axis = torch.zeros(half, dtype=torch.long, device=cpu)  # which position axis drives frequency j
         for a in (1, 2):
             if len(sections) > a:
-                idx = torch.arange(a, min(sections[a] * 3, half), 3)
+                idx = torch.arange(a, min(sections[a] * 3, half), 3, device=cpu)
                 axis[idx] = a
-        self.register_buffer("axis", axis, persistent=False)
+        self.register_buffer("axis", axis.to(target), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [T] (text) or [3, T] (T/H/W axes). Returns cos, sin of shape [T, rotary_dim]."""
