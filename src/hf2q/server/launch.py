@@ -19,6 +19,7 @@ from hf2q.devices import add_device_args, dtype_name, keep_quantized, resolve_de
 from hf2q.server.sizing import CPU_MAX_MODEL_LEN, CPU_MAX_NUM_SEQS, CUDA_MAX_NUM_SEQS, choose
 
 from hf2q.server.body_limit import DEFAULT_MAX_REQUEST_BYTES
+from hf2q.server.media import add_media_args, media_policy
 from hf2q.spec.proposer import add_spec_args, spec_config
 
 log = logging.getLogger("hf2q.serve")
@@ -40,6 +41,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="largest request body accepted; larger ones get 413 before parsing (default: %(default)s)")
     p.add_argument("--allowed-origins", type=origins, default=(),
                    help="CORS: comma-separated origins browsers may call from, or '*' for any (default: none)")
+    add_media_args(p)
     p.add_argument("--served-model-name", help="model id in the API (default: the GGUF's general.name or stem)")
     p.add_argument("--chat-template", help="Jinja chat template file overriding the GGUF's own")
     p.add_argument("--max-model-len", type=int,
@@ -118,6 +120,7 @@ def build_state(args):
 
     if not isinstance(args.default_chat_template_kwargs, dict):
         raise ValueError("--default-chat-template-kwargs must be a JSON object")
+    media = media_policy(args)  # a bad --allowed-local-media-path fails before minutes of loading
     is_demo = args.model is None
     if is_demo:
         from hf2q.demo import demo_model_path
@@ -173,7 +176,7 @@ def build_state(args):
                           max_model_len=max_len, allowed_origins=tuple(getattr(args, "allowed_origins", ())),
                           metrics_public=getattr(args, "metrics_public", False),
                           max_request_bytes=getattr(args, "max_request_bytes", DEFAULT_MAX_REQUEST_BYTES),
-                          prefix_cache=cache.prefix_cache_bytes > 0)
+                          prefix_cache=cache.prefix_cache_bytes > 0, media=media)
     state = ServerState(model, aengine, config, scripted_replies=_scripted(args.scripted_replies, model.tokenizer))
     aengine.on_step = lambda eng, _outputs: state.metrics.observe_step(eng)
     aengine.start()

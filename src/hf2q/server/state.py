@@ -8,6 +8,7 @@ from typing import Any, Optional
 
 from hf2q.server.body_limit import DEFAULT_MAX_REQUEST_BYTES
 from hf2q.server.errors import APIError
+from hf2q.server.media import MediaPolicy
 from hf2q.server.metrics import Metrics
 
 
@@ -22,6 +23,7 @@ class ServerConfig:
     metrics_public: bool = False  # /metrics without the API key, for scrapers that send none
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     prefix_cache: bool = True  # the engine retains prefixes: chat requests then find their turn anchor
+    media: MediaPolicy = MediaPolicy()  # where image_url parts may come from, and how large they may be
 
 
 @dataclass
