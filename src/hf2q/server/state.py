@@ -10,6 +10,7 @@ from hf2q.server.body_limit import DEFAULT_MAX_REQUEST_BYTES
 from hf2q.server.errors import APIError
 from hf2q.server.media import MediaPolicy
 from hf2q.server.metrics import Metrics
+from hf2q.vision.preprocess import ImageProcessing
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class ServerState:
     engine: Any                   # hf2q.engine.async_engine.AsyncEngine
     config: ServerConfig
     scripted_replies: Optional[list[list[int]]] = None  # testing aid, see `--scripted-replies`
+    vision: Optional[ImageProcessing] = None  # the vision tower's preprocessing; None: no projector loaded
     metrics: Metrics = None       # type: ignore[assignment]
     created: int = field(default_factory=lambda: int(time.time()))
     _script_index: Any = field(default_factory=itertools.count)
