@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from hf2q.checkpoint.gguf_file import GGUFFile
+from hf2q.checkpoint.gguf_file import GGUFError, GGUFFile
 from hf2q.config import ModelConfig
 from hf2q.models.qwen35 import Qwen35Model
 
@@ -20,6 +20,7 @@ class Model:
     chat_template: Any
     path: Path
     metadata: dict = field(repr=False, default_factory=dict)
+    vision: Any = None  # hf2q.vision.tower.VisionTower when loaded with an mmproj file
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -35,14 +36,26 @@ class Model:
     def mtp_logits(self, token_ids) -> torch.Tensor:
         return self.net.mtp_logits(token_ids)
 
+    @torch.inference_mode()
+    def image_logits(self, token_ids, images) -> torch.Tensor:
+        """Logits for every position of one prompt with images, without a cache: [n, vocab] fp32."""
+        from hf2q.forward import ForwardBatch
+        from hf2q.vision.prompt import prompt_inputs
+
+        embeds, positions, _ = prompt_inputs(self, list(token_ids), list(images))
+        batch = ForwardBatch.single(token_ids, device=self.device)
+        batch.positions = positions
+        return self.net.compute_logits(self.net(batch, input_embeds=embeds))
+
 
 def load(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
          chat_template: str | Path | None = None, with_mtp: bool = True,
-         keep_quantized: bool | None = None) -> Model:
+         keep_quantized: bool | None = None, mmproj: str | Path | None = None) -> Model:
     """Load a Qwen3.5 / 3.6 GGUF file (llama.cpp's layout). Raises GGUFError / ConfigError on bad input.
 
     keep_quantized: None keeps block-quantized weights as their blocks on CUDA (memory, decode bandwidth)
-    and dequantizes them to exact fp32 values elsewhere."""
+    and dequantizes them to exact fp32 values elsewhere. mmproj: llama.cpp's vision projector file for the
+    model's vision tower (`checkpoint.mmproj.find_mmproj` finds one beside the model)."""
     from hf2q.checkpoint.loader import build_model
     from hf2q.text.chat_template import ChatTemplate
     from hf2q.text.tokenizer import Tokenizer
@@ -59,4 +72,14 @@ def load(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtyp
         template = ChatTemplate.from_file(chat_template)
     else:
         template = ChatTemplate.from_gguf_metadata(gguf.metadata)
-    return Model(net.config, net, tokenizer, template, Path(path), gguf.metadata)
+    vision = None
+    if mmproj is not None:
+        from hf2q.checkpoint.mmproj import load_mmproj
+        from hf2q.vision.tower import VisionTower
+
+        projector = load_mmproj(mmproj)
+        if projector.config.out_hidden_size != net.config.hidden_size:
+            raise GGUFError(f"{mmproj}: the projector makes {projector.config.out_hidden_size}-wide tokens but "
+                            f"the model's hidden size is {net.config.hidden_size}")
+        vision = VisionTower.from_mmproj(projector, device=device, dtype=dtype)
+    return Model(net.config, net, tokenizer, template, Path(path), gguf.metadata, vision)

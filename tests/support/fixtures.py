@@ -25,6 +25,8 @@ from tests.support.llama_cpp_sources import SDIST_VERSION, SourcesUnavailable
 REPO = Path(__file__).resolve().parents[2]
 CHECKPOINT_SOURCES = ("tests/support/checkpoints.py", "tests/support/tokenizer_dir.py")
 CONVERTER_SOURCES = ("src/hf2q/checkpoint/convert.py",)
+VL_CHECKPOINT_SOURCES = CHECKPOINT_SOURCES + ("tests/support/vision_checkpoints.py",)
+MMPROJ_SOURCES = CONVERTER_SOURCES + ("src/hf2q/checkpoint/convert_mmproj.py",)
 REQUANTIZE_SOURCES = ("tests/support/requantize.py", "src/hf2q/quant.py")
 
 
@@ -50,6 +52,12 @@ def fixture_dir(kind: str) -> Path:
         key = "hf-" + _key(CHECKPOINT_SOURCES)
     elif kind == "ours":
         key = _key(CHECKPOINT_SOURCES + CONVERTER_SOURCES)
+    elif kind == "hf-vl":
+        key = "hf-vl-" + _key(VL_CHECKPOINT_SOURCES)
+    elif kind == "ours-vl":
+        key = "ours-vl-" + _key(VL_CHECKPOINT_SOURCES + MMPROJ_SOURCES)
+    elif kind == "llama.cpp-vl":
+        key = "llama.cpp-vl-" + _key(VL_CHECKPOINT_SOURCES, SDIST_VERSION)
     elif kind == "requantized":
         key = "requantized-" + _key(CHECKPOINT_SOURCES + CONVERTER_SOURCES + REQUANTIZE_SOURCES)
     else:
@@ -120,21 +128,54 @@ def q4_k_m_gguf(kind: str) -> Path:
 
 def llama_cpp_gguf(kind: str, outtype: str, no_mtp: bool = False) -> Path:
     """The checkpoint converted by llama.cpp's own `convert_hf_to_gguf.py`; skips if unavailable."""
+    src = hf_checkpoint(kind)
+
+    def build(path: Path) -> None:
+        _run_converter([str(src), "--outfile", str(path), "--outtype", outtype] + (["--no-mtp"] if no_mtp else []))
+
+    name = f"{kind}-{outtype}{'-nomtp' if no_mtp else ''}.gguf"
+    return cached(fixture_dir("llama.cpp"), name, build)
+
+
+def _run_converter(args: list[str]) -> None:
+    """llama.cpp's `convert_hf_to_gguf.py ARGS`; skips when its sources cannot be fetched."""
     try:
         converter = llama_cpp_sources.llama_cpp_converter()
     except SourcesUnavailable as exc:
         pytest.skip(str(exc))
-    src = hf_checkpoint(kind)
+    proc = subprocess.run([sys.executable, str(converter), *args], capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"llama.cpp converter failed:\n{proc.stderr[-3000:]}")
+
+
+def hf_vl_checkpoint(kind: str) -> Path:
+    """Tiny random HF image-text checkpoint ("dense" or "moe"): a text model plus a two-block vision tower."""
+    from tests.support.vision_checkpoints import write_vl_checkpoint
+
+    try:
+        return cached(fixture_dir("hf-vl"), f"hf_vl_{kind}", lambda p: write_vl_checkpoint(p, kind))
+    except SourcesUnavailable as exc:
+        pytest.skip(str(exc))
+
+
+def our_vl_ggufs(kind: str, outtype: str = "f32") -> tuple[Path, Path]:
+    """(text GGUF, mmproj GGUF) of `hf_vl_checkpoint(kind)`, both by `hf2q convert`."""
+    from hf2q.checkpoint.convert import convert
+    from hf2q.checkpoint.convert_mmproj import convert_mmproj
+
+    src, folder = hf_vl_checkpoint(kind), fixture_dir("ours-vl") / f"{kind}-{outtype}"
+    text = cached(folder, f"{kind}-{outtype}.gguf", lambda p: convert(src, p, outtype))
+    return text, cached(folder, f"mmproj-{kind}-{outtype}.gguf", lambda p: convert_mmproj(src, p, outtype))
+
+
+def llama_cpp_mmproj(kind: str, outtype: str) -> Path:
+    """The vision projector of `hf_vl_checkpoint(kind)` by llama.cpp's `convert_hf_to_gguf.py --mmproj`."""
+    src = hf_vl_checkpoint(kind)
 
     def build(path: Path) -> None:
-        cmd = [sys.executable, str(converter), str(src), "--outfile", str(path), "--outtype", outtype]
-        proc = subprocess.run(cmd + (["--no-mtp"] if no_mtp else []), capture_output=True, text=True,
-                              timeout=600)
-        if proc.returncode != 0:
-            raise RuntimeError(f"llama.cpp converter failed:\n{proc.stderr[-3000:]}")
+        _run_converter([str(src), "--mmproj", "--outfile", str(path), "--outtype", outtype])
 
-    name = f"{kind}-{outtype}{'-nomtp' if no_mtp else ''}.gguf"
-    return cached(fixture_dir("llama.cpp"), name, build)
+    return cached(fixture_dir("llama.cpp-vl"), f"mmproj-{kind}-{outtype}.gguf", build)
 
 
 def hf_model(kind: str):

@@ -275,7 +275,7 @@ def _add_model_keys(w, hp: dict, arch: str, ftype: int, n_mtp: int) -> None:
         w.add_rope_dimension_sections([11, 11, 10, 0])
 
 
-def _add_general(w, hf_dir: Path) -> None:
+def _add_general(w, hf_dir: Path, file_kind: str = gguf.GGUFType.MODEL) -> None:
     """general.type / name / size_label, from the checkpoint folder as llama.cpp derives them."""
     total, shared, expert, n_expert = w.get_total_parameter_count()
     meta = gguf.Metadata.load(None, hf_dir, None, total)
@@ -283,7 +283,7 @@ def _add_general(w, hf_dir: Path) -> None:
         meta.name = hf_dir.name
     if meta.size_label is None and total > 0:
         meta.size_label = gguf.size_label(total, shared, expert, n_expert)
-    w.add_type(gguf.GGUFType.MODEL)
+    w.add_type(file_kind)
     meta.set_gguf_meta_model(w)
 
 
@@ -370,6 +370,11 @@ def convert(hf_dir, out_path, outtype: str = "f32", no_mtp: bool = False) -> Pat
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     _add_tokenizer(w, hf_dir, hp["vocab_size"])
 
+    return write_gguf(w, jobs, qtypes, ckpt, out_path)
+
+
+def write_gguf(w, jobs: list[_Job], qtypes: list, ckpt: _Checkpoint, out_path: Path) -> Path:
+    """Write header, keys and tensors one at a time under a temporary name, renamed when complete."""
     tmp = out_path.with_name(f".{out_path.name}.{os.getpid()}.part")
     try:
         w.write_header_to_file(path=tmp)
@@ -387,14 +392,21 @@ def convert(hf_dir, out_path, outtype: str = "f32", no_mtp: bool = False) -> Pat
 
 
 def add_convert_args(parser) -> None:
-    """Arguments of `hf2q convert HF_DIR -o OUT.gguf --outtype f32|f16|bf16|q8_0 [--no-mtp]`."""
+    """Arguments of `hf2q convert HF_DIR -o OUT.gguf --outtype f32|f16|bf16|q8_0 [--no-mtp] [--mmproj]`."""
     parser.add_argument("hf_dir", type=Path, metavar="HF_DIR", help="HF checkpoint folder")
     parser.add_argument("-o", "--outfile", type=Path, required=True, metavar="OUT.gguf")
     parser.add_argument("--outtype", choices=OUTTYPES, default="f32")
     parser.add_argument("--no-mtp", action="store_true", help="leave out the MTP (nextn) layer")
+    parser.add_argument("--mmproj", action="store_true",
+                        help="write the vision projector (llama.cpp's mmproj file, --outtype f32 or f16) instead")
 
 
 def run_convert(args) -> int:
-    path = convert(args.hf_dir, args.outfile, args.outtype, args.no_mtp)
+    if args.mmproj:
+        from hf2q.checkpoint.convert_mmproj import convert_mmproj
+
+        path = convert_mmproj(args.hf_dir, args.outfile, args.outtype)
+    else:
+        path = convert(args.hf_dir, args.outfile, args.outtype, args.no_mtp)
     print(f"wrote {path}")
     return 0

@@ -72,3 +72,39 @@ def param_name(gguf_name: str, num_layers: int) -> str | None:
     if suffix in BLOCK and layer == num_layers:
         return f"mtp.layer.{BLOCK[suffix]}"
     return None
+
+# The vision projector file (llama.cpp's mmproj, "clip" architecture) -> `hf2q.vision.tower` parameters.
+VISION = {
+    "v.patch_embd.weight": "patch_embed.kernel_t0",  # the Conv3D kernel split along time into two Conv2Ds
+    "v.patch_embd.weight.1": "patch_embed.kernel_t1",
+    "v.patch_embd.bias": "patch_embed.bias",
+    "v.position_embd.weight": "pos_embed",
+    "v.post_ln.weight": "merger.norm.weight",
+    "v.post_ln.bias": "merger.norm.bias",
+    "mm.0.weight": "merger.fc1.weight",
+    "mm.0.bias": "merger.fc1.bias",
+    "mm.2.weight": "merger.fc2.weight",
+    "mm.2.bias": "merger.fc2.bias",
+}
+
+# Per vision block `v.blk.{i}.`: GGUF suffix -> parameter path under the block.
+VISION_BLOCK = {
+    "ln1.weight": "norm1.weight", "ln1.bias": "norm1.bias",
+    "ln2.weight": "norm2.weight", "ln2.bias": "norm2.bias",
+    "attn_qkv.weight": "attn.qkv.weight", "attn_qkv.bias": "attn.qkv.bias",
+    "attn_out.weight": "attn.proj.weight", "attn_out.bias": "attn.proj.bias",
+    "ffn_up.weight": "mlp.fc1.weight", "ffn_up.bias": "mlp.fc1.bias",
+    "ffn_down.weight": "mlp.fc2.weight", "ffn_down.bias": "mlp.fc2.bias",
+}
+
+_VBLK = re.compile(r"^v\.blk\.(\d+)\.(.+)$")
+
+
+def vision_param_name(gguf_name: str, depth: int) -> str | None:
+    """Vision tower parameter path for an mmproj tensor, or None when the name is unknown."""
+    if gguf_name in VISION:
+        return VISION[gguf_name]
+    m = _VBLK.match(gguf_name)
+    if m and int(m.group(1)) < depth and m.group(2) in VISION_BLOCK:
+        return f"blocks.{int(m.group(1))}.{VISION_BLOCK[m.group(2)]}"
+    return None
