@@ -84,3 +84,18 @@ def test_bad_images_are_refused_by_name(data, message):
 def test_extreme_aspect_ratio_is_refused():
     with pytest.raises(ImageError, match="aspect ratio"):
         load_image(encoded(noise_image("L", 1000, 4, seed=5)), QWEN35, 10**6)
+
+
+def test_a_loaded_projector_preprocesses_as_its_checkpoints_processor():
+    """The constants come from the mmproj file; the result equals HF's processor of the source checkpoint."""
+    from hf2q.checkpoint.mmproj import load_mmproj
+    from hf2q.vision.preprocess import image_processing
+    from tests.support.fixtures import hf_vl_checkpoint, our_vl_ggufs
+
+    processing = image_processing(load_mmproj(our_vl_ggufs("dense")[1]).config)
+    hf = processor_module.Qwen2VLImageProcessorPil.from_pretrained(hf_vl_checkpoint("dense"))
+    data = encoded(noise_image("RGBA", 300, 170, seed=9))
+    ours = load_image(data, processing, max_pixels=10**8)
+    theirs = hf(PIL.Image.open(io.BytesIO(data)), return_tensors="np")
+    assert tuple(theirs["image_grid_thw"][0]) == ours.grid_thw
+    np.testing.assert_array_equal(ours.pixel_values.numpy(), theirs["pixel_values"])

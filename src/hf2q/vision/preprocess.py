@@ -42,6 +42,13 @@ class ImageProcessing:
         return self.patch_size * self.merge_size
 
 
+def image_processing(tower_config) -> ImageProcessing:
+    """The preprocessing a loaded tower expects (`checkpoint.mmproj.VisionConfig`); the pixel budget is HF's."""
+    return ImageProcessing(patch_size=tower_config.patch_size, temporal_patch_size=tower_config.temporal_patch_size,
+                           merge_size=tower_config.merge_size, image_mean=tuple(tower_config.image_mean),
+                           image_std=tuple(tower_config.image_std))
+
+
 def smart_resize(height: int, width: int, processing: ImageProcessing) -> tuple[int, int]:
     """The (height, width) HF resizes to: multiples of `factor`, aspect kept, pixels within the budget."""
     factor = processing.factor
