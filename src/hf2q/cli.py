@@ -186,12 +186,23 @@ def _bench_serve_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _bench_vision_parser() -> argparse.ArgumentParser:
+    from hf2q.bench.vision import __doc__ as doc, add_bench_vision_args, run_bench_vision
+
+    parser = argparse.ArgumentParser(prog="hf2q bench vision", description=doc.split("\n\n")[0])
+    add_bench_vision_args(parser)
+    parser.set_defaults(func=run_bench_vision, command="bench")
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     # `hf2q bench [flags]` is the GPU model bench; `hf2q bench serve [flags]` the load generator. Told apart
     # here because the model bench takes no subcommand and must keep parsing its flags as before.
     if argv[:2] == ["bench", "serve"]:
         args = _bench_serve_parser().parse_args(argv[2:])
+    elif argv[:2] == ["bench", "vision"]:
+        args = _bench_vision_parser().parse_args(argv[2:])
     else:
         parser = build_parser()
         args, unknown = parser.parse_known_args(argv)

@@ -161,6 +161,8 @@ class TPEngine(Engine):
         # The vocab-parallel head is a collective the other ranks would have to join for every prompt row.
         if kwargs.get("prompt_logprobs") is not None:
             raise ValueError("prompt logprobs (echo with logprobs) are not supported with tensor parallelism")
+        if kwargs.get("images"):
+            raise ValueError("images are not supported with tensor parallelism")
         return super().add_request(prompt_ids, params, **kwargs)
 
     def close(self) -> None:

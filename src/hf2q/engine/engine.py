@@ -61,7 +61,8 @@ class Engine:
             if cc.prefix_cache_bytes > 0 else None
         self.scheduler = Scheduler(self.cache, config.scheduler, self.prefix, cc.prefix_checkpoint_stride)
         self.spec = Speculator(config.spec, self.cache, model.net) if config.spec.enabled else None
-        self.runner = ModelRunner(model.net, self.cache, mtp_rows=self.spec is not None and self.spec.mtp is not None)
+        self.runner = ModelRunner(model.net, self.cache, mtp_rows=self.spec is not None and self.spec.mtp is not None,
+                                  vision=getattr(model, "vision", None))
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -73,14 +74,16 @@ class Engine:
                     scripted_ids: Optional[list[int]] = None, group: Optional[str] = None,
                     grammar: Optional[Grammar] = None, prefill_only: bool = False,
                     prompt_logprobs: Optional[int] = None, pooling: Optional[str] = None,
-                    anchor: Optional[int] = None) -> Request:
+                    anchor: Optional[int] = None, images: Optional[list] = None) -> Request:
         """Queue a request. `grammar` (from `hf2q.engine.grammar`) constrains its output: each sampled
         row is masked to what the grammar allows next, and the request ends when the grammar is complete.
 
         `prompt_logprobs` (top entries per token) makes the first output carry the prompt tokens' logprobs;
         `prefill_only` ends the request after its prompt, without sampling; `pooling` ("last" or "mean")
         makes it an embedding request: prefill only, its one output carries the embedding.
-        `anchor`: the prompt length the next turn of a conversation will extend (a checkpoint is kept there)."""
+        `anchor`: the prompt length the next turn of a conversation will extend (a checkpoint is kept there).
+        `images` (`hf2q.vision.ImageInput`, in prompt order): each fills one run of `num_tokens` image pad tokens
+        of the prompt; the tower runs at prefill and the prefix cache keys on the images' content hashes."""
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
@@ -102,11 +105,25 @@ class Engine:
         req = Request(request_id, list(prompt_ids), params, max_total_len=n + max_tokens, group=group,
                       prefill_only=prefill_only, prompt_logprobs=prompt_logprobs, pooling=pooling,
                       anchor=anchor if anchor is not None and 0 < anchor < n else None)
+        if images:
+            self._attach_images(req, images)
         req.extras["out"] = SequenceOutput(self.model, req, max_tokens, thinking_budget, starts_in_reasoning,
                                            scripted_ids, grammar.constraint() if grammar is not None else None)
         self.scheduler.add(req)
         self.requests[request_id] = req
         return req
+
+    def _attach_images(self, req: Request, images: list) -> None:
+        from hf2q.vision.prompt import image_pad_id
+        from hf2q.vision.request_inputs import attach_images
+
+        if getattr(self.model, "vision", None) is None:
+            raise ValueError("this model has no vision tower: load it with its mmproj file to send images")
+        if self.spec is not None:
+            raise ValueError("images are not supported with speculative decoding")
+        if req.keeps_hidden:
+            raise ValueError("images are not supported with prompt logprobs or embeddings")
+        attach_images(req, image_pad_id(self.model.tokenizer), images)
 
     def abort(self, request_id: str) -> Optional[RequestOutput]:
         req = self.requests.pop(request_id, None)

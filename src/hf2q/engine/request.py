@@ -80,6 +80,11 @@ class Request:
     prompt_logprobs: Optional[int] = None  # top entries per prompt token's logprobs, when they are wanted
     pooling: Optional[str] = None  # "last" | "mean": an embedding request
     hidden: list[Any] = field(default_factory=list)  # prompt hidden-state chunks, kept only when keeps_hidden
+    # A prompt with images (hf2q.vision): the images, the prompt as the prefix cache keys it (each image's pad
+    # rows stand for its content hash) and its multimodal rotary positions plus the delta after the prompt.
+    images: list[Any] = field(default_factory=list)
+    key_tokens: Optional[list[int]] = None
+    mrope: Optional[tuple[Any, int]] = None
 
     @property
     def keeps_hidden(self) -> bool:
@@ -100,6 +105,13 @@ class Request:
         head = self.prompt_ids[start:end] if start < n else []
         tail = self.output_ids[max(start - n, 0):end - n] if end > n else []
         return head + tail
+
+    def key(self, start: int, end: int) -> list[int]:
+        """`tokens(start, end)` as the prefix cache keys them: image pad rows carry their image's hash."""
+        if self.key_tokens is None:
+            return self.tokens(start, end)
+        n = len(self.prompt_ids)
+        return self.key_tokens[start:end] + (self.output_ids[max(start - n, 0):end - n] if end > n else [])
 
     @property
     def finished(self) -> bool:

@@ -24,8 +24,10 @@ GRAPH_MAX_CONTEXT = 65536  # block-table width of the graphs; longer sequences d
 
 
 class ModelRunner:
-    def __init__(self, net: Qwen35Model, cache: HybridCache, cuda_graphs: bool = True, mtp_rows: bool = False):
+    def __init__(self, net: Qwen35Model, cache: HybridCache, cuda_graphs: bool = True, mtp_rows: bool = False,
+                 vision=None):
         self.net = net
+        self.vision = vision  # the vision tower, for requests with images (hf2q.vision.request_inputs)
         self.cache = cache
         self.device = net.embed.device
         self.mtp_rows = mtp_rows  # the graphs keep no hidden rows: with the MTP proposer all runs eagerly
@@ -38,9 +40,14 @@ class ModelRunner:
         for req, n in scheduled:
             ids += req.tokens(req.num_computed, req.num_computed + n) + drafts_in(req, n)
             positions += range(req.num_computed, req.num_computed + n)
+        if any(req.mrope is not None for req, _ in scheduled):
+            from hf2q.vision.request_inputs import rows_positions
+
+            multimodal = torch.cat([rows_positions(req, req.num_computed, n) for req, n in scheduled], dim=1)
+            positions = multimodal.to(self.device)
         return ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
-            positions=torch.tensor(positions, dtype=torch.long, device=self.device),
+            positions=torch.as_tensor(positions, dtype=torch.long, device=self.device),
             seq_lens=[n for _, n in scheduled],
             start_lens=[req.num_computed for req, _ in scheduled],
             slots=[req.slot for req, _ in scheduled],
@@ -67,7 +74,7 @@ class ModelRunner:
             drafts = drafts_in(req, n)
             if drafts:  # the DeltaNet state before the drafts, for a rejection to go back to
                 verifies[req.request_id] = Verify(req.num_computed, drafts, self.cache.linear_state(req.slot))
-        hidden = self.net(batch)
+        hidden = self.net(batch, input_embeds=self._image_embeds(batch, scheduled))
         rows, draft_rows, sampling = [], [], []
         row = 0
         for req, n in scheduled:
@@ -97,10 +104,24 @@ class ModelRunner:
                 req.extras["verify"] = verify
         return sampling, logits[:len(rows)]
 
+    def _image_embeds(self, batch: ForwardBatch, scheduled: list[tuple[Request, int]]) -> Optional[torch.Tensor]:
+        """Input embeddings with image soft tokens when a scheduled chunk holds image pad rows, else None."""
+        if not any(req.key_tokens is not None and req.num_computed < len(req.prompt_ids) for req, _ in scheduled):
+            return None
+        from hf2q.vision.request_inputs import rows_embeddings
+
+        embeds = self.net.embed_tokens(batch.input_ids)
+        row = 0
+        for req, n in scheduled:
+            rows_embeddings(self.vision, req, req.num_computed, n, embeds[row:row + n])
+            row += n
+        return embeds
+
     def _run_graph(self, scheduled: list[tuple[Request, int]]) -> Optional[torch.Tensor]:
-        """Logits of a decode batch by graph replay (a view valid until the next step), or None to run eagerly."""
+        """Logits of a decode batch by graph replay (a view valid until the next step), or None to run eagerly
+        (requests with images among others: their positions after the prompt are shifted by a delta)."""
         if not self.use_graphs or any(n != 1 or req.num_computed + 1 != req.num_tokens or req.prefill_only
-                                      or req.keeps_hidden for req, n in scheduled):
+                                      or req.keeps_hidden or req.mrope is not None for req, n in scheduled):
             return None
         graphs = self._decode_graphs()
         if graphs is None or len(scheduled) > graphs.buckets[-1]:

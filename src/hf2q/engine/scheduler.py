@@ -110,7 +110,7 @@ class Scheduler:
             k = req.num_computed
             if req.slot is not None and k <= len(req.prompt_ids) and \
                     (k == req.anchor or (self.stride > 0 and k % self.stride == 0)):
-                self.prefix.store(req.slot, req.prompt_ids[:k])
+                self.prefix.store(req.slot, req.key(0, k))
 
     def fork_siblings(self) -> None:
         """After a step: siblings of a leader at its fork point take a copy of its cache and run on."""
@@ -151,7 +151,7 @@ class Scheduler:
             return False
         # A request that reads its prompt's hidden rows (prompt logprobs, embeddings) computes every one of them.
         reuse = self.prefix is not None and not req.keeps_hidden
-        ckpt = self.prefix.lookup(req.prompt_ids) if reuse else None
+        ckpt = self.prefix.lookup(req.key(0, len(req.prompt_ids))) if reuse else None
         placed = self._place(req, slot, ckpt)
         if not placed and self.prefix is not None:
             need = self.cache.blocks.blocks_for(req.max_total_len) + 1
@@ -179,7 +179,7 @@ class Scheduler:
         """Remove a request; with `retain`, first keep its computed tokens (prompt + output but the last
         sampled token, which was never fed) as a checkpoint, for clients that send the output back."""
         if retain and self.prefix is not None and req.slot is not None and req in self.running:
-            self.prefix.store(req.slot, req.tokens(0, req.num_computed))
+            self.prefix.store(req.slot, req.key(0, req.num_computed))
         if self.leaders.get(req.group) is req:  # its waiting siblings prefill on their own
             del self.leaders[req.group]
             self.waiting.extend(req.siblings)
