@@ -1,0 +1,69 @@
+"""Images end to end: the real `openai` client against `hf2q serve` with the tiny image-text fixture and its
+mmproj; one server for the whole module."""
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+import openai
+import PIL.Image
+import pytest
+
+from tests.e2e.conftest import Server
+from tests.support.fixtures import our_vl_ggufs
+
+MODEL = "tiny-vl"
+
+
+def png_url(seed: int, width: int = 96, height: int = 64) -> str:
+    rng = np.random.default_rng(seed)
+    buffer = io.BytesIO()
+    PIL.Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def image(seed: int) -> dict:
+    return {"type": "image_url", "image_url": {"url": png_url(seed)}}
+
+
+@pytest.fixture(scope="module")
+def vision_client(tmp_path_factory):
+    text, mmproj = our_vl_ggufs("dense")
+    server = Server(text, ["--mmproj", str(mmproj), "--max-model-len", "2048", "--max-num-seqs", "2",
+                           "--served-model-name", MODEL], tmp_path_factory.mktemp("vision") / "server.log")
+    yield openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    server.stop()
+
+
+def chat(client, messages, **kw):
+    return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0, **kw)
+
+
+def test_two_images_streaming_and_not(vision_client):
+    text_only = chat(vision_client, [{"role": "user", "content": [{"type": "text", "text": "Compare."}]}])
+    one = chat(vision_client, [{"role": "user", "content": [image(1), {"type": "text", "text": "Compare."}]}])
+    messages = [{"role": "user", "content": [image(1), image(2), {"type": "text", "text": "Compare."}]}]
+    two = chat(vision_client, messages)
+    per_image = one.usage.prompt_tokens - text_only.usage.prompt_tokens  # pads + vision_start/end
+    assert per_image > 3 and two.usage.prompt_tokens == text_only.usage.prompt_tokens + 2 * per_image
+    stream = chat(vision_client, messages, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == two.choices[0].message.content
+    assert chunks[-1].usage.prompt_tokens == two.usage.prompt_tokens
+
+
+def test_follow_up_reuses_the_image_prefill_and_a_different_image_does_not(vision_client):
+    question = {"type": "text", "text": "What is in this picture? " * 4}
+    first_turn = [{"role": "user", "content": [question, image(3)]}]
+    first = chat(vision_client, first_turn)
+    image_end = first.usage.prompt_tokens - 5  # the image closes a few tokens before the prompt ends
+    follow_up = first_turn + [{"role": "assistant", "content": first.choices[0].message.content},
+                              {"role": "user", "content": "And its colours?"}]
+    second = chat(vision_client, follow_up)
+    assert second.usage.prompt_tokens_details.cached_tokens >= image_end, second.usage
+    other = [{"role": "user", "content": [question, image(4)]}] + follow_up[1:]
+    third = chat(vision_client, other)
+    text_before_image = chat(vision_client, [{"role": "user", "content": [question]}]).usage.prompt_tokens
+    assert third.usage.prompt_tokens_details.cached_tokens < text_before_image, third.usage
