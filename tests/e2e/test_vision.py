@@ -67,3 +67,26 @@ def test_follow_up_reuses_the_image_prefill_and_a_different_image_does_not(visio
     third = chat(vision_client, other)
     text_before_image = chat(vision_client, [{"role": "user", "content": [question]}]).usage.prompt_tokens
     assert third.usage.prompt_tokens_details.cached_tokens < text_before_image, third.usage
+
+
+def test_responses_input_image_is_the_chat_image(vision_client):
+    content = [{"type": "input_text", "text": "Compare."}, {"type": "input_image", "image_url": png_url(1)}]
+    response = vision_client.responses.create(model=MODEL, input=[{"role": "user", "content": content}],
+                                              max_output_tokens=8, temperature=0)
+    as_chat = chat(vision_client, [{"role": "user", "content": [{"type": "text", "text": "Compare."}, image(1)]}])
+    assert response.usage.input_tokens == as_chat.usage.prompt_tokens
+
+
+def test_bad_images_are_a_400_and_the_server_keeps_serving(vision_client):
+    truncated = base64.b64decode(png_url(1).split(",", 1)[1])[:120]
+    corrupt = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(truncated).decode()}}
+    with pytest.raises(openai.BadRequestError) as err:
+        chat(vision_client, [{"role": "user", "content": [image(1), corrupt]}])
+    assert err.value.body["param"] == "messages[0].content[1]" and "corrupt" in err.value.body["message"]
+    buffer = io.BytesIO()
+    PIL.Image.new("RGB", (2048, 2048), (200, 30, 30)).save(buffer, format="PNG")
+    big = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()}}
+    with pytest.raises(openai.BadRequestError) as err:  # 4096 soft tokens: more than the 2048-token context
+        chat(vision_client, [{"role": "user", "content": [big]}])
+    assert "does not fit" in err.value.body["message"]
+    assert chat(vision_client, [{"role": "user", "content": [image(1)]}]).choices[0].finish_reason == "length"
