@@ -16,11 +16,15 @@ from tests.support.fixtures import our_vl_ggufs
 MODEL = "tiny-vl"
 
 
+def data_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
 def png_url(seed: int, width: int = 96, height: int = 64) -> str:
     rng = np.random.default_rng(seed)
     buffer = io.BytesIO()
     PIL.Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(buffer, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    return data_url(buffer.getvalue())
 
 
 def image(seed: int) -> dict:
@@ -79,13 +83,13 @@ def test_responses_input_image_is_the_chat_image(vision_client):
 
 def test_bad_images_are_a_400_and_the_server_keeps_serving(vision_client):
     truncated = base64.b64decode(png_url(1).split(",", 1)[1])[:120]
-    corrupt = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(truncated).decode()}}
+    corrupt = {"type": "image_url", "image_url": {"url": data_url(truncated)}}
     with pytest.raises(openai.BadRequestError) as err:
         chat(vision_client, [{"role": "user", "content": [image(1), corrupt]}])
     assert err.value.body["param"] == "messages[0].content[1]" and "corrupt" in err.value.body["message"]
     buffer = io.BytesIO()
     PIL.Image.new("RGB", (2048, 2048), (200, 30, 30)).save(buffer, format="PNG")
-    big = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()}}
+    big = {"type": "image_url", "image_url": {"url": data_url(buffer.getvalue())}}
     with pytest.raises(openai.BadRequestError) as err:  # 4096 soft tokens: more than the 2048-token context
         chat(vision_client, [{"role": "user", "content": [big]}])
     assert "does not fit" in err.value.body["message"]

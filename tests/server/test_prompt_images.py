@@ -51,7 +51,8 @@ def test_image_urls_in_prompt_order_with_their_params():
     messages = [Message(role="system", content="s"), user({"type": "text", "text": "x"}, image_part()),
                 user(image_part(detail="auto"), {"type": "image_url", "image_url": "data:image/png;base64,BBBB"})]
     assert image_urls(messages, vision=True) == [
-        ("data:image/png;base64,AAAA", "messages[1].content[1]"), ("data:image/png;base64,AAAA", "messages[2].content[0]"),
+        ("data:image/png;base64,AAAA", "messages[1].content[1]"),
+        ("data:image/png;base64,AAAA", "messages[2].content[0]"),
         ("data:image/png;base64,BBBB", "messages[2].content[1]")]
 
 
@@ -59,7 +60,8 @@ def test_image_urls_in_prompt_order_with_their_params():
     (user(image_part()), False, NO_VISION, "messages[0].content[0]"),
     (user(image_part(detail="high")), True, "native resolution", "messages[0].content[0].image_url.detail"),
     (user(image_part(frob=1)), True, "unsupported field 'frob'", "messages[0].content[0].image_url.frob"),
-    (user({"type": "image_url", "image_url": {"href": "x"}}), True, '{"url": "..."}', "messages[0].content[0].image_url"),
+    (user({"type": "image_url", "image_url": {"href": "x"}}), True, '{"url": "..."}',
+     "messages[0].content[0].image_url"),
     (Message.model_validate({"role": "assistant", "content": [image_part()]}), True, "user messages only",
      "messages[0].content[0]"),
 ], ids=["no-vision", "detail-high", "unknown-field", "no-url", "assistant-image"])
