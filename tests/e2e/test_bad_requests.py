@@ -62,6 +62,16 @@ def test_invalid_chat_request(plain_server, body, param):
     assert err["param"] == param
 
 
+def test_images_without_a_vision_projector_say_so(plain_server):
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    err = envelope(post(plain_server, {"messages": [{"role": "user", "content": [image]}]}), 400)
+    assert "no vision projector" in err["message"] and "--mmproj" in err["message"]
+    item = {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}
+    err = envelope(post(plain_server, {"input": [{"role": "user", "content": [item]}]}, "/v1/responses"), 400)
+    assert "no vision projector" in err["message"] and err["param"] == "input[0].content[0]"
+    assert post(plain_server, {"messages": MSGS, "max_tokens": 1}).status_code == 200
+
+
 def test_invalid_schema_message_is_plain(plain_server):
     """The grammar compiler's complaint, without the C++ source location xgrammar prefixes it with."""
     bad = {"type": "object", "properties": {"a": {"type": "foo"}}}

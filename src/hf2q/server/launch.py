@@ -20,6 +20,8 @@ from hf2q.cache.kv_pool import kv_cache_format
 from hf2q.server.sizing import CPU_MAX_MODEL_LEN, CPU_MAX_NUM_SEQS, CUDA_MAX_NUM_SEQS, choose
 
 from hf2q.server.body_limit import DEFAULT_MAX_REQUEST_BYTES
+from hf2q.server.media import add_media_args, media_policy
+from hf2q.vision.preprocess import image_processing
 from hf2q.spec.proposer import add_spec_args, spec_config
 
 log = logging.getLogger("hf2q.serve")
@@ -41,8 +43,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="largest request body accepted; larger ones get 413 before parsing (default: %(default)s)")
     p.add_argument("--allowed-origins", type=origins, default=(),
                    help="CORS: comma-separated origins browsers may call from, or '*' for any (default: none)")
+    add_media_args(p)
     p.add_argument("--served-model-name", help="model id in the API (default: the GGUF's general.name or stem)")
     p.add_argument("--chat-template", help="Jinja chat template file overriding the GGUF's own")
+    vision = p.add_mutually_exclusive_group()
+    vision.add_argument("--mmproj", metavar="P.gguf",
+                        help="llama.cpp's vision projector file; images are then accepted (default: the one "
+                             "mmproj*.gguf beside the model, if any)")
+    vision.add_argument("--no-mmproj", action="store_true",
+                        help="serve text only, even with an mmproj*.gguf beside the model")
     p.add_argument("--max-model-len", type=int,
                    help="longest prompt + completion in tokens (default: on CUDA the model's context when one such "
                         f"sequence fits in the K/V pool, else what fits; on the CPU min(model context, "
@@ -87,6 +96,20 @@ def _model_name(args, model, is_demo: bool) -> str:
     return model.config.name or Path(args.model).stem
 
 
+def _mmproj_path(args, model_path: Path, is_demo: bool) -> Path | None:
+    """--mmproj, else the one mmproj*.gguf beside the model (logged, so the choice is visible); None for text only."""
+    from hf2q.checkpoint.mmproj import find_mmproj
+
+    if getattr(args, "no_mmproj", False) or is_demo:
+        return None
+    if getattr(args, "mmproj", None):
+        return Path(args.mmproj)
+    found = find_mmproj(model_path)
+    if found is not None:
+        log.info("vision projector: %s (found beside the model; --no-mmproj serves text only)", found)
+    return found
+
+
 def _scripted(path: str | None, tokenizer) -> list[list[int]] | None:
     if not path:
         return None
@@ -120,6 +143,7 @@ def build_state(args):
 
     if not isinstance(args.default_chat_template_kwargs, dict):
         raise ValueError("--default-chat-template-kwargs must be a JSON object")
+    media = media_policy(args)  # a bad --allowed-local-media-path fails before minutes of loading
     is_demo = args.model is None
     if is_demo:
         from hf2q.demo import demo_model_path
@@ -136,6 +160,10 @@ def build_state(args):
         raise ValueError("--speculative does not work with --tensor-parallel-size yet")
     if tp != 1 and getattr(args, "prefix_cache_dir", None):  # a rank's checkpoint holds only its shard
         raise ValueError("--prefix-cache-dir does not work with --tensor-parallel-size yet")
+    mmproj = _mmproj_path(args, path, is_demo)
+    if tp != 1 and mmproj is not None:  # the vision tower runs on rank 0's side only
+        raise ValueError("a vision projector (--mmproj, or one beside the model) does not work with "
+                         "--tensor-parallel-size yet; pass --no-mmproj")
     workers = None
     if tp != 1:
         from hf2q.distributed.serve import TPLaunch, TPWorkers, check_tensor_parallel
@@ -145,7 +173,7 @@ def build_state(args):
     log.info("loading %s on %s (%s) ...", path, device, dtype_name(dtype))
     t0 = time.monotonic()
     model = hf2q.load(path, device=device, dtype=dtype, chat_template=args.chat_template,
-                      keep_quantized=keep_quantized(args))
+                      keep_quantized=keep_quantized(args), mmproj=mmproj)
     log.info("loaded %s (%s, %d layers) in %.1f s", path.name, model.config.arch, model.config.num_layers,
              time.monotonic() - t0)
     if args.max_model_len and args.max_model_len > model.config.context_length:
@@ -175,8 +203,10 @@ def build_state(args):
                           max_model_len=max_len, allowed_origins=tuple(getattr(args, "allowed_origins", ())),
                           metrics_public=getattr(args, "metrics_public", False),
                           max_request_bytes=getattr(args, "max_request_bytes", DEFAULT_MAX_REQUEST_BYTES),
-                          prefix_cache=cache.prefix_cache_bytes > 0)
-    state = ServerState(model, aengine, config, scripted_replies=_scripted(args.scripted_replies, model.tokenizer))
+                          prefix_cache=cache.prefix_cache_bytes > 0, media=media)
+    vision = image_processing(model.vision.cfg) if model.vision is not None else None
+    state = ServerState(model, aengine, config, scripted_replies=_scripted(args.scripted_replies, model.tokenizer),
+                        vision=vision)
     aengine.on_step = lambda eng, _outputs: state.metrics.observe_step(eng)
     aengine.start()
     return state

@@ -6,7 +6,7 @@ import json
 import time
 import uuid
 from contextlib import aclosing
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Optional, Sequence
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -14,12 +14,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from hf2q.server.chat_output import ChatOutput, add_delta
 from hf2q.server.choices import Choices, by_choice, logprob_entries
 from hf2q.server.errors import APIError, bad_request
+from hf2q.server.media import load_images
+from hf2q.server.prompt_images import check_fits, expand_image_pads, image_urls, pad_token_id, widen
 from hf2q.server.request_fields import check_chat_fields, log_labels, thinking_budget, thinking_kwargs
 from hf2q.server.sampling import build_params
 from hf2q.server.schemas import ChatCompletionRequest, Message
 from hf2q.server.sse import DONE, event, unless_disconnected
 from hf2q.server.state import ServerState
 from hf2q.text.reasoning import prompt_opens_reasoning
+from hf2q.vision.inputs import ImageInput
 
 # Arguments of `ChatTemplate.render` itself: chat_template_kwargs may not override them.
 _RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "add_generation_prompt")
@@ -29,10 +32,12 @@ def _template_message(i: int, m: Message) -> dict:
     """A message as the chat template sees it (transformers' conventions)."""
     if isinstance(m.content, list):
         for j, part in enumerate(m.content):
-            if part.type != "text":
+            if part.type not in ("text", "image_url"):
                 raise bad_request(f"content part type {part.type!r} is not supported: this server accepts text "
-                                  f"parts only", param=f"messages[{i}].content[{j}]")
+                                  f"and image_url parts", param=f"messages[{i}].content[{j}]")
     msg = m.model_dump(exclude_none=True, exclude={"annotations", "refusal"})
+    if isinstance(m.content, list):  # the template needs only where an image is, not its data
+        msg["content"] = [{"type": "image"} if p["type"] == "image_url" else p for p in msg["content"]]
     if m.role == "developer":  # OpenAI's newer name for the system message
         msg["role"] = "system"
     if m.refusal and not m.content:  # an earlier answer that was a refusal: it is what the assistant said
@@ -95,7 +100,7 @@ def render_prompt(state: ServerState, messages: list[Message], tools: Optional[l
 
 
 def turn_anchor(state: ServerState, messages: list[Message], tools: Optional[list[dict]], extra: dict,
-                prompt_ids: list[int]) -> Optional[int]:
+                prompt_ids: list[int], images: Sequence[ImageInput] = ()) -> Optional[int]:
     """How many prompt tokens the next turn of this conversation will extend: the engine keeps a
     checkpoint there. Compared in tokens (the text can agree where the tokens do not: `<think>\n` then
     `\n</think>` merges newlines), and one token short of the whole prompt at most, since a resumed
@@ -106,6 +111,8 @@ def turn_anchor(state: ServerState, messages: list[Message], tools: Optional[lis
     except Exception:
         return None
     ids = state.model.tokenizer.encode(probe)
+    if images:
+        ids = widen(ids, pad_token_id(state.model.tokenizer), list(images))
     n = next((i for i, (a, b) in enumerate(zip(ids, prompt_ids)) if a != b), min(len(ids), len(prompt_ids)))
     return min(n, len(prompt_ids) - 1) or None
 
@@ -126,8 +133,25 @@ class ChatServing:
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         return render_prompt(self.state, req.messages, self._template_tools(req, tools), self._extra(req)), tools
 
-    def anchor(self, req: ChatCompletionRequest, tools: Optional[list[dict]], prompt_ids: list[int]) -> Optional[int]:
-        return turn_anchor(self.state, req.messages, self._template_tools(req, tools), self._extra(req), prompt_ids)
+    def anchor(self, req: ChatCompletionRequest, tools: Optional[list[dict]], prompt_ids: list[int],
+               images: list[ImageInput]) -> Optional[int]:
+        return turn_anchor(self.state, req.messages, self._template_tools(req, tools), self._extra(req), prompt_ids,
+                           images)
+
+    async def images(self, req: ChatCompletionRequest) -> list[ImageInput]:
+        """The request's images, fetched and preprocessed (a 400 naming the part for any problem)."""
+        urls = image_urls(req.messages, self.state.vision is not None)
+        if not urls:
+            return []
+        return await load_images(urls, self.state.config.media, self.state.vision)
+
+    def with_image_tokens(self, prompt_ids: list[int], images: list[ImageInput]) -> list[int]:
+        """The prompt with each image's pad token widened to its soft-token count; it must fit the context."""
+        if not images:
+            return prompt_ids
+        ids = expand_image_pads(prompt_ids, pad_token_id(self.state.model.tokenizer), images)
+        check_fits(len(ids), images, self.state.config.max_model_len)
+        return ids
 
     @staticmethod
     def _template_tools(req: ChatCompletionRequest, tools: Optional[list[dict]]) -> Optional[list[dict]]:
@@ -170,8 +194,10 @@ class ChatServing:
         check_chat_fields(req)
         _check_unsupported(req)
         # Rendering and tokenizing a large conversation takes a while: off the event loop, which keeps serving.
+        images = await self.images(req)
         prompt_text, tools = await asyncio.to_thread(self.render, req)
         prompt_ids = await asyncio.to_thread(self.state.model.tokenizer.encode, prompt_text)
+        prompt_ids = self.with_image_tokens(prompt_ids, images)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = build_params(req, self.state.model.config.vocab_size, max_tokens, req.logprobs,
                               req.top_logprobs or 0)
@@ -179,7 +205,9 @@ class ChatServing:
         choices = Choices(self.state, [prompt_ids], params, "messages", thinking_budget=thinking_budget(req),
                           starts_in_reasoning=starts)
         if self.state.config.prefix_cache:  # one more render and tokenization: off the event loop too
-            choices.kwargs["anchor"] = await asyncio.to_thread(self.anchor, req, tools, prompt_ids)
+            choices.kwargs["anchor"] = await asyncio.to_thread(self.anchor, req, tools, prompt_ids, images)
+        if images:
+            choices.kwargs["images"] = images
         if _constrained(req):
             choices.kwargs["grammar"] = await self.grammar(req, tools, starts)
         await choices.start()

@@ -23,6 +23,7 @@ from pydantic import ValidationError
 from hf2q.server.chat_output import ChatOutput
 from hf2q.server.choices import Choices
 from hf2q.server.errors import APIError, bad_request, validation_error
+from hf2q.server.prompt_images import NO_VISION
 from hf2q.server.request_fields import log_labels
 from hf2q.server.schemas import (ChatCompletionRequest, FunctionCallItem, FunctionCallOutputItem, InputMessage,
                                  ReasoningItem, ResponsesRequest)
@@ -65,7 +66,26 @@ def _text(content, where: str) -> str:
     return "".join(parts)
 
 
-def input_messages(items) -> list[dict]:
+def _user_content(content, where: str, vision: bool):
+    """A user message's content: its text, or chat parts when it carries `input_image` items."""
+    if isinstance(content, str) or all(part.type != "input_image" for part in content):
+        return _text(content, where)
+    parts = []
+    for j, part in enumerate(content):
+        if part.type == "input_image" and not vision:
+            raise bad_request(NO_VISION, param=f"{where}.content[{j}]")
+        if part.type != "input_image":
+            parts.append({"type": "text", "text": _text([part], where)})
+            continue
+        extra = part.model_extra or {}
+        if not isinstance(extra.get("image_url"), str):
+            raise bad_request("input_image needs an image_url (a file_id is not supported)",
+                              param=f"{where}.content[{j}].image_url")
+        parts.append({"type": "image_url", "image_url": {"url": extra["image_url"], "detail": extra.get("detail")}})
+    return parts
+
+
+def input_messages(items, vision: bool = False) -> list[dict]:
     """Responses input (a string, or items) as chat messages. Reasoning items go to the next assistant
     message's `reasoning_content`; consecutive function calls become one assistant message's tool calls."""
     if isinstance(items, str):
@@ -91,7 +111,8 @@ def input_messages(items) -> list[dict]:
         elif isinstance(item, InputMessage) and item.role == "assistant":
             assistant()["content"] = _text(item.content, where)
         elif isinstance(item, InputMessage):
-            messages.append({"role": item.role, "content": _text(item.content, where)})
+            content = _user_content(item.content, where, vision) if item.role == "user" else _text(item.content, where)
+            messages.append({"role": item.role, "content": content})
         elif isinstance(item, FunctionCallItem):
             last = messages[-1] if messages else None
             if last is None or last["role"] != "assistant" or reasoning is not None:
@@ -124,9 +145,11 @@ def _check(req: ResponsesRequest) -> None:
                           "refused; send 'disabled' or leave it out", param="truncation")
 
 
-def to_chat(req: ResponsesRequest, history: list[dict]) -> tuple[ChatCompletionRequest, list[dict]]:
-    """The chat request a Responses request runs as, and its conversation (without the instructions)."""
-    conversation = history + input_messages(req.input)
+def to_chat(req: ResponsesRequest, history: list[dict],
+            vision: bool = False) -> tuple[ChatCompletionRequest, list[dict]]:
+    """The chat request a Responses request runs as, and its conversation (without the instructions);
+    `vision`: the model reads images, so `input_image` parts become chat image parts."""
+    conversation = history + input_messages(req.input, vision)
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions is not None else [])
     body: dict = {"model": req.model, "messages": messages + conversation, "stream": req.stream,
                   "max_completion_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p,
@@ -256,7 +279,7 @@ class ResponsesServing:
     async def create(self, req: ResponsesRequest, raw: Request) -> Response:
         _check(req)
         history = self.store.get(req.previous_response_id) if req.previous_response_id is not None else []
-        chat_req, conversation = to_chat(req, history)
+        chat_req, conversation = to_chat(req, history, self.state.vision is not None)
         choices, outputs, head = await self.chat.start(chat_req)
         response = self._response(req, _new_id("resp"), head["created"])
         log_labels("responses", response["id"], req)

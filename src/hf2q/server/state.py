@@ -8,7 +8,9 @@ from typing import Any, Optional
 
 from hf2q.server.body_limit import DEFAULT_MAX_REQUEST_BYTES
 from hf2q.server.errors import APIError
+from hf2q.server.media import MediaPolicy
 from hf2q.server.metrics import Metrics
+from hf2q.vision.preprocess import ImageProcessing
 
 
 @dataclass(frozen=True)
@@ -22,6 +24,7 @@ class ServerConfig:
     metrics_public: bool = False  # /metrics without the API key, for scrapers that send none
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     prefix_cache: bool = True  # the engine retains prefixes: chat requests then find their turn anchor
+    media: MediaPolicy = MediaPolicy()  # where image_url parts may come from, and how large they may be
 
 
 @dataclass
@@ -30,6 +33,7 @@ class ServerState:
     engine: Any                   # hf2q.engine.async_engine.AsyncEngine
     config: ServerConfig
     scripted_replies: Optional[list[list[int]]] = None  # testing aid, see `--scripted-replies`
+    vision: Optional[ImageProcessing] = None  # the vision tower's preprocessing; None: no projector loaded
     metrics: Metrics = None       # type: ignore[assignment]
     created: int = field(default_factory=lambda: int(time.time()))
     _script_index: Any = field(default_factory=itertools.count)
