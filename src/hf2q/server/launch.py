@@ -29,7 +29,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     from hf2q.engine.scheduler import SchedulerConfig
 
     d = SchedulerConfig()
-    p.add_argument("--model", help="GGUF file to serve; without it a tiny built-in demo model is served")
+    p.add_argument("--model", help="GGUF file to serve, or a Hugging Face model as OWNER/REPO[:QUANT] or "
+                   "hf://OWNER/REPO[:QUANT] (downloaded to the HF cache; QUANT default Q4_K_M, else the only GGUF); "
+                   "without it a tiny built-in demo model is served")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default: %(default)s, this machine only; 0.0.0.0 for every interface)")
     p.add_argument("--port", type=port_number, default=8080, help="TCP port, 1-65535 (default: %(default)s)")
@@ -83,7 +85,7 @@ def _model_name(args, model, is_demo: bool) -> str:
         return args.served_model_name
     if is_demo:
         return "hf2q-demo"
-    return model.config.name or Path(args.model).stem
+    return model.config.name or model.path.stem
 
 
 def _scripted(path: str | None, tokenizer) -> list[list[int]] | None:
@@ -125,7 +127,9 @@ def build_state(args):
         log.info("no --model given: serving the built-in DEMO model (tiny random weights, gibberish output)")
         path = demo_model_path()
     else:
-        path = Path(args.model)
+        from hf2q.checkpoint.hub import local_model_path
+
+        path = local_model_path(args.model)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     tp = getattr(args, "tensor_parallel_size", 1)
