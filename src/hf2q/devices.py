@@ -29,9 +29,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def add_device_args(parser) -> None:
-    parser.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
+    parser.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N (default: %(default)s)")
     parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
-                        help="weights and K/V cache (auto: bfloat16 on CUDA, float32 on CPU)")
+                        help="weights and K/V cache (default: %(default)s: bfloat16 on CUDA, float32 on CPU)")
     parser.add_argument("--dequantize", action="store_true",
                         help="on CUDA, dequantize block-quantized GGUF weights to --dtype at load instead of "
                              "keeping their blocks (more memory; today's quantized mat-vec is slower than bf16)")

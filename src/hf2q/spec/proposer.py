@@ -38,9 +38,9 @@ def add_spec_args(parser) -> None:
                         help="draft tokens and verify them in one forward; the output is unchanged "
                              "(ngram: prompt lookup in the request's own history; mtp: the model's MTP head; "
                              "mtp+ngram: an n-gram match first, else MTP). Default: %(default)s")
-    parser.add_argument("--spec-tokens", type=int, default=d.num_tokens, help="drafts per step (k)")
-    parser.add_argument("--spec-ngram-min", type=int, default=d.ngram_min, help="shortest history suffix matched")
-    parser.add_argument("--spec-ngram-max", type=int, default=d.ngram_max, help="longest history suffix tried first")
+    parser.add_argument("--spec-tokens", type=int, default=d.num_tokens, help="drafts per step (k) (default: %(default)s)")
+    parser.add_argument("--spec-ngram-min", type=int, default=d.ngram_min, help="shortest history suffix matched (default: %(default)s)")
+    parser.add_argument("--spec-ngram-max", type=int, default=d.ngram_max, help="longest history suffix tried first (default: %(default)s)")
 
 
 def spec_config(args) -> SpecConfig:
