@@ -1,5 +1,5 @@
 """Models by name against a local Hub endpoint (tests/support/fake_hub.py) serving a repository built from the
-fixture GGUF: fetched once with its projector, then found in the cache with the endpoint gone or offline mode
+fixture GGUF: fetched once with its projector (HF_TOKEN sent), then found in the cache with the endpoint gone or offline mode
 on; a tag that matches nothing lists what the repository holds. `hf2q info` resolves names as `hf2q serve`
 does and starts in seconds; the full serve round trip (two server starts) is opt-in: HF2Q_SERVE_FROM_HUB=1."""
 from __future__ import annotations
@@ -40,8 +40,9 @@ def _hf2q(*argv: str, **env: str) -> subprocess.CompletedProcess:
 
 
 def test_fetched_once_then_found_in_the_cache_without_the_hub(hub):
-    first = _hf2q("info", f"{REPO}:Q4_K_M")
+    first = _hf2q("info", f"{REPO}:Q4_K_M", HF_TOKEN="hf_fixture")
     assert first.returncode == 0, first.stderr
+    assert hub.tokens == {"Bearer hf_fixture"}
     assert "Tiny-Q4_K_M.gguf" in first.stdout
     assert hub.downloads == {"Tiny-Q4_K_M.gguf": 1, "mmproj-Tiny-F16.gguf": 1}  # the projector too, not Q8_0
     hub.stop()  # the network is gone

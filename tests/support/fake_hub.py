@@ -20,6 +20,7 @@ class FakeHub:
     def __init__(self, root: Path):
         self.root = root
         self.downloads: Counter[str] = Counter()
+        self.tokens: set[str] = set()  # the Authorization headers of listings and downloads
         hub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -50,6 +51,7 @@ class FakeHub:
         self._send(req, 404, {"X-Error-Code": "EntryNotFound"}, b"{}", body)
 
     def _info(self, req, repo_id: str, body: bool) -> None:
+        self.tokens.add(req.headers.get("Authorization", ""))
         folder = self.root / repo_id
         if not folder.is_dir():
             return self._send(req, 404, {"X-Error-Code": "RepoNotFound"}, b'{"error": "Repository not found"}', body)
@@ -59,6 +61,7 @@ class FakeHub:
         self._send(req, 200, {"Content-Type": "application/json"}, json.dumps(info).encode(), body)
 
     def _file(self, req, repo_id: str, name: str, body: bool) -> None:
+        self.tokens.add(req.headers.get("Authorization", ""))
         path = self.root / repo_id / name
         if not path.is_file():
             return self._send(req, 404, {"X-Error-Code": "EntryNotFound"}, b"{}", body)

@@ -117,7 +117,7 @@ def _listing(repo_id: str) -> tuple[list[str], bool]:
     """(file names of the repository, whether they come from the local cache because the Hub is unreachable
     or offline mode is on)."""
     from huggingface_hub import HfApi, constants, snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
 
     if not constants.HF_HUB_OFFLINE:
         try:
@@ -126,6 +126,9 @@ def _listing(repo_id: str) -> tuple[list[str], bool]:
         except RepositoryNotFoundError:
             raise HubError(f"{repo_id} is not a model repository on {constants.ENDPOINT} (or it needs HF_TOKEN)") \
                 from None
+        except HfHubHTTPError as exc:  # the Hub answered, with an error: not a reason to use a stale cache
+            status = exc.response.status_code if exc.response is not None else "an error"
+            raise HubError(f"{constants.ENDPOINT} answered {status} when listing {repo_id}") from None
         except Exception as exc:  # connection refused, DNS, timeouts: try the cache
             if not _is_network_error(exc):
                 raise
