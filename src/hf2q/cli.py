@@ -14,16 +14,17 @@ USER_ERRORS = (FileNotFoundError, ValueError, OSError)
 
 def _add_info(sub) -> None:
     p = sub.add_parser("info", help="describe a GGUF model file")
-    p.add_argument("model")
+    p.add_argument("model", help="GGUF file, or a Hugging Face model OWNER/REPO[:QUANT] (fetched into the HF cache)")
     p.set_defaults(func=run_info)
 
 
 def run_info(args) -> int:
     from hf2q.checkpoint.gguf_file import GGUFFile
+    from hf2q.checkpoint.hub import local_model_path
     from hf2q.config import ModelConfig
     from hf2q.text.tokenizer import Tokenizer
 
-    gguf = GGUFFile(args.model)
+    gguf = GGUFFile(local_model_path(args.model))
     gguf.check_types()
     cfg = ModelConfig.from_gguf_metadata(gguf.metadata)
     types = Counter(gguf.info(n).type_name for n in gguf.tensor_names)
@@ -59,7 +60,7 @@ def run_info(args) -> int:
 
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate text from a prompt")
-    p.add_argument("--model", required=True)
+    p.add_argument("--model", required=True, help="GGUF file, or a Hugging Face model OWNER/REPO[:QUANT]")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt")
     src.add_argument("--prompt-tokens", help="comma-separated token ids")
@@ -82,11 +83,12 @@ def run_generate(args) -> int:
     from hf2q.engine.sampling_params import SamplingParams
     from hf2q.engine.scheduler import SchedulerConfig
     from hf2q.cache.kv_pool import kv_cache_format
+    from hf2q.checkpoint.hub import local_model_path
     from hf2q.config import CacheConfig
 
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    model = hf2q.load(args.model, device=device, dtype=dtype, keep_quantized=keep_quantized(args))
+    model = hf2q.load(local_model_path(args.model), device=device, dtype=dtype, keep_quantized=keep_quantized(args))
     if args.prompt_tokens is not None:
         try:
             prompt = [int(t) for t in args.prompt_tokens.split(",") if t.strip()]

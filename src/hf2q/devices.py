@@ -29,13 +29,14 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def add_device_args(parser) -> None:
-    parser.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
+    parser.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N (default: %(default)s)")
     parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
-                        help="weights and K/V cache (auto: bfloat16 on CUDA, float32 on CPU)")
+                        help="weights and K/V cache (default: %(default)s: bfloat16 on CUDA, float32 on CPU)")
     parser.add_argument("--kv-cache-dtype", default="auto",
                         choices=["auto", "fp32", "bf16", "fp16", "fp8", "tq8", "tq6", "tq5"],
                         help="full-attention K/V storage: auto (the --dtype), a float dtype, fp8 (e4m3, a scale per "
-                             "token and head) or TurboQuant tq8/tq6/tq5 (Hadamard-rotated codebook indices)")
+                             "token and head) or TurboQuant tq8/tq6/tq5 (Hadamard-rotated codebook indices); "
+                             "default: %(default)s")
     parser.add_argument("--dequantize", action="store_true",
                         help="on CUDA, dequantize block-quantized GGUF weights to --dtype at load instead of "
                              "keeping their blocks (more memory; today's quantized mat-vec is slower than bf16)")

@@ -55,3 +55,20 @@ def test_convert_whose_flags_cannot_load_names_the_module():
 def test_unknown_flag_of_an_available_command_is_still_refused():
     proc = _run("-m", "hf2q", "serve", "--no-such-flag")
     assert proc.returncode == 2 and "unrecognized arguments: --no-such-flag" in proc.stderr
+
+
+def test_every_serve_flag_has_a_description_and_a_default():
+    """`hf2q serve --help` explains each flag and its default; testing aids are not listed."""
+    import argparse
+
+    from hf2q.server.launch import add_serve_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    shown = [a for a in parser._actions if a.help != argparse.SUPPRESS and not isinstance(a, argparse._HelpAction)]
+    switches = (argparse._StoreTrueAction, argparse._StoreFalseAction)
+    unexplained = [a.option_strings[0] for a in shown
+                   if not a.help or (not isinstance(a, switches) and "default" not in a.help)]
+    assert not unexplained
+    assert "--scripted-replies" not in parser.format_help()
+    assert parser.parse_args(["--scripted-replies", "r.json"]).scripted_replies == "r.json"  # still accepted

@@ -25,6 +25,7 @@ def test_openapi_document_describes_the_request_models(plain_server):
     assert resp.status_code == 200
     doc = resp.json()
     assert set(doc["paths"]) == {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings",
+                                 "/v1/responses/{response_id}", "/v1/responses/{response_id}/input_items",
                                  "/v1/models", "/v1/models/{name}", "/tokenize", "/detokenize", "/health", "/metrics"}
     for path, model in (("/v1/chat/completions", ChatCompletionRequest), ("/v1/completions", CompletionRequest)):
         op = doc["paths"][path]["post"]

@@ -1,4 +1,5 @@
-"""Faults through a real server: a storm of clients that leave mid-stream, and SIGTERM with streams running."""
+"""Faults through a real server: a storm of clients that leave mid-stream, and SIGTERM with streams running
+(--shutdown-timeout)."""
 from __future__ import annotations
 
 import asyncio
@@ -46,17 +47,23 @@ def test_disconnect_storm(plain_server):
     assert plain_server.healthy()
 
 
+GRACE_S = 1.5
+
+
 def test_sigterm_with_streams_running(served_model_path, tmp_path):
-    """The server stops in seconds, every stream gets an error event and [DONE], exit 0, no traceback."""
-    server = Server(served_model_path, [*PLAIN_FLAGS, "--log-level", "info"], tmp_path / "server.log")
-    tails: list[list[str]] = []
+    """--shutdown-timeout: after SIGTERM a short stream finishes normally, long ones are ended with an error
+    event and [DONE] once the grace is over; exit 0, no traceback."""
+    server = Server(served_model_path, [*PLAIN_FLAGS, "--log-level", "info", "--shutdown-timeout", str(GRACE_S)],
+                    tmp_path / "server.log")
+    tails: dict[int, list[str]] = {}
+    ended: dict[int, float] = {}
     started = threading.Barrier(5)
 
-    def stream() -> None:
-        lines: list[str] = []
-        tails.append(lines)
+    def stream(n: int, max_tokens: int) -> None:
+        lines = tails.setdefault(n, [])
         try:
-            with httpx.stream("POST", server.url + "/v1/chat/completions", json=LONG, timeout=60) as r:
+            with httpx.stream("POST", server.url + "/v1/chat/completions", json={**LONG, "max_tokens": max_tokens},
+                              timeout=60) as r:
                 for i, line in enumerate(r.iter_lines()):
                     if line:
                         lines.append(line)
@@ -64,22 +71,26 @@ def test_sigterm_with_streams_running(served_model_path, tmp_path):
                         started.wait(30)
         except httpx.HTTPError as exc:
             lines.append(f"transport error: {exc!r}")
+        ended[n] = time.monotonic()
 
     try:
-        clients = [threading.Thread(target=stream) for _ in range(4)]
+        clients = [threading.Thread(target=stream, args=(n, 8 if n == 0 else 480)) for n in range(4)]
         for c in clients:
             c.start()
         started.wait(60)
         t0 = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
-        code = server.proc.wait(timeout=15)
+        code = server.proc.wait(timeout=GRACE_S + 15)
         stopped = time.monotonic() - t0
         for c in clients:
             c.join(10)
     finally:
         server.stop()
     log = server.log_path.read_text(errors="replace")
-    assert code == 0 and stopped < 5, (code, stopped, log[-3000:])
+    assert code == 0 and stopped < GRACE_S + 5, (code, stopped, log[-3000:])
     assert "Traceback" not in log and "timeout graceful shutdown exceeded" not in log, log[-3000:]
-    for lines in tails:
+    short = tails.pop(0)
+    assert short[-1] == "data: [DONE]" and '"finish_reason":"length"' in short[-2].replace(" ", ""), short[-3:]
+    for n, lines in tails.items():
         assert lines[-1] == "data: [DONE]" and "shutting down" in lines[-2], lines[-3:]
+        assert ended[n] - t0 >= GRACE_S - 0.5  # they ran on through the grace

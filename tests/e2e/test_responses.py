@@ -1,5 +1,5 @@
 """/v1/responses through the openai SDK: text, instructions, reasoning and function-call items, streaming
-events, previous_response_id, and the 400s. Reuses the plain server and the scripted server of
+events, previous_response_id, retrieve / input_items / delete, and the 400s. Reuses the plain server and the scripted server of
 test_scripted.py (whose reply i is generation i mod 3)."""
 from __future__ import annotations
 
@@ -92,6 +92,24 @@ def test_previous_response_id(client):
     with pytest.raises(openai.NotFoundError) as err:
         client.responses.create(model="tiny", input="x", previous_response_id=alone.id)  # not stored
     assert err.value.body["code"] == "previous_response_not_found"
+
+
+def test_retrieve_input_items_delete(client):
+    made = client.responses.create(model="tiny", input=[{"role": "user", "content": "Hi"},
+                                                         {"role": "assistant", "content": "Hello."},
+                                                         {"role": "user", "content": "Bye"}],
+                                   reasoning=NO_THINKING, max_output_tokens=3)
+    got = client.responses.retrieve(made.id)
+    assert got.model_dump() == made.model_dump()
+    page = client.responses.input_items.list(made.id, limit=2)
+    assert [i.content[0].text for i in page.data] == ["Bye", "Hello."] and page.has_more
+    assert [i.content[0].text for i in client.responses.input_items.list(made.id, order="asc")] == \
+        ["Hi", "Hello.", "Bye"]  # the SDK pages on by `after`
+    client.responses.delete(made.id)
+    for call in (client.responses.retrieve, client.responses.delete, client.responses.input_items.list):
+        with pytest.raises(openai.NotFoundError) as err:
+            call(made.id)
+        assert err.value.body["code"] == "response_not_found"
 
 
 @pytest.mark.parametrize("kw, param", [

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from hf2q.server.errors import APIError
-from hf2q.server.schemas import ResponsesRequest
-from hf2q.server.serving_responses import ResponseStore, _Items, input_messages, to_chat
+from hf2q.server.schemas import InputMessage, ResponsesRequest
+from hf2q.server.response_store import ResponseStore, input_items
+from hf2q.server.serving_responses import _Items, input_messages, to_chat
 
 
 def _input(items):
@@ -60,10 +61,33 @@ def test_deltas_become_items_and_events():
 def test_store_is_bounded_lru():
     store = ResponseStore(size=2)
     for rid in ("a", "b"):
-        store.put(rid, [{"role": "user", "content": rid}])
-    store.get("a")  # used: "b" is now the oldest
-    store.put("c", [])
-    assert store.get("a") and store.get("c") == []
+        store.put({"id": rid}, [{"role": "user", "content": rid}], [])
+    store.conversation("a")  # used: "b" is now the oldest
+    store.put({"id": "c"}, [], [])
+    assert store.conversation("a") and store.conversation("c") == []
     with pytest.raises(APIError) as err:
-        store.get("b")
-    assert err.value.status == 404
+        store.conversation("b")
+    assert err.value.status == 404 and err.value.param == "previous_response_id"
+    with pytest.raises(APIError) as err:
+        store.response("b")
+    assert err.value.status == 404 and err.value.code == "response_not_found"
+
+
+def test_input_items_pages_newest_first():
+    store = ResponseStore()
+    items = input_items([InputMessage(role="user", content="one"), InputMessage(role="assistant", content="two"),
+                         InputMessage(role="user", content=[{"type": "input_text", "text": "three"}])])
+    assert [i["content"][0]["type"] for i in items] == ["input_text", "output_text", "input_text"]
+    assert all(i["id"].startswith("msg_") and i["status"] == "completed" for i in items)
+    store.put({"id": "r"}, [], items)
+    first = store.input_items("r", 2, None, None)
+    assert [i["content"][0]["text"] for i in first["data"]] == ["three", "two"] and first["has_more"]
+    rest = store.input_items("r", 2, None, first["last_id"])
+    assert [i["content"][0]["text"] for i in rest["data"]] == ["one"] and not rest["has_more"]
+    assert [i["content"][0]["text"] for i in store.input_items("r", None, "asc", None)["data"]] == \
+        ["one", "two", "three"]
+    with pytest.raises(APIError, match="limit"):
+        store.input_items("r", 0, None, None)
+    assert store.delete("r") == {"id": "r", "object": "response", "deleted": True}
+    with pytest.raises(APIError):
+        store.input_items("r", None, None, None)

@@ -99,6 +99,19 @@ def build_app(state: ServerState) -> FastAPI:
     async def create_response(body: ResponsesRequest, request: Request) -> Response:
         return await responses.create(body, request)
 
+    @app.get("/v1/responses/{response_id}", dependencies=auth)
+    async def get_response(response_id: str) -> JSONResponse:
+        return JSONResponse(responses.store.response(response_id))
+
+    @app.delete("/v1/responses/{response_id}", dependencies=auth)
+    async def delete_response(response_id: str) -> JSONResponse:
+        return JSONResponse(responses.store.delete(response_id))
+
+    @app.get("/v1/responses/{response_id}/input_items", dependencies=auth)
+    async def list_input_items(response_id: str, limit: int | None = None, order: str | None = None,
+                               after: str | None = None) -> JSONResponse:
+        return JSONResponse(responses.store.input_items(response_id, limit, order, after))
+
     @app.post("/v1/embeddings", dependencies=auth)
     async def create_embeddings(body: EmbeddingRequest, request: Request) -> Response:
         return await embeddings.create(body, request)

@@ -32,11 +32,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     from hf2q.engine.scheduler import SchedulerConfig
 
     d = SchedulerConfig()
-    p.add_argument("--model", help="GGUF file to serve; without it a tiny built-in demo model is served")
+    p.add_argument("--model", help="GGUF file to serve, or a Hugging Face model as OWNER/REPO[:QUANT] or "
+                   "hf://OWNER/REPO[:QUANT] (downloaded to the HF cache; QUANT default Q4_K_M, else the only GGUF); "
+                   "without it a tiny built-in demo model is served")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default: %(default)s, this machine only; 0.0.0.0 for every interface)")
     p.add_argument("--port", type=port_number, default=8080, help="TCP port, 1-65535 (default: %(default)s)")
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but /health")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but /health (default: none, no key)")
     p.add_argument("--metrics-public", action="store_true",
                    help="serve /metrics without the API key (for a Prometheus scraper that sends none)")
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
@@ -45,7 +47,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="CORS: comma-separated origins browsers may call from, or '*' for any (default: none)")
     add_media_args(p)
     p.add_argument("--served-model-name", help="model id in the API (default: the GGUF's general.name or stem)")
-    p.add_argument("--chat-template", help="Jinja chat template file overriding the GGUF's own")
+    p.add_argument("--chat-template", help="Jinja chat template file overriding the GGUF's own (default: the GGUF's)")
     vision = p.add_mutually_exclusive_group()
     vision.add_argument("--mmproj", metavar="P.gguf",
                         help="llama.cpp's vision projector file; images are then accepted (default: the one "
@@ -58,15 +60,18 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         f"{CPU_MAX_MODEL_LEN}))")
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help=f"sequences decoded together (default: {CUDA_MAX_NUM_SEQS} on CUDA, {CPU_MAX_NUM_SEQS} on the CPU)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
-    p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk)
-    p.add_argument("--max-waiting", type=int, default=d.max_waiting, help="queued requests before 429")
+    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                   help="tokens one engine step may compute over all sequences (default: %(default)s)")
+    p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk,
+                   help="prompt tokens of one sequence prefilled per step (default: %(default)s)")
+    p.add_argument("--max-waiting", type=int, default=d.max_waiting,
+                   help="queued requests before 429 (default: %(default)s)")
     p.add_argument("--default-chat-template-kwargs", type=json.loads, default={},
                    help="JSON object merged under each request's chat_template_kwargs, "
-                        "e.g. '{\"enable_thinking\": false}'")
-    p.add_argument("--scripted-replies", help="TESTING AID: a JSON file holding a list of strings; generation i "
-                   "emits reply i mod len (tokenized, forced instead of sampled), so reasoning and tool-call "
-                   "parsing can be tested end to end through the real server. Never for real use.")
+                        "e.g. '{\"enable_thinking\": false}' (default: none)")
+    # Testing aid, hidden from --help: a JSON file holding a list of strings; generation i emits reply i mod len
+    # (tokenized, forced instead of sampled), so reasoning and tool-call parsing are tested through the server.
+    p.add_argument("--scripted-replies", help=argparse.SUPPRESS)
     p.add_argument("--prefix-cache-gb", type=float,
                    help="retained-prefix budget: K/V and DeltaNet state kept for later prompts to resume from "
                         "(default: 10%% of free GPU memory on CUDA, 1 GB on CPU)")
@@ -76,16 +81,20 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-cache", action="store_true", help="turn retained-prefix reuse off")
     p.add_argument("--prefix-cache-dir", metavar="DIR",
                    help="also write prefix checkpoints to files in DIR (created 0700) and resume from them "
-                        "after a restart of the same model")
+                        "after a restart of the same model (default: none, in memory only)")
     p.add_argument("--prefix-cache-disk-gb", type=float, default=10.0,
                    help="bytes the checkpoint files in --prefix-cache-dir may hold, least recently used "
                         "deleted beyond it (default: %(default)s)")
     add_device_args(p)
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="shard the model over N local ranks (one GPU each on CUDA); this process is rank 0 and "
-                        "spawns the others")
+                        "spawns the others (default: %(default)s)")
     add_spec_args(p)
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--shutdown-timeout", type=float, default=0.0, metavar="S",
+                   help="on SIGTERM or Ctrl-C, stop taking requests and give running ones S seconds to finish "
+                        "before ending them with an error event (default: %(default)s, end them at once)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="server log verbosity (default: %(default)s)")
 
 
 def _model_name(args, model, is_demo: bool) -> str:
@@ -93,7 +102,7 @@ def _model_name(args, model, is_demo: bool) -> str:
         return args.served_model_name
     if is_demo:
         return "hf2q-demo"
-    return model.config.name or Path(args.model).stem
+    return model.config.name or model.path.stem
 
 
 def _mmproj_path(args, model_path: Path, is_demo: bool) -> Path | None:
@@ -151,7 +160,9 @@ def build_state(args):
         log.info("no --model given: serving the built-in DEMO model (tiny random weights, gibberish output)")
         path = demo_model_path()
     else:
-        path = Path(args.model)
+        from hf2q.checkpoint.hub import local_model_path
+
+        path = local_model_path(args.model)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     tp = getattr(args, "tensor_parallel_size", 1)
@@ -268,24 +279,42 @@ def run_serve(args: argparse.Namespace) -> int:
     demo = " (DEMO model)" if state.config.is_demo else ""
     log.info("serving %r%s at http://%s:%d/v1 (max_model_len %d, max_num_seqs %d)", state.config.model_name, demo,
              args.host, args.port, state.config.max_model_len, args.max_num_seqs)
-    server = _server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5), state)
+    grace = getattr(args, "shutdown_timeout", 0.0)
+    if grace < 0:
+        raise ValueError("--shutdown-timeout must be >= 0")
+    # uvicorn's own timeout leaves room for the ended streams to send their error event and [DONE]
+    server = _server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=grace + 5), state, grace)
     server.run(sockets=[sock])
     # A stop the engine asked for because it cannot go on (a dead tensor-parallel rank) is a failure.
     return 1 if state.engine.failure else 0
 
 
-def _server(config, state):
-    """uvicorn's server, which on SIGTERM (or Ctrl-C) first ends every running generation.
+def _server(config, state, grace: float = 0.0):
+    """uvicorn's server, which on SIGTERM (or Ctrl-C) stops listening, lets running generations go on for
+    `grace` seconds, then ends the rest.
 
-    Streams then close at once with an error event and [DONE] instead of being cut when the graceful
-    timeout runs out, and a SIGTERM stop exits 0, as a requested stop should, not by uvicorn's re-raised signal.
+    Those streams close with an error event and [DONE] instead of being cut when uvicorn's graceful timeout
+    runs out, and a SIGTERM stop exits 0, as a requested stop should, not by uvicorn's re-raised signal.
     """
+    import asyncio
+
     import uvicorn
+
+    def end_running() -> None:
+        state.engine.stop_requests("the server is shutting down")
 
     class Server(uvicorn.Server):
         async def shutdown(self, sockets=None) -> None:
-            state.engine.stop_requests("the server is shutting down")
-            await super().shutdown(sockets)
+            if grace > 0:
+                log.info("shutting down: running requests have %.0f s to finish", grace)
+                timer = asyncio.get_running_loop().call_later(grace, end_running)
+            else:
+                end_running()
+            try:
+                await super().shutdown(sockets)
+            finally:
+                if grace > 0:
+                    timer.cancel()
 
         def handle_exit(self, sig, frame) -> None:
             super().handle_exit(sig, frame)

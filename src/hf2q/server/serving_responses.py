@@ -1,4 +1,4 @@
-"""POST /v1/responses: a Responses request runs as a chat completion; its output comes back as Response items.
+"""/v1/responses: a Responses request runs as a chat completion; its output comes back as Response items.
 
 The request is translated into a ChatCompletionRequest (input items -> messages, flat tools -> chat tools,
 `text.format` -> response_format, `reasoning.effort` -> reasoning_effort), so every check and every
@@ -11,7 +11,6 @@ import copy
 import json
 import time
 import uuid
-from collections import OrderedDict
 from contextlib import aclosing
 from typing import AsyncIterator, Optional
 
@@ -25,34 +24,12 @@ from hf2q.server.choices import Choices
 from hf2q.server.errors import APIError, bad_request, validation_error
 from hf2q.server.prompt_images import NO_VISION
 from hf2q.server.request_fields import log_labels
+from hf2q.server.response_store import ResponseStore, input_items
 from hf2q.server.schemas import (ChatCompletionRequest, FunctionCallItem, FunctionCallOutputItem, InputMessage,
                                  ReasoningItem, ResponsesRequest)
 from hf2q.server.serving_chat import ChatServing
 from hf2q.server.sse import unless_disconnected
 from hf2q.server.state import ServerState
-
-STORE_SIZE = 1000  # responses kept for previous_response_id, least recently used dropped first
-
-
-class ResponseStore:
-    """The conversations of recent responses (chat messages, input and output), by response id."""
-
-    def __init__(self, size: int = STORE_SIZE):
-        self.size = size
-        self._items: OrderedDict[str, list[dict]] = OrderedDict()
-
-    def get(self, response_id: str) -> list[dict]:
-        if response_id not in self._items:
-            raise APIError(404, f"Previous response with id {response_id!r} not found.",
-                           param="previous_response_id", code="previous_response_not_found")
-        self._items.move_to_end(response_id)
-        return copy.deepcopy(self._items[response_id])
-
-    def put(self, response_id: str, messages: list[dict]) -> None:
-        self._items[response_id] = messages
-        while len(self._items) > self.size:
-            self._items.popitem(last=False)
-
 
 def _text(content, where: str) -> str:
     if isinstance(content, str):
@@ -278,7 +255,7 @@ class ResponsesServing:
 
     async def create(self, req: ResponsesRequest, raw: Request) -> Response:
         _check(req)
-        history = self.store.get(req.previous_response_id) if req.previous_response_id is not None else []
+        history = self.store.conversation(req.previous_response_id) if req.previous_response_id is not None else []
         chat_req, conversation = to_chat(req, history, self.state.vision is not None)
         choices, outputs, head = await self.chat.start(chat_req)
         response = self._response(req, _new_id("resp"), head["created"])
@@ -340,7 +317,8 @@ class _Run:
                    "output_tokens_details": {"reasoning_tokens": self.output.reasoning_tokens},
                    "total_tokens": usage["total_tokens"]})
         if self.req.store is not False:
-            self.serving.store.put(self.response["id"], self.conversation + [self.output.message()])
+            self.serving.store.put(self.response, self.conversation + [self.output.message()],
+                                   input_items(self.req.input))
 
     async def collect(self) -> dict:
         async with aclosing(self.deltas()) as deltas:
