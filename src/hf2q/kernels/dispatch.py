@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from hf2q import envs
-from hf2q.kernels.conv import causal_conv1d_varlen
-from hf2q.kernels.gdn import gated_delta_rule_ref
-from hf2q.kernels.norm import rms_norm
-from hf2q.kernels.rotary import apply_rotary
+from hf2q.kernels.conv.reference import causal_conv1d_varlen
+from hf2q.kernels.gdn.reference import gated_delta_rule_ref
+from hf2q.kernels.norm.reference import rms_norm
+from hf2q.kernels.rotary.reference import apply_rotary
 
 _MODE = {"value": "auto"}  # auto: CUDA tensors only; off: never; force: every device
 # The Triton GEMV for few rows of x. By default ("measured") it serves the shapes its table records as
@@ -61,7 +61,7 @@ def _gemv_serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
     if not (1 <= rows <= 4 and _triton(x) and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
             and x.stride(-1) == 1 and weight.stride(-1) == 1):
         return False
-    from hf2q.kernels import gemv_triton
+    from hf2q.kernels.linear import gemv_triton
     limit = _GEMV["rows"]
     if limit == "measured":
         return gemv_triton.measured_faster(weight.shape[0], x.shape[-1], rows)
@@ -72,7 +72,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None 
     """x Wᵀ for a dense weight [N, K], in out_dtype (default x's): the Triton GEMV for a few bf16 rows on
     CUDA where the HF2Q_GEMV setting sends them (one kernel, no split-K reduce), cuBLAS otherwise."""
     if _gemv_serves(x, weight):
-        from hf2q.kernels.gemv_triton import gemv
+        from hf2q.kernels.linear.gemv_triton import gemv
         return gemv(x, weight, out_dtype)
     y = F.linear(x, weight)
     return y if out_dtype is None else y.to(out_dtype)
@@ -102,7 +102,7 @@ def packed_swiglu(x: torch.Tensor, linears, int8_for: str | None = None) -> tupl
             and gate.weight.shape == up.weight.shape):
         packed = _pack(x, linears)
         if _gemv_serves(x, packed):
-            from hf2q.kernels.gemv_triton import gemv_glu
+            from hf2q.kernels.linear.gemv_triton import gemv_glu
             sizes = [lin.weight.shape[0] for lin in linears[:-1]]
             return torch.split(gemv_glu(x, packed, sum(sizes[:-1])), sizes, dim=-1)
     *others, g, u = packed_linear(x, linears)
@@ -146,7 +146,7 @@ def _packed_by_type(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
     out: list = [None] * len(linears)
     quant = [(qtype, idx) for qtype, idx in groups.items() if qtype is not None]
     if len(quant) == 2:  # two types (a DeltaNet's Q5_K qkv and Q4_K z/a/b): one launch where the mat-vec serves
-        from hf2q.kernels.quant_ops import quant_linear_pair
+        from hf2q.kernels.quant.ops import quant_linear_pair
 
         parts = [[linears[i] for i in idx] for _, idx in quant]
         sizes = [[lin.out_features for lin in part] for part in parts]
@@ -170,7 +170,7 @@ def _packed_by_type(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
 
 def _packed_quant_linear(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
     """packed_linear for projections quantized as one type (see _packed_raw)."""
-    from hf2q.kernels.quant_ops import quant_linear
+    from hf2q.kernels.quant.ops import quant_linear
 
     sizes = [lin.out_features for lin in linears]
     out = quant_linear(x, _packed_raw(linears), linears[0].qtype, sum(sizes))
@@ -207,7 +207,7 @@ def add_rms_norm(x: torch.Tensor, add, weight: torch.Tensor, eps: float,
     int8_for: the block input feeds the int8 mat-vec of a weight of that type (quant_ops.int8_reader); the
     kernel also writes its int8 rows."""
     if _triton(x) and x.dim() == 2 and x.stride(1) == 1 and (add is None or add.stride(1) == 1):
-        from hf2q.kernels.norm_triton import add_rms_norm as kernel
+        from hf2q.kernels.norm.add_rms_triton import add_rms_norm as kernel
         return kernel(x, add, weight, eps, int8_for)
     if add is not None:
         x = x + add
@@ -218,7 +218,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, int8_for: str | None = None) 
     """SwiGLU activation silu(gate) * up. int8_for: the result feeds the int8 mat-vec of a weight of that
     type; the kernel also writes its int8 rows."""
     if _triton(gate) and gate.stride(-1) == 1 and up.stride(-1) == 1:
-        from hf2q.kernels.swiglu_triton import silu_mul as kernel
+        from hf2q.kernels.activation.swiglu_triton import silu_mul as kernel
         return kernel(gate, up, int8_for)
     return F.silu(gate) * up
 
@@ -228,7 +228,7 @@ def qk_norm_rope(q, k, v, q_w, k_w, cos, sin, eps: float, rotary_dim: int, pools
     """Per-head RMSNorm and partial RoPE of q [T, nh, hd] and k [T, nkv, hd]; with pools (k_rows, v_rows,
     slot_mapping) also writes each token's K/V row into the paged pool. Returns (q, k)."""
     if _triton(q) and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1:
-        from hf2q.kernels.qk_rope_triton import qk_norm_rope as kernel
+        from hf2q.kernels.rotary.qk_rope_triton import qk_norm_rope as kernel
         return kernel(q, k, v, q_w, k_w, cos, sin, eps, rotary_dim, pools)
     q = apply_rotary(rms_norm(q, q_w, eps), cos, sin, rotary_dim)
     k = apply_rotary(rms_norm(k, k_w, eps), cos, sin, rotary_dim)
@@ -243,7 +243,7 @@ def qk_norm_rope(q, k, v, q_w, k_w, cos, sin, eps: float, rotary_dim: int, pools
 def conv_decode_(x: torch.Tensor, weight: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """SiLU(causal conv) of one new input per sequence [B, C] -> fp32 [B, C]; updates state_pool[slots]."""
     if _triton(x) and weight.shape[1] == 4:
-        from hf2q.kernels.conv_triton import conv_decode_ as kernel
+        from hf2q.kernels.conv.decode_triton import conv_decode_ as kernel
         return kernel(x, weight, state_pool, slots)
     window = torch.cat((state_pool[slots].float(), x.float()[:, None]), dim=1)  # [B, K, C]
     y = (window * weight.float().t()[None]).sum(1)
@@ -259,7 +259,7 @@ def conv_varlen_(x: torch.Tensor, weight: torch.Tensor, state_pool, slots, cu_se
     states, nothing written."""
     if (_triton(x) and weight.shape[1] == 4 and x.stride(1) == 1
             and (state_pool is None or state_pool.stride(2) == 1)):
-        from hf2q.kernels.conv_varlen_triton import conv_varlen_ as kernel
+        from hf2q.kernels.conv.varlen_triton import conv_varlen_ as kernel
         return kernel(x, weight, state_pool, slots, cu_seqlens)
     states = state_pool[slots] if state_pool is not None else None
     y, new = causal_conv1d_varlen(x, states, weight, seq_lens)
@@ -277,7 +277,7 @@ def gdn_conv_decode_(x, conv_w, conv_pool, a_raw, b_raw, A, dt_bias, z, norm_w, 
     int8 rows."""
     if (_triton(x) and conv_w.shape[1] == 4 and state_pool.dtype == torch.float32 and x.stride(1) == 1
             and conv_pool.stride(2) == 1):
-        from hf2q.kernels.gdn_decode_triton import gdn_conv_decode_ as kernel
+        from hf2q.kernels.gdn.decode_triton import gdn_conv_decode_ as kernel
         return kernel(x, conv_w, conv_pool, a_raw, b_raw, A, dt_bias, z, norm_w, state_pool, slots, nk, dk, eps,
                       out_dtype, int8_for)
     return gdn_decode_(conv_decode_(x, conv_w, conv_pool, slots), a_raw, b_raw, A, dt_bias, z, norm_w, state_pool,
@@ -288,7 +288,7 @@ def gdn_decode_(qkv, a_raw, b_raw, A, dt_bias, z, norm_w, state_pool, slots, nk:
                 out_dtype: torch.dtype) -> torch.Tensor:
     """Fused decode step of every sequence (see gdn_decode_triton); state_pool[slots] updated in place."""
     if _triton(qkv) and state_pool.dtype == torch.float32:
-        from hf2q.kernels.gdn_decode_triton import gdn_decode_ as kernel
+        from hf2q.kernels.gdn.decode_triton import gdn_decode_ as kernel
         return kernel(qkv, a_raw, b_raw, A, dt_bias, z, norm_w, state_pool, slots, nk, dk, eps, out_dtype)
     bsz, nv, dv = qkv.shape[0], state_pool.shape[1], state_pool.shape[3]
     rep = nv // nk
@@ -313,7 +313,7 @@ def chunk_gdn(q, k, v, g, beta, initial_state, cu_seqlens, seq_lens: list[int], 
     """q, k: [T, nk, dk] raw; v: [T, nv, dv]; g, beta: [T, nv]; initial_state: [N, nv, dk, dv].
     Returns (o [T, nv, dv] in v's dtype, final states [N, nv, dk, dv] fp32)."""
     if q.is_cuda:
-        from hf2q.kernels.gdn_fla import chunk_gdn as kernel
+        from hf2q.kernels.gdn.chunked_fla import chunk_gdn as kernel
         return kernel(q, k, v, g, beta, initial_state, cu_seqlens, scale)
     rep = v.shape[1] // q.shape[1]
     qf = q.float() * torch.rsqrt(q.float().pow(2).sum(-1, keepdim=True) + eps) * scale
@@ -333,7 +333,7 @@ def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     """Per-head rms_norm(o) * weight * silu(z) of the DeltaNet output: o [T, H, D], z [T, H * D]
     -> [T, H * D] in out_dtype."""
     if _triton(o) and o.stride(2) == 1 and z.stride(1) == 1:
-        from hf2q.kernels.gated_norm_triton import gated_rms_norm as kernel
+        from hf2q.kernels.norm.gated_triton import gated_rms_norm as kernel
         return kernel(o, z, weight, eps, out_dtype)
     of = o.float()
     of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
@@ -347,7 +347,7 @@ def paged_decode_attention(q, k_rows, v_rows, block_tables, context_lens, block_
     """q: [B, nh, hd]; k_rows/v_rows: flat pools [rows, nkv, hd]. Returns [B, nh, hd], times sigmoid(gate)
     ([B, nh, hd]) when given."""
     if _triton(q):
-        from hf2q.kernels.paged_attention_triton import paged_decode_attention as kernel
+        from hf2q.kernels.attention.paged_triton import paged_decode_attention as kernel
         return kernel(q, k_rows, v_rows, block_tables, context_lens, block_size, scale, gate=gate)
     longest = block_tables.shape[1] * block_size
     pos = torch.arange(longest, device=q.device)
@@ -371,7 +371,7 @@ def moe_pairs_by_gemv(x, experts, gate_exps, up_exps, down_exps) -> bool:
 
 def moe_pairs_swiglu(x, experts, gate_exps, up_exps) -> torch.Tensor:
     """silu(x·gate_e)·(x·up_e) of every pair [T·k, I] in one expert GEMV launch (where moe_pairs_by_gemv)."""
-    from hf2q.kernels.gemv_triton import expert_gemv
+    from hf2q.kernels.linear.gemv_triton import expert_gemv
     return expert_gemv(x, gate_exps, experts.reshape(-1).to(torch.int32), experts.shape[1], second=up_exps)
 
 
@@ -380,11 +380,11 @@ def moe_expert_pairs(x, experts, gate_exps, up_exps, down_exps):
     pairs through the expert GEMV (gate, up and the SwiGLU in one launch), many through grouped GEMMs where the device
     has them, else a loop over the chosen experts."""
     if moe_pairs_by_gemv(x, experts, gate_exps, up_exps, down_exps):
-        from hf2q.kernels.gemv_triton import expert_gemv
+        from hf2q.kernels.linear.gemv_triton import expert_gemv
         h = moe_pairs_swiglu(x, experts, gate_exps, up_exps)
         return expert_gemv(h, down_exps, experts.reshape(-1).to(torch.int32))
     if x.is_cuda:
-        from hf2q.kernels.moe_grouped import grouped_mm_available, moe_expert_pairs_grouped
+        from hf2q.kernels.moe.grouped import grouped_mm_available, moe_expert_pairs_grouped
         if grouped_mm_available(x):
             return moe_expert_pairs_grouped(x, experts, gate_exps, up_exps, down_exps)
     t, top_k = experts.shape
@@ -399,7 +399,7 @@ def moe_expert_pairs(x, experts, gate_exps, up_exps, down_exps):
 def moe_route(logits: torch.Tensor, top_k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] -> (weights [T, k] renormalised over the top k, in dtype; experts [T, k])."""
     if _triton(logits) and logits.stride(-1) == 1:
-        from hf2q.kernels.moe_triton import route
+        from hf2q.kernels.moe.route_triton import route
         return route(logits, top_k, dtype)
     probs = torch.softmax(logits.float(), dim=-1)
     weights, experts = torch.topk(probs, top_k, dim=-1)
@@ -410,7 +410,7 @@ def moe_combine(pairs: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor
                 shared_gate: torch.Tensor | None = None) -> torch.Tensor:
     """Σ_k weights · pairs (pair outputs [T·k, H]) plus sigmoid(shared_gate) · shared when given."""
     if _triton(pairs) and pairs.is_contiguous() and (shared is None or shared.stride(-1) == 1):
-        from hf2q.kernels.moe_triton import combine
+        from hf2q.kernels.moe.route_triton import combine
         return combine(pairs, weights.contiguous(), shared, shared_gate)
     t, top_k = weights.shape
     out = (pairs.view(t, top_k, -1) * weights[..., None].to(pairs.dtype)).sum(1)
@@ -428,10 +428,10 @@ def moe_down_combine(h_pairs: torch.Tensor, experts: torch.Tensor, weights: torc
     shared = shared_act is not None
     if (_triton(h_pairs) and h_pairs.stride(-1) == 1 and down_exps.stride(-1) == 1
             and (not shared or _gemv_serves(shared_act, shared_down_weight))):
-        from hf2q.kernels.gemv_triton import expert_down_combine
+        from hf2q.kernels.linear.gemv_triton import expert_down_combine
         return expert_down_combine(h_pairs, down_exps, experts, weights, shared_act, shared_down_weight,
                                    shared_gate_logit)
-    from hf2q.kernels.gemv_triton import expert_gemv
+    from hf2q.kernels.linear.gemv_triton import expert_gemv
     pairs = expert_gemv(h_pairs, down_exps, experts.reshape(-1).to(torch.int32))
     if not shared:
         return moe_combine(pairs, weights)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from hf2q.kernels import dispatch
-from hf2q.kernels.quant_ops import MOE_PAIRS, _triton, dequantize, scratch
+from hf2q.kernels.quant.ops import MOE_PAIRS, _triton, dequantize, scratch
 from hf2q.quant import dequantize_ref
 
 
@@ -39,7 +39,7 @@ def moe_expert_pairs_quant(x: torch.Tensor, experts: torch.Tensor, gate: tuple, 
         h = F.silu(_expert_linear_ref(xs, flat, *gate, inter)) * _expert_linear_ref(xs, flat, *up, inter)
         return _expert_linear_ref(h, flat, *down, hidden)
     if t * top_k <= MOE_PAIRS:
-        from hf2q.kernels.quant_dp4a_triton import blocked_for, matvec, quantize_rows
+        from hf2q.kernels.quant.dp4a_triton import blocked_for, matvec, quantize_rows
 
         flat = flat.to(torch.int32)
         xs = quantize_rows(x, blocked=blocked_for(gate[1]))

@@ -67,7 +67,7 @@ def dequantize(raw: torch.Tensor, qtype: str, shape: tuple[int, ...], dtype: tor
     if not _triton(raw):
         value = dequantize_ref(raw, qtype, shape).to(device=raw.device, dtype=dtype)
         return value if out is None else out.view(shape).copy_(value)
-    from hf2q.kernels import quant_triton
+    from hf2q.kernels.quant import dequant_triton as quant_triton
 
     rows, k = math.prod(shape[:-1]), shape[-1]
     out = torch.empty(shape, dtype=dtype, device=raw.device) if out is None else out.view(shape)
@@ -83,11 +83,11 @@ def quant_linear(x: torch.Tensor, raw: torch.Tensor, qtype: str, out_features: i
         w = dequantize_ref(raw, qtype, (out_features, k)).to(x.device)
         return F.linear(x2.float(), w).to(x.dtype).reshape(*x.shape[:-1], out_features)
     if x2.shape[0] <= MATVEC_ROWS:
-        from hf2q.kernels.quant_dp4a_triton import gemv
+        from hf2q.kernels.quant.dp4a_triton import gemv
 
         y = gemv(x2, raw, qtype, out_features, key=x)
     elif x2.shape[0] <= MM_ROWS:
-        from hf2q.kernels.quant_mm_triton import quant_mm
+        from hf2q.kernels.quant.mm_triton import quant_mm
 
         y = quant_mm(x2, raw, qtype, out_features)
     else:
@@ -102,7 +102,7 @@ def quant_linear_pair(x: torch.Tensor, first: tuple, second: tuple) -> torch.Ten
     mat-vec launch -> [..., n1 + n2] in x's dtype; None where that launch does not serve: no Triton, too
     many rows, types that read activations in different orders, or a first weight whose rows do not
     split into whole programs (a multiple of 32). (K-quant rows are whole 256-value blocks by type.)"""
-    from hf2q.kernels.quant_dp4a_triton import blocked_for, matvec, quantize_rows
+    from hf2q.kernels.quant.dp4a_triton import blocked_for, matvec, quantize_rows
 
     (raw1, qtype1, n1), (raw2, qtype2, n2) = first, second
     k = x.shape[-1]
