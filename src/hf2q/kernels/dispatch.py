@@ -2,8 +2,8 @@
 
 The layers call these functions on their fast path (CUDA by default). Each op has a plain torch
 version with the same contract: it runs where Triton cannot (CPU), and it is what the Triton kernels
-are tested against. `fast_path("force")` runs the fast path on CPU too, so its batching logic is
-testable without a GPU.
+are tested against; `choose.triton_runs` decides between the two and `choose.fast_path` sets the
+layers' vectorised path.
 """
 from __future__ import annotations
 
@@ -13,34 +13,16 @@ import torch
 import torch.nn.functional as F
 
 from hf2q import envs
+from hf2q.kernels.choose import fast_path, triton_runs, use_fast_path  # noqa: F401 (fast_path, use_fast_path: re-exported)
 from hf2q.kernels.conv.reference import causal_conv1d_varlen
 from hf2q.kernels.gdn.reference import gated_delta_rule_ref
 from hf2q.kernels.norm.reference import rms_norm
 from hf2q.kernels.rotary.reference import apply_rotary
 
-_MODE = {"value": "auto"}  # auto: CUDA tensors only; off: never; force: every device
 # The Triton GEMV for few rows of x. By default ("measured") it serves the shapes its table records as
 # faster than cuBLAS on the device (2B, one row: 20% faster); HF2Q_GEMV=N sends every product of at most
 # N (0..4) rows to it, HF2Q_GEMV=0 none.
 _GEMV = {"rows": envs.gemv_rows()}
-
-
-@contextlib.contextmanager
-def fast_path(mode: str):
-    """Temporarily set the fast-path mode: 'auto', 'off' or 'force'."""
-    if mode not in ("auto", "off", "force"):
-        raise ValueError(f"fast path mode must be auto, off or force, not {mode!r}")
-    old, _MODE["value"] = _MODE["value"], mode
-    try:
-        yield
-    finally:
-        _MODE["value"] = old
-
-
-def use_fast_path(x: torch.Tensor) -> bool:
-    """The vectorised kernels on CUDA (or when forced); the reference path otherwise."""
-    mode = _MODE["value"]
-    return mode == "force" or (mode == "auto" and x.is_cuda)
 
 
 @contextlib.contextmanager
@@ -58,7 +40,7 @@ def _gemv_serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether x Wᵀ goes to the Triton GEMV: a few bf16 rows where Triton runs and the HF2Q_GEMV setting
     sends them."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if not (1 <= rows <= 4 and _triton(x) and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
+    if not (1 <= rows <= 4 and triton_runs(x) and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
             and x.stride(-1) == 1 and weight.stride(-1) == 1):
         return False
     from hf2q.kernels.linear import gemv_triton
@@ -196,17 +178,13 @@ def _packed_raw(linears) -> torch.Tensor:
     return packed
 
 
-def _triton(x: torch.Tensor) -> bool:
-    return x.is_cuda or envs.triton_interpret()
-
-
 # ---- residual add + RMSNorm, activation -------------------------------------------------------------
 def add_rms_norm(x: torch.Tensor, add, weight: torch.Tensor, eps: float,
                  int8_for: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + add, rms_norm(x + add)): the new residual and the block input; add None: (x, rms_norm(x)).
     int8_for: the block input feeds the int8 mat-vec of a weight of that type (quant_ops.int8_reader); the
     kernel also writes its int8 rows."""
-    if _triton(x) and x.dim() == 2 and x.stride(1) == 1 and (add is None or add.stride(1) == 1):
+    if triton_runs(x) and x.dim() == 2 and x.stride(1) == 1 and (add is None or add.stride(1) == 1):
         from hf2q.kernels.norm.add_rms_triton import add_rms_norm as kernel
         return kernel(x, add, weight, eps, int8_for)
     if add is not None:
@@ -217,7 +195,7 @@ def add_rms_norm(x: torch.Tensor, add, weight: torch.Tensor, eps: float,
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, int8_for: str | None = None) -> torch.Tensor:
     """SwiGLU activation silu(gate) * up. int8_for: the result feeds the int8 mat-vec of a weight of that
     type; the kernel also writes its int8 rows."""
-    if _triton(gate) and gate.stride(-1) == 1 and up.stride(-1) == 1:
+    if triton_runs(gate) and gate.stride(-1) == 1 and up.stride(-1) == 1:
         from hf2q.kernels.activation.swiglu_triton import silu_mul as kernel
         return kernel(gate, up, int8_for)
     return F.silu(gate) * up
@@ -227,7 +205,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, int8_for: str | None = None) 
 def qk_norm_rope(q, k, v, q_w, k_w, cos, sin, eps: float, rotary_dim: int, pools=None):
     """Per-head RMSNorm and partial RoPE of q [T, nh, hd] and k [T, nkv, hd]; with pools (k_rows, v_rows,
     slot_mapping) also writes each token's K/V row into the paged pool. Returns (q, k)."""
-    if _triton(q) and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1:
+    if triton_runs(q) and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1:
         from hf2q.kernels.rotary.qk_rope_triton import qk_norm_rope as kernel
         return kernel(q, k, v, q_w, k_w, cos, sin, eps, rotary_dim, pools)
     q = apply_rotary(rms_norm(q, q_w, eps), cos, sin, rotary_dim)
@@ -242,7 +220,7 @@ def qk_norm_rope(q, k, v, q_w, k_w, cos, sin, eps: float, rotary_dim: int, pools
 # ---- causal conv1d, one token per sequence ---------------------------------------------------------
 def conv_decode_(x: torch.Tensor, weight: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """SiLU(causal conv) of one new input per sequence [B, C] -> fp32 [B, C]; updates state_pool[slots]."""
-    if _triton(x) and weight.shape[1] == 4:
+    if triton_runs(x) and weight.shape[1] == 4:
         from hf2q.kernels.conv.decode_triton import conv_decode_ as kernel
         return kernel(x, weight, state_pool, slots)
     window = torch.cat((state_pool[slots].float(), x.float()[:, None]), dim=1)  # [B, K, C]
@@ -257,7 +235,7 @@ def conv_varlen_(x: torch.Tensor, weight: torch.Tensor, state_pool, slots, cu_se
     """SiLU(causal conv) of N sequences end to end in x [T, C] -> [T, C] in x's dtype. Each sequence starts
     from state_pool[slots] ([S, K-1, C]) and its new state is written back there; state_pool None: zero
     states, nothing written."""
-    if (_triton(x) and weight.shape[1] == 4 and x.stride(1) == 1
+    if (triton_runs(x) and weight.shape[1] == 4 and x.stride(1) == 1
             and (state_pool is None or state_pool.stride(2) == 1)):
         from hf2q.kernels.conv.varlen_triton import conv_varlen_ as kernel
         return kernel(x, weight, state_pool, slots, cu_seqlens)
@@ -275,7 +253,7 @@ def gdn_conv_decode_(x, conv_w, conv_pool, a_raw, b_raw, A, dt_bias, z, norm_w, 
     launch per layer fewer); conv_pool and state_pool updated in place at `slots`. int8_for: the output
     feeds the int8 mat-vec of a weight of that type (quant_ops.int8_reader); the kernel also writes its
     int8 rows."""
-    if (_triton(x) and conv_w.shape[1] == 4 and state_pool.dtype == torch.float32 and x.stride(1) == 1
+    if (triton_runs(x) and conv_w.shape[1] == 4 and state_pool.dtype == torch.float32 and x.stride(1) == 1
             and conv_pool.stride(2) == 1):
         from hf2q.kernels.gdn.decode_triton import gdn_conv_decode_ as kernel
         return kernel(x, conv_w, conv_pool, a_raw, b_raw, A, dt_bias, z, norm_w, state_pool, slots, nk, dk, eps,
@@ -287,7 +265,7 @@ def gdn_conv_decode_(x, conv_w, conv_pool, a_raw, b_raw, A, dt_bias, z, norm_w, 
 def gdn_decode_(qkv, a_raw, b_raw, A, dt_bias, z, norm_w, state_pool, slots, nk: int, dk: int, eps: float,
                 out_dtype: torch.dtype) -> torch.Tensor:
     """Fused decode step of every sequence (see gdn_decode_triton); state_pool[slots] updated in place."""
-    if _triton(qkv) and state_pool.dtype == torch.float32:
+    if triton_runs(qkv) and state_pool.dtype == torch.float32:
         from hf2q.kernels.gdn.decode_triton import gdn_decode_ as kernel
         return kernel(qkv, a_raw, b_raw, A, dt_bias, z, norm_w, state_pool, slots, nk, dk, eps, out_dtype)
     bsz, nv, dv = qkv.shape[0], state_pool.shape[1], state_pool.shape[3]
@@ -332,7 +310,7 @@ def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
                    out_dtype: torch.dtype) -> torch.Tensor:
     """Per-head rms_norm(o) * weight * silu(z) of the DeltaNet output: o [T, H, D], z [T, H * D]
     -> [T, H * D] in out_dtype."""
-    if _triton(o) and o.stride(2) == 1 and z.stride(1) == 1:
+    if triton_runs(o) and o.stride(2) == 1 and z.stride(1) == 1:
         from hf2q.kernels.norm.gated_triton import gated_rms_norm as kernel
         return kernel(o, z, weight, eps, out_dtype)
     of = o.float()
@@ -346,7 +324,7 @@ def paged_decode_attention(q, k_rows, v_rows, block_tables, context_lens, block_
                            gate=None):
     """q: [B, nh, hd]; k_rows/v_rows: flat pools [rows, nkv, hd]. Returns [B, nh, hd], times sigmoid(gate)
     ([B, nh, hd]) when given."""
-    if _triton(q):
+    if triton_runs(q):
         from hf2q.kernels.attention.paged_triton import paged_decode_attention as kernel
         return kernel(q, k_rows, v_rows, block_tables, context_lens, block_size, scale, gate=gate)
     longest = block_tables.shape[1] * block_size
@@ -365,7 +343,7 @@ MOE_GEMV_PAIRS = 32  # token-expert pairs up to which each pair's experts are re
 
 def moe_pairs_by_gemv(x, experts, gate_exps, up_exps, down_exps) -> bool:
     """Whether the pairs' experts are read by the expert GEMV: few pairs (decode) where Triton runs."""
-    return (_triton(x) and experts.numel() <= MOE_GEMV_PAIRS and x.stride(-1) == 1 and gate_exps.stride(-1) == 1
+    return (triton_runs(x) and experts.numel() <= MOE_GEMV_PAIRS and x.stride(-1) == 1 and gate_exps.stride(-1) == 1
             and up_exps.stride() == gate_exps.stride() and down_exps.stride(-1) == 1)
 
 
@@ -398,7 +376,7 @@ def moe_expert_pairs(x, experts, gate_exps, up_exps, down_exps):
 
 def moe_route(logits: torch.Tensor, top_k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] -> (weights [T, k] renormalised over the top k, in dtype; experts [T, k])."""
-    if _triton(logits) and logits.stride(-1) == 1:
+    if triton_runs(logits) and logits.stride(-1) == 1:
         from hf2q.kernels.moe.route_triton import route
         return route(logits, top_k, dtype)
     probs = torch.softmax(logits.float(), dim=-1)
@@ -409,7 +387,7 @@ def moe_route(logits: torch.Tensor, top_k: int, dtype: torch.dtype) -> tuple[tor
 def moe_combine(pairs: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None = None,
                 shared_gate: torch.Tensor | None = None) -> torch.Tensor:
     """Σ_k weights · pairs (pair outputs [T·k, H]) plus sigmoid(shared_gate) · shared when given."""
-    if _triton(pairs) and pairs.is_contiguous() and (shared is None or shared.stride(-1) == 1):
+    if triton_runs(pairs) and pairs.is_contiguous() and (shared is None or shared.stride(-1) == 1):
         from hf2q.kernels.moe.route_triton import combine
         return combine(pairs, weights.contiguous(), shared, shared_gate)
     t, top_k = weights.shape
@@ -426,7 +404,7 @@ def moe_down_combine(h_pairs: torch.Tensor, experts: torch.Tensor, weights: torc
     where the dense shared down would be a Triton GEMV too (or there is none); otherwise the down GEMV, the
     shared down by dispatch.linear (cuBLAS or the GEMV) and moe_combine, as three launches."""
     shared = shared_act is not None
-    if (_triton(h_pairs) and h_pairs.stride(-1) == 1 and down_exps.stride(-1) == 1
+    if (triton_runs(h_pairs) and h_pairs.stride(-1) == 1 and down_exps.stride(-1) == 1
             and (not shared or _gemv_serves(shared_act, shared_down_weight))):
         from hf2q.kernels.linear.gemv_triton import expert_down_combine
         return expert_down_combine(h_pairs, down_exps, experts, weights, shared_act, shared_down_weight,
