@@ -3,7 +3,7 @@ against the int8 mat-vec and dequantize + cuBLAS, per 9B projection and row coun
 
     python tools/quant_mm_sweep.py [--rows 2 8 16 32 64]
 
-Times are CUDA-graph replays over weight copies that overflow L2 (kernels/timing.py), summed over a 9B
+Times are CUDA-graph replays over weight copies that overflow L2 (kernels/tuning/timing.py), summed over a 9B
 token's projections (hf2q.bench.quant.LAYER_SET); the last lines give the step time of each path.
 """
 from __future__ import annotations
@@ -12,11 +12,11 @@ import argparse
 
 import torch
 
-from hf2q.kernels import quant_mm_triton as mm
+from hf2q.kernels.quant import mm_triton as mm
 from hf2q.bench.quant import LAYER_SET
-from hf2q.kernels.quant_dp4a_triton import gemv
-from hf2q.kernels.quant_ops import dequantize, scratch
-from hf2q.kernels.timing import cold_copies, graph_time_us
+from hf2q.kernels.quant.dp4a_triton import gemv
+from hf2q.kernels.quant.ops import dequantize, scratch
+from hf2q.kernels.tuning.timing import cold_copies, graph_time_us
 from hf2q.quant import keep_blocks, random_blocks
 
 

@@ -52,7 +52,7 @@ def test_gemv_bench_refuses_unknown_projection(capsys):
 def test_gemv_matches_linear(env, m):
     """Configs are (BLOCK_N, BLOCK_K, warps, stages): the one-row kernel takes any, the 2..4-row kernel
     (tensor cores) needs BLOCK_N >= 16."""
-    from hf2q.kernels.gemv_triton import gemv
+    from hf2q.kernels.linear.gemv_triton import gemv
 
     dev, dtype, real = env
     gen = torch.Generator().manual_seed(m)
@@ -70,7 +70,7 @@ def test_gemv_matches_linear(env, m):
 
 def test_gemv_row_strided_input_and_3d(env):
     """A row-strided x (a slice of a wider buffer) and a [1, m, K] x give the same rows."""
-    from hf2q.kernels.gemv_triton import gemv
+    from hf2q.kernels.linear.gemv_triton import gemv
 
     dev, dtype, real = env
     gen = torch.Generator().manual_seed(7)
@@ -132,7 +132,7 @@ def test_gemv_glu_matches_swiglu_of_products(env):
     """A pack [n_first rows of other projections; I gate rows; I up rows] at one row of x: the first n_first
     outputs are the plain products, the rest silu(gate)·up from the unrounded fp32 products, rounded
     once to bf16."""
-    from hf2q.kernels.gemv_triton import gemv_glu
+    from hf2q.kernels.linear.gemv_triton import gemv_glu
 
     dev, _, real = env
     gen = torch.Generator().manual_seed(11)
@@ -149,7 +149,7 @@ def test_gemv_glu_matches_swiglu_of_products(env):
 def test_expert_gemv_glu_matches_swiglu_of_products(env):
     """MoE pairs with gate and up as separate stacks [E, I, K]: pair p (token p // rows_per_x, expert
     experts[p]) gets silu(x·gate_e)·(x·up_e); several experts, some picked twice, odd I and K."""
-    from hf2q.kernels.gemv_triton import expert_gemv
+    from hf2q.kernels.linear.gemv_triton import expert_gemv
 
     dev, _, real = env
     gen = torch.Generator().manual_seed(12)
@@ -184,7 +184,7 @@ def test_expert_down_combine_matches_fp32_sum(env):
     gated shared expert's down, summed in fp32 and rounded once. Tolerance: one bf16 rounding of the fp32
     reference (_assert_bf16_rounding_of). Tokens 1..3, top-k > 1 with an expert picked twice by one token,
     H (N) not a multiple of BLOCK_N, expert and shared widths (K) not multiples of BLOCK_K and unequal."""
-    from hf2q.kernels.gemv_triton import expert_down_combine
+    from hf2q.kernels.linear.gemv_triton import expert_down_combine
 
     dev, _, real = env
     gen = torch.Generator().manual_seed(13)
@@ -221,7 +221,8 @@ def test_moe_down_combine_wiring_at_one_token(env, monkeypatch):
     import dataclasses
 
     from hf2q.bench_shapes import random_model, tiny_config
-    from hf2q.kernels import gemv_triton, moe_triton
+    from hf2q.kernels.linear import gemv_triton
+    from hf2q.kernels.moe import route_triton as moe_triton
     from hf2q.quant import random_blocks
 
     dev = env[0]
@@ -298,7 +299,7 @@ def test_fused_conv_gdn_decode_matches_two_step(env, heads, config):
     """Two decode steps in a row (the second reads the conv state the first shifted), over several slots;
     the slots no sequence owns are left alone. Also with another split of each head's columns and other
     warp counts (bench.gdn's configurations)."""
-    from hf2q.kernels.gdn_decode_triton import gdn_conv_decode_
+    from hf2q.kernels.gdn.decode_triton import gdn_conv_decode_
 
     dev, dtype, real = env
     nk, nv = heads
@@ -321,8 +322,8 @@ def test_fused_conv_gdn_decode_writes_int8_rows(env, qtype):
     """With int8_for, the folded step's second kernel also writes its output's int8 rows (in the row's
     order, or BLOCKED for a K-quant output projection), equal to quantizing the output afterwards: the
     quantized output projection then needs no quantizing launch of its own."""
-    from hf2q.kernels import quant_dp4a_triton as q8
-    from hf2q.kernels.gdn_decode_triton import gdn_conv_decode_
+    from hf2q.kernels.quant import dp4a_triton as q8
+    from hf2q.kernels.gdn.decode_triton import gdn_conv_decode_
 
     dev, dtype, real = env
     args = _decode_inputs(dev, dtype, real, 2, 8, seed=7, d=None if real else 32)  # 8 heads of 32: 256 wide
@@ -345,8 +346,8 @@ needs_cuda = pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reas
 @needs_cuda
 def test_fused_conv_gdn_decode_matches_two_triton_kernels(heads):
     """The folded kernel against conv_decode_ + gdn_decode_ (the kernels it replaces), same inputs."""
-    from hf2q.kernels.conv_triton import conv_decode_
-    from hf2q.kernels.gdn_decode_triton import gdn_conv_decode_, gdn_decode_
+    from hf2q.kernels.conv.decode_triton import conv_decode_
+    from hf2q.kernels.gdn.decode_triton import gdn_conv_decode_, gdn_decode_
 
     nk, nv = heads
     args = _decode_inputs("cuda", torch.bfloat16, True, nk, nv, seed=3)
@@ -361,7 +362,7 @@ def test_fused_conv_gdn_decode_matches_two_triton_kernels(heads):
 
 # ---- the GEMV in the model -------------------------------------------------------------------------------
 def test_default_gemv_serves_only_shapes_measured_faster():
-    from hf2q.kernels import gemv_triton
+    from hf2q.kernels.linear import gemv_triton
 
     faster = [key for key, (_, ours, cublas) in gemv_triton.TABLE.items() if ours < cublas]
     slower = [key for key, (_, ours, cublas) in gemv_triton.TABLE.items() if ours >= cublas]
@@ -381,7 +382,7 @@ def test_dispatch_linear_and_model_logits_with_gemv():
     a bf16 model's logits for 1 and 3 tokens (every projection and the tied head through the GEMV) match
     the cuBLAS ones."""
     from hf2q.bench_shapes import random_model, tiny_config
-    from hf2q.kernels.gemv_triton import gemv
+    from hf2q.kernels.linear.gemv_triton import gemv
 
     w = torch.randn(1000, 512, device="cuda", dtype=torch.bfloat16)
     for m in (1, 3, 5):
@@ -416,7 +417,7 @@ def test_swiglu_epilogue_wiring_at_one_row(env, monkeypatch):
     the pairs GEMV) match the exact path and the unfused one, with no separate SiLU-mul launch. Two rows,
     a pack the table has cuBLAS faster for, and an int8-reading down projection keep product + silu_mul."""
     from hf2q.bench_shapes import random_model, tiny_config
-    from hf2q.kernels import gemv_triton
+    from hf2q.kernels.linear import gemv_triton
 
     dev = env[0]
     calls = dict(glu=0, silu_mul=0)

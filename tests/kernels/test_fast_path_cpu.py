@@ -9,9 +9,9 @@ from hf2q.bench_shapes import random_model, tiny_config
 from hf2q.cache.hybrid import HybridCache
 from hf2q.config import CacheConfig
 from hf2q.forward import ForwardBatch
-from hf2q.kernels.conv import causal_conv1d_varlen
+from hf2q.kernels.conv.reference import causal_conv1d_varlen
 from hf2q.kernels.dispatch import fast_path
-from hf2q.kernels.gdn import causal_conv1d_ref
+from hf2q.kernels.gdn.reference import causal_conv1d_ref
 
 
 def rel(a, b) -> float:
@@ -79,7 +79,7 @@ def test_varlen_conv_matches_per_sequence_reference():
 
 def test_grouped_gemm_moe_matches_expert_loop():
     from hf2q.kernels.dispatch import moe_combine
-    from hf2q.kernels.moe_grouped import moe_expert_pairs_grouped
+    from hf2q.kernels.moe.grouped import moe_expert_pairs_grouped
     torch.manual_seed(4)
     net = random_model(tiny_config(True), device="cpu", dtype=torch.bfloat16, std=0.08, seed=4)
     moe = net.layers[0].ffn

@@ -16,14 +16,16 @@ from tests.support.triton_targets import (TARGETS, compile_for_hopper, interpret
 
 triton = pytest.importorskip("triton")
 
-MODULES = ("norm_triton", "swiglu_triton", "qk_rope_triton", "paged_attention_triton", "moe_triton", "gemv_triton")
+MODULES = {"norm_triton": "norm.add_rms_triton", "swiglu_triton": "activation.swiglu_triton",
+           "qk_rope_triton": "rotary.qk_rope_triton", "paged_attention_triton": "attention.paged_triton",
+           "moe_triton": "moe.route_triton", "gemv_triton": "linear.gemv_triton"}
 
 
 @pytest.fixture(scope="module", params=TARGETS)
 def env(request):
     """(device, dtype, tolerance, kernel modules, real sizes?)"""
     dev, dtype, real = target(request.param)
-    mods = {name: importlib.import_module(f"hf2q.kernels.{name}") for name in MODULES}
+    mods = {name: importlib.import_module(f"hf2q.kernels.{path}") for name, path in MODULES.items()}
     return dev, dtype, (2e-2 if real else 1e-5), mods, real
 
 
@@ -67,7 +69,7 @@ def _int8_readers(n):
 def _check_int8_groups(out, qtype):
     """The int8 rows a kernel wrote with its output `out`, for weights of `qtype`, are remembered for the
     mat-vec and equal quantizing `out` afterwards."""
-    from hf2q.kernels import quant_dp4a_triton as q8
+    from hf2q.kernels.quant import dp4a_triton as q8
 
     blocked = q8.blocked_for(qtype)
     assert q8._RECENT[0][0]() is out
@@ -204,7 +206,11 @@ def test_new_kernels_compile_for_hopper(kernel):
     projections with the combine), the int8-writing norm and SwiGLU (rows in either order) and the two-launch
     DeltaNet decode step compile to
     sm_90 (the interpreter never runs the compiler). Needs Triton's bundled ptxas, not a GPU."""
-    from hf2q.kernels import gdn_decode_triton, gemv_triton, moe_triton, norm_triton, swiglu_triton
+    from hf2q.kernels.gdn import decode_triton as gdn_decode_triton
+    from hf2q.kernels.linear import gemv_triton
+    from hf2q.kernels.moe import route_triton as moe_triton
+    from hf2q.kernels.norm import add_rms_triton as norm_triton
+    from hf2q.kernels.activation import swiglu_triton
 
     ptr, i32 = "*bf16", "i32"
     gemv_sig = dict(x_ptr=ptr, w_ptr=ptr, w2_ptr=ptr, y_ptr=ptr, experts_ptr="*i32", N=i32, n_first=i32, K=i32,
@@ -259,7 +265,7 @@ def test_paged_decode_config_setting(monkeypatch):
     """The paged decode kernel's (splits, keys a step, warps): one sequence's measured configuration, the
     batched one for more; HF2Q_PAGED_DECODE sets one for every batch, and malformed values fail loudly at
     import instead of being ignored."""
-    from hf2q.kernels import paged_attention_triton as paged
+    from hf2q.kernels.attention import paged_triton as paged
 
     monkeypatch.delenv("HF2Q_PAGED_DECODE", raising=False)
     assert paged._config_setting() is None

@@ -58,7 +58,9 @@ def test_bf16_gpu_logits_match_fp32_cpu(pair):
 
 @torch.inference_mode()
 def test_triton_kernels_match_torch_versions():
-    from hf2q.kernels import conv_triton, gdn_decode_triton, paged_attention_triton
+    from hf2q.kernels.conv import decode_triton as conv_triton
+    from hf2q.kernels.gdn import decode_triton as gdn_decode_triton
+    from hf2q.kernels.attention import paged_triton as paged_attention_triton
     from hf2q.kernels import dispatch
     torch.manual_seed(0)
     b, nk, nv, dk, c, s = 5, 4, 8, 128, 2 * 4 * 128 + 8 * 128, 7

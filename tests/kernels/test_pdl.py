@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (kernels/pdl.py): the decode kernels launched with it read and write
+"""Programmatic dependent launch (kernels/tuning/pdl.py): the decode kernels launched with it read and write
 nothing before they wait for the previous kernel, on the sm_90 code Triton builds (checked here without a
 GPU, in the PTX; the GPU tests run the same kernels launched so inside CUDA graphs)."""
 from __future__ import annotations
@@ -20,8 +20,14 @@ _FLOATS = {"eps", "scale"}
 
 
 def _kernels():
-    from hf2q.kernels import (gdn_decode_triton, gemv_triton, moe_triton, norm_triton, paged_attention_triton,
-                              qk_rope_triton, quant_dp4a_triton, swiglu_triton)
+    from hf2q.kernels.gdn import decode_triton as gdn_decode_triton
+    from hf2q.kernels.linear import gemv_triton
+    from hf2q.kernels.moe import route_triton as moe_triton
+    from hf2q.kernels.norm import add_rms_triton as norm_triton
+    from hf2q.kernels.attention import paged_triton as paged_attention_triton
+    from hf2q.kernels.rotary import qk_rope_triton
+    from hf2q.kernels.quant import dp4a_triton as quant_dp4a_triton
+    from hf2q.kernels.activation import swiglu_triton
     dp4a = dict(QTYPE=2, QTYPE_B=2, BM=1, BN=4, SB=16, STAGES=1, HAS_EXPERTS=False, TWO=False, EVEN=True,
                 EMULATE=False)
     return {
@@ -116,7 +122,7 @@ def test_plain_launch_has_no_grid_dependency_control():
 
 def test_off_where_it_cannot_run():
     """CPU tensors (and the interpreter) launch normally: no PDL constexpr set, no launch attribute."""
-    from hf2q.kernels import pdl
+    from hf2q.kernels.tuning import pdl
     assert pdl.launch_options(torch.device("cpu")) == {}
 
 
@@ -124,7 +130,7 @@ def test_off_where_it_cannot_run():
 def test_setting_is_checked(value):
     """HF2Q_PDL takes 0 or 1; anything else stops the import with the accepted values."""
     env = {**os.environ, "HF2Q_PDL": value}
-    run = subprocess.run([sys.executable, "-c", "import hf2q.kernels.pdl"], env=env, capture_output=True, text=True)
+    run = subprocess.run([sys.executable, "-c", "import hf2q.kernels.tuning.pdl"], env=env, capture_output=True, text=True)
     assert run.returncode != 0 and "HF2Q_PDL must be 0 or 1" in run.stderr
 
 

@@ -25,7 +25,7 @@ test_kernels_under_the_interpreter = interpreter_child(__file__)
 
 @pytest.mark.parametrize("with_cache", [False, True])
 def test_conv_varlen_and_state_update(env, with_cache):
-    from hf2q.kernels.conv_varlen_triton import conv_varlen_
+    from hf2q.kernels.conv.varlen_triton import conv_varlen_
     dev, dtype, tol, real = env
     gen = torch.Generator().manual_seed(0)
     # real: 9B conv channels; else channels not a multiple of the block, sequences crossing token blocks
@@ -53,7 +53,7 @@ def test_conv_varlen_and_state_update(env, with_cache):
 
 @pytest.mark.parametrize("dv", [32, 24])
 def test_gated_rms_norm(env, dv):
-    from hf2q.kernels.gated_norm_triton import gated_rms_norm
+    from hf2q.kernels.norm.gated_triton import gated_rms_norm
     dev, dtype, tol, real = env
     gen = torch.Generator().manual_seed(1)
     t, nv, dv = (4096, 32, 128) if real else (37, 4, dv)  # rows = t * nv, not a multiple of the block
@@ -101,7 +101,7 @@ def test_prefill_over_cache_matches_torch_versions(env, monkeypatch):
 
     logits, states = run()
     with monkeypatch.context() as m:
-        m.setattr(dispatch, "_triton", lambda x: False)
+        m.setattr(dispatch, "triton_runs", lambda x: False)
         ref_logits, ref_states = run()
     tol = 1e-4 if dev == "cpu" else 1e-3
     for a, b in zip(logits, ref_logits):

@@ -1,7 +1,7 @@
 """The configuration sweeps' shared loop (kernels/timing.time_configs): what it keeps, what it leaves out."""
 from __future__ import annotations
 
-from hf2q.kernels.timing import describe, time_configs
+from hf2q.kernels.tuning.timing import describe, time_configs
 
 
 def test_sweep_keeps_exact_configurations_fastest_first(capsys):

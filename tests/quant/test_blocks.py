@@ -79,7 +79,7 @@ def test_interleaved_rows_round_trip_byte_for_byte(qtype, rows, k):
 def test_interleaved_layout_is_told_by_dtype():
     """ggml-order K-quants (uint8) are read by the CPU reference only; interleaved rows (int32) by the
     kernels only."""
-    from hf2q.kernels.quant_ops import check_raw
+    from hf2q.kernels.quant.ops import check_raw
     from hf2q.quant import keep_blocks, to_gpu_rows
 
     for qtype in ("Q4_K", "Q6_K"):

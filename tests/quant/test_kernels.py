@@ -59,7 +59,7 @@ def test_interpreter_child_process():
                          + [("Q8_0", 5, 96), ("Q4_0", 5, 96)]  # a partial tile of 32-value blocks
                          + [("Q6_K", 3, 4096), ("Q6_K", 2, 5120)])  # Q6_K rows: 16-byte multiple, padded
 def test_dequantize_kernel(qtype, rows, k):
-    from hf2q.kernels.quant_ops import dequantize
+    from hf2q.kernels.quant.ops import dequantize
 
     raw, want = case(qtype, rows, k)
     got = dequantize(raw, qtype, (rows, k), torch.float32).cpu()
@@ -73,7 +73,7 @@ INT8_TOL = 2e-2  # the decode mat-vec's int8 activations against an fp32 referen
 
 def int8_exact(x):
     """x rounded to what the mat-vec's int8 activation groups hold, so that the kernel sees x exactly."""
-    from hf2q.kernels.quant_dp4a_triton import quantize_rows
+    from hf2q.kernels.quant.dp4a_triton import quantize_rows
 
     xq, act, _ = quantize_rows(x.to(DEV))
     q = xq.view(torch.int8).view(x.shape[0], -1, 16).float().cpu()
@@ -82,7 +82,7 @@ def int8_exact(x):
 
 @kernels
 def test_quantize_rows():
-    from hf2q.kernels.quant_dp4a_triton import quantize_rows
+    from hf2q.kernels.quant.dp4a_triton import quantize_rows
 
     x = torch.randn(3, 96, generator=torch.Generator().manual_seed(0))
     x[1, 32:64] = 0  # an all-zero group
@@ -103,8 +103,8 @@ def test_quantize_rows():
 def test_quantize_rows_blocked_order():
     """BLOCKED rows (what K-quant weights read) hold the same pieces as plain ones, piece j of 256-value
     block u at j·B + u; the fused producers write the same bytes as quantize_rows in either order."""
-    from hf2q.kernels.quant_dp4a_triton import quantize_rows
-    from hf2q.kernels.swiglu_triton import silu_mul
+    from hf2q.kernels.quant.dp4a_triton import quantize_rows
+    from hf2q.kernels.activation.swiglu_triton import silu_mul
 
     x = torch.randn(2, 768, generator=torch.Generator().manual_seed(3))
     plain = quantize_rows(x.to(DEV))
@@ -127,7 +127,7 @@ def test_quantize_rows_blocked_order():
 
 @kernels
 def test_quantize_rows_reuses_recent_inputs_only_while_unchanged():
-    from hf2q.kernels.quant_dp4a_triton import quantize_rows
+    from hf2q.kernels.quant.dp4a_triton import quantize_rows
 
     x = torch.randn(2, 64, generator=torch.Generator().manual_seed(1)).to(DEV)
     first = quantize_rows(x)
@@ -151,7 +151,7 @@ def test_quantize_rows_reuses_recent_inputs_only_while_unchanged():
 def test_quantize_rows_under_inference_mode():
     """The engine and the bench run under torch.inference_mode, whose tensors have no version counter:
     quantizing them works, and a second pack of projections of the same input reuses the result."""
-    from hf2q.kernels.quant_dp4a_triton import quantize_rows
+    from hf2q.kernels.quant.dp4a_triton import quantize_rows
 
     with torch.inference_mode():
         x = torch.randn(2, 64, generator=torch.Generator().manual_seed(2)).to(DEV)
@@ -165,7 +165,7 @@ def test_quantize_rows_under_inference_mode():
 @pytest.mark.parametrize("rows,k", SHAPES)
 @pytest.mark.parametrize("qtype", QUANT_TYPES)
 def test_quant_linear(qtype, rows, k, m):
-    from hf2q.kernels.quant_ops import quant_linear
+    from hf2q.kernels.quant.ops import quant_linear
 
     raw, w = case(qtype, rows, k, seed=m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
@@ -187,7 +187,7 @@ def test_quant_mm(qtype):
     """The tensor-core kernel for batched decode: every type, 1 to 64 activation rows, weight rows not a
     multiple of BLOCK_N, K split over programs or not; each row's result is the same bitwise whatever
     the other rows of the batch (what keeps batched greedy decoding equal to each sequence alone)."""
-    from hf2q.kernels.quant_mm_triton import config, quant_mm
+    from hf2q.kernels.quant.mm_triton import config, quant_mm
 
     n, k = 37, 768
     raw, w = case(qtype, n, k, seed=5)
@@ -207,7 +207,7 @@ def test_quant_mm(qtype):
 
 def _gemv_cases():
     """Every candidate on the device; under the interpreter (slow) the extreme tile sizes."""
-    from hf2q.kernels.quant_dp4a_triton import candidates
+    from hf2q.kernels.quant.dp4a_triton import candidates
 
     extremes = {(4, 8, 1, 1), (2, 2, 4, 1), (4, 32, 1, 1), (4, 4, 4, 1), (8, 2, 4, 3), (8, 4, 4, 3), (16, 2, 1, 1)}
     return [(q, c) for q in QUANT_TYPES for c in candidates(q) if CUDA or c in extremes]
@@ -218,7 +218,7 @@ def _gemv_cases():
 def test_gemv_every_candidate_config(qtype, config):
     """Every configuration the device may pick is exact on int8-representable activations: rows not a
     multiple of BLOCK_N, a partial step, activation rows not a multiple of BLOCK_M."""
-    from hf2q.kernels.quant_dp4a_triton import gemv
+    from hf2q.kernels.quant.dp4a_triton import gemv
 
     raw, w = case(qtype, 9, 768, seed=3)
     for m in (1, 3) if CUDA else (3,):
@@ -232,7 +232,7 @@ def test_gemv_every_candidate_config(qtype, config):
 def test_gemv_unmasked_when_the_tiles_divide(qtype):
     """Rows, blocks a row and activation rows that are multiples of the tile: the launch drops every mask
     (the kernel's EVEN path), and reads exactly the blocks there are."""
-    from hf2q.kernels.quant_dp4a_triton import gemv
+    from hf2q.kernels.quant.dp4a_triton import gemv
 
     raw, w = case(qtype, 8, 1024, seed=4)
     x = int8_exact(torch.randn(1, 1024, generator=torch.Generator().manual_seed(4)))
@@ -245,7 +245,7 @@ def test_gemv_unmasked_when_the_tiles_divide(qtype):
 def test_matvec_two_stacks_one_launch(qtype):
     """Pairs p = (token p // 2, expert e_p): gate and up stacks in one launch give both products, each
     against its own stack, from activations quantized once per token."""
-    from hf2q.kernels.quant_dp4a_triton import blocked_for, matvec, quantize_rows
+    from hf2q.kernels.quant.dp4a_triton import blocked_for, matvec, quantize_rows
 
     n_exp, n, k = 3, 8, 256
     raws = [random_blocks(qtype, n_exp * n, k, seed=20 + i) for i in range(2)]
@@ -266,7 +266,8 @@ def test_two_types_one_launch(types, monkeypatch):
     """Projections of one input kept in two types (a DeltaNet's Q5_K qkv and Q4_K z/a/b) come from one
     mat-vec launch through dispatch.packed_linear, each part exact against its own weight; types that read
     activations in different orders stay two launches."""
-    from hf2q.kernels import dispatch, quant_dp4a_triton
+    from hf2q.kernels import dispatch
+    from hf2q.kernels.quant import dp4a_triton as quant_dp4a_triton
     from hf2q.layers.linear import Linear
 
     launches = []
@@ -293,7 +294,7 @@ def test_two_types_one_launch(types, monkeypatch):
 @kernels
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0"] if CUDA else ["Q8_0", "Q6_K"])
 def test_moe_experts_quant(qtype, monkeypatch):
-    from hf2q.kernels import quant_dp4a_triton, quant_moe
+    from hf2q.kernels.quant import dp4a_triton as quant_dp4a_triton, moe as quant_moe
 
     # the interpreter runs every program serially: one token, small experts (32-value blocks where it can),
     # and K-quants in few programs of many rows each
@@ -327,8 +328,8 @@ def test_k_quant_kernels_refuse_ggml_order_blocks(qtype):
     """The kernels read K-quants only as interleaved int32 rows: ggml's bytes (the CPU reference's layout),
     an interleaved second stack next to a ggml first one, interleaved rows under another type, or
     activations in the other order are refused before launch."""
-    from hf2q.kernels import quant_triton
-    from hf2q.kernels.quant_dp4a_triton import Int8Rows, matvec
+    from hf2q.kernels.quant import dequant_triton as quant_triton
+    from hf2q.kernels.quant.dp4a_triton import Int8Rows, matvec
 
     raw = random_blocks(qtype, 4, 512)
     rows = to_gpu_rows(raw, qtype)
@@ -350,8 +351,8 @@ def test_k_quant_kernels_refuse_ggml_order_blocks(qtype):
 def test_k_quant_kernels_misread_the_other_layout(qtype, monkeypatch):
     """Planted: with the layout check bypassed, ggml's blocks handed over as interleaved rows (zero-padded
     to one) come out wrong, so the equality tests above fail on a kernel that reads the wrong layout."""
-    from hf2q.kernels import quant_dp4a_triton, quant_triton
-    from hf2q.kernels.quant_ops import dequantize
+    from hf2q.kernels.quant import dp4a_triton as quant_dp4a_triton, dequant_triton as quant_triton
+    from hf2q.kernels.quant.ops import dequantize
     from hf2q.quant import gpu_row_words
 
     monkeypatch.setattr(quant_triton, "check_layout", lambda *a: None)
@@ -385,7 +386,7 @@ def test_int8_matvec_compiles_for_hopper(qtype, rows, stages):
     """The mat-vec compiles to sm_90 machine code with dp4a (Triton's interpreter runs no PTX, and a
     construct only the compiler rejects, such as a non-constexpr global, would otherwise first show on a
     GPU). Q6_K rows are read in 32-bit words, the quants in 16-byte vectors: no 16-bit loads."""
-    from hf2q.kernels import quant_dp4a_triton as k
+    from hf2q.kernels.quant import dp4a_triton as k
 
     experts = rows == "experts"
     qtype, qtype_b = (*qtype.split("+"), qtype)[:2]  # "A+B": two types in one launch
@@ -409,7 +410,7 @@ def test_int8_matvec_compiles_for_hopper(qtype, rows, stages):
 @pytest.mark.parametrize("qtype", QUANT_TYPES)
 def test_dequantize_compiles_for_hopper(qtype):
     """The prefill dequantization compiles to sm_90 machine code; interleaved Q6_K reads only 32-bit words."""
-    from hf2q.kernels import quant_triton as qt
+    from hf2q.kernels.quant import dequant_triton as qt
 
     sig = {"w8": "*u8", "w16": "*fp16", "w32": "*i32", "out_ptr": "*bf16", "N": "i32", "K": "i32",
            "row_stride": "i32", "nblk": "i32"}
@@ -423,7 +424,7 @@ def test_dequantize_compiles_for_hopper(qtype):
 @pytest.mark.parametrize("qtype,chunks", [(q, 4) for q in QUANT_TYPES] + [("Q4_K", 1)])
 def test_quant_mm_compiles_for_hopper(qtype, chunks):
     """The batched-decode kernel compiles to sm_90 machine code with tensor-core dots (mma)."""
-    from hf2q.kernels import quant_mm_triton as mm
+    from hf2q.kernels.quant import mm_triton as mm
 
     sig = {"x_ptr": "*bf16", "w8": "*u8", "w16": "*fp16", "w32": "*i32", "out_ptr": "*fp32", "M": "i32", "N": "i32",
            "K": "i32", "x_stride": "i32", "row_stride": "i32", "nblk": "i32", "tiles_per_split": "i32",

@@ -104,7 +104,7 @@ def test_served_decode_of_kept_blocks_matches_dequantized(where, monkeypatch):
     order; the DeltaNet's Q5_K qkv with its Q4_K z and the attention's Q4_K q, k with its Q6_K v each one
     launch), decodes the greedy tokens of its dequantized twin on the exact path (or first differs at a
     near-tie at the kernels' precision: assert_divergence_explained)."""
-    from hf2q.kernels import quant_dp4a_triton
+    from hf2q.kernels.quant import dp4a_triton as quant_dp4a_triton
     from tests.quant.test_wiring import PROMPT as CACHED_PROMPT, greedy_cached
 
     device, dtype, _ = target(where)

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from hf2q.kernels import tune_cache
+from hf2q.kernels.tuning import cache as tune_cache
 
 
 @pytest.fixture
@@ -61,7 +61,7 @@ def test_unwritable_place_warns_and_goes_on(tmp_path, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_second_start_takes_the_stored_choice_without_timing(cache_file, monkeypatch):
-    from hf2q.kernels import quant_dp4a_triton as k
+    from hf2q.kernels.quant import dp4a_triton as k
     from hf2q.quant import random_blocks
 
     raw = random_blocks("Q4_K", 64, 512, seed=3).cuda()
@@ -92,7 +92,7 @@ def test_first_start_compiles_the_candidates_side_by_side(monkeypatch):
     import threading
 
     pytest.importorskip("triton")
-    from hf2q.kernels import quant_dp4a_triton as q8
+    from hf2q.kernels.quant import dp4a_triton as q8
 
     devices, seen = [], {}
     monkeypatch.setattr(torch.cuda, "set_device", devices.append)

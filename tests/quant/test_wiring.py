@@ -12,7 +12,8 @@ from hf2q.checkpoint.gguf_file import GGUFFile
 from hf2q.checkpoint.loader import build_model
 from hf2q.config import CacheConfig, ModelConfig
 from hf2q.forward import ForwardBatch
-from hf2q.kernels import dispatch, quant_moe
+from hf2q.kernels import dispatch
+from hf2q.kernels.quant import moe as quant_moe
 from hf2q.kernels.dispatch import fast_path, packed_linear
 from hf2q.layers.linear import Linear
 from hf2q.layers.moe import EXPERT_STACKS, MoE

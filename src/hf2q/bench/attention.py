@@ -14,8 +14,8 @@ import math
 import torch
 
 from hf2q.bench_shapes import SHAPES
-from hf2q.kernels.paged_attention_triton import config_for, paged_decode_attention
-from hf2q.kernels.timing import describe, graph_time_us, time_configs
+from hf2q.kernels.attention.paged_triton import config_for, paged_decode_attention
+from hf2q.kernels.tuning.timing import describe, graph_time_us, time_configs
 
 SPLITS = (4, 8, 16, 32)
 BLOCK_N = (16, 32, 64)

@@ -16,9 +16,9 @@ import math
 import torch
 
 from hf2q.bench_shapes import SHAPES
-from hf2q.kernels.gdn_decode_triton import DEFAULT_CONFIG as DEFAULT, gdn_conv_decode_
-from hf2q.kernels.quant_triton import QTYPE_ID
-from hf2q.kernels.timing import describe, graph_time_us, time_configs
+from hf2q.kernels.gdn.decode_triton import DEFAULT_CONFIG as DEFAULT, gdn_conv_decode_
+from hf2q.kernels.quant.dequant_triton import QTYPE_ID
+from hf2q.kernels.tuning.timing import describe, graph_time_us, time_configs
 
 SPLITS = (2, 4, 8, 16)
 WARPS = (1, 2, 4, 8)

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from hf2q.bench_shapes import SHAPES
-from hf2q.kernels.gemv_triton import MAX_ROWS, default_config, gemv
-from hf2q.kernels.timing import graph_time_us, time_configs
+from hf2q.kernels.linear.gemv_triton import MAX_ROWS, default_config, gemv
+from hf2q.kernels.tuning.timing import graph_time_us, time_configs
 
 
 def decode_projections(shape: str) -> list[tuple[str, int, int, int]]:
@@ -128,7 +128,7 @@ def bench_moe(shape: str, quick: bool, device: str = "cuda") -> dict[tuple[str, 
     (expert_down_combine), each against the fp32 reference, for every configuration of moe_configs (the
     default and a few others with --quick). Every call in a timed graph picks other experts (and another
     copy of the shared down), so weights come from memory as in a step. Returns EXPERT_TABLE entries."""
-    from hf2q.kernels.gemv_triton import EXPERT_TABLE, expert_down_combine, expert_gemv
+    from hf2q.kernels.linear.gemv_triton import EXPERT_TABLE, expert_down_combine, expert_gemv
 
     cfg, _ = SHAPES[shape]
     e, top_k, inter, h = cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.hidden_size
@@ -190,7 +190,7 @@ def main(argv=None) -> None:
                 p.error(f"--moe: {shape} has no experts")
             print(f"== {shape} MoE kernels at one token: µs per call (TB/s of weight bytes)")
             entries = bench_moe(shape, args.quick)
-            print("EXPERT_TABLE entries for src/hf2q/kernels/gemv_triton.py:")
+            print("EXPERT_TABLE entries for src/hf2q/kernels/linear/gemv_triton.py:")
             for key, (cfg, t, d) in entries.items():
                 print(f"    {key}: ({cfg}, {t:.2f}, {d:.2f}),  # {shape}")
         return
@@ -222,7 +222,7 @@ def main(argv=None) -> None:
             t = totals
             print(f"  {shape} step sum M={m}: cuBLAS {t['cublas'][m] / 1e3:.3f} ms, GEMV default "
                   f"{t['default'][m] / 1e3:.3f} ms, GEMV best {t['best'][m] / 1e3:.3f} ms")
-    print("TABLE entries for src/hf2q/kernels/gemv_triton.py:")
+    print("TABLE entries for src/hf2q/kernels/linear/gemv_triton.py:")
     for line in table.values():
         print(line)
 

@@ -13,9 +13,9 @@ import argparse
 
 import torch
 
-from hf2q.kernels import quant_dp4a_triton
-from hf2q.kernels.quant_ops import quant_linear
-from hf2q.kernels.timing import cold_copies, graph_time_us
+from hf2q.kernels.quant import dp4a_triton as quant_dp4a_triton
+from hf2q.kernels.quant.ops import quant_linear
+from hf2q.kernels.tuning.timing import cold_copies, graph_time_us
 from hf2q.quant import keep_blocks, random_blocks
 
 H, I = 4096, 12288

@@ -2,8 +2,8 @@
 
 The layers call these functions on their fast path (CUDA by default). Each op has a plain torch
 version with the same contract: it runs where Triton cannot (CPU), and it is what the Triton kernels
-are tested against. `fast_path("force")` runs the fast path on CPU too, so its batching logic is
-testable without a GPU.
+are tested against; `choose.triton_runs` decides between the two and `choose.fast_path` sets the
+layers' vectorised path.
 """
 from __future__ import annotations
 
@@ -13,34 +13,16 @@ import torch
 import torch.nn.functional as F
 
 from hf2q import envs
-from hf2q.kernels.conv import causal_conv1d_varlen
-from hf2q.kernels.gdn import gated_delta_rule_ref
-from hf2q.kernels.norm import rms_norm
-from hf2q.kernels.rotary import apply_rotary
+from hf2q.kernels.choose import fast_path, triton_runs, use_fast_path  # noqa: F401 (fast_path, use_fast_path: re-exported)
+from hf2q.kernels.conv.reference import causal_conv1d_varlen
+from hf2q.kernels.gdn.reference import gated_delta_rule_ref
+from hf2q.kernels.norm.reference import rms_norm
+from hf2q.kernels.rotary.reference import apply_rotary
 
-_MODE = {"value": "auto"}  # auto: CUDA tensors only; off: never; force: every device
 # The Triton GEMV for few rows of x. By default ("measured") it serves the shapes its table records as
 # faster than cuBLAS on the device (2B, one row: 20% faster); HF2Q_GEMV=N sends every product of at most
 # N (0..4) rows to it, HF2Q_GEMV=0 none.
 _GEMV = {"rows": envs.gemv_rows()}
-
-
-@contextlib.contextmanager
-def fast_path(mode: str):
-    """Temporarily set the fast-path mode: 'auto', 'off' or 'force'."""
-    if mode not in ("auto", "off", "force"):
-        raise ValueError(f"fast path mode must be auto, off or force, not {mode!r}")
-    old, _MODE["value"] = _MODE["value"], mode
-    try:
-        yield
-    finally:
-        _MODE["value"] = old
-
-
-def use_fast_path(x: torch.Tensor) -> bool:
-    """The vectorised kernels on CUDA (or when forced); the reference path otherwise."""
-    mode = _MODE["value"]
-    return mode == "force" or (mode == "auto" and x.is_cuda)
 
 
 @contextlib.contextmanager
@@ -58,10 +40,10 @@ def _gemv_serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether x Wᵀ goes to the Triton GEMV: a few bf16 rows where Triton runs and the HF2Q_GEMV setting
     sends them."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if not (1 <= rows <= 4 and _triton(x) and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
+    if not (1 <= rows <= 4 and triton_runs(x) and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
             and x.stride(-1) == 1 and weight.stride(-1) == 1):
         return False
-    from hf2q.kernels import gemv_triton
+    from hf2q.kernels.linear import gemv_triton
     limit = _GEMV["rows"]
     if limit == "measured":
         return gemv_triton.measured_faster(weight.shape[0], x.shape[-1], rows)
@@ -72,7 +54,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None 
     """x Wᵀ for a dense weight [N, K], in out_dtype (default x's): the Triton GEMV for a few bf16 rows on
     CUDA where the HF2Q_GEMV setting sends them (one kernel, no split-K reduce), cuBLAS otherwise."""
     if _gemv_serves(x, weight):
-        from hf2q.kernels.gemv_triton import gemv
+        from hf2q.kernels.linear.gemv_triton import gemv
         return gemv(x, weight, out_dtype)
     y = F.linear(x, weight)
     return y if out_dtype is None else y.to(out_dtype)
@@ -102,7 +84,7 @@ def packed_swiglu(x: torch.Tensor, linears, int8_for: str | None = None) -> tupl
             and gate.weight.shape == up.weight.shape):
         packed = _pack(x, linears)
         if _gemv_serves(x, packed):
-            from hf2q.kernels.gemv_triton import gemv_glu
+            from hf2q.kernels.linear.gemv_triton import gemv_glu
             sizes = [lin.weight.shape[0] for lin in linears[:-1]]
             return torch.split(gemv_glu(x, packed, sum(sizes[:-1])), sizes, dim=-1)
     *others, g, u = packed_linear(x, linears)
@@ -146,7 +128,7 @@ def _packed_by_type(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
     out: list = [None] * len(linears)
     quant = [(qtype, idx) for qtype, idx in groups.items() if qtype is not None]
     if len(quant) == 2:  # two types (a DeltaNet's Q5_K qkv and Q4_K z/a/b): one launch where the mat-vec serves
-        from hf2q.kernels.quant_ops import quant_linear_pair
+        from hf2q.kernels.quant.ops import quant_linear_pair
 
         parts = [[linears[i] for i in idx] for _, idx in quant]
         sizes = [[lin.out_features for lin in part] for part in parts]
@@ -170,7 +152,7 @@ def _packed_by_type(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
 
 def _packed_quant_linear(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
     """packed_linear for projections quantized as one type (see _packed_raw)."""
-    from hf2q.kernels.quant_ops import quant_linear
+    from hf2q.kernels.quant.ops import quant_linear
 
     sizes = [lin.out_features for lin in linears]
     out = quant_linear(x, _packed_raw(linears), linears[0].qtype, sum(sizes))
@@ -196,18 +178,14 @@ def _packed_raw(linears) -> torch.Tensor:
     return packed
 
 
-def _triton(x: torch.Tensor) -> bool:
-    return x.is_cuda or envs.triton_interpret()
-
-
 # ---- residual add + RMSNorm, activation -------------------------------------------------------------
 def add_rms_norm(x: torch.Tensor, add, weight: torch.Tensor, eps: float,
                  int8_for: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + add, rms_norm(x + add)): the new residual and the block input; add None: (x, rms_norm(x)).
     int8_for: the block input feeds the int8 mat-vec of a weight of that type (quant_ops.int8_reader); the
     kernel also writes its int8 rows."""
-    if _triton(x) and x.dim() == 2 and x.stride(1) == 1 and (add is None or add.stride(1) == 1):
-        from hf2q.kernels.norm_triton import add_rms_norm as kernel
+    if triton_runs(x) and x.dim() == 2 and x.stride(1) == 1 and (add is None or add.stride(1) == 1):
+        from hf2q.kernels.norm.add_rms_triton import add_rms_norm as kernel
         return kernel(x, add, weight, eps, int8_for)
     if add is not None:
         x = x + add
@@ -217,8 +195,8 @@ def add_rms_norm(x: torch.Tensor, add, weight: torch.Tensor, eps: float,
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, int8_for: str | None = None) -> torch.Tensor:
     """SwiGLU activation silu(gate) * up. int8_for: the result feeds the int8 mat-vec of a weight of that
     type; the kernel also writes its int8 rows."""
-    if _triton(gate) and gate.stride(-1) == 1 and up.stride(-1) == 1:
-        from hf2q.kernels.swiglu_triton import silu_mul as kernel
+    if triton_runs(gate) and gate.stride(-1) == 1 and up.stride(-1) == 1:
+        from hf2q.kernels.activation.swiglu_triton import silu_mul as kernel
         return kernel(gate, up, int8_for)
     return F.silu(gate) * up
 
@@ -227,8 +205,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, int8_for: str | None = None) 
 def qk_norm_rope(q, k, v, q_w, k_w, cos, sin, eps: float, rotary_dim: int, pools=None):
     """Per-head RMSNorm and partial RoPE of q [T, nh, hd] and k [T, nkv, hd]; with pools (k_rows, v_rows,
     slot_mapping) also writes each token's K/V row into the paged pool. Returns (q, k)."""
-    if _triton(q) and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1:
-        from hf2q.kernels.qk_rope_triton import qk_norm_rope as kernel
+    if triton_runs(q) and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1:
+        from hf2q.kernels.rotary.qk_rope_triton import qk_norm_rope as kernel
         return kernel(q, k, v, q_w, k_w, cos, sin, eps, rotary_dim, pools)
     q = apply_rotary(rms_norm(q, q_w, eps), cos, sin, rotary_dim)
     k = apply_rotary(rms_norm(k, k_w, eps), cos, sin, rotary_dim)
@@ -242,8 +220,8 @@ def qk_norm_rope(q, k, v, q_w, k_w, cos, sin, eps: float, rotary_dim: int, pools
 # ---- causal conv1d, one token per sequence ---------------------------------------------------------
 def conv_decode_(x: torch.Tensor, weight: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """SiLU(causal conv) of one new input per sequence [B, C] -> fp32 [B, C]; updates state_pool[slots]."""
-    if _triton(x) and weight.shape[1] == 4:
-        from hf2q.kernels.conv_triton import conv_decode_ as kernel
+    if triton_runs(x) and weight.shape[1] == 4:
+        from hf2q.kernels.conv.decode_triton import conv_decode_ as kernel
         return kernel(x, weight, state_pool, slots)
     window = torch.cat((state_pool[slots].float(), x.float()[:, None]), dim=1)  # [B, K, C]
     y = (window * weight.float().t()[None]).sum(1)
@@ -257,9 +235,9 @@ def conv_varlen_(x: torch.Tensor, weight: torch.Tensor, state_pool, slots, cu_se
     """SiLU(causal conv) of N sequences end to end in x [T, C] -> [T, C] in x's dtype. Each sequence starts
     from state_pool[slots] ([S, K-1, C]) and its new state is written back there; state_pool None: zero
     states, nothing written."""
-    if (_triton(x) and weight.shape[1] == 4 and x.stride(1) == 1
+    if (triton_runs(x) and weight.shape[1] == 4 and x.stride(1) == 1
             and (state_pool is None or state_pool.stride(2) == 1)):
-        from hf2q.kernels.conv_varlen_triton import conv_varlen_ as kernel
+        from hf2q.kernels.conv.varlen_triton import conv_varlen_ as kernel
         return kernel(x, weight, state_pool, slots, cu_seqlens)
     states = state_pool[slots] if state_pool is not None else None
     y, new = causal_conv1d_varlen(x, states, weight, seq_lens)
@@ -275,9 +253,9 @@ def gdn_conv_decode_(x, conv_w, conv_pool, a_raw, b_raw, A, dt_bias, z, norm_w, 
     launch per layer fewer); conv_pool and state_pool updated in place at `slots`. int8_for: the output
     feeds the int8 mat-vec of a weight of that type (quant_ops.int8_reader); the kernel also writes its
     int8 rows."""
-    if (_triton(x) and conv_w.shape[1] == 4 and state_pool.dtype == torch.float32 and x.stride(1) == 1
+    if (triton_runs(x) and conv_w.shape[1] == 4 and state_pool.dtype == torch.float32 and x.stride(1) == 1
             and conv_pool.stride(2) == 1):
-        from hf2q.kernels.gdn_decode_triton import gdn_conv_decode_ as kernel
+        from hf2q.kernels.gdn.decode_triton import gdn_conv_decode_ as kernel
         return kernel(x, conv_w, conv_pool, a_raw, b_raw, A, dt_bias, z, norm_w, state_pool, slots, nk, dk, eps,
                       out_dtype, int8_for)
     return gdn_decode_(conv_decode_(x, conv_w, conv_pool, slots), a_raw, b_raw, A, dt_bias, z, norm_w, state_pool,
@@ -287,8 +265,8 @@ def gdn_conv_decode_(x, conv_w, conv_pool, a_raw, b_raw, A, dt_bias, z, norm_w, 
 def gdn_decode_(qkv, a_raw, b_raw, A, dt_bias, z, norm_w, state_pool, slots, nk: int, dk: int, eps: float,
                 out_dtype: torch.dtype) -> torch.Tensor:
     """Fused decode step of every sequence (see gdn_decode_triton); state_pool[slots] updated in place."""
-    if _triton(qkv) and state_pool.dtype == torch.float32:
-        from hf2q.kernels.gdn_decode_triton import gdn_decode_ as kernel
+    if triton_runs(qkv) and state_pool.dtype == torch.float32:
+        from hf2q.kernels.gdn.decode_triton import gdn_decode_ as kernel
         return kernel(qkv, a_raw, b_raw, A, dt_bias, z, norm_w, state_pool, slots, nk, dk, eps, out_dtype)
     bsz, nv, dv = qkv.shape[0], state_pool.shape[1], state_pool.shape[3]
     rep = nv // nk
@@ -313,7 +291,7 @@ def chunk_gdn(q, k, v, g, beta, initial_state, cu_seqlens, seq_lens: list[int], 
     """q, k: [T, nk, dk] raw; v: [T, nv, dv]; g, beta: [T, nv]; initial_state: [N, nv, dk, dv].
     Returns (o [T, nv, dv] in v's dtype, final states [N, nv, dk, dv] fp32)."""
     if q.is_cuda:
-        from hf2q.kernels.gdn_fla import chunk_gdn as kernel
+        from hf2q.kernels.gdn.chunked_fla import chunk_gdn as kernel
         return kernel(q, k, v, g, beta, initial_state, cu_seqlens, scale)
     rep = v.shape[1] // q.shape[1]
     qf = q.float() * torch.rsqrt(q.float().pow(2).sum(-1, keepdim=True) + eps) * scale
@@ -332,8 +310,8 @@ def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
                    out_dtype: torch.dtype) -> torch.Tensor:
     """Per-head rms_norm(o) * weight * silu(z) of the DeltaNet output: o [T, H, D], z [T, H * D]
     -> [T, H * D] in out_dtype."""
-    if _triton(o) and o.stride(2) == 1 and z.stride(1) == 1:
-        from hf2q.kernels.gated_norm_triton import gated_rms_norm as kernel
+    if triton_runs(o) and o.stride(2) == 1 and z.stride(1) == 1:
+        from hf2q.kernels.norm.gated_triton import gated_rms_norm as kernel
         return kernel(o, z, weight, eps, out_dtype)
     of = o.float()
     of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
@@ -346,8 +324,8 @@ def paged_decode_attention(q, k_rows, v_rows, block_tables, context_lens, block_
                            gate=None):
     """q: [B, nh, hd]; k_rows/v_rows: flat pools [rows, nkv, hd]. Returns [B, nh, hd], times sigmoid(gate)
     ([B, nh, hd]) when given."""
-    if _triton(q):
-        from hf2q.kernels.paged_attention_triton import paged_decode_attention as kernel
+    if triton_runs(q):
+        from hf2q.kernels.attention.paged_triton import paged_decode_attention as kernel
         return kernel(q, k_rows, v_rows, block_tables, context_lens, block_size, scale, gate=gate)
     longest = block_tables.shape[1] * block_size
     pos = torch.arange(longest, device=q.device)
@@ -365,13 +343,13 @@ MOE_GEMV_PAIRS = 32  # token-expert pairs up to which each pair's experts are re
 
 def moe_pairs_by_gemv(x, experts, gate_exps, up_exps, down_exps) -> bool:
     """Whether the pairs' experts are read by the expert GEMV: few pairs (decode) where Triton runs."""
-    return (_triton(x) and experts.numel() <= MOE_GEMV_PAIRS and x.stride(-1) == 1 and gate_exps.stride(-1) == 1
+    return (triton_runs(x) and experts.numel() <= MOE_GEMV_PAIRS and x.stride(-1) == 1 and gate_exps.stride(-1) == 1
             and up_exps.stride() == gate_exps.stride() and down_exps.stride(-1) == 1)
 
 
 def moe_pairs_swiglu(x, experts, gate_exps, up_exps) -> torch.Tensor:
     """silu(x·gate_e)·(x·up_e) of every pair [T·k, I] in one expert GEMV launch (where moe_pairs_by_gemv)."""
-    from hf2q.kernels.gemv_triton import expert_gemv
+    from hf2q.kernels.linear.gemv_triton import expert_gemv
     return expert_gemv(x, gate_exps, experts.reshape(-1).to(torch.int32), experts.shape[1], second=up_exps)
 
 
@@ -380,11 +358,11 @@ def moe_expert_pairs(x, experts, gate_exps, up_exps, down_exps):
     pairs through the expert GEMV (gate, up and the SwiGLU in one launch), many through grouped GEMMs where the device
     has them, else a loop over the chosen experts."""
     if moe_pairs_by_gemv(x, experts, gate_exps, up_exps, down_exps):
-        from hf2q.kernels.gemv_triton import expert_gemv
+        from hf2q.kernels.linear.gemv_triton import expert_gemv
         h = moe_pairs_swiglu(x, experts, gate_exps, up_exps)
         return expert_gemv(h, down_exps, experts.reshape(-1).to(torch.int32))
     if x.is_cuda:
-        from hf2q.kernels.moe_grouped import grouped_mm_available, moe_expert_pairs_grouped
+        from hf2q.kernels.moe.grouped import grouped_mm_available, moe_expert_pairs_grouped
         if grouped_mm_available(x):
             return moe_expert_pairs_grouped(x, experts, gate_exps, up_exps, down_exps)
     t, top_k = experts.shape
@@ -398,8 +376,8 @@ def moe_expert_pairs(x, experts, gate_exps, up_exps, down_exps):
 
 def moe_route(logits: torch.Tensor, top_k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] -> (weights [T, k] renormalised over the top k, in dtype; experts [T, k])."""
-    if _triton(logits) and logits.stride(-1) == 1:
-        from hf2q.kernels.moe_triton import route
+    if triton_runs(logits) and logits.stride(-1) == 1:
+        from hf2q.kernels.moe.route_triton import route
         return route(logits, top_k, dtype)
     probs = torch.softmax(logits.float(), dim=-1)
     weights, experts = torch.topk(probs, top_k, dim=-1)
@@ -409,8 +387,8 @@ def moe_route(logits: torch.Tensor, top_k: int, dtype: torch.dtype) -> tuple[tor
 def moe_combine(pairs: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None = None,
                 shared_gate: torch.Tensor | None = None) -> torch.Tensor:
     """Σ_k weights · pairs (pair outputs [T·k, H]) plus sigmoid(shared_gate) · shared when given."""
-    if _triton(pairs) and pairs.is_contiguous() and (shared is None or shared.stride(-1) == 1):
-        from hf2q.kernels.moe_triton import combine
+    if triton_runs(pairs) and pairs.is_contiguous() and (shared is None or shared.stride(-1) == 1):
+        from hf2q.kernels.moe.route_triton import combine
         return combine(pairs, weights.contiguous(), shared, shared_gate)
     t, top_k = weights.shape
     out = (pairs.view(t, top_k, -1) * weights[..., None].to(pairs.dtype)).sum(1)
@@ -426,12 +404,12 @@ def moe_down_combine(h_pairs: torch.Tensor, experts: torch.Tensor, weights: torc
     where the dense shared down would be a Triton GEMV too (or there is none); otherwise the down GEMV, the
     shared down by dispatch.linear (cuBLAS or the GEMV) and moe_combine, as three launches."""
     shared = shared_act is not None
-    if (_triton(h_pairs) and h_pairs.stride(-1) == 1 and down_exps.stride(-1) == 1
+    if (triton_runs(h_pairs) and h_pairs.stride(-1) == 1 and down_exps.stride(-1) == 1
             and (not shared or _gemv_serves(shared_act, shared_down_weight))):
-        from hf2q.kernels.gemv_triton import expert_down_combine
+        from hf2q.kernels.linear.gemv_triton import expert_down_combine
         return expert_down_combine(h_pairs, down_exps, experts, weights, shared_act, shared_down_weight,
                                    shared_gate_logit)
-    from hf2q.kernels.gemv_triton import expert_gemv
+    from hf2q.kernels.linear.gemv_triton import expert_gemv
     pairs = expert_gemv(h_pairs, down_exps, experts.reshape(-1).to(torch.int32))
     if not shared:
         return moe_combine(pairs, weights)

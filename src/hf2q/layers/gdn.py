@@ -12,9 +12,9 @@ from torch import nn
 from hf2q.config import ModelConfig
 from hf2q.forward import ForwardBatch
 from hf2q.kernels import dispatch
-from hf2q.kernels.gdn import causal_conv1d_ref, gated_delta_rule_ref
+from hf2q.kernels.gdn.reference import causal_conv1d_ref, gated_delta_rule_ref
 from hf2q.kernels.meta import fast_meta
-from hf2q.kernels.quant_ops import int8_reader
+from hf2q.kernels.quant.ops import int8_reader
 from hf2q.layers.linear import Linear
 
 

@@ -24,7 +24,7 @@ class Linear(nn.Module):
 
     def set_quantized(self, raw: torch.Tensor, qtype: str) -> None:
         """Hold `raw` blocks of `qtype` instead of a dense weight (the dense parameter is dropped)."""
-        from hf2q.kernels.quant_ops import check_raw
+        from hf2q.kernels.quant.ops import check_raw
 
         check_raw(raw, qtype, (self.out_features, self.in_features))
         del self.weight
@@ -35,7 +35,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweight is None:
             return dispatch.linear(x, self.weight)
-        from hf2q.kernels.quant_ops import quant_linear
+        from hf2q.kernels.quant.ops import quant_linear
 
         return quant_linear(x, self.qweight, self.qtype, self.out_features)
 

@@ -43,7 +43,7 @@ class MoE(nn.Module):
 
     def set_quantized(self, name: str, raw: torch.Tensor, qtype: str) -> None:
         """Hold expert stack `name` as `raw` blocks of `qtype` (its dense parameter is dropped)."""
-        from hf2q.kernels.quant_ops import check_raw
+        from hf2q.kernels.quant.ops import check_raw
 
         check_raw(raw, qtype, self.stack_shape(name))
         delattr(self, name)
@@ -59,7 +59,7 @@ class MoE(nn.Module):
         expert stacks; slow, but exact)."""
         if name not in self.exps_qtype:
             return getattr(self, name)
-        from hf2q.kernels.quant_ops import dequantize
+        from hf2q.kernels.quant.ops import dequantize
 
         return dequantize(*self.quant_stack(name), self.stack_shape(name), dtype)
 
@@ -77,7 +77,7 @@ class MoE(nn.Module):
 
     def expert_pairs_quant(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """expert_k(x) of every token-expert pair [T·k, H] from the quantized stacks."""
-        from hf2q.kernels.quant_moe import moe_expert_pairs_quant
+        from hf2q.kernels.quant.moe import moe_expert_pairs_quant
 
         return moe_expert_pairs_quant(x, experts, *(self.quant_stack(n) for n in EXPERT_STACKS))
 

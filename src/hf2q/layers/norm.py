@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hf2q.kernels.norm import rms_norm
+from hf2q.kernels.norm.reference import rms_norm
 
 
 class RMSNorm(nn.Module):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hf2q.kernels.rotary import apply_rotary
+from hf2q.kernels.rotary.reference import apply_rotary
 
 
 class RotaryEmbedding(nn.Module):

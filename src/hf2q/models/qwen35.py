@@ -12,7 +12,7 @@ from torch import nn
 from hf2q.config import ModelConfig
 from hf2q.forward import ForwardBatch
 from hf2q.kernels import dispatch
-from hf2q.kernels.quant_ops import int8_reader
+from hf2q.kernels.quant.ops import int8_reader
 from hf2q.layers.attention import GatedAttention
 from hf2q.layers.gdn import GatedDeltaNet
 from hf2q.layers.linear import Linear

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf2q.kernels.quant_triton import QTYPE_ID, _geometry, check_layout, dequant_tile
+from hf2q.kernels.quant.dequant_triton import QTYPE_ID, _geometry, check_layout, dequant_tile
 
 PROGRAMS = 264  # about two programs per SM of the largest cards: split K until the grid has this many
 

@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from hf2q.kernels import pdl
-from hf2q.kernels.quant_dp4a_triton import int8_buffers, int8_writes, quantize_and_store, remember
+from hf2q.kernels.tuning import pdl
+from hf2q.kernels.quant.dp4a_triton import int8_buffers, int8_writes, quantize_and_store, remember
 
 
 @triton.jit

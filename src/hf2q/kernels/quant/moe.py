@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from hf2q.kernels import dispatch
-from hf2q.kernels.quant_ops import MOE_PAIRS, _triton, dequantize, scratch
+from hf2q.kernels.choose import triton_runs
+from hf2q.kernels.quant.ops import MOE_PAIRS, dequantize, scratch
 from hf2q.quant import dequantize_ref
 
 
@@ -34,12 +35,12 @@ def moe_expert_pairs_quant(x: torch.Tensor, experts: torch.Tensor, gate: tuple, 
     hidden, inter = x.shape[1], gate[0].shape[1]
     n_exp = gate[0].shape[0]
     flat = experts.reshape(-1)
-    if not _triton(x):
+    if not triton_runs(x):
         xs = x.repeat_interleave(top_k, dim=0)  # [T*k, H], pair p is token p // k
         h = F.silu(_expert_linear_ref(xs, flat, *gate, inter)) * _expert_linear_ref(xs, flat, *up, inter)
         return _expert_linear_ref(h, flat, *down, hidden)
     if t * top_k <= MOE_PAIRS:
-        from hf2q.kernels.quant_dp4a_triton import blocked_for, matvec, quantize_rows
+        from hf2q.kernels.quant.dp4a_triton import blocked_for, matvec, quantize_rows
 
         flat = flat.to(torch.int32)
         xs = quantize_rows(x, blocked=blocked_for(gate[1]))

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf2q.kernels import pdl
+from hf2q.kernels.tuning import pdl
 
 MAX_ROWS = 4
 
@@ -137,7 +137,7 @@ def _gemv_kernel(x_ptr, w_ptr, w2_ptr, y_ptr, experts_ptr, N, n_first, K, rows_p
     GLU (SwiGLU in the epilogue, so gate and up never reach memory and no activation kernel follows):
     output columns n_first + j (j < N - n_first) are silu(g)·u with g from row n_first + j of w and u
     from row j of w2; the first cdiv(n_first, BLOCK_N) programs write columns 0..n_first from the
-    first rows of w as usual (a pack's other projections). PDL (kernels/pdl.py): wait for the previous
+    first rows of w as usual (a pack's other projections). PDL (kernels/tuning/pdl.py): wait for the previous
     kernel before the first read; the next may start once the products are done."""
     pdl.wait_prior(PDL)
     x_row = x_ptr

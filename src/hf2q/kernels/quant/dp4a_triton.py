@@ -37,10 +37,10 @@ import triton
 import triton.language as tl
 
 from hf2q import envs
-from hf2q.kernels import pdl, tune_cache
-from hf2q.kernels.quant_fields_triton import f16_bits
-from hf2q.kernels.quant_triton import QTYPE_ID, check_layout
-from hf2q.kernels.timing import cold_copies, graph_time_us
+from hf2q.kernels.tuning import pdl, cache as tune_cache
+from hf2q.kernels.quant.fields_triton import f16_bits
+from hf2q.kernels.quant.dequant_triton import QTYPE_ID, check_layout
+from hf2q.kernels.tuning.timing import cold_copies, graph_time_us
 from hf2q.quant import KQUANTS, block_layout, gpu_row_words
 
 EMULATE = envs.triton_interpret()  # the interpreter runs no PTX: dp4a in plain integer ops
@@ -383,7 +383,7 @@ def _gemv_dp4a_kernel(xq_ptr, act_ptr, w16, w32, w16b, w32b, out_ptr, expert_ptr
     columns from n_first on come from a second weight (an MoE's gate and up stacks, or a layer's
     projections of one input kept in two types, in one launch; n_first is a multiple of BN), of type
     QTYPE_B and row stride row_units_b. Output row m multiplies activation row m // rows_per_x. EVEN: M,
-    N and the blocks a row are multiples of BM, BN and SB, so nothing is masked. PDL (kernels/pdl.py): the
+    N and the blocks a row are multiples of BM, BN and SB, so nothing is masked. PDL (kernels/tuning/pdl.py): the
     program waits for the previous kernel before its first read, and lets the next kernel start once its
     loop is done."""
     ms = tl.program_id(1) * BM + tl.arange(0, BM)
@@ -535,9 +535,9 @@ def best_config(xs, raw, qtype: str, n: int, experts, second=None, rows_per_x: i
     """The fastest candidate for this shape, timed once per (type, N, K, rows rounded up to a power of two,
     experts) on CUDA outside graph capture (a capture's warm-up step does it); the first candidate inside
     a capture or with HF2Q_GEMV_TUNE=0; under Triton's interpreter, which pays per program, the one with
-    the most rows a program. A choice stored by an earlier start on the same card (kernels/tune_cache.py)
+    the most rows a program. A choice stored by an earlier start on the same card (kernels/tuning/cache.py)
     is taken without timing. Timed from graph replays over copies of the
-    weight that overflow L2 (kernels/timing.py): eager launches of a 10 µs kernel measure the host's
+    weight that overflow L2 (kernels/tuning/timing.py): eager launches of a 10 µs kernel measure the host's
     launch rate, and a weight left in L2 by the previous call favours configurations that need a warm
     cache. (An expert stack is one copy: its few chosen experts stay warm.)"""
     xq = xs[0]

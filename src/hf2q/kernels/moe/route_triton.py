@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf2q.kernels import pdl
+from hf2q.kernels.tuning import pdl
 
 
 @triton.jit

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from hf2q import envs
-from hf2q.kernels import pdl
+from hf2q.kernels.tuning import pdl
 
 
 @triton.jit

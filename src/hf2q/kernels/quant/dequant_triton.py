@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf2q.kernels.quant_fields_triton import f16_bits, kquant_scale_min, u8
+from hf2q.kernels.quant.fields_triton import f16_bits, kquant_scale_min, u8
 from hf2q.quant import KQUANTS, gpu_row_words, kept_row
 
 QTYPE_ID = {"Q8_0": 0, "Q4_0": 1, "Q4_K": 2, "Q5_K": 3, "Q6_K": 4}

@@ -15,7 +15,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from hf2q import envs
+from hf2q.kernels.choose import triton_runs
 from hf2q.quant import KQUANTS, dequantize_ref, is_interleaved, kept_row
 
 # At most this many rows go through the int8 mat-vec kernel. It reads the weights once per row, so its time
@@ -31,13 +31,9 @@ def int8_reader(x: torch.Tensor, qtype: str | None) -> str | None:
     """`qtype` if a projection of x quantized as `qtype` (None: not quantized) reads x through the int8
     mat-vec, so that the kernel producing x can write its int8 rows as well, in the order that type
     reads; else None."""
-    if qtype is not None and _triton(x) and x.numel() // max(x.shape[-1], 1) <= MATVEC_ROWS:
+    if qtype is not None and triton_runs(x) and x.numel() // max(x.shape[-1], 1) <= MATVEC_ROWS:
         return qtype
     return None
-
-
-def _triton(x: torch.Tensor) -> bool:
-    return x.is_cuda or envs.triton_interpret()
 
 
 def check_raw(raw: torch.Tensor, qtype: str, shape: tuple[int, ...]) -> None:
@@ -67,10 +63,10 @@ def scratch(slot: str, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
 def dequantize(raw: torch.Tensor, qtype: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32,
                out: torch.Tensor | None = None) -> torch.Tensor:
     """Values of a quantized tensor [..., rows, row_bytes] as `dtype` of `shape`."""
-    if not _triton(raw):
+    if not triton_runs(raw):
         value = dequantize_ref(raw, qtype, shape).to(device=raw.device, dtype=dtype)
         return value if out is None else out.view(shape).copy_(value)
-    from hf2q.kernels import quant_triton
+    from hf2q.kernels.quant import dequant_triton as quant_triton
 
     rows, k = math.prod(shape[:-1]), shape[-1]
     out = torch.empty(shape, dtype=dtype, device=raw.device) if out is None else out.view(shape)
@@ -82,15 +78,15 @@ def quant_linear(x: torch.Tensor, raw: torch.Tensor, qtype: str, out_features: i
     """x [..., in] @ W.T for W quantized as raw [out, row_bytes]; result in x's dtype."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
-    if not _triton(x):
+    if not triton_runs(x):
         w = dequantize_ref(raw, qtype, (out_features, k)).to(x.device)
         return F.linear(x2.float(), w).to(x.dtype).reshape(*x.shape[:-1], out_features)
     if x2.shape[0] <= MATVEC_ROWS:
-        from hf2q.kernels.quant_dp4a_triton import gemv
+        from hf2q.kernels.quant.dp4a_triton import gemv
 
         y = gemv(x2, raw, qtype, out_features, key=x)
     elif x2.shape[0] <= MM_ROWS:
-        from hf2q.kernels.quant_mm_triton import quant_mm
+        from hf2q.kernels.quant.mm_triton import quant_mm
 
         y = quant_mm(x2, raw, qtype, out_features)
     else:
@@ -105,12 +101,12 @@ def quant_linear_pair(x: torch.Tensor, first: tuple, second: tuple) -> torch.Ten
     mat-vec launch -> [..., n1 + n2] in x's dtype; None where that launch does not serve: no Triton, too
     many rows, types that read activations in different orders, or a first weight whose rows do not
     split into whole programs (a multiple of 32). (K-quant rows are whole 256-value blocks by type.)"""
-    from hf2q.kernels.quant_dp4a_triton import blocked_for, matvec, quantize_rows
+    from hf2q.kernels.quant.dp4a_triton import blocked_for, matvec, quantize_rows
 
     (raw1, qtype1, n1), (raw2, qtype2, n2) = first, second
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
-    if not _triton(x) or x2.shape[0] > MATVEC_ROWS or blocked_for(qtype1) != blocked_for(qtype2) or n1 % 32:
+    if not triton_runs(x) or x2.shape[0] > MATVEC_ROWS or blocked_for(qtype1) != blocked_for(qtype2) or n1 % 32:
         return None
     y = matvec(quantize_rows(x2, x, blocked_for(qtype1)), raw1, qtype1, n1, out_dtype=x.dtype,
                second=(raw2, n2, qtype2))
