@@ -132,7 +132,7 @@ def _add_serve(sub) -> None:
 
 
 def _add_convert(sub) -> None:
-    from hf2q.checkpoint.convert import add_convert_args, run_convert
+    from hf2q.checkpoint.convert_cli import add_convert_args, run_convert
 
     p = sub.add_parser("convert", help="convert a Hugging Face Qwen3.5 checkpoint to GGUF")
     add_convert_args(p)

@@ -16,7 +16,8 @@ import gguf
 import numpy as np
 import pytest
 
-from hf2q.checkpoint.convert import add_convert_args, convert, run_convert
+from hf2q.checkpoint.convert import convert
+from hf2q.checkpoint.convert_cli import add_convert_args, run_convert
 from hf2q.checkpoint.gguf_file import GGUFFile
 from tests.support import llama_cpp_sources
 from tests.support.fixtures import hf_checkpoint, llama_cpp_gguf

@@ -158,7 +158,7 @@ def _device_value(gguf: GGUFFile, name: str, copier: StagedCopier, blocks: bool 
         return copier.copy(gguf.raw(name)).view(floats[info.type_name]).float().view(info.shape)
     if not blocks or info.type_name not in QUANT_TYPES or len(info.shape) != 2:
         return None
-    from hf2q.kernels.quant_ops import dequantize
+    from hf2q.kernels.quant.ops import dequantize
 
     raw = keep_blocks(copier.copy(gguf.raw(name)).view(info.shape[0], -1), info.type_name, copier.device)
     return dequantize(raw, info.type_name, info.shape, torch.float32)

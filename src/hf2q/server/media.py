@@ -40,7 +40,7 @@ class MediaPolicy:
 
 def add_media_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allowed-local-media-path", metavar="DIR",
-                   help="image_url may name local files (file:// URLs) under DIR; none otherwise")
+                   help="image_url may name local files (file:// URLs) under DIR (default: none, no local files)")
     p.add_argument("--allow-remote-images", action="store_true",
                    help="image_url may be an http(s) URL the server fetches (off by default)")
     p.add_argument("--image-fetch-timeout", type=float, default=10.0,

@@ -59,8 +59,8 @@ def add_spec_args(parser) -> None:
                         help="rounds per cost-control window: a proposer that saves no time in two windows in "
                              "a row is off for the rest of the request; 0 turns the control off. "
                              "Default: %(default)s")
-    parser.add_argument("--spec-ngram-min", type=int, default=d.ngram_min, help="shortest history suffix matched")
-    parser.add_argument("--spec-ngram-max", type=int, default=d.ngram_max, help="longest history suffix tried first")
+    parser.add_argument("--spec-ngram-min", type=int, default=d.ngram_min, help="shortest history suffix matched (default: %(default)s)")
+    parser.add_argument("--spec-ngram-max", type=int, default=d.ngram_max, help="longest history suffix tried first (default: %(default)s)")
 
 
 def spec_config(args) -> SpecConfig:
