@@ -11,6 +11,8 @@ from hf2q.engine.sampling_params import SamplingParams
 class _Engine:
     """Emits token 100*k + i for request k's i-th step; a request finishes after len(prompt) tokens."""
 
+    prefix = None  # no prefix cache, as Engine with --no-prefix-cache
+
     def __init__(self):
         self.live: dict[str, list] = {}
         self.steps_with_outputs = 0
