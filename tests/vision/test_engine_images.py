@@ -66,6 +66,24 @@ def test_prefix_cache_keys_on_the_image(dense_vl):
     assert other == fresh
 
 
+def test_queued_request_waits_only_for_a_checkpoint_of_its_own_image(dense_vl):
+    """Admission holds a request back for a running prefill's coming checkpoint only when the prefix cache
+    could resume it there: with the same image, not with a different one behind the same text."""
+    engine = Engine(dense_vl, EngineConfig(
+        max_model_len=256, scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, prefill_chunk=8),
+        cache=CacheConfig(num_slots=4, num_blocks=256, block_size=8, prefix_cache_bytes=64 << 20,
+                          prefix_checkpoint_stride=8)))
+    a, b = random_image((1, 6, 6), 5), random_image((1, 6, 6), 6)
+    ids = _prompt([a], [4, 3])
+    params = SamplingParams(temperature=0, max_tokens=2)
+    engine.add_request(ids, params, images=[a])
+    engine.step()  # the first 8 prompt tokens; the image's pad rows are still ahead
+    same = engine.add_request(ids, params, images=[a], request_id="same")
+    other = engine.add_request(ids, params, images=[b], request_id="other")
+    assert engine.scheduler._awaits_checkpoint(same)
+    assert not engine.scheduler._awaits_checkpoint(other)
+
+
 def test_bad_image_requests_are_refused(dense_vl):
     engine = _engine(dense_vl)
     image = random_image((1, 4, 4), 7)

@@ -148,14 +148,16 @@ class Scheduler:
         the shared part again. The running request progresses every step, so the wait is bounded."""
         if self.prefix is None or req.keeps_hidden:
             return False
-        held = self.prefix.lookup(req.prompt_ids)
+        mine = req.key(0, len(req.prompt_ids))  # as the prefix cache keys it (images by their hashes)
+        held = self.prefix.lookup(mine)
         reuse = len(held.tokens) if held is not None else 0
         for other in self.running:
-            done, prompt = other.num_computed, other.prompt_ids
-            if done >= len(prompt):
+            done, n = other.num_computed, len(other.prompt_ids)
+            if done >= n:
                 continue
-            shared = min(len(prompt), len(req.prompt_ids) - 1)
-            shared = next((i for i in range(shared) if prompt[i] != req.prompt_ids[i]), shared)
+            prompt = other.key(0, n)
+            shared = min(n, len(mine) - 1)
+            shared = next((i for i in range(shared) if prompt[i] != mine[i]), shared)
             bounds = [b for b in (other.anchor,) if b is not None and b <= shared]
             if self.stride > 0:
                 bounds.append(shared // self.stride * self.stride)
