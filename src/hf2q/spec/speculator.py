@@ -84,7 +84,9 @@ class Speculator:
             req.draft_ids = []
             if req.finished:
                 continue
-            costs = req.extras.setdefault("cost", {name: CostController(self.config.cost_window) for name in PROPOSERS})
+            costs = req.extras.get("cost")
+            if costs is None:  # built once per request, not every step
+                costs = req.extras["cost"] = {name: CostController(self.config.cost_window) for name in PROPOSERS}
             k = max(0, min(self.config.num_tokens, req.max_total_len - req.num_tokens - 1)) if req.output_ids else 0
             k = k if small else 0
             drafts = self._ngram(req, k) if self.ngram and k and costs["ngram"].may_speculate() else []
