@@ -6,8 +6,7 @@ import torch
 
 from hf2q.cache.hybrid import HybridCache, kv_bytes_per_token
 from hf2q.cache.kv_codec import Fp8Codec, TurboQuantCodec
-from hf2q.cache.kv_pool import (KV_FORMATS, CompressedKVPool, DenseKVPool, format_identity, kv_cache_format,
-                                make_pool)
+from hf2q.cache.kv_pool import KV_FORMATS, CompressedKVPool, DenseKVPool, format_identity, kv_cache_format
 from hf2q.cache.prefix_store import PrefixStore, fingerprint
 from hf2q.config import CacheConfig, ModelConfig
 
@@ -60,7 +59,7 @@ def test_bytes_per_token_and_held_bytes_match_the_formula(fmt):
     cache = cache_of(fmt)
     row = MC.head_dim + 4 if fmt in ("fp8", "tq8", "tq6", "tq5") else MC.head_dim * getattr(torch, fmt).itemsize
     per_token = MC.num_kv_layers * 2 * MC.num_kv_heads * row
-    assert cache.bytes_per_token == kv_bytes_per_token(MC, fmt) == cache.kv.bytes_per_token() == per_token
+    assert cache.bytes_per_token == kv_bytes_per_token(MC, fmt) == per_token
     held = sum(t.numel() * t.element_size() for t in (cache.kv.k, cache.kv.v))
     assert held == per_token * cache.num_blocks * cache.block_size
 
@@ -100,11 +99,10 @@ def test_snapshots_do_not_cross_between_dense_and_compressed():
         tq.restore(t, dense.snapshot(s))
 
 
-def test_fingerprint_names_the_codec_tables():
-    prints = {make_pool(f, 1, 1, 4, 2, 64, torch.device("cpu")).fingerprint for f in KV_FORMATS}
+def test_format_identity_names_the_codec_tables():
+    prints = {format_identity(f) for f in KV_FORMATS}
     assert len(prints) == len(KV_FORMATS)
-    assert make_pool("tq8", 1, 1, 4, 2, 64, torch.device("cpu")).fingerprint.endswith(
-        TurboQuantCodec(64, 8).fingerprint)
+    assert format_identity("tq8").endswith(TurboQuantCodec(8, 8).fingerprint)
     with pytest.raises(ValueError, match="unknown K/V cache format 'int4'"):
         cache_of("int4")
 

@@ -53,15 +53,6 @@ class KVPool:
     def is_dense(self) -> bool:
         return self.format in DENSE_FORMATS
 
-    @property
-    def fingerprint(self) -> str:
-        """What a stored row means: the format and, for codecs, their exact tables."""
-        return self.format
-
-    def bytes_per_token(self) -> int:
-        """K + V bytes one token takes in this pool, across its layers."""
-        return self.k.shape[0] * 2 * self.num_kv_heads * row_bytes(self.format, self.head_dim)
-
     def rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Flat stored rows of a layer, [num_blocks * block_size, n_kv, row] for K and for V."""
         return (self.k_layers[layer].view(-1, self.num_kv_heads, self.k.shape[-1]),
@@ -111,10 +102,6 @@ class CompressedKVPool(KVPool):
 
     def row_layout(self) -> tuple[int, torch.dtype]:
         return self.head_dim + _SIDE, torch.uint8
-
-    @property
-    def fingerprint(self) -> str:
-        return f"{self.format}:{self.codec.fingerprint}"
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         payload, side = self.codec.encode(x)
