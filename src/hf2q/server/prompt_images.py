@@ -6,12 +6,12 @@ widened to that many pad tokens, whose positions the engine fills with the image
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from hf2q.server.errors import bad_request
 from hf2q.vision.inputs import ImageInput
+from hf2q.vision.prompt import IMAGE_PAD
 
-IMAGE_PAD = "<|image_pad|>"
 NO_VISION = ("this model has no vision projector, so it cannot read images: start the server with --mmproj "
              "(or put the mmproj GGUF beside the model)")
 _DETAILS = (None, "auto")  # the tower always sees the image at its native resolution within the pixel budget
@@ -82,7 +82,3 @@ def check_fits(prompt_len: int, images: list[ImageInput], max_model_len: int) ->
     raise bad_request(f"the prompt is {prompt_len} tokens, {image_tokens} of them for its {len(images)} image(s), "
                       f"which does not fit this server's context of {max_model_len} tokens: send smaller or fewer "
                       f"images", param="messages", code="context_length_exceeded")
-
-
-def pad_token_id(tokenizer) -> Optional[int]:
-    return tokenizer.token_to_id(IMAGE_PAD)

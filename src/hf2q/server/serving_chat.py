@@ -15,7 +15,7 @@ from hf2q.server.chat_output import ChatOutput, add_delta
 from hf2q.server.choices import Choices, by_choice, logprob_entries
 from hf2q.server.errors import APIError, bad_request
 from hf2q.server.media import load_images
-from hf2q.server.prompt_images import check_fits, expand_image_pads, image_urls, pad_token_id, widen
+from hf2q.server.prompt_images import check_fits, expand_image_pads, image_urls, widen
 from hf2q.server.request_fields import check_chat_fields, log_labels, thinking_budget, thinking_kwargs
 from hf2q.server.sampling import build_params
 from hf2q.server.schemas import ChatCompletionRequest, Message
@@ -23,6 +23,7 @@ from hf2q.server.sse import DONE, event, unless_disconnected
 from hf2q.server.state import ServerState
 from hf2q.text.reasoning import prompt_opens_reasoning
 from hf2q.vision.inputs import ImageInput
+from hf2q.vision.prompt import image_pad_id
 
 # Arguments of `ChatTemplate.render` itself: chat_template_kwargs may not override them.
 _RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "add_generation_prompt")
@@ -112,7 +113,7 @@ def turn_anchor(state: ServerState, messages: list[Message], tools: Optional[lis
         return None
     ids = state.model.tokenizer.encode(probe)
     if images:
-        ids = widen(ids, pad_token_id(state.model.tokenizer), list(images))
+        ids = widen(ids, image_pad_id(state.model.tokenizer), list(images))
     n = next((i for i, (a, b) in enumerate(zip(ids, prompt_ids)) if a != b), min(len(ids), len(prompt_ids)))
     return min(n, len(prompt_ids) - 1) or None
 
@@ -149,7 +150,7 @@ class ChatServing:
         """The prompt with each image's pad token widened to its soft-token count; it must fit the context."""
         if not images:
             return prompt_ids
-        ids = expand_image_pads(prompt_ids, pad_token_id(self.state.model.tokenizer), images)
+        ids = expand_image_pads(prompt_ids, image_pad_id(self.state.model.tokenizer), images)
         check_fits(len(ids), images, self.state.config.max_model_len)
         return ids
 
