@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import time
 
 
@@ -47,10 +48,10 @@ def engine_steps(model_path: str, prompt_tokens: int, max_tokens: int, requests:
 
     import hf2q
     from hf2q.devices import resolve_device, resolve_dtype
-    from hf2q.engine.engine import Engine, EngineConfig
+    from hf2q.engine.engine import Engine
     from hf2q.engine.sampling_params import SamplingParams
-    from hf2q.engine.scheduler import SchedulerConfig
     from hf2q.server import launch
+    from hf2q.spec.proposer import spec_config
 
     parser = argparse.ArgumentParser()
     launch.add_serve_args(parser)
@@ -60,13 +61,7 @@ def engine_steps(model_path: str, prompt_tokens: int, max_tokens: int, requests:
     t0 = time.perf_counter()
     model = hf2q.load(model_path, device=device, dtype=dtype, keep_quantized=launch.keep_quantized(args))
     print(f"loaded in {time.perf_counter() - t0:.1f} s")
-    prefix_bytes = launch.prefix_budget(args, device)
-    limits = launch._limits(args, model, device, dtype, prefix_bytes)
-    print("sized:", limits.why)
-    cache = launch.with_prefix_cache(limits.cache, args, model, prefix_bytes)
-    sched = SchedulerConfig(max_num_seqs=limits.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                            prefill_chunk=args.prefill_chunk, max_waiting=args.max_waiting)
-    engine = Engine(model, EngineConfig(max_model_len=limits.max_model_len, scheduler=sched, cache=cache))
+    engine = Engine(model, launch.sized_engine_config(args, model, device, dtype, spec_config(args)))
     t0 = time.perf_counter()
     engine.warm_up()
     print(f"warmed up in {time.perf_counter() - t0:.1f} s")
@@ -147,6 +142,7 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, help="as `hf2q serve --max-num-seqs` (fewer graphs to capture)")
     p.add_argument("--concurrent", type=int, default=0, help="then time (and profile) this many sequences decoding together")
     a = p.parse_args()
+    logging.basicConfig(level="INFO", format="%(message)s")  # the engine's sizing and warm-up lines
     if a.url:
         chunk_timeline(a.url.rstrip("/"), a.prompt_tokens, a.max_tokens)
     if a.model:

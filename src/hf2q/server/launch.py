@@ -146,8 +146,7 @@ def build_state(args):
     """Load the model and start the engine: everything `build_app` needs."""
     import hf2q
     from hf2q.engine.async_engine import AsyncEngine
-    from hf2q.engine.engine import Engine, EngineConfig
-    from hf2q.engine.scheduler import SchedulerConfig
+    from hf2q.engine.engine import Engine
     from hf2q.server.state import ServerConfig, ServerState
 
     if not isinstance(args.default_chat_template_kwargs, dict):
@@ -190,15 +189,8 @@ def build_state(args):
     if args.max_model_len and args.max_model_len > model.config.context_length:
         log.warning("--max-model-len %d exceeds the model's context %d; using %d", args.max_model_len,
                     model.config.context_length, model.config.context_length)
-    prefix_bytes = prefix_budget(args, device)
-    limits = _limits(args, model, device, dtype, prefix_bytes)
-    log.info("sized: %s", limits.why)
-    max_len = limits.max_model_len
-    args.max_num_seqs = limits.max_num_seqs
-    cache = with_prefix_cache(limits.cache, args, model, prefix_bytes)
-    sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                            prefill_chunk=args.prefill_chunk, max_waiting=args.max_waiting)
-    engine_config = EngineConfig(max_model_len=max_len, scheduler=sched, cache=cache, spec=spec)
+    engine_config = sized_engine_config(args, model, device, dtype, spec)
+    max_len, cache = engine_config.max_model_len, engine_config.cache
     if workers is not None:  # this process is rank 0
         aengine = workers.start_engine(model, engine_config)
     else:
@@ -221,6 +213,22 @@ def build_state(args):
     aengine.on_step = lambda eng, _outputs: state.metrics.observe_step(eng)
     aengine.start()
     return state
+
+
+def sized_engine_config(args, model, device, dtype, spec):
+    """The engine's configuration from the flags and the device: serving limits sized from free memory (logged;
+    the chosen max_num_seqs is written back into args for later log lines) and the prefix cache's share."""
+    from hf2q.engine.engine import EngineConfig
+    from hf2q.engine.scheduler import SchedulerConfig
+
+    prefix_bytes = prefix_budget(args, device)
+    limits = _limits(args, model, device, dtype, prefix_bytes)
+    log.info("sized: %s", limits.why)
+    args.max_num_seqs = limits.max_num_seqs
+    cache = with_prefix_cache(limits.cache, args, model, prefix_bytes)
+    sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                            prefill_chunk=args.prefill_chunk, max_waiting=args.max_waiting)
+    return EngineConfig(max_model_len=limits.max_model_len, scheduler=sched, cache=cache, spec=spec)
 
 
 def prefix_budget(args, device) -> int:
