@@ -1,7 +1,7 @@
-"""Batched decode on Q4_K_M weights: the tensor-core kernel (quant_mm_triton) in several configurations
+"""Batched decode on Q4_K_M weights: the tensor-core kernel (mm_triton) in several configurations
 against the int8 mat-vec and dequantize + cuBLAS, per 9B projection and row count (CUDA only).
 
-    python tools/quant_mm_sweep.py [--rows 2 8 16 32 64]
+    python tools/quant_mm_sweep.py [--rows 8 16 32 64]
 
 Times are CUDA-graph replays over weight copies that overflow L2 (kernels/tuning/timing.py), summed over a 9B
 token's projections (hf2q.bench.quant.LAYER_SET); the last lines give the step time of each path.
@@ -28,10 +28,10 @@ def _us(fn, weights) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--rows", type=int, nargs="+", default=[2, 8, 16, 32, 64])
+    p.add_argument("--rows", type=int, nargs="+", default=[8, 16, 32, 64])
     p.add_argument("--matvec", action="store_true", help="also time the int8 mat-vec (tunes per row count)")
     args = p.parse_args()
-    configs = [(32, 4), (32, 8), (64, 8)]
+    configs = [(64, 4), (128, 8), (64, 8), (128, 4)]
     totals: dict[tuple, float] = {}
     for name, n, k, qtype, times in LAYER_SET:
         raw = keep_blocks(random_blocks(qtype, n, k, std=0.02, seed=n + k), qtype, "cuda")

@@ -1,13 +1,19 @@
-"""GGUF-quantized weights times a few activation rows (batched decode) on tensor cores.
+"""GGUF-quantized weights times a few activation rows (batched decode, 5-64 rows) on tensor cores.
 
-Between the one-row int8 mat-vec (quant_dp4a_triton) and prefill's dequantize-then-cuBLAS
-(quant_triton.dequantize), a batch of 2-64 rows wants the weight read once, as blocks: each program
-dequantizes a [BLOCK_N, 256] tile of weight rows in registers (the same `dequant_tile` the prefill
-dequantization uses) and multiplies it with the [BLOCK_M, 256] activation tile on tensor cores, so the
-step costs one pass over the quantized bytes however many rows share it (the Marlin approach, with the
-blocks in the layout the other kernels read). Few weight rows with a long K split K over programs; the
-fp32 partial sums are added in a fixed order, so a row's result depends on the weight's shape and the
-configuration, never on the other rows of the batch.
+Between the int8 mat-vec (dp4a_triton, which reads the weight once per activation row) and prefill's
+dequantize-then-cuBLAS (dequant_triton, which writes and re-reads a bf16 copy of the weight), a batch of
+decode rows wants the quantized blocks read once for all its rows. A program takes BLOCK_N weight rows
+over a range of 256-value tiles; each tile is walked in eight groups of 32 values that share one scale
+(a K-quant sub-block, a Q8_0/Q4_0 block, half of two Q6_K sub-blocks). A group's quants are read as the
+32-bit words they are stored in, split into bytes and nibbles by shifts, put back in value order with
+`tl.interleave` (no gathers, no shared-memory reshapes), scaled in fp32, rounded to the activations' dtype
+(as the dequantized copy is) and multiplied on tensor cores against the matching 32 columns of the
+activations. So the step costs one pass over the quantized bytes however many rows share it (the Marlin
+approach, on the blocks in the layout the other kernels read).
+
+Every 16 activation rows are their own dot with their own accumulator, and K is split over programs by
+the weight's shape alone, with fp32 partial sums added in a fixed order: a row's result depends on the
+weight and the configuration, never on the other rows of the batch.
 """
 from __future__ import annotations
 
@@ -15,14 +21,124 @@ import torch
 import triton
 import triton.language as tl
 
-from hf2q.kernels.quant.dequant_triton import QTYPE_ID, _geometry, check_layout, dequant_tile
+from hf2q.kernels.quant.dequant_triton import QTYPE_ID, _geometry, check_layout
+from hf2q.kernels.quant.fields_triton import f16_bits
 
 PROGRAMS = 264  # about two programs per SM of the largest cards: split K until the grid has this many
 
 
 @triton.jit
-def _x_tile(x_ptr, m0, M, x_stride, k, K):
-    """[16, 256] activation tile: rows m0.., columns k."""
+def _bytes_in_order(words, shift, mask):
+    """words [BN, 8] hold 32 bytes (byte 4w + b in bits 8b.. of word w); -> [BN, 32] int32 of
+    (byte >> shift) & mask in byte order."""
+    b0 = (words >> shift) & mask
+    b1 = (words >> (8 + shift)) & mask
+    b2 = (words >> (16 + shift)) & mask
+    b3 = (words >> (24 + shift)) & mask
+    return tl.interleave(tl.interleave(b0, b2), tl.interleave(b1, b3))
+
+
+@triton.jit
+def _block_words(w32, row_q, row_ok, first, t, nblk):
+    """Words first..first+7 [BN, 8] of K-quant block t in interleaved rows starting at quad row_q (word w of
+    a block sits in quad w // 4, and quad q of block t at quad q * nblk + t of the row)."""
+    w = first + tl.arange(0, 8)
+    off = (row_q[:, None] + ((w // 4) * nblk + t)[None, :]) * 4 + (w % 4)[None, :]
+    return tl.load(w32 + off, mask=row_ok[:, None], other=0)
+
+
+@triton.jit
+def _header_byte(h1, h2, h3, i: tl.constexpr):
+    """Byte i (0..11) of a Q4_K/Q5_K scale field held in header words 1-3."""
+    if i < 4:
+        return (h1 >> (8 * i)) & 255
+    elif i < 8:
+        return (h2 >> (8 * (i - 4))) & 255
+    else:
+        return (h3 >> (8 * (i - 8))) & 255
+
+
+@triton.jit
+def _scale_min(h1, h2, h3, s: tl.constexpr):
+    """6-bit scale and min [BN] of sub-block s (ggml's get_scale_min_k4)."""
+    if s < 4:
+        sc = _header_byte(h1, h2, h3, s) & 63
+        mn = _header_byte(h1, h2, h3, s + 4) & 63
+    else:
+        hi = _header_byte(h1, h2, h3, s + 4)
+        sc = (hi & 15) | ((_header_byte(h1, h2, h3, s - 4) >> 6) << 4)
+        mn = (hi >> 4) | ((_header_byte(h1, h2, h3, s) >> 6) << 4)
+    return sc.to(tl.float32), mn.to(tl.float32)
+
+
+@triton.jit
+def _kquant45_group(w32, row_q, row_ok, t, nblk, G: tl.constexpr, QTYPE: tl.constexpr):
+    """fp32 values [BN, 32] of sub-block G of Q4_K/Q5_K block t: value 64g + 32h + l (G = 2g + h) is nibble h
+    of nibble byte 32g + l, plus (Q5_K) bit G of fifth-bit byte l as 16; times d * scale, minus dmin * min."""
+    QS: tl.constexpr = 4 if QTYPE == 2 else 12  # first word of the nibbles (after the header, Q5_K's fifth bits)
+    q = _bytes_in_order(_block_words(w32, row_q, row_ok, QS + 8 * (G // 2), t, nblk), 4 * (G % 2), 15)
+    if QTYPE == 3:
+        q += _bytes_in_order(_block_words(w32, row_q, row_ok, 4, t, nblk), G, 1) << 4
+    header = w32 + (row_q + t) * 4  # quad 0 of block t: f16 d and dmin, then the 12 scale bytes
+    h0 = tl.load(header, mask=row_ok, other=0)
+    h1 = tl.load(header + 1, mask=row_ok, other=0)
+    h2 = tl.load(header + 2, mask=row_ok, other=0)
+    h3 = tl.load(header + 3, mask=row_ok, other=0)
+    sc, mn = _scale_min(h1, h2, h3, G)
+    return (f16_bits(h0) * sc)[:, None] * q.to(tl.float32) - (f16_bits(h0 >> 16) * mn)[:, None]
+
+
+@triton.jit
+def _q6k_group(w32, row_q, row_ok, t, nblk, G: tl.constexpr):
+    """fp32 values [BN, 32] of group G = 4h + j of Q6_K block t: value 128h + 32j + l has its low nibble in
+    ql byte 64h + 32(j % 2) + l (shifted by 4(j // 2)), its top two bits in qh byte 32h + l (shifted by 2j),
+    and scale 8h + 2j + l // 16 (signed bytes in words 48-51); d sits in the row's plane after the quads."""
+    H: tl.constexpr = G // 4
+    J: tl.constexpr = G % 4
+    lo = _bytes_in_order(_block_words(w32, row_q, row_ok, 16 * H + 8 * (J % 2), t, nblk), 4 * (J // 2), 15)
+    hi = _bytes_in_order(_block_words(w32, row_q, row_ok, 32 + 8 * H, t, nblk), 2 * J, 3)
+    S: tl.constexpr = 48 + 2 * H + J // 2  # the word holding scales 8h + 2j and 8h + 2j + 1
+    sw = tl.load(w32 + (row_q + (S // 4) * nblk + t) * 4 + S % 4, mask=row_ok, other=0)
+    B: tl.constexpr = 2 * (J % 2)  # their bytes in that word
+    sc0 = (sw << (24 - 8 * B)) >> 24
+    sc1 = (sw << (16 - 8 * B)) >> 24
+    sc = tl.where((tl.arange(0, 32) < 16)[None, :], sc0[:, None], sc1[:, None])
+    dw = tl.load(w32 + row_q * 4 + 52 * nblk + t // 2, mask=row_ok, other=0)
+    d = f16_bits(dw >> (16 * (t % 2)))
+    return d[:, None] * (sc * ((lo | (hi << 4)) - 32)).to(tl.float32)
+
+
+@triton.jit
+def _q8_q4_group(w8, w16, row_base, row_ok, t, nblk, G: tl.constexpr, QTYPE: tl.constexpr):
+    """fp32 values [BN, 32] of block 8t + G of Q8_0 (f16 d, 32 int8) or Q4_0 (f16 d, 16 bytes: value i is
+    nibble i // 16 of byte i % 16, minus 8), ggml's byte order; zeros past the row's last block."""
+    BYTES: tl.constexpr = 34 if QTYPE == 0 else 18
+    b = t * 8 + G
+    ok = row_ok & (row_base * 0 + b < nblk)  # a [BN] mask (a scalar comparison would not broadcast as one)
+    base = row_base + b * BYTES
+    d = tl.load(w16 + base // 2, mask=ok, other=0).to(tl.float32)
+    i = tl.arange(0, 32)
+    if QTYPE == 0:
+        q = tl.load(w8 + base[:, None] + 2 + i[None, :], mask=ok[:, None], other=0).to(tl.int8, bitcast=True)
+        return d[:, None] * q.to(tl.float32)
+    q = tl.load(w8 + base[:, None] + 2 + (i % 16)[None, :], mask=ok[:, None], other=0).to(tl.int32)
+    return d[:, None] * (((q >> (4 * (i // 16))[None, :]) & 15) - 8).to(tl.float32)
+
+
+@triton.jit
+def _group(w8, w16, w32, row_base, row_ok, t, nblk, G: tl.constexpr, QTYPE: tl.constexpr):
+    """fp32 values [BN, 32] of weight columns 256t + 32G.. of each row."""
+    if QTYPE == 2 or QTYPE == 3:
+        return _kquant45_group(w32, row_base, row_ok, t, nblk, G, QTYPE)
+    elif QTYPE == 4:
+        return _q6k_group(w32, row_base, row_ok, t, nblk, G)
+    else:
+        return _q8_q4_group(w8, w16, row_base, row_ok, t, nblk, G, QTYPE)
+
+
+@triton.jit
+def _x_cols(x_ptr, m0, M, x_stride, k, K):
+    """[16, 32] activations: rows m0.., columns k."""
     m = m0 + tl.arange(0, 16)
     return tl.load(x_ptr + m.to(tl.int64)[:, None] * x_stride + k[None, :], mask=(m < M)[:, None] & (k < K)[None, :],
                    other=0)
@@ -30,9 +146,10 @@ def _x_tile(x_ptr, m0, M, x_stride, k, K):
 
 @triton.jit
 def _dot(x, w, acc, IEEE: tl.constexpr):
+    """acc + x @ w; w arrives in fp32 and is rounded to x's dtype first, as the dequantized copy would be."""
     if IEEE:  # fp32 activations (tests, CPU): no tf32 rounding
-        return acc + tl.dot(x, w, input_precision="ieee")
-    return acc + tl.dot(x, w.to(x.dtype))
+        return tl.dot(x, w, acc, input_precision="ieee")
+    return tl.dot(x, w.to(x.dtype), acc)
 
 
 @triton.jit
@@ -60,14 +177,15 @@ def _quant_mm_kernel(x_ptr, w8, w16, w32, out_ptr, M, N, K, x_stride, row_stride
     first = split * tiles_per_split
     last = tl.minimum(first + tiles_per_split, n_tiles)
     for t in range(first, last):
-        w = tl.trans(dequant_tile(w8, w16, w32, row_base, row_ok, t, nblk, QTYPE))  # [256, BLOCK_N] fp32
-        k = t * 256 + tl.arange(0, 256)
-        acc0 = _dot(_x_tile(x_ptr, m0, M, x_stride, k, K), w, acc0, IEEE)
-        if CHUNKS > 1:
-            acc1 = _dot(_x_tile(x_ptr, m0 + 16, M, x_stride, k, K), w, acc1, IEEE)
-        if CHUNKS > 2:
-            acc2 = _dot(_x_tile(x_ptr, m0 + 32, M, x_stride, k, K), w, acc2, IEEE)
-            acc3 = _dot(_x_tile(x_ptr, m0 + 48, M, x_stride, k, K), w, acc3, IEEE)
+        for g in tl.static_range(8):
+            w = tl.trans(_group(w8, w16, w32, row_base, row_ok, t, nblk, g, QTYPE))  # [32, BLOCK_N]
+            k = t * 256 + 32 * g + tl.arange(0, 32)
+            acc0 = _dot(_x_cols(x_ptr, m0, M, x_stride, k, K), w, acc0, IEEE)
+            if CHUNKS > 1:
+                acc1 = _dot(_x_cols(x_ptr, m0 + 16, M, x_stride, k, K), w, acc1, IEEE)
+            if CHUNKS > 2:
+                acc2 = _dot(_x_cols(x_ptr, m0 + 32, M, x_stride, k, K), w, acc2, IEEE)
+                acc3 = _dot(_x_cols(x_ptr, m0 + 48, M, x_stride, k, K), w, acc3, IEEE)
     _store(out_ptr, acc0, split, m0, M, N, rows, row_ok)
     if CHUNKS > 1:
         _store(out_ptr, acc1, split, m0 + 16, M, N, rows, row_ok)
@@ -77,7 +195,7 @@ def _quant_mm_kernel(x_ptr, w8, w16, w32, out_ptr, M, N, K, x_stride, row_stride
 
 
 def chunks(m: int) -> int:
-    """16-row chunks of activations a program takes: all rows up to 64 (the weight tile is dequantized
+    """16-row chunks of activations a program takes: all rows up to 64 (each weight group is dequantized
     once for them)."""
     return 1 if m <= 16 else 2 if m <= 32 else 4
 
@@ -85,11 +203,11 @@ def chunks(m: int) -> int:
 def config(n: int, k: int) -> tuple[int, int, int]:
     """(BLOCK_N, warps, splits of K) for an [n, k] weight; it depends on the weight alone, so every row of
     a batch is computed the same way whatever the batch."""
-    block_n = 32
+    block_n = 64
     n_tiles = triton.cdiv(k, 256)
     blocks = triton.cdiv(n, block_n)
     split = max(1, min(n_tiles, PROGRAMS // blocks, 16))
-    return block_n, 8, split
+    return block_n, 4, split
 
 
 def quant_mm(x: torch.Tensor, raw: torch.Tensor, qtype: str, n: int, cfg: tuple[int, int, int] | None = None,
