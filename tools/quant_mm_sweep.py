@@ -30,8 +30,11 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rows", type=int, nargs="+", default=[8, 16, 32, 64])
     p.add_argument("--matvec", action="store_true", help="also time the int8 mat-vec (tunes per row count)")
+    p.add_argument("--configs", nargs="+", default=["64,4", "64,8", "128,8"], metavar="BLOCK_N,WARPS",
+                   help="tile configurations to time (each at the default split of K and twice it)")
+    p.add_argument("--no-split-variants", action="store_true", help="time each configuration at the default split only")
     args = p.parse_args()
-    configs = [(64, 4), (128, 8), (64, 8), (128, 4)]
+    configs = [tuple(int(v) for v in c.split(",")) for c in args.configs]
     totals: dict[tuple, float] = {}
     for name, n, k, qtype, times in LAYER_SET:
         raw = keep_blocks(random_blocks(qtype, n, k, std=0.02, seed=n + k), qtype, "cuda")
@@ -41,7 +44,7 @@ def main() -> None:
             row = {}
             _, _, auto_split = mm.config(n, k)
             for bn, warps in configs:
-                for split in sorted({auto_split, auto_split * 2}):
+                for split in sorted({auto_split} if args.no_split_variants else {auto_split, auto_split * 2}):
                     cfg = (bn, warps, split)
                     row[cfg] = _us(lambda w, c=cfg: mm.quant_mm(x, w, qtype, n, c), copies)
             row["default"] = _us(lambda w: mm.quant_mm(x, w, qtype, n), copies)

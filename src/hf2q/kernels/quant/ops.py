@@ -22,7 +22,7 @@ from hf2q.quant import KQUANTS, dequantize_ref, is_interleaved, kept_row
 # grows with the rows: on the H200 a 9B Q4_K_M step's projections took 3.2 ms at 2 rows, 5.9 ms at 4 and
 # 25 ms at 8, against 13.5 ms for dequantize + cuBLAS at any of them (tools/quant_mm_sweep.py --matvec).
 MATVEC_ROWS = 4
-MM_ROWS = 0  # at most this many rows go through quant_mm_triton (off: see the module docstring)
+MM_ROWS = 64  # at most this many rows go through mm_triton (one pass over the blocks for all rows)
 MOE_PAIRS = 1024  # token-expert pairs below which reading chosen experts beats dequantizing every expert
 _SCRATCH: dict[tuple, torch.Tensor] = {}
 
