@@ -167,7 +167,7 @@ def _store(out_ptr, acc, split, m0, M, N, rows, row_ok):
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(m < M)[:, None] & row_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one build for every row count: a new count must not compile mid-serve
 def _quant_mm_kernel(x_ptr, w8, w16, w32, out_ptr, M, N, K, x_stride, row_stride, nblk, tiles_per_split,
                      n_tiles, QTYPE: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
     """A program: BLOCK_N weight rows times CHUNKS x 16 activation rows over one split of K. Each chunk of 16

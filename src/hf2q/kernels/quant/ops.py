@@ -2,11 +2,13 @@
 
 Up to MATVEC_ROWS rows (decode of up to four sequences; MoE token-expert pairs, up to MOE_PAIRS) go through
 the mat-vec kernel that streams the blocks and multiplies them on 8-bit integer dot products against
-int8-quantized activations (quant_dp4a_triton). More rows dequantize the weight into a reused bf16
-scratch buffer and multiply with cuBLAS: one pass over the weight, then tensor cores. Up to MM_ROWS rows
-may instead go through quant_mm_triton, which dequantizes tiles in registers and reads the blocks once;
-it is off (MM_ROWS = 0) because on the H200 it measured slower than dequantize + cuBLAS (BENCHMARKS.md). Off CUDA (and
-without Triton's interpreter) the reference dequantizes with gguf and multiplies in fp32.
+int8-quantized activations (dp4a_triton): it reads the weight once per row. Up to MM_ROWS rows go
+through mm_triton, which dequantizes 32-value groups in registers and multiplies them on tensor cores,
+reading the blocks once for all rows (on the H200, a 9B Q4_K_M step's projections: 6.6 ms at 16 rows
+and 11.0 ms at 64, against 13.7 ms for dequantize + cuBLAS; BENCHMARKS.md). More rows (prefill)
+dequantize the weight into a reused bf16 scratch buffer and multiply with cuBLAS: one pass over the
+weight, then tensor cores at full rate. Off CUDA (and without Triton's interpreter) the reference
+dequantizes with gguf and multiplies in fp32.
 """
 from __future__ import annotations
 
