@@ -15,7 +15,8 @@ from tests.support.triton_targets import compile_for_hopper
 
 # pointers whose element type the kernel relies on; every other pointer is fp32, every other scalar i32
 _POINTERS = {"slot_ptr": "*i64", "map_ptr": "*i64", "bt_ptr": "*i32", "len_ptr": "*i32", "xq_ptr": "*i8",
-             "w16": "*i16", "w16b": "*i16", "w32": "*i32", "w32b": "*i32", "expert_ptr": "*i32"}
+             "w16": "*i16", "w16b": "*i16", "w32": "*i32", "w32b": "*i32", "expert_ptr": "*i32",
+             "kstore_ptr": "*u8", "vstore_ptr": "*u8"}
 _FLOATS = {"eps", "scale"}
 
 
@@ -24,6 +25,7 @@ def _kernels():
     from hf2q.kernels.linear import gemv_triton
     from hf2q.kernels.moe import route_triton as moe_triton
     from hf2q.kernels.norm import add_rms_triton as norm_triton
+    from hf2q.kernels.attention import compressed_triton
     from hf2q.kernels.attention import paged_triton as paged_attention_triton
     from hf2q.kernels.rotary import qk_rope_triton
     from hf2q.kernels.quant import dp4a_triton as quant_dp4a_triton
@@ -43,6 +45,12 @@ def _kernels():
                                                                        BLOCKED=True), 4),
         "attention": (paged_attention_triton._paged_decode_kernel, dict(REP=4, REP_PAD=16, HD=256, BLOCK_SIZE=16,
                                                                         BLOCK_N=32, NSPLIT=16), 4),
+        "attention_tq": (compressed_triton._paged_decode_kernel, dict(REP=4, REP_PAD=16, HD=256, BLOCK_SIZE=16,
+                                                                      BLOCK_N=32, NSPLIT=16, TQ=True), 4),
+        "attention_fp8": (compressed_triton._paged_decode_kernel, dict(REP=4, REP_PAD=16, HD=256, BLOCK_SIZE=16,
+                                                                       BLOCK_N=64, NSPLIT=8, TQ=False), 4),
+        "store_tq": (compressed_triton._store_kernel, dict(HD=256, LOG2=8, TQ=True), 2),
+        "store_fp8": (compressed_triton._store_kernel, dict(HD=256, LOG2=8, TQ=False), 2),
         "merge": (paged_attention_triton._merge_kernel, dict(HD=256, NSPLIT=16, HAS_GATE=True), 2),
         "qk_rope": (qk_rope_triton._qk_norm_rope_kernel, dict(HD=256, RD=64, WRITE_POOL=True), 2),
         "gemv_glu": (gemv_triton._gemv_kernel, dict(BLOCK_N=1, BLOCK_K=2048, K_TILES=1, STAGES=1, EVEN_K=True,

@@ -1,0 +1,260 @@
+"""Triton kernels of the compressed K/V pools (fp8, tq8/tq6/tq5): the store that encodes new rows into the pool,
+and the paged decode attention that reads the stored rows and decodes them in registers.
+
+A stored row is head_dim payload bytes and the vector's fp32 side value (scale or norm) as 4 little-endian bytes
+(cache.kv_pool). Both kernels compute what the codecs (cache.kv_codec) compute:
+
+- FP8: scale = amax/448, values x/scale rounded to e4m3 (nearest, ties to even). The e4m3 bits are made and read
+  with integer arithmetic, which rounds as torch does on every device (Triton's own fp8 casts differ between the
+  GPU and its interpreter).
+- TurboQuant: the store applies the signs and the normalised Walsh–Hadamard transform by butterflies in the same
+  order as `kv_codec.fwht`, takes the L2 norm and finds each channel's codebook cell by binary search over the
+  boundaries. Attention runs in the rotated domain: q is rotated once per step (one product with the rotation
+  matrix), the codes become centroids in registers, each key's and value's norm scales its score and its
+  probability, and the merged output is rotated back once. The codebook width only changes the tables, so tq8,
+  tq6 and tq5 share the kernels.
+
+Everything is capturable in a CUDA graph: fixed shapes, no host synchronisation; the device tables are made on
+first use (the graphs' warm-up steps), before any capture.
+"""
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from hf2q.cache.kv_codec import TurboQuantCodec, codebook
+from hf2q.kernels.attention.paged_triton import _merge_kernel, config_for
+from hf2q.kernels.tuning import pdl
+
+_TABLE = 256  # codebook and boundary tables padded to the 8-bit size: one binary search serves every width
+
+
+@lru_cache(maxsize=None)
+def device_tables(fmt: str, head_dim: int, device: str) -> tuple[torch.Tensor, ...]:
+    """(signs [D], boundaries [256] padded with +inf, centroids [256] padded with 0, rotation [D, D]) in fp32 on
+    `device` for a TurboQuant format; x @ rotation = codec.rotate(x). Made once per (format, shape, device)."""
+    codec = TurboQuantCodec(head_dim, int(fmt[2:]))
+    centroids, bounds = codebook(codec.bits)
+    padded_bounds = torch.full((_TABLE,), math.inf)
+    padded_bounds[: bounds.numel()] = bounds
+    padded_centroids = torch.zeros(_TABLE)
+    padded_centroids[: centroids.numel()] = centroids
+    rotation = codec.rotate(torch.eye(head_dim))
+    return tuple(t.float().contiguous().to(device) for t in (codec.signs, padded_bounds, padded_centroids, rotation))
+
+
+# ---- e4m3 bits by integer arithmetic ----------------------------------------------------------------------------
+@triton.jit
+def _e4m3_bits(x):
+    """fp32 x with |x| ≤ 448 → e4m3fn bits (int32 in [0, 255]), rounded to nearest, ties to even."""
+    a = tl.abs(x)
+    bits = a.to(tl.int32, bitcast=True)
+    # normal: drop 20 mantissa bits with round-half-even, then rebias the exponent from 127 to 7
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) - ((127 - 7) << 3)
+    # subnormal (|x| < 2^-6): the integer count of 2^-9 steps, rounded by adding 2^23 in fp32
+    sub = (a * 512.0 + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000
+    mag = tl.minimum(tl.where(a < 0.015625, sub, normal), 126)
+    return tl.where(x < 0, mag + 128, mag)
+
+
+@triton.jit
+def _e4m3_value(code):
+    """e4m3fn bits (any int type) → fp32 value."""
+    c = code.to(tl.int32)
+    e = (c >> 3) & 15
+    m = c & 7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+    return tl.where(c >= 128, -mag, mag)
+
+
+# ---- side value: 4 little-endian bytes after the payload ---------------------------------------------------------
+@triton.jit
+def _store_side(ptr, value):
+    bits = value.to(tl.int32, bitcast=True)
+    j = tl.arange(0, 4)
+    tl.store(ptr + j, ((bits >> (j * 8)) & 255).to(tl.uint8))
+
+
+@triton.jit
+def _load_side(ptr, mask):
+    """fp32 side values of a tile of rows: ptr [N] points at each row's side bytes."""
+    b0 = tl.load(ptr, mask=mask, other=0).to(tl.int32)
+    b1 = tl.load(ptr + 1, mask=mask, other=0).to(tl.int32)
+    b2 = tl.load(ptr + 2, mask=mask, other=0).to(tl.int32)
+    b3 = tl.load(ptr + 3, mask=mask, other=0).to(tl.int32)
+    return (b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)).to(tl.float32, bitcast=True)
+
+
+# ---- store ---------------------------------------------------------------------------------------------------------
+@triton.jit
+def _fwht(x, HD: tl.constexpr, LOG2: tl.constexpr):
+    """Normalised Walsh–Hadamard transform of x [HD] with kv_codec.fwht's additions, in its order. Each stage pairs
+    the elements that differ in the lowest index bit (a = bit 0, b = bit 1) and writes a + b, a - b to the halves,
+    which moves that bit to the top: the next stage's lowest bit is the next stride's, and after LOG2 stages every
+    element is back in place."""
+    for _ in tl.static_range(LOG2):
+        a, b = tl.split(tl.reshape(x, [HD // 2, 2]))
+        x = tl.reshape(tl.permute(tl.join(a + b, a - b), [1, 0]), [HD])
+    return x * (1.0 / tl.sqrt(HD * 1.0))
+
+
+@triton.jit
+def _encode_row(x_ptr, dst_ptr, sign_ptr, bound_ptr, HD: tl.constexpr, LOG2: tl.constexpr, TQ: tl.constexpr):
+    d = tl.arange(0, HD)
+    x = tl.load(x_ptr + d).to(tl.float32)
+    if TQ:
+        y = _fwht(x * tl.load(sign_ptr + d), HD, LOG2)
+        norm = tl.sqrt(tl.sum(y * y, 0))
+        z = y * tl.where(norm > 1e-10, tl.sqrt(HD * 1.0) / norm, 0.0)  # kv_codec's zero-vector rule
+        pos = tl.zeros([HD], tl.int32)  # boundaries below z: the codebook index
+        step = 128
+        for _ in tl.static_range(8):
+            below = tl.load(bound_ptr + pos + (step - 1)) < z
+            pos = tl.where(below, pos + step, pos)
+            step = step // 2
+        tl.store(dst_ptr + d, pos.to(tl.uint8))
+        _store_side(dst_ptr + HD, norm)
+    else:
+        amax = tl.max(tl.abs(x), 0)
+        scale = tl.where(amax > 0, amax / 448.0, 1.0)
+        tl.store(dst_ptr + d, _e4m3_bits(x / scale).to(tl.uint8))
+        _store_side(dst_ptr + HD, scale)
+
+
+@triton.jit
+def _store_kernel(k_ptr, v_ptr, map_ptr, kstore_ptr, vstore_ptr, sign_ptr, bound_ptr, NKV, stride_kt, stride_kh,
+                  stride_vt, stride_vh, stride_pool_row, HD: tl.constexpr, LOG2: tl.constexpr, TQ: tl.constexpr,
+                  PDL: tl.constexpr = False):
+    pdl.enter(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    row = tl.load(map_ptr + t).to(tl.int64)
+    if h < NKV:
+        _encode_row(k_ptr + t * stride_kt + h * stride_kh, kstore_ptr + row * stride_pool_row + h * (HD + 4),
+                    sign_ptr, bound_ptr, HD, LOG2, TQ)
+    else:
+        vh = h - NKV
+        _encode_row(v_ptr + t * stride_vt + vh * stride_vh, vstore_ptr + row * stride_pool_row + vh * (HD + 4),
+                    sign_ptr, bound_ptr, HD, LOG2, TQ)
+
+
+def store(fmt: str, k: torch.Tensor, v: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,
+          slot_mapping: torch.Tensor) -> None:
+    """Encode K/V [T, nkv, hd] (last dim contiguous) into the u8 pool rows [rows, nkv, hd + 4] at slot_mapping [T],
+    as CompressedKVPool.store does."""
+    t, nkv, hd = k.shape
+    assert k.stride(2) == 1 and v.stride(2) == 1 and k_rows.is_contiguous() and v_rows.is_contiguous()
+    assert k_rows.shape[1:] == (nkv, hd + 4) and k_rows.dtype == torch.uint8
+    tq = fmt != "fp8"
+    if tq:
+        signs, bounds = device_tables(fmt, hd, str(k.device))[:2]
+    else:
+        signs = bounds = k_rows  # unread
+    _store_kernel[(t, 2 * nkv)](k, v, slot_mapping, k_rows, v_rows, signs, bounds, nkv, k.stride(0), k.stride(1),
+                                v.stride(0), v.stride(1), k_rows.stride(0), HD=hd, LOG2=hd.bit_length() - 1, TQ=tq,
+                                num_warps=1 if hd <= 128 else 2, **pdl.launch_options(k.device))
+
+
+# ---- paged decode attention ----------------------------------------------------------------------------------------
+@triton.jit
+def _decoded_tile(ptr, off, valid, cb_ptr, HD: tl.constexpr, TQ: tl.constexpr):
+    """A tile's unit values [N, HD] (e4m3 values, or centroids) and per-row factors [N] (scale, or norm/√D)."""
+    d = tl.arange(0, HD)
+    codes = tl.load(ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0)
+    side = _load_side(ptr + off + HD, valid)
+    if TQ:
+        return tl.load(cb_ptr + codes.to(tl.int32)), side * (1.0 / tl.sqrt(HD * 1.0))
+    return _e4m3_value(codes), side
+
+
+@triton.jit
+def _paged_decode_kernel(q_ptr, kstore_ptr, vstore_ptr, cb_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, scale,
+                         stride_qb, stride_qh, stride_kr, stride_bt, stride_ob, stride_oh, stride_os,
+                         stride_lb, stride_lh, REP: tl.constexpr, REP_PAD: tl.constexpr, HD: tl.constexpr,
+                         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr, TQ: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    pdl.enter(PDL)
+    b = tl.program_id(0)
+    g = tl.program_id(1)
+    sp = tl.program_id(2)
+    length = tl.max(tl.load(len_ptr + b + tl.arange(0, 1)), 0)
+    per_split = tl.cdiv(tl.cdiv(length, BLOCK_N), NSPLIT) * BLOCK_N
+    start = sp * per_split
+    end = tl.minimum(start + per_split, length)
+    r = tl.arange(0, REP_PAD)
+    d = tl.arange(0, HD)
+    rmask = r < REP
+    heads = g * REP + r
+    dot_dtype = q_ptr.dtype.element_ty
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=rmask[:, None], other=0.0)
+    q = (q.to(tl.float32) * scale).to(dot_dtype)
+    m_i = tl.full([REP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([REP_PAD], tl.float32)
+    acc = tl.zeros([REP_PAD, HD], tl.float32)
+    n = tl.arange(0, BLOCK_N)
+    for n0 in range(start, end, BLOCK_N):
+        toks = n0 + n
+        valid = toks < end
+        blk = tl.load(bt_ptr + b * stride_bt + toks // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        off = (blk * BLOCK_SIZE + toks % BLOCK_SIZE) * stride_kr + g * (HD + 4)
+        k, k_factor = _decoded_tile(kstore_ptr, off, valid, cb_ptr, HD, TQ)
+        s = tl.dot(q, tl.trans(k.to(dot_dtype))) * k_factor[None, :]  # [REP_PAD, BLOCK_N]
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v, v_factor = _decoded_tile(vstore_ptr, off, valid, cb_ptr, HD, TQ)
+        acc = acc * alpha[:, None] + tl.dot((p * v_factor[None, :]).to(dot_dtype), v.to(dot_dtype))
+        m_i = m_new
+    safe_l = tl.where(l_i > 0, l_i, 1.0)
+    out = acc / safe_l[:, None]
+    lse = tl.where(l_i > 0, m_i + tl.log(safe_l), float("-inf"))
+    tl.store(o_ptr + b * stride_ob + heads[:, None] * stride_oh + sp * stride_os + d[None, :], out,
+             mask=rmask[:, None])
+    tl.store(lse_ptr + b * stride_lb + heads * stride_lh + sp, lse, mask=rmask)
+
+
+def paged_decode_attention(fmt: str, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, scale: float,
+                           gate: Optional[torch.Tensor] = None, num_splits: int | None = None,
+                           block_n: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+    """paged_triton.paged_decode_attention over a compressed pool: k_rows/v_rows are u8 [rows, nkv, hd + 4].
+    Returns [B, nh, hd] in q's dtype, times sigmoid(gate) when given."""
+    bsz, nh, hd = q.shape
+    config = config_for(bsz)
+    num_splits, block_n, num_warps = num_splits or config[0], block_n or config[1], num_warps or config[2]
+    nkv = k_rows.shape[1]
+    assert k_rows.shape[2] == hd + 4 and k_rows.is_contiguous() and v_rows.is_contiguous() and q.stride(2) == 1
+    tq = fmt != "fp8"
+    if tq:
+        centroids, rotation = device_tables(fmt, hd, str(q.device))[2:]
+        q = (q.float() @ rotation).to(q.dtype)  # the same orthogonal map as the keys: ⟨Rq, Rk⟩ = ⟨q, k⟩
+    else:
+        centroids = k_rows  # unread
+    parts = torch.empty(bsz, nh, num_splits, hd, dtype=torch.float32, device=q.device)
+    lse = torch.empty(bsz, nh, num_splits, dtype=torch.float32, device=q.device)
+    _paged_decode_kernel[(bsz, nkv, num_splits)](
+        q, k_rows, v_rows, centroids, block_tables, context_lens, parts, lse, scale,
+        q.stride(0), q.stride(1), k_rows.stride(0), block_tables.stride(0),
+        parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0), lse.stride(1),
+        REP=nh // nkv, REP_PAD=max(16, triton.next_power_of_2(nh // nkv)), HD=hd, BLOCK_SIZE=block_size,
+        BLOCK_N=block_n, NSPLIT=num_splits, TQ=tq, num_warps=num_warps, **pdl.launch_options(q.device))
+    merged_gate = gate if gate is not None and not tq else None  # a rotated output is gated after rotating back
+    if merged_gate is not None:
+        assert gate.shape == q.shape and gate.stride(2) == 1
+    out = torch.empty(bsz, nh, hd, dtype=torch.float32 if tq else q.dtype, device=q.device)
+    g = merged_gate if merged_gate is not None else q
+    _merge_kernel[(bsz, nh)](parts, lse, g, out, parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0),
+                             lse.stride(1), g.stride(0), g.stride(1), nh, HD=hd, NSPLIT=num_splits,
+                             HAS_GATE=merged_gate is not None, num_warps=2, **pdl.launch_options(q.device))
+    if not tq:
+        return out
+    out = (out @ rotation.t()).to(q.dtype)
+    return out if gate is None else out * torch.sigmoid(gate)
