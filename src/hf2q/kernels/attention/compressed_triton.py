@@ -1,5 +1,5 @@
-"""Triton kernels of the compressed K/V pools (fp8, tq8/tq6/tq5): the store that encodes new rows into the pool,
-and the paged decode attention that reads the stored rows and decodes them in registers.
+"""Triton side of the compressed K/V pools (fp8, tq8/tq6/tq5): the store kernel that encodes new rows into the pool,
+and the in-register decoding of stored rows that the paged decode attention (paged_triton) uses.
 
 A stored row is head_dim payload bytes and the vector's fp32 side value (scale or norm) as 4 little-endian bytes
 (cache.kv_pool). Both kernels compute what the codecs (cache.kv_codec) compute:
@@ -9,10 +9,8 @@ A stored row is head_dim payload bytes and the vector's fp32 side value (scale o
   GPU and its interpreter).
 - TurboQuant: the store applies the signs and the normalised Walsh–Hadamard transform by butterflies in the same
   order as `kv_codec.fwht`, takes the L2 norm and finds each channel's codebook cell by binary search over the
-  boundaries. Attention runs in the rotated domain: q is rotated once per step (one product with the rotation
-  matrix), the codes become centroids in registers, each key's and value's norm scales its score and its
-  probability, and the merged output is rotated back once. The codebook width only changes the tables, so tq8,
-  tq6 and tq5 share the kernels.
+  boundaries. Reading, the codes become centroids and the norm a factor per row; attention runs in the rotated
+  domain (paged_triton). The codebook width only changes the tables, so tq8, tq6 and tq5 share the kernels.
 
 Everything is capturable in a CUDA graph: fixed shapes, no host synchronisation; the device tables are made on
 first use (the graphs' warm-up steps), before any capture.
@@ -21,14 +19,11 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
-from typing import Optional
-
 import torch
 import triton
 import triton.language as tl
 
 from hf2q.cache.kv_codec import TurboQuantCodec, codebook
-from hf2q.kernels.attention.paged_triton import _merge_kernel, config_for
 from hf2q.kernels.tuning import pdl
 
 _TABLE = 256  # codebook and boundary tables padded to the 8-bit size: one binary search serves every width
@@ -161,9 +156,9 @@ def store(fmt: str, k: torch.Tensor, v: torch.Tensor, k_rows: torch.Tensor, v_ro
                                 num_warps=1 if hd <= 128 else 2, **pdl.launch_options(k.device))
 
 
-# ---- paged decode attention ----------------------------------------------------------------------------------------
+# ---- reading ---------------------------------------------------------------------------------------------------------
 @triton.jit
-def _decoded_tile(ptr, off, valid, cb_ptr, HD: tl.constexpr, TQ: tl.constexpr):
+def decoded_tile(ptr, off, valid, cb_ptr, HD: tl.constexpr, TQ: tl.constexpr):
     """A tile's unit values [N, HD] (e4m3 values, or centroids) and per-row factors [N] (scale, or norm/√D)."""
     d = tl.arange(0, HD)
     codes = tl.load(ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0)
@@ -171,90 +166,3 @@ def _decoded_tile(ptr, off, valid, cb_ptr, HD: tl.constexpr, TQ: tl.constexpr):
     if TQ:
         return tl.load(cb_ptr + codes.to(tl.int32)), side * (1.0 / tl.sqrt(HD * 1.0))
     return _e4m3_value(codes), side
-
-
-@triton.jit
-def _paged_decode_kernel(q_ptr, kstore_ptr, vstore_ptr, cb_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, scale,
-                         stride_qb, stride_qh, stride_kr, stride_bt, stride_ob, stride_oh, stride_os,
-                         stride_lb, stride_lh, REP: tl.constexpr, REP_PAD: tl.constexpr, HD: tl.constexpr,
-                         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr, TQ: tl.constexpr,
-                         PDL: tl.constexpr = False):
-    pdl.enter(PDL)
-    b = tl.program_id(0)
-    g = tl.program_id(1)
-    sp = tl.program_id(2)
-    length = tl.max(tl.load(len_ptr + b + tl.arange(0, 1)), 0)
-    per_split = tl.cdiv(tl.cdiv(length, BLOCK_N), NSPLIT) * BLOCK_N
-    start = sp * per_split
-    end = tl.minimum(start + per_split, length)
-    r = tl.arange(0, REP_PAD)
-    d = tl.arange(0, HD)
-    rmask = r < REP
-    heads = g * REP + r
-    dot_dtype = q_ptr.dtype.element_ty
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=rmask[:, None], other=0.0)
-    q = (q.to(tl.float32) * scale).to(dot_dtype)
-    m_i = tl.full([REP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([REP_PAD], tl.float32)
-    acc = tl.zeros([REP_PAD, HD], tl.float32)
-    n = tl.arange(0, BLOCK_N)
-    for n0 in range(start, end, BLOCK_N):
-        toks = n0 + n
-        valid = toks < end
-        blk = tl.load(bt_ptr + b * stride_bt + toks // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        off = (blk * BLOCK_SIZE + toks % BLOCK_SIZE) * stride_kr + g * (HD + 4)
-        k, k_factor = _decoded_tile(kstore_ptr, off, valid, cb_ptr, HD, TQ)
-        s = tl.dot(q, tl.trans(k.to(dot_dtype))) * k_factor[None, :]  # [REP_PAD, BLOCK_N]
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v, v_factor = _decoded_tile(vstore_ptr, off, valid, cb_ptr, HD, TQ)
-        acc = acc * alpha[:, None] + tl.dot((p * v_factor[None, :]).to(dot_dtype), v.to(dot_dtype))
-        m_i = m_new
-    safe_l = tl.where(l_i > 0, l_i, 1.0)
-    out = acc / safe_l[:, None]
-    lse = tl.where(l_i > 0, m_i + tl.log(safe_l), float("-inf"))
-    tl.store(o_ptr + b * stride_ob + heads[:, None] * stride_oh + sp * stride_os + d[None, :], out,
-             mask=rmask[:, None])
-    tl.store(lse_ptr + b * stride_lb + heads * stride_lh + sp, lse, mask=rmask)
-
-
-def paged_decode_attention(fmt: str, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, scale: float,
-                           gate: Optional[torch.Tensor] = None, num_splits: int | None = None,
-                           block_n: int | None = None, num_warps: int | None = None) -> torch.Tensor:
-    """paged_triton.paged_decode_attention over a compressed pool: k_rows/v_rows are u8 [rows, nkv, hd + 4].
-    Returns [B, nh, hd] in q's dtype, times sigmoid(gate) when given."""
-    bsz, nh, hd = q.shape
-    config = config_for(bsz)
-    num_splits, block_n, num_warps = num_splits or config[0], block_n or config[1], num_warps or config[2]
-    nkv = k_rows.shape[1]
-    assert k_rows.shape[2] == hd + 4 and k_rows.is_contiguous() and v_rows.is_contiguous() and q.stride(2) == 1
-    tq = fmt != "fp8"
-    if tq:
-        centroids, rotation = device_tables(fmt, hd, str(q.device))[2:]
-        q = (q.float() @ rotation).to(q.dtype)  # the same orthogonal map as the keys: ⟨Rq, Rk⟩ = ⟨q, k⟩
-    else:
-        centroids = k_rows  # unread
-    parts = torch.empty(bsz, nh, num_splits, hd, dtype=torch.float32, device=q.device)
-    lse = torch.empty(bsz, nh, num_splits, dtype=torch.float32, device=q.device)
-    _paged_decode_kernel[(bsz, nkv, num_splits)](
-        q, k_rows, v_rows, centroids, block_tables, context_lens, parts, lse, scale,
-        q.stride(0), q.stride(1), k_rows.stride(0), block_tables.stride(0),
-        parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0), lse.stride(1),
-        REP=nh // nkv, REP_PAD=max(16, triton.next_power_of_2(nh // nkv)), HD=hd, BLOCK_SIZE=block_size,
-        BLOCK_N=block_n, NSPLIT=num_splits, TQ=tq, num_warps=num_warps, **pdl.launch_options(q.device))
-    merged_gate = gate if gate is not None and not tq else None  # a rotated output is gated after rotating back
-    if merged_gate is not None:
-        assert gate.shape == q.shape and gate.stride(2) == 1
-    out = torch.empty(bsz, nh, hd, dtype=torch.float32 if tq else q.dtype, device=q.device)
-    g = merged_gate if merged_gate is not None else q
-    _merge_kernel[(bsz, nh)](parts, lse, g, out, parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0),
-                             lse.stride(1), g.stride(0), g.stride(1), nh, HD=hd, NSPLIT=num_splits,
-                             HAS_GATE=merged_gate is not None, num_warps=2, **pdl.launch_options(q.device))
-    if not tq:
-        return out
-    out = (out @ rotation.t()).to(q.dtype)
-    return out if gate is None else out * torch.sigmoid(gate)
