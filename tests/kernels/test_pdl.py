@@ -17,7 +17,7 @@ from tests.support.triton_targets import compile_for_hopper
 _POINTERS = {"slot_ptr": "*i64", "map_ptr": "*i64", "bt_ptr": "*i32", "len_ptr": "*i32", "xq_ptr": "*i8",
              "w16": "*i16", "w16b": "*i16", "w32": "*i32", "w32b": "*i32", "expert_ptr": "*i32",
              "kstore_ptr": "*u8", "vstore_ptr": "*u8"}
-_FLOATS = {"eps", "scale"}
+_FLOATS = {"eps", "scale", "sqrt_d", "inv_sqrt_d"}
 _CODED_ROWS = {"k_ptr": "*u8", "v_ptr": "*u8", "q_ptr": "*bf16"}  # the paged attention over a compressed pool
 
 

@@ -88,7 +88,7 @@ def _load_side(ptr, mask):
 
 # ---- store ---------------------------------------------------------------------------------------------------------
 @triton.jit
-def _fwht(x, HD: tl.constexpr, LOG2: tl.constexpr):
+def _fwht(x, inv_sqrt_d, HD: tl.constexpr, LOG2: tl.constexpr):
     """Normalised Walsh–Hadamard transform of x [HD] with kv_codec.fwht's additions, in its order. Each stage pairs
     the elements that differ in the lowest index bit (a = bit 0, b = bit 1) and writes a + b, a - b to the halves,
     which moves that bit to the top: the next stage's lowest bit is the next stride's, and after LOG2 stages every
@@ -96,17 +96,21 @@ def _fwht(x, HD: tl.constexpr, LOG2: tl.constexpr):
     for _ in tl.static_range(LOG2):
         a, b = tl.split(tl.reshape(x, [HD // 2, 2]))
         x = tl.reshape(tl.permute(tl.join(a + b, a - b), [1, 0]), [HD])
-    return x * (1.0 / tl.sqrt(HD * 1.0))
+    return x * inv_sqrt_d
 
 
 @triton.jit
-def _encode_row(x_ptr, dst_ptr, sign_ptr, bound_ptr, HD: tl.constexpr, LOG2: tl.constexpr, TQ: tl.constexpr):
+def _encode_row(x_ptr, dst_ptr, sign_ptr, bound_ptr, sqrt_d, inv_sqrt_d, HD: tl.constexpr, LOG2: tl.constexpr,
+                TQ: tl.constexpr):
+    """One vector's stored row, with the codec's roundings: divisions and square roots rounded to nearest (Triton's
+    `/` and sqrt are approximate on the GPU), the codec's constants rounded from double as torch rounds them."""
     d = tl.arange(0, HD)
     x = tl.load(x_ptr + d).to(tl.float32)
     if TQ:
-        y = _fwht(x * tl.load(sign_ptr + d), HD, LOG2)
-        norm = tl.sqrt(tl.sum(y * y, 0))
-        z = y * tl.where(norm > 1e-10, tl.sqrt(HD * 1.0) / norm, 0.0)  # kv_codec's zero-vector rule
+        y = _fwht(x * tl.load(sign_ptr + d), inv_sqrt_d, HD, LOG2)
+        norm = tl.sqrt_rn(tl.sum(y * y, 0))
+        # torch computes sqrt(D) / norm as (1 / norm) * sqrt(D); a zero vector stores norm 0 (kv_codec)
+        z = y * tl.where(norm > 1e-10, tl.div_rn(1.0, norm) * sqrt_d, 0.0)
         pos = tl.zeros([HD], tl.int32)  # boundaries below z: the codebook index
         step = 128
         for _ in tl.static_range(8):
@@ -117,26 +121,26 @@ def _encode_row(x_ptr, dst_ptr, sign_ptr, bound_ptr, HD: tl.constexpr, LOG2: tl.
         _store_side(dst_ptr + HD, norm)
     else:
         amax = tl.max(tl.abs(x), 0)
-        scale = tl.where(amax > 0, amax / 448.0, 1.0)
-        tl.store(dst_ptr + d, _e4m3_bits(x / scale).to(tl.uint8))
+        scale = tl.where(amax > 0, tl.div_rn(amax, 448.0), 1.0)
+        tl.store(dst_ptr + d, _e4m3_bits(tl.div_rn(x, scale)).to(tl.uint8))
         _store_side(dst_ptr + HD, scale)
 
 
 @triton.jit
 def _store_kernel(k_ptr, v_ptr, map_ptr, kstore_ptr, vstore_ptr, sign_ptr, bound_ptr, NKV, stride_kt, stride_kh,
-                  stride_vt, stride_vh, stride_pool_row, HD: tl.constexpr, LOG2: tl.constexpr, TQ: tl.constexpr,
-                  PDL: tl.constexpr = False):
+                  stride_vt, stride_vh, stride_pool_row, sqrt_d, inv_sqrt_d, HD: tl.constexpr, LOG2: tl.constexpr,
+                  TQ: tl.constexpr, PDL: tl.constexpr = False):
     pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     row = tl.load(map_ptr + t).to(tl.int64)
     if h < NKV:
         _encode_row(k_ptr + t * stride_kt + h * stride_kh, kstore_ptr + row * stride_pool_row + h * (HD + 4),
-                    sign_ptr, bound_ptr, HD, LOG2, TQ)
+                    sign_ptr, bound_ptr, sqrt_d, inv_sqrt_d, HD, LOG2, TQ)
     else:
         vh = h - NKV
         _encode_row(v_ptr + t * stride_vt + vh * stride_vh, vstore_ptr + row * stride_pool_row + vh * (HD + 4),
-                    sign_ptr, bound_ptr, HD, LOG2, TQ)
+                    sign_ptr, bound_ptr, sqrt_d, inv_sqrt_d, HD, LOG2, TQ)
 
 
 def store(fmt: str, k: torch.Tensor, v: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,
@@ -152,8 +156,9 @@ def store(fmt: str, k: torch.Tensor, v: torch.Tensor, k_rows: torch.Tensor, v_ro
     else:
         signs = bounds = k_rows  # unread
     _store_kernel[(t, 2 * nkv)](k, v, slot_mapping, k_rows, v_rows, signs, bounds, nkv, k.stride(0), k.stride(1),
-                                v.stride(0), v.stride(1), k_rows.stride(0), HD=hd, LOG2=hd.bit_length() - 1, TQ=tq,
-                                num_warps=1 if hd <= 128 else 2, **pdl.launch_options(k.device))
+                                v.stride(0), v.stride(1), k_rows.stride(0), math.sqrt(hd), 1.0 / math.sqrt(hd), HD=hd,
+                                LOG2=hd.bit_length() - 1, TQ=tq, num_warps=1 if hd <= 128 else 2,
+                                **pdl.launch_options(k.device))
 
 
 # ---- reading ---------------------------------------------------------------------------------------------------------

@@ -115,6 +115,11 @@ ONE_SEQUENCE = (16, 32, 4)
 # For several sequences, the configuration the batched decode figures were measured with: the batch gives
 # the programs, and more splits would write and merge more partial outputs.
 BATCHED = (8, 64, 4)
+# For a compressed pool, whose tiles are decoded in registers: 32 keys a step and 8 warps, the configurations
+# that ptxas builds without register spills for 256-wide heads (64 keys spill for fp8 and TurboQuant at 4 or 8
+# warps, 32 keys at 4 warps for fp8); chosen so, not yet timed against others.
+CODED_ONE_SEQUENCE = (16, 32, 8)
+CODED_BATCHED = (8, 32, 8)
 
 
 def _config_setting() -> tuple[int, int, int] | None:
@@ -126,9 +131,13 @@ def _config_setting() -> tuple[int, int, int] | None:
 CONFIG = _config_setting()
 
 
-def config_for(batch: int) -> tuple[int, int, int]:
-    """The first kernel's (splits, keys a step, warps) at `batch` sequences."""
-    return CONFIG or (ONE_SEQUENCE if batch == 1 else BATCHED)
+def config_for(batch: int, coded: bool = False) -> tuple[int, int, int]:
+    """The first kernel's (splits, keys a step, warps) at `batch` sequences (over a compressed pool: coded)."""
+    if CONFIG:
+        return CONFIG
+    if coded:
+        return CODED_ONE_SEQUENCE if batch == 1 else CODED_BATCHED
+    return ONE_SEQUENCE if batch == 1 else BATCHED
 
 
 def paged_decode_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,
@@ -140,16 +149,16 @@ def paged_decode_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.
     with kv_format (fp8, tq8, tq6, tq5) a compressed pool's stored rows; block_tables: [B, max_blocks] int32;
     context_lens: [B] int32 (>= 1); gate: [B, nh, hd] or None.
     Returns [B, nh, hd] in q's dtype, times sigmoid(gate) when given. num_splits, block_n (keys a
-    step) and num_warps shape the first kernel (default: config_for(B); bench.attention times them)."""
+    step) and num_warps shape the first kernel (default: config_for(B, coded); bench.attention times them)."""
     bsz, nh, hd = q.shape
-    config = config_for(bsz)
+    coded = VALUES if kv_format is None else FP8 if kv_format == "fp8" else TURBOQUANT
+    config = config_for(bsz, coded != VALUES)
     num_splits = num_splits or config[0]
     block_n = block_n or config[1]
     num_warps = num_warps or config[2]
     nkv = k_rows.shape[1]
     rep = nh // nkv
     assert k_rows.stride(2) == 1 and q.stride(2) == 1 and k_rows.stride() == v_rows.stride()
-    coded = VALUES if kv_format is None else FP8 if kv_format == "fp8" else TURBOQUANT
     codebook = k_rows  # unread unless TurboQuant
     if coded == TURBOQUANT:
         codebook, rotation = device_tables(kv_format, hd, str(q.device))[2:]
