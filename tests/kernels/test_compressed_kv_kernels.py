@@ -13,14 +13,14 @@ import torch
 
 from hf2q.cache.kv_pool import make_pool
 from hf2q.kernels import dispatch
-from tests.support.triton_targets import TARGETS, interpreter_child, randn, rel, target, torch_only
+from tests.support.triton_targets import interpreter_child, randn, rel, target, torch_only
 
 triton = pytest.importorskip("triton")
 
 FORMATS = ["fp8", "tq8", "tq6", "tq5"]
 
 
-@pytest.fixture(scope="module", params=TARGETS)
+@pytest.fixture(scope="module", params=["interpret", pytest.param("cuda", marks=pytest.mark.gpu)])
 def env(request):
     """(device, dtype, real sizes?)"""
     return target(request.param)
