@@ -16,6 +16,8 @@ from hf2q.kernels import dispatch
 from tests.support.triton_targets import interpreter_child, randn, rel, target, torch_only
 
 triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
+from hf2q.kernels.attention.compressed_triton import _e4m3_bits, _e4m3_value  # noqa: E402 (needs triton)
 
 FORMATS = ["fp8", "tq8", "tq6", "tq5"]
 
@@ -45,6 +47,35 @@ def _assert_same_rows(got: torch.Tensor, want: torch.Tensor, fmt: str, hd: int) 
     assert codes.max() <= 1 and (codes > 0).float().mean() <= 0.01
     norms = [r[..., hd:].contiguous().view(torch.float32) for r in (got, want)]
     assert rel(norms[0], norms[1]) <= 1e-6
+
+
+@triton.jit
+def _e4m3_round_trip(x_ptr, bits_ptr, value_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    bits = _e4m3_bits(tl.load(x_ptr + i))
+    tl.store(bits_ptr + i, bits)
+    tl.store(value_ptr + i, _e4m3_value(bits))
+
+
+def test_e4m3_bits_round_as_torch(env):
+    """Every finite e4m3 value, every midpoint between neighbours (ties go to even) and the floats either side of
+    it, random values over the range and the subnormals, both signs and -0.0: the kernel's e4m3 bits are torch's,
+    and reading them back gives torch's values."""
+    dev = env[0]
+    values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    values = values[torch.isfinite(values)].unique()
+    mids = (values[1:] + values[:-1]) / 2
+    gen = torch.Generator().manual_seed(0)
+    x = torch.cat([values, mids, torch.nextafter(mids, torch.tensor(1e9)), torch.nextafter(mids, torch.tensor(-1e9)),
+                   torch.rand(2000, generator=gen) * 448, torch.rand(2000, generator=gen) * 0.02])
+    x = torch.cat([x, -x, torch.tensor([-0.0])])
+    x = torch.cat([x, torch.zeros(triton.next_power_of_2(x.numel()) - x.numel())]).to(dev)
+    bits = torch.empty(x.numel(), dtype=torch.int32, device=dev)
+    back = torch.empty_like(x)
+    _e4m3_round_trip[(1,)](x, bits, back, N=x.numel())
+    want = x.cpu().to(torch.float8_e4m3fn)
+    assert torch.equal(bits.cpu().to(torch.uint8), want.view(torch.uint8))
+    assert torch.equal(back.cpu(), want.float())
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

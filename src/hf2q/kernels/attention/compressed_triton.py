@@ -54,7 +54,7 @@ def _e4m3_bits(x):
     # subnormal (|x| < 2^-6): the integer count of 2^-9 steps, rounded by adding 2^23 in fp32
     sub = (a * 512.0 + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000
     mag = tl.minimum(tl.where(a < 0.015625, sub, normal), 126)
-    return tl.where(x < 0, mag + 128, mag)
+    return tl.where(x.to(tl.int32, bitcast=True) < 0, mag + 128, mag)  # the sign bit: -0.0 too
 
 
 @triton.jit
