@@ -2,7 +2,7 @@
 and the in-register decoding of stored rows that the paged decode attention (paged_triton) uses.
 
 A stored row is head_dim payload bytes and the vector's fp32 side value (scale or norm) as 4 little-endian bytes
-(cache.kv_pool). Both kernels compute what the codecs (cache.kv_codec) compute:
+(cache.kv_pool). Writing and reading compute what the codecs (cache.kv_codec) compute:
 
 - FP8: scale = amax/448, values x/scale rounded to e4m3 (nearest, ties to even). The e4m3 bits are made and read
   with integer arithmetic, which rounds as torch does on every device (Triton's own fp8 casts differ between the
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
+
 import torch
 import triton
 import triton.language as tl
