@@ -200,5 +200,6 @@ def test_fast_path_over_a_compressed_pool_decodes_as_the_plain_path(env, fmt):
         assert rel(fast_logits, plain_logits) <= (2e-2 if real else 1e-3), moe
         assert [int(r.argmax()) for r in fast_logits[:-1]] == plain, moe
         if dev == "cuda":
-            replayed, replayed_logits, captured = _greedy(net, fmt, "auto", True, steps, forced=plain)
-            assert captured and torch.equal(replayed_logits, fast_logits), moe
+            _, replayed_logits, captured = _greedy(net, fmt, "auto", True, steps, forced=plain)
+            assert captured and rel(replayed_logits, fast_logits) <= 1e-3, moe  # the same kernels, replayed
+            assert [int(r.argmax()) for r in replayed_logits[:-1]] == plain, moe
