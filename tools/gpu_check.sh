@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks behind BENCHMARKS.md, in stages that each fit a few minutes:
-#   tools/gpu_check.sh tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu|mm|serve|ttft [OUT_DIR]
+#   tools/gpu_check.sh tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu|mm|serve|ttft|kv [OUT_DIR]
 # tests: every GPU-marked test (the quantized greedy-token test first) and the Triton kernel tests on the device;
 # quant: 9B Q4_K_M end to end and per projection; bf16: 9B and 2B; moe: 35B-A3B bf16 and Q4_K_M;
 # decode (bf16: 35B-A3B, 2B, 9B), decode-q (9B Q4_K_M) and decode-q-moe (35B-A3B Q4_K_M): batch-1
@@ -15,10 +15,12 @@
 # mat-vec and dequantize + cuBLAS (tools/quant_mm_sweep.py); serve: a random 9B GGUF (MIX=q4_k_m or bf16,
 # tools/random_gguf.py) served by hf2q serve and measured by hf2q bench serve at 1, 4, 16 and 64 clients (64-token
 # prompts, 256 new tokens), then 16 clients with 2048-token prompts, then a second start (warm caches) and 1 client; ttft: one served request's chunk timeline and the engine's
-# step times and profile for a 64-token prompt (tools/ttft_trace.py). Figures also go to OUT_DIR/*.json.
+# step times and profile for a 64-token prompt (tools/ttft_trace.py); kv: the compressed K/V kernels' tests and
+# model-level GPU tests, the paged decode configurations over fp8 and tq8 rows, and bench.kv's formats at the 9B
+# shape. Figures also go to OUT_DIR/*.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?stage: tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu|mm|serve|ttft}
+stage=${1:?stage: tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu|mm|serve|ttft|kv}
 out=${2:-.}
 mkdir -p "$out"
 bench() { python -m hf2q.bench --hf-new 0 "$@"; }
@@ -50,6 +52,11 @@ case "$stage" in
            HF2Q_PDL=$s one 150 --shape 35b-a3b --json "$out/35b_b1_pdl$s.json"
          done ;;
   gemv)  python -m hf2q.bench.gemv --shape 9b 2b ;;
+  kv)    python -m pytest -q -p no:cacheprovider -s -m gpu tests/kernels/test_compressed_kv_kernels.py \
+           tests/models/test_kv_formats.py
+         for f in fp8 tq8; do python -m hf2q.bench.attention --shape 9b --context 4096 32768 --kv-format $f; done
+         python -m hf2q.bench.kv --shape 9b --formats bfloat16 fp8 tq8 --streams 1 64 --contexts 4096 32768 \
+           --json "$out/kv.json" ;;
   sweeps) python -m hf2q.bench.attention --shape 35b-a3b 9b 2b --context 512 4096
          python -m hf2q.bench.gdn --shape 9b 35b-a3b --int8-for Q4_K
          python -m hf2q.bench.gemv --moe --shape 35b-a3b ;;

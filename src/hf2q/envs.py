@@ -32,8 +32,9 @@ GEMV_TUNE = Variable("HF2Q_GEMV_TUNE", "1", "0 or 1", "1 times a few mat-vec con
 GEMV = Variable("HF2Q_GEMV", "measured", "measured or 0..4", "which dense bf16 products go to the Triton GEMV: "
                 "the shapes its table measured faster than cuBLAS, or every product of up to N rows (read at import)")
 PAGED_DECODE = Variable("HF2Q_PAGED_DECODE", None, "S,N,W (powers of two, N >= 16)", "the paged decode "
-                        "attention kernel's splits, keys a step and warps at every batch size; unset: 16,32,4 for "
-                        "one sequence, 8,64,4 for more (read at import)")
+                        "attention kernel's splits, keys a step and warps at every batch size and K/V format; "
+                        "unset: 16,32,4 for one sequence, 8,64,4 for more (16,32,8 and 8,32,8 over a compressed "
+                        "pool) (read at import)")
 TUNE_CACHE = Variable("HF2Q_TUNE_CACHE", None, "a file path, or empty", "where the timed mat-vec choices are kept "
                       "across starts; unset: hf2q/matvec_configs.json under the cache directory; empty: nowhere")
 XDG_CACHE_HOME = Variable("XDG_CACHE_HOME", None, "a directory", "the cache directory (unset: ~/.cache) for the "

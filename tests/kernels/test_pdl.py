@@ -15,8 +15,10 @@ from tests.support.triton_targets import compile_for_hopper
 
 # pointers whose element type the kernel relies on; every other pointer is fp32, every other scalar i32
 _POINTERS = {"slot_ptr": "*i64", "map_ptr": "*i64", "bt_ptr": "*i32", "len_ptr": "*i32", "xq_ptr": "*i8",
-             "w16": "*i16", "w16b": "*i16", "w32": "*i32", "w32b": "*i32", "expert_ptr": "*i32"}
-_FLOATS = {"eps", "scale"}
+             "w16": "*i16", "w16b": "*i16", "w32": "*i32", "w32b": "*i32", "expert_ptr": "*i32",
+             "kstore_ptr": "*u8", "vstore_ptr": "*u8"}
+_FLOATS = {"eps", "scale", "sqrt_d", "inv_sqrt_d"}
+_CODED_ROWS = {"k_ptr": "*u8", "v_ptr": "*u8", "q_ptr": "*bf16"}  # the paged attention over a compressed pool
 
 
 def _kernels():
@@ -24,7 +26,7 @@ def _kernels():
     from hf2q.kernels.linear import gemv_triton
     from hf2q.kernels.moe import route_triton as moe_triton
     from hf2q.kernels.norm import add_rms_triton as norm_triton
-    from hf2q.kernels.attention import paged_triton as paged_attention_triton
+    from hf2q.kernels.attention import compressed_triton, paged_triton as paged_attention_triton
     from hf2q.kernels.rotary import qk_rope_triton
     from hf2q.kernels.quant import dp4a_triton as quant_dp4a_triton
     from hf2q.kernels.activation import swiglu_triton
@@ -43,6 +45,12 @@ def _kernels():
                                                                        BLOCKED=True), 4),
         "attention": (paged_attention_triton._paged_decode_kernel, dict(REP=4, REP_PAD=16, HD=256, BLOCK_SIZE=16,
                                                                         BLOCK_N=32, NSPLIT=16), 4),
+        "attention_tq": (paged_attention_triton._paged_decode_kernel, dict(REP=4, REP_PAD=16, HD=256, BLOCK_SIZE=16,
+                                                                           BLOCK_N=32, NSPLIT=16, CODED=2), 4, _CODED_ROWS),
+        "attention_fp8": (paged_attention_triton._paged_decode_kernel, dict(REP=4, REP_PAD=16, HD=256, BLOCK_SIZE=16,
+                                                                            BLOCK_N=64, NSPLIT=8, CODED=1), 4, _CODED_ROWS),
+        "store_tq": (compressed_triton._store_kernel, dict(HD=256, LOG2=8, TQ=True), 2),
+        "store_fp8": (compressed_triton._store_kernel, dict(HD=256, LOG2=8, TQ=False), 2),
         "merge": (paged_attention_triton._merge_kernel, dict(HD=256, NSPLIT=16, HAS_GATE=True), 2),
         "qk_rope": (qk_rope_triton._qk_norm_rope_kernel, dict(HD=256, RD=64, WRITE_POOL=True), 2),
         "gemv_glu": (gemv_triton._gemv_kernel, dict(BLOCK_N=1, BLOCK_K=2048, K_TILES=1, STAGES=1, EVEN_K=True,
@@ -58,14 +66,16 @@ def _kernels():
     }
 
 
-def _ptx(fn, const: dict, warps: int) -> list[str]:
-    """The kernel's PTX lines for sm_90: pointers by _POINTERS (else fp32), scalars i32 (or fp32)."""
+def _ptx(fn, const: dict, warps: int, pointers: dict | None = None) -> list[str]:
+    """The kernel's PTX lines for sm_90: pointers by `pointers`, then _POINTERS (else fp32), scalars i32 (or
+    fp32)."""
     sig = {}
+    types = {**_POINTERS, **(pointers or {})}
     for p in fn.params:
         if p.is_constexpr:
             continue
-        if p.name.endswith("_ptr") or p.name in _POINTERS:
-            sig[p.name] = _POINTERS.get(p.name, "*fp32")
+        if p.name.endswith("_ptr") or p.name in types:
+            sig[p.name] = types.get(p.name, "*fp32")
         else:
             sig[p.name] = "fp32" if p.name in _FLOATS else "i32"
     return compile_for_hopper(fn, sig, const, warps).splitlines()
@@ -107,8 +117,8 @@ def _before_wait(lines: list[str], pattern) -> list[str]:
 def test_no_memory_access_before_the_wait(name):
     """With PDL, no global read or write is reachable from the kernel's entry before griddepcontrol.wait,
     and the kernel lets its dependents launch."""
-    fn, const, warps = _kernels()[name]
-    lines = _ptx(fn, {**const, "PDL": True}, warps)
+    fn, const, warps, *pointers = _kernels()[name]
+    lines = _ptx(fn, {**const, "PDL": True}, warps, *pointers)
     assert any("griddepcontrol.wait" in line for line in lines), "no wait for the previous kernel"
     assert _before_wait(lines, _MEMORY) == []
     assert any("griddepcontrol.launch_dependents" in line for line in lines)

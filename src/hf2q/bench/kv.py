@@ -2,7 +2,9 @@
 the server's sizing admits, and decode tok/s at 1 and 64 streams at 4k and 32k contexts (CUDA).
 
 Contexts are filled by writing random K/V through the pool (the attention cost depends on the length, not the
-values); decode runs eagerly, so every format takes the same path and the figures compare formats, not graphs.
+values); decode replays a captured CUDA graph of exactly the streams, as the server decodes, for every format
+(the compressed ones through their store and paged decode kernels), so the figures compare formats on the
+served path.
 """
 from __future__ import annotations
 
@@ -42,22 +44,23 @@ def _fill(cache: HybridCache, slots: list[int], context: int) -> None:
 
 @torch.inference_mode()
 def decode_tok_s(net, fmt: str, streams: int, context: int, steps: int) -> float:
-    from hf2q.forward import ForwardBatch
+    from hf2q.engine.cuda_graphs import DecodeGraphs
 
     cfg = net.config
     blocks = streams * -(-(context + 64) // BLOCK) + 1
-    cache = HybridCache(cfg, CacheConfig(num_slots=streams, num_blocks=blocks, block_size=BLOCK, kv_dtype=fmt),
-                        device="cuda")
+    # one more slot and block: the graphs' padding slot
+    cache = HybridCache(cfg, CacheConfig(num_slots=streams + 1, num_blocks=blocks + 1, block_size=BLOCK,
+                                         kv_dtype=fmt), device="cuda")
     slots = [cache.acquire() for _ in range(streams)]
     _fill(cache, slots, context)
+    graphs = DecodeGraphs(net, cache, buckets=(streams,), max_context=context + 64)
     ids = torch.zeros(streams, dtype=torch.long, device="cuda")
     pos = [context] * streams
     for i in range(steps + 2):
-        if i == 2:  # two warm-up steps
+        if i == 2:  # two warm-up steps (the first captures the graph)
             torch.cuda.synchronize()
             t = time.perf_counter()
-        batch = ForwardBatch(ids, torch.tensor(pos, device="cuda"), [1] * streams, list(pos), list(slots), cache)
-        ids = net.compute_logits(net(batch)).argmax(-1)
+        ids = graphs.step(ids, pos, slots).argmax(-1)
         pos = [p + 1 for p in pos]
     torch.cuda.synchronize()
     return streams * steps / (time.perf_counter() - t)

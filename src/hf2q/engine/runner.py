@@ -33,8 +33,7 @@ class ModelRunner:
         self.cache = cache
         self.device = net.embed.device
         self.mtp_rows = mtp_rows  # the graphs keep no hidden rows: with the MTP proposer all runs eagerly
-        # a compressed K/V pool runs the plain attention path, which is not capturable (it indexes blocks on the host)
-        self.use_graphs = cuda_graphs and self.device.type == "cuda" and not mtp_rows and cache.kv.is_dense
+        self.use_graphs = cuda_graphs and self.device.type == "cuda" and not mtp_rows
         self.graphs = None  # DecodeGraphs, made on the first decode batch (it holds one padding slot)
 
     def build_batch(self, scheduled: list[tuple[Request, int]]) -> ForwardBatch:

@@ -31,8 +31,7 @@ class GatedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
-        compressed = batch.cache is not None and not batch.cache.kv.is_dense  # the fused kernels store dense rows
-        if dispatch.use_fast_path(x) and not compressed:  # one GEMM for q+gate, k and v
+        if dispatch.use_fast_path(x):  # one GEMM for q+gate, k and v
             return self._forward_fast(*dispatch.packed_linear(x, (self.q, self.k, self.v)), batch, cos, sin)
         qg = self.q(x).reshape(t, self.nh, 2 * self.hd)
         q, gate = qg[..., : self.hd], qg[..., self.hd:].reshape(t, self.nh * self.hd)
@@ -67,32 +66,36 @@ class GatedAttention(nn.Module):
         return o.transpose(0, 1)
 
     def _forward_fast(self, qg, k_lin, v_lin, batch: ForwardBatch, cos, sin) -> torch.Tensor:
-        """q/k norm + RoPE + K/V write in one kernel; decode reads the paged pool directly (the output gate in
-        its epilogue), prefill uses SDPA."""
+        """q/k norm + RoPE + K/V write in one kernel (a compressed pool: the store kernel encodes the rows after
+        it); decode reads the paged pool directly (the output gate in its epilogue), prefill uses SDPA, over the
+        pool's decoded rows where the pool is compressed, as the plain path attends."""
         t, meta, cache = qg.shape[0], fast_meta(batch), batch.cache
         qg = qg.reshape(t, self.nh, 2 * self.hd)
         gate, v = qg[..., self.hd:], v_lin.reshape(t, self.nkv, self.hd)
         pools = None
+        compressed = cache is not None and not cache.kv.is_dense
         if cache is not None:
             i = cache.kv_index(self.layer_id)
             k_rows, v_rows = cache.kv.rows(i)
-            pools = (k_rows, v_rows, meta.slot_mapping)
+            pools = None if compressed else (k_rows, v_rows, meta.slot_mapping)
         q, k = dispatch.qk_norm_rope(qg[..., : self.hd], k_lin.reshape(t, self.nkv, self.hd), v, self.q_norm,
                                      self.k_norm, cos, sin, self.eps, self.rotary.rotary_dim, pools)
+        if compressed:
+            dispatch.store_compressed_kv(cache.kv, i, meta.slot_mapping, k, v)
         if cache is not None and meta.decode:
             out = dispatch.paged_decode_attention(q, k_rows, v_rows, meta.block_tables, meta.context_lens,
-                                                  meta.block_size, self.hd ** -0.5, gate=gate)
+                                                  meta.block_size, self.hd ** -0.5, gate=gate, pool=cache.kv)
             return self.o(out.reshape(t, -1))
         out = torch.empty_like(q)
         row = 0
         for n, start, slot in zip(meta.seq_lens, meta.start_lens, batch.slots):
             rows = slice(row, row + n)
             row += n
-            if start == 0:  # the whole prefix is new: causal attention over these rows alone
+            if start == 0 and not compressed:  # the whole prefix is new: causal attention over these rows alone
                 qh, kh, vh = (a[rows].transpose(0, 1)[None] for a in (q, k, v))  # [1, heads, n, hd]
                 o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.hd ** -0.5, enable_gqa=True)
                 out[rows] = o[0].transpose(0, 1)
                 continue
-            every = cache.token_indices(slot, 0, start + n)
-            out[rows] = self._attend(q[rows], k_rows[every].to(q.dtype), v_rows[every].to(q.dtype), start)
+            keys, values = cache.kv.gather(i, cache.token_indices(slot, 0, start + n), q.dtype)
+            out[rows] = self._attend(q[rows], keys, values, start)
         return self.o(out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1)))

@@ -5,6 +5,11 @@ Grid (sequence, KV head, split): each program takes the GQA group of query heads
 table with an online softmax, and writes a partial output and log-sum-exp; the splits are merged with
 a weighted sum by a second small kernel, which also applies the gated attention's sigmoid output gate.
 Splitting keeps the GPU busy at batch 1 with long contexts.
+
+A compressed pool (fp8, tq8/tq6/tq5) takes the same kernel with its rows decoded in registers
+(compressed_triton): each tile's unit values go through the tensor cores in q's dtype and its per-row
+factors scale the scores and the probabilities. TurboQuant attends in the rotated domain: q is rotated
+once per step before the kernel, and the merged output rotated back once after it.
 """
 from __future__ import annotations
 
@@ -15,15 +20,19 @@ import triton
 import triton.language as tl
 
 from hf2q import envs
+from hf2q.kernels.attention.compressed_triton import decoded_tile, device_tables
 from hf2q.kernels.tuning import pdl
+
+# how the pool stores a row: the kernel's CODED
+VALUES, FP8, TURBOQUANT = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 
 @triton.jit
-def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, scale,
+def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, cb_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, scale,
                          stride_qb, stride_qh, stride_kr, stride_kh, stride_bt, stride_ob, stride_oh, stride_os,
                          stride_lb, stride_lh, REP: tl.constexpr, REP_PAD: tl.constexpr, HD: tl.constexpr,
                          BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr,
-                         PDL: tl.constexpr = False):
+                         CODED: tl.constexpr = 0, PDL: tl.constexpr = False):
     pdl.enter(PDL)
     b = tl.program_id(0)
     g = tl.program_id(1)
@@ -37,7 +46,10 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, s
     rmask = r < REP
     heads = g * REP + r
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=rmask[:, None], other=0.0)
-    q = (q.to(tl.float32) * scale).to(k_ptr.dtype.element_ty)
+    if CODED == VALUES:
+        q = (q.to(tl.float32) * scale).to(k_ptr.dtype.element_ty)
+    else:  # decoded tiles go through the tensor cores in q's dtype
+        q = (q.to(tl.float32) * scale).to(q_ptr.dtype.element_ty)
     m_i = tl.full([REP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([REP_PAD], tl.float32)
     acc = tl.zeros([REP_PAD, HD], tl.float32)
@@ -47,16 +59,26 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, s
         valid = toks < end
         blk = tl.load(bt_ptr + b * stride_bt + toks // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         rows = blk * BLOCK_SIZE + toks % BLOCK_SIZE
-        off = rows[:, None] * stride_kr + g * stride_kh + d[None, :]
-        k = tl.load(k_ptr + off, mask=valid[:, None], other=0.0)
-        v = tl.load(v_ptr + off, mask=valid[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k))  # [REP_PAD, BLOCK_N]
+        if CODED == VALUES:
+            off = rows[:, None] * stride_kr + g * stride_kh + d[None, :]
+            k = tl.load(k_ptr + off, mask=valid[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k))  # [REP_PAD, BLOCK_N]
+        else:  # unit values and a factor per row: scale, or norm/√D
+            off = rows * stride_kr + g * stride_kh
+            k, k_factor = decoded_tile(k_ptr, off, valid, cb_ptr, HD, CODED == TURBOQUANT)
+            s = tl.dot(q, tl.trans(k.to(q.dtype))) * k_factor[None, :]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        if CODED == VALUES:
+            v = tl.load(v_ptr + off, mask=valid[:, None], other=0.0)
+            pv = tl.dot(p.to(v.dtype), v)
+        else:
+            v, v_factor = decoded_tile(v_ptr, off, valid, cb_ptr, HD, CODED == TURBOQUANT)
+            pv = tl.dot((p * v_factor[None, :]).to(q.dtype), v.to(q.dtype))
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
     safe_l = tl.where(l_i > 0, l_i, 1.0)
     out = acc / safe_l[:, None]
@@ -93,6 +115,11 @@ ONE_SEQUENCE = (16, 32, 4)
 # For several sequences, the configuration the batched decode figures were measured with: the batch gives
 # the programs, and more splits would write and merge more partial outputs.
 BATCHED = (8, 64, 4)
+# For a compressed pool, whose tiles are decoded in registers: 32 keys a step and 8 warps, the configurations
+# that ptxas builds without register spills for 256-wide heads (64 keys spill for fp8 and TurboQuant at 4 or 8
+# warps, 32 keys at 4 warps for fp8); chosen so, not yet timed against others.
+CODED_ONE_SEQUENCE = (16, 32, 8)
+CODED_BATCHED = (8, 32, 8)
 
 
 def _config_setting() -> tuple[int, int, int] | None:
@@ -104,40 +131,58 @@ def _config_setting() -> tuple[int, int, int] | None:
 CONFIG = _config_setting()
 
 
-def config_for(batch: int) -> tuple[int, int, int]:
-    """The first kernel's (splits, keys a step, warps) at `batch` sequences."""
-    return CONFIG or (ONE_SEQUENCE if batch == 1 else BATCHED)
+def config_for(batch: int, coded: bool = False) -> tuple[int, int, int]:
+    """The first kernel's (splits, keys a step, warps) at `batch` sequences (over a compressed pool: coded)."""
+    if CONFIG:
+        return CONFIG
+    if coded:
+        return CODED_ONE_SEQUENCE if batch == 1 else CODED_BATCHED
+    return ONE_SEQUENCE if batch == 1 else BATCHED
 
 
 def paged_decode_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
                            scale: float, num_splits: int | None = None, gate: Optional[torch.Tensor] = None,
-                           block_n: int | None = None, num_warps: int | None = None) -> torch.Tensor:
-    """q: [B, nh, hd]; k_rows/v_rows: [num_blocks * block_size, nkv, hd] (the flat pool);
-    block_tables: [B, max_blocks] int32; context_lens: [B] int32 (>= 1); gate: [B, nh, hd] or None.
+                           block_n: int | None = None, num_warps: int | None = None,
+                           kv_format: str | None = None) -> torch.Tensor:
+    """q: [B, nh, hd]; k_rows/v_rows: [num_blocks * block_size, nkv, hd] (the flat pool), or u8 [.., nkv, hd + 4]
+    with kv_format (fp8, tq8, tq6, tq5) a compressed pool's stored rows; block_tables: [B, max_blocks] int32;
+    context_lens: [B] int32 (>= 1); gate: [B, nh, hd] or None.
     Returns [B, nh, hd] in q's dtype, times sigmoid(gate) when given. num_splits, block_n (keys a
-    step) and num_warps shape the first kernel (default: config_for(B); bench.attention times them)."""
+    step) and num_warps shape the first kernel (default: config_for(B, coded); bench.attention times them)."""
     bsz, nh, hd = q.shape
-    config = config_for(bsz)
+    coded = VALUES if kv_format is None else FP8 if kv_format == "fp8" else TURBOQUANT
+    config = config_for(bsz, coded != VALUES)
     num_splits = num_splits or config[0]
     block_n = block_n or config[1]
     num_warps = num_warps or config[2]
     nkv = k_rows.shape[1]
     rep = nh // nkv
     assert k_rows.stride(2) == 1 and q.stride(2) == 1 and k_rows.stride() == v_rows.stride()
+    codebook = k_rows  # unread unless TurboQuant
+    if coded == TURBOQUANT:
+        codebook, rotation = device_tables(kv_format, hd, str(q.device))[2:]
+        q = (q.float() @ rotation).to(q.dtype)  # the keys' orthogonal map: ⟨Rq, Rk⟩ = ⟨q, k⟩
+    if coded != VALUES:
+        assert k_rows.dtype == torch.uint8 and k_rows.shape[2] == hd + 4
     parts = torch.empty(bsz, nh, num_splits, hd, dtype=torch.float32, device=q.device)
     lse = torch.empty(bsz, nh, num_splits, dtype=torch.float32, device=q.device)
     _paged_decode_kernel[(bsz, nkv, num_splits)](
-        q, k_rows, v_rows, block_tables, context_lens, parts, lse, scale,
+        q, k_rows, v_rows, codebook, block_tables, context_lens, parts, lse, scale,
         q.stride(0), q.stride(1), k_rows.stride(0), k_rows.stride(1), block_tables.stride(0),
         parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0), lse.stride(1),
         REP=rep, REP_PAD=max(16, triton.next_power_of_2(rep)), HD=hd, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        NSPLIT=num_splits, num_warps=num_warps, **pdl.launch_options(q.device))
-    out = torch.empty(bsz, nh, hd, dtype=q.dtype, device=q.device)
-    if gate is not None:
+        NSPLIT=num_splits, CODED=coded, num_warps=num_warps, **pdl.launch_options(q.device))
+    rotated = coded == TURBOQUANT  # a rotated output is rotated back, then gated
+    out = torch.empty(bsz, nh, hd, dtype=torch.float32 if rotated else q.dtype, device=q.device)
+    merge_gate = None if rotated else gate
+    if merge_gate is not None:
         assert gate.shape == q.shape and gate.stride(2) == 1
-    g = gate if gate is not None else q
+    g = merge_gate if merge_gate is not None else q
     _merge_kernel[(bsz, nh)](parts, lse, g, out, parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0),
                              lse.stride(1), g.stride(0), g.stride(1), nh, HD=hd, NSPLIT=num_splits,
-                             HAS_GATE=gate is not None, num_warps=2, **pdl.launch_options(q.device))
-    return out
+                             HAS_GATE=merge_gate is not None, num_warps=2, **pdl.launch_options(q.device))
+    if not rotated:
+        return out
+    out = (out @ rotation.t()).to(q.dtype)
+    return out if gate is None else out * torch.sigmoid(gate)

@@ -1,0 +1,174 @@
+"""Triton side of the compressed K/V pools (fp8, tq8/tq6/tq5): the store kernel that encodes new rows into the pool,
+and the in-register decoding of stored rows that the paged decode attention (paged_triton) uses.
+
+A stored row is head_dim payload bytes and the vector's fp32 side value (scale or norm) as 4 little-endian bytes
+(cache.kv_pool). Writing and reading compute what the codecs (cache.kv_codec) compute:
+
+- FP8: scale = amax/448, values x/scale rounded to e4m3 (nearest, ties to even). The e4m3 bits are made and read
+  with integer arithmetic, which rounds as torch does on every device (Triton's own fp8 casts differ between the
+  GPU and its interpreter).
+- TurboQuant: the store applies the signs and the normalised Walsh–Hadamard transform by butterflies in the same
+  order as `kv_codec.fwht`, takes the L2 norm and finds each channel's codebook cell by binary search over the
+  boundaries. Reading, the codes become centroids and the norm a factor per row; attention runs in the rotated
+  domain (paged_triton). The codebook width only changes the tables, so tq8, tq6 and tq5 share the kernels.
+
+Everything is capturable in a CUDA graph: fixed shapes, no host synchronisation; the device tables are made on
+first use (the graphs' warm-up steps), before any capture.
+"""
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import torch
+import triton
+import triton.language as tl
+
+from hf2q.cache.kv_codec import TurboQuantCodec, codebook
+from hf2q.kernels.tuning import pdl
+
+_TABLE = 256  # codebook and boundary tables padded to the 8-bit size: one binary search serves every width
+
+
+@lru_cache(maxsize=None)
+def device_tables(fmt: str, head_dim: int, device: str) -> tuple[torch.Tensor, ...]:
+    """(signs [D], boundaries [256] padded with +inf, centroids [256] padded with 0, rotation [D, D]) in fp32 on
+    `device` for a TurboQuant format; x @ rotation = codec.rotate(x). Made once per (format, shape, device)."""
+    codec = TurboQuantCodec(head_dim, int(fmt[2:]))
+    centroids, bounds = codebook(codec.bits)
+    padded_bounds = torch.full((_TABLE,), math.inf)
+    padded_bounds[: bounds.numel()] = bounds
+    padded_centroids = torch.zeros(_TABLE)
+    padded_centroids[: centroids.numel()] = centroids
+    rotation = codec.rotate(torch.eye(head_dim))
+    return tuple(t.float().contiguous().to(device) for t in (codec.signs, padded_bounds, padded_centroids, rotation))
+
+
+# ---- e4m3 bits by integer arithmetic ----------------------------------------------------------------------------
+@triton.jit
+def _e4m3_bits(x):
+    """fp32 x with |x| ≤ 448 → e4m3fn bits (int32 in [0, 255]), rounded to nearest, ties to even."""
+    a = tl.abs(x)
+    bits = a.to(tl.int32, bitcast=True)
+    # normal: drop 20 mantissa bits with round-half-even, then rebias the exponent from 127 to 7
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) - ((127 - 7) << 3)
+    # subnormal (|x| < 2^-6): the integer count of 2^-9 steps, rounded by adding 2^23 in fp32
+    sub = (a * 512.0 + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000
+    mag = tl.minimum(tl.where(a < 0.015625, sub, normal), 126)
+    return tl.where(x.to(tl.int32, bitcast=True) < 0, mag + 128, mag)  # the sign bit: -0.0 too
+
+
+@triton.jit
+def _e4m3_value(code):
+    """e4m3fn bits (any int type) → fp32 value."""
+    c = code.to(tl.int32)
+    e = (c >> 3) & 15
+    m = c & 7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+    return tl.where(c >= 128, -mag, mag)
+
+
+# ---- side value: 4 little-endian bytes after the payload ---------------------------------------------------------
+@triton.jit
+def _store_side(ptr, value):
+    bits = value.to(tl.int32, bitcast=True)
+    j = tl.arange(0, 4)
+    tl.store(ptr + j, ((bits >> (j * 8)) & 255).to(tl.uint8))
+
+
+@triton.jit
+def _load_side(ptr, mask):
+    """fp32 side values of a tile of rows: ptr [N] points at each row's side bytes."""
+    b0 = tl.load(ptr, mask=mask, other=0).to(tl.int32)
+    b1 = tl.load(ptr + 1, mask=mask, other=0).to(tl.int32)
+    b2 = tl.load(ptr + 2, mask=mask, other=0).to(tl.int32)
+    b3 = tl.load(ptr + 3, mask=mask, other=0).to(tl.int32)
+    return (b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)).to(tl.float32, bitcast=True)
+
+
+# ---- store ---------------------------------------------------------------------------------------------------------
+@triton.jit
+def _fwht(x, inv_sqrt_d, HD: tl.constexpr, LOG2: tl.constexpr):
+    """Normalised Walsh–Hadamard transform of x [HD] with kv_codec.fwht's additions, in its order. Each stage pairs
+    the elements that differ in the lowest index bit (a = bit 0, b = bit 1) and writes a + b, a - b to the halves,
+    which moves that bit to the top: the next stage's lowest bit is the next stride's, and after LOG2 stages every
+    element is back in place."""
+    for _ in tl.static_range(LOG2):
+        a, b = tl.split(tl.reshape(x, [HD // 2, 2]))
+        x = tl.reshape(tl.permute(tl.join(a + b, a - b), [1, 0]), [HD])
+    return x * inv_sqrt_d
+
+
+@triton.jit
+def _encode_row(x_ptr, dst_ptr, sign_ptr, bound_ptr, sqrt_d, inv_sqrt_d, HD: tl.constexpr, LOG2: tl.constexpr,
+                TQ: tl.constexpr):
+    """One vector's stored row, with the codec's roundings: divisions and square roots rounded to nearest (Triton's
+    `/` and sqrt are approximate on the GPU), the codec's constants rounded from double as torch rounds them."""
+    d = tl.arange(0, HD)
+    x = tl.load(x_ptr + d).to(tl.float32)
+    if TQ:
+        y = _fwht(x * tl.load(sign_ptr + d), inv_sqrt_d, HD, LOG2)
+        norm = tl.sqrt_rn(tl.sum(y * y, 0))
+        # torch computes sqrt(D) / norm as (1 / norm) * sqrt(D); a zero vector stores norm 0 (kv_codec)
+        z = y * tl.where(norm > 1e-10, tl.div_rn(1.0, norm) * sqrt_d, 0.0)
+        pos = tl.zeros([HD], tl.int32)  # boundaries below z: the codebook index
+        step = 128
+        for _ in tl.static_range(8):
+            below = tl.load(bound_ptr + pos + (step - 1)) < z
+            pos = tl.where(below, pos + step, pos)
+            step = step // 2
+        tl.store(dst_ptr + d, pos.to(tl.uint8))
+        _store_side(dst_ptr + HD, norm)
+    else:
+        amax = tl.max(tl.abs(x), 0)
+        scale = tl.where(amax > 0, tl.div_rn(amax, 448.0), 1.0)
+        tl.store(dst_ptr + d, _e4m3_bits(tl.div_rn(x, scale)).to(tl.uint8))
+        _store_side(dst_ptr + HD, scale)
+
+
+@triton.jit
+def _store_kernel(k_ptr, v_ptr, map_ptr, kstore_ptr, vstore_ptr, sign_ptr, bound_ptr, NKV, stride_kt, stride_kh,
+                  stride_vt, stride_vh, stride_pool_row, sqrt_d, inv_sqrt_d, HD: tl.constexpr, LOG2: tl.constexpr,
+                  TQ: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.enter(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    row = tl.load(map_ptr + t).to(tl.int64)
+    if h < NKV:
+        _encode_row(k_ptr + t * stride_kt + h * stride_kh, kstore_ptr + row * stride_pool_row + h * (HD + 4),
+                    sign_ptr, bound_ptr, sqrt_d, inv_sqrt_d, HD, LOG2, TQ)
+    else:
+        vh = h - NKV
+        _encode_row(v_ptr + t * stride_vt + vh * stride_vh, vstore_ptr + row * stride_pool_row + vh * (HD + 4),
+                    sign_ptr, bound_ptr, sqrt_d, inv_sqrt_d, HD, LOG2, TQ)
+
+
+def store(fmt: str, k: torch.Tensor, v: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,
+          slot_mapping: torch.Tensor) -> None:
+    """Encode K/V [T, nkv, hd] (last dim contiguous) into the u8 pool rows [rows, nkv, hd + 4] at slot_mapping [T],
+    as CompressedKVPool.store does."""
+    t, nkv, hd = k.shape
+    assert k.stride(2) == 1 and v.stride(2) == 1 and k_rows.is_contiguous() and v_rows.is_contiguous()
+    assert k_rows.shape[1:] == (nkv, hd + 4) and k_rows.dtype == torch.uint8
+    tq = fmt != "fp8"
+    if tq:
+        signs, bounds = device_tables(fmt, hd, str(k.device))[:2]
+    else:
+        signs = bounds = k_rows  # unread
+    _store_kernel[(t, 2 * nkv)](k, v, slot_mapping, k_rows, v_rows, signs, bounds, nkv, k.stride(0), k.stride(1),
+                                v.stride(0), v.stride(1), k_rows.stride(0), math.sqrt(hd), 1.0 / math.sqrt(hd), HD=hd,
+                                LOG2=hd.bit_length() - 1, TQ=tq, num_warps=1 if hd <= 128 else 2,
+                                **pdl.launch_options(k.device))
+
+
+# ---- reading ---------------------------------------------------------------------------------------------------------
+@triton.jit
+def decoded_tile(ptr, off, valid, cb_ptr, HD: tl.constexpr, TQ: tl.constexpr):
+    """A tile's unit values [N, HD] (e4m3 values, or centroids) and per-row factors [N] (scale, or norm/√D)."""
+    d = tl.arange(0, HD)
+    codes = tl.load(ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0)
+    side = _load_side(ptr + off + HD, valid)
+    if TQ:
+        return tl.load(cb_ptr + codes.to(tl.int32)), side * (1.0 / tl.sqrt(HD * 1.0))
+    return _e4m3_value(codes), side

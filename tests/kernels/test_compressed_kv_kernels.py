@@ -1,0 +1,205 @@
+"""The compressed K/V kernels (fp8, tq8/tq6/tq5): the Triton store against the pool's own encoding, and the paged
+decode attention over stored rows against the dispatcher's torch version (decode the rows, then SDPA), which is
+the plain path's attention; at model level, the fast path over a compressed pool against the plain path.
+
+Runs on CPU through Triton's interpreter (small odd sizes, fp32), and on a CUDA GPU at the 9B's head shape in bf16.
+Tolerances: fp32 (interpreter) 2e-5 relative for attention, the same stored rows but for the TurboQuant norm's
+summation order (its last bits; a channel on a codebook boundary may take the neighbouring index); bf16 (GPU) 2e-2.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf2q.cache.kv_pool import make_pool
+from hf2q.kernels import dispatch
+from tests.support.triton_targets import interpreter_child, randn, rel, target, torch_only
+
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
+from hf2q.kernels.attention.compressed_triton import _e4m3_bits, _e4m3_value  # noqa: E402 (needs triton)
+
+FORMATS = ["fp8", "tq8", "tq6", "tq5"]
+
+
+@pytest.fixture(scope="module", params=["interpret", pytest.param("cuda", marks=pytest.mark.gpu)])
+def env(request):
+    """(device, dtype, real sizes?)"""
+    return target(request.param)
+
+
+test_kernels_under_the_interpreter = interpreter_child(__file__, timeout=600)
+
+
+def _shape(real: bool):
+    """(query heads, KV heads, head dim, block size, blocks): GQA in both."""
+    return (16, 4, 256, 16, 96) if real else (6, 2, 32, 4, 24)
+
+
+def _assert_same_rows(got: torch.Tensor, want: torch.Tensor, fmt: str, hd: int) -> None:
+    """FP8 rows bitwise; TurboQuant codes equal but for channels on a boundary (one index off, ≤ 1% of them), norms
+    within 1e-6."""
+    got, want = got.cpu(), want.cpu()
+    if fmt == "fp8":
+        assert torch.equal(got, want)
+        return
+    codes = (got[..., :hd].int() - want[..., :hd].int()).abs()
+    assert codes.max() <= 1 and (codes > 0).float().mean() <= 0.01
+    norms = [r[..., hd:].contiguous().view(torch.float32) for r in (got, want)]
+    assert rel(norms[0], norms[1]) <= 1e-6
+
+
+@triton.jit
+def _e4m3_round_trip(x_ptr, bits_ptr, value_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    bits = _e4m3_bits(tl.load(x_ptr + i))
+    tl.store(bits_ptr + i, bits)
+    tl.store(value_ptr + i, _e4m3_value(bits))
+
+
+def test_e4m3_bits_round_as_torch(env):
+    """Every finite e4m3 value, every midpoint between neighbours (ties go to even) and the floats either side of
+    it, random values over the range and the subnormals, both signs and -0.0: the kernel's e4m3 bits are torch's,
+    and reading them back gives torch's values."""
+    dev = env[0]
+    values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    values = values[torch.isfinite(values)].unique()
+    mids = (values[1:] + values[:-1]) / 2
+    gen = torch.Generator().manual_seed(0)
+    x = torch.cat([values, mids, torch.nextafter(mids, torch.tensor(1e9)), torch.nextafter(mids, torch.tensor(-1e9)),
+                   torch.rand(2000, generator=gen) * 448, torch.rand(2000, generator=gen) * 0.02])
+    x = torch.cat([x, -x, torch.tensor([-0.0])])
+    x = torch.cat([x, torch.zeros(triton.next_power_of_2(x.numel()) - x.numel())]).to(dev)
+    bits = torch.empty(x.numel(), dtype=torch.int32, device=dev)
+    back = torch.empty_like(x)
+    _e4m3_round_trip[(1,)](x, bits, back, N=x.numel())
+    want = x.cpu().to(torch.float8_e4m3fn)
+    assert torch.equal(bits.cpu().to(torch.uint8), want.view(torch.uint8))
+    assert torch.equal(back.cpu(), want.float())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_store_writes_the_pools_encoding(env, fmt):
+    """New K/V rows at scattered slots (v a strided view, as the fused projection gives it), zero and DC-biased
+    vectors among them: the kernel writes what CompressedKVPool.store writes; untouched rows stay zero."""
+    dev, dtype, real = env
+    _, nkv, hd, bs, blocks = _shape(real)
+    gen = torch.Generator().manual_seed(FORMATS.index(fmt))
+    t = 37 if real else 7
+    k = randn(t, nkv, hd, dev=dev, dtype=dtype, gen=gen, scale=3.0)
+    k[0, 0] = 0
+    k[1] += 1.0
+    v = randn(t, nkv * hd + 40, dev=dev, dtype=dtype, gen=gen)[:, 40:].view(t, nkv, hd)
+    mapping = torch.randperm(blocks * bs, generator=gen)[:t].to(dev)
+    pool, want = (make_pool(fmt, 2, blocks, bs, nkv, hd, torch.device(dev)) for _ in range(2))
+    want.store(1, mapping, k, v)
+    from hf2q.kernels.attention.compressed_triton import store
+    store(fmt, k, v, *pool.rows(1), mapping)
+    for got_rows, want_rows in zip(pool.rows(1), want.rows(1)):
+        _assert_same_rows(got_rows, want_rows, fmt, hd)
+    assert not pool.k[0].any() and not pool.v[0].any()
+
+
+def _filled_pool(fmt, dev, dtype, real, lens, gen):
+    """A pool whose sequences of `lens` tokens sit in shuffled blocks; (pool, block tables [B, width] int32)."""
+    _, nkv, hd, bs, blocks = _shape(real)
+    pool = make_pool(fmt, 1, blocks, bs, nkv, hd, torch.device(dev))
+    order = torch.randperm(blocks, generator=gen).tolist()
+    tables = torch.zeros(len(lens), -(-max(lens) // bs) + 1, dtype=torch.int32)
+    for i, n in enumerate(lens):
+        own = [order.pop() for _ in range(-(-n // bs))]
+        tables[i, :len(own)] = torch.tensor(own, dtype=torch.int32)
+        pos = torch.arange(n)
+        rows = (tables[i].long()[pos // bs] * bs + pos % bs).to(dev)
+        pool.store(0, rows, randn(n, nkv, hd, dev=dev, dtype=dtype, gen=gen, scale=2.0),
+                   randn(n, nkv, hd, dev=dev, dtype=dtype, gen=gen))
+    return pool, tables
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("gated,one", [(False, False), (True, False), (True, True)])
+def test_paged_decode_reads_compressed_rows(env, fmt, gated, one):
+    """Odd lengths over several blocks, GQA, the output gate; several sequences (the batched configuration) and
+    one (its own: more splits than it has tiles)."""
+    dev, dtype, real = env
+    nh, nkv, hd, bs, _ = _shape(real)
+    gen = torch.Generator().manual_seed(11 + FORMATS.index(fmt))
+    lens = [1, 17, 40, 999] if real else [1, 9, 30]
+    if one:  # the longest context alone
+        lens = lens[-1:]
+    pool, tables = _filled_pool(fmt, dev, dtype, real, lens, gen)
+    b = len(lens)
+    q = randn(b, nh, hd, dev=dev, dtype=dtype, gen=gen)
+    gate = randn(b, nh, 2 * hd, dev=dev, dtype=dtype, gen=gen)[..., hd:] if gated else None
+    context = torch.tensor(lens, dtype=torch.int32)
+    k_rows, v_rows = pool.rows(0)
+    out = dispatch.paged_decode_attention(q, k_rows, v_rows, tables.to(dev), context.to(dev), bs, hd ** -0.5,
+                                          gate=gate, pool=pool)
+    with torch_only():
+        want = dispatch.paged_decode_attention(q.cpu().float(), k_rows.cpu(), v_rows.cpu(), tables, context, bs,
+                                               hd ** -0.5, gate=None if gate is None else gate.cpu().float(),
+                                               pool=pool)
+    assert out.dtype == dtype and out.shape == (b, nh, hd)
+    assert rel(out, want) <= (2e-2 if real else 2e-5)
+
+
+def test_tables_rotate_as_the_codec():
+    """The rotation matrix the kernels multiply q by is the codec's map, and the padded tables keep the codebook."""
+    from hf2q.cache.kv_codec import TurboQuantCodec, codebook
+    from hf2q.kernels.attention.compressed_triton import device_tables
+    signs, bounds, centroids, rotation = device_tables("tq6", 64, "cpu")
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
+    codec = TurboQuantCodec(64, 6)
+    assert rel(x @ rotation, codec.rotate(x)) <= 1e-6 and rel(x @ rotation @ rotation.t(), x) <= 1e-6
+    assert torch.equal(signs, codec.signs) and torch.equal(centroids[:64], codebook(6)[0])
+    assert torch.equal(bounds[:63], codebook(6)[1]) and bool(torch.isinf(bounds[63:]).all())
+
+
+@torch.inference_mode()
+def _greedy(net, fmt: str, mode: str, graphs: bool, steps: int, forced: list[int] | None = None):
+    """Greedy tokens and every step's logits of one prompt through a `fmt` pool with the layers' path `mode`
+    (feeding `forced` tokens instead of its own when given); and whether decode graphs were captured."""
+    from hf2q.cache.hybrid import HybridCache
+    from hf2q.config import CacheConfig
+    from hf2q.engine.request import Request
+    from hf2q.engine.runner import ModelRunner
+    from hf2q.engine.sampling_params import SamplingParams
+
+    dev = net.embed.device
+    prompt = [(37 * i + 5) % net.config.vocab_size for i in range(9)]
+    cache = HybridCache(net.config, CacheConfig(num_slots=2, num_blocks=16, block_size=4, kv_dtype=fmt), device=dev)
+    runner = ModelRunner(net, cache, cuda_graphs=graphs)
+    req = Request("r", prompt, SamplingParams())
+    req.slot = cache.acquire()
+    rows = []
+    with dispatch.fast_path(mode):
+        _, logits = runner.run([(req, len(prompt))])
+        rows.append(logits[-1].float().cpu())
+        for i in range(steps):
+            req.output_ids.append(forced[i] if forced else int(rows[-1].argmax()))
+            _, logits = runner.run([(req, 1)])
+            rows.append(logits[-1].float().cpu())
+    return req.output_ids, torch.stack(rows), bool(runner.graphs and runner.graphs.graphs)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "tq8"])
+def test_fast_path_over_a_compressed_pool_decodes_as_the_plain_path(env, fmt):
+    """The model's fast path (store and paged decode kernels; on CUDA also graph-replayed) over a compressed pool
+    gives the plain path's greedy tokens, logits within 1e-3 relative (fp32, interpreter) or 2e-2 (bf16, GPU): the two
+    paths differ by rounding (1e-5 over a model-dtype pool), which moves an occasional channel that sits on a
+    quantisation boundary to the neighbouring code. The dense model under the interpreter (its attention is the
+    MoE's; the MoE kernels interpret slowly), both on a GPU."""
+    from hf2q.bench_shapes import random_model, tiny_config
+
+    dev, dtype, real = env
+    for moe in (False, True) if real else (False,):
+        net = random_model(tiny_config(moe), device=dev, dtype=dtype, std=0.08, seed=3)
+        steps = 12 if real else 4
+        plain, plain_logits, _ = _greedy(net, fmt, "off", False, steps)
+        fast, fast_logits, _ = _greedy(net, fmt, "force", False, steps, forced=plain)
+        assert rel(fast_logits, plain_logits) <= (2e-2 if real else 1e-3), moe
+        assert [int(r.argmax()) for r in fast_logits[:-1]] == plain, moe
+        if dev == "cuda":
+            _, replayed_logits, captured = _greedy(net, fmt, "auto", True, steps, forced=plain)
+            assert captured and rel(replayed_logits, fast_logits) <= 1e-3, moe  # the same kernels, replayed
+            assert [int(r.argmax()) for r in replayed_logits[:-1]] == plain, moe
