@@ -43,7 +43,11 @@ TRITON_INTERPRET = Variable("TRITON_INTERPRET", None, "1 or unset", "Triton's in
                             "CPU tensors (the tests use it), dp4a is emulated and PDL is off")
 NCCL_NVLS_ENABLE = Variable("NCCL_NVLS_ENABLE", None, "set to 0 by hf2q", "NVLink multicast off for a CUDA tensor-"
                             "parallel group: set before the ranks are spawned, which inherit it")
-VARIABLES = (PDL, GEMV_TUNE, GEMV, PAGED_DECODE, TUNE_CACHE, XDG_CACHE_HOME, TRITON_INTERPRET, NCCL_NVLS_ENABLE)
+TRITON_CACHE_AUTOTUNING = Variable("TRITON_CACHE_AUTOTUNING", None, "0 or 1 (unset: 1 in hf2q serve)",
+                                   "Triton keeps autotuning results in its cache directory, so a second start does not "
+                                   "time fla's kernel configurations again")
+VARIABLES = (PDL, GEMV_TUNE, GEMV, PAGED_DECODE, TUNE_CACHE, XDG_CACHE_HOME, TRITON_INTERPRET, NCCL_NVLS_ENABLE,
+             TRITON_CACHE_AUTOTUNING)
 
 
 def _switch(var: Variable) -> bool:
@@ -105,6 +109,14 @@ def tune_cache() -> Path | None:
 def triton_interpret() -> bool:
     """TRITON_INTERPRET=1: Triton's interpreter is on (Triton reads it when it is imported)."""
     return TRITON_INTERPRET.raw() == "1"
+
+
+def keep_autotuning() -> None:
+    """Keep Triton's autotuning results across starts unless the user chose otherwise: the autotuned
+    kernels (fla's chunked delta rule and its helpers) otherwise time their configurations on every start,
+    before /health can say ready. Triton reads the variable when an autotuned kernel first runs."""
+    if TRITON_CACHE_AUTOTUNING.raw() is None:
+        os.environ[TRITON_CACHE_AUTOTUNING.name] = "1"
 
 
 def disable_nccl_nvls() -> None:

@@ -15,6 +15,7 @@ import socket
 import time
 from pathlib import Path
 
+from hf2q import envs
 from hf2q.devices import add_device_args, dtype_name, keep_quantized, resolve_device, resolve_dtype
 from hf2q.cache.kv_pool import kv_cache_format
 from hf2q.server.sizing import CPU_MAX_MODEL_LEN, CPU_MAX_NUM_SEQS, CUDA_MAX_NUM_SEQS, choose
@@ -195,6 +196,7 @@ def build_state(args):
         aengine = workers.start_engine(model, engine_config)
     else:
         engine = Engine(model, engine_config)
+        envs.keep_autotuning()
         log.info("warming up: compiling, tuning and capturing decode graphs for up to %d sequences ...",
                  args.max_num_seqs)
         t0 = time.monotonic()
