@@ -8,8 +8,8 @@ For each mode (and each k where the mode drafts) the engine is built exactly as 
 then every prompt of each kind in the prompts file (`tools/train_mtp.py` writes `heldout.json`: held-out
 stdlib code and pydoc prose) is decoded greedily at batch 1. Per kind and mode: the mean acceptance length
 (accepted drafts + 1 per verify round), tokens per decode step, decode tok/s (after each request's first
-token) and whether every output equals `off`'s token for token. JSON on stdout; exit status 1 when any
-output differs.
+token), its speed-up over `off` and whether every output equals `off`'s token for token. JSON on stdout;
+exit status 1 when any output differs.
 """
 from __future__ import annotations
 
@@ -117,6 +117,8 @@ def main(argv=None) -> int:
             else:
                 same = [o == r for o, r in zip(outputs, table["_reference"])]
                 row["identical"] = all(same)
+                plain = table["off"]["decode_tok_s"]
+                row["speedup"] = round(row["decode_tok_s"] / plain, 3) if plain and row["decode_tok_s"] else None
                 mismatches += same.count(False)
             table["off" if mode == "off" else f"{mode} k={k}"] = row
             print(json.dumps({"kind": kind, "mode": mode, "k": k, **row}), file=sys.stderr, flush=True)

@@ -329,6 +329,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--minutes", type=float, default=0, help="wall-clock budget for training (0: none)")
     p.add_argument("--seq-len", type=int, help="tokens per training window (default: the size's)")
     p.add_argument("--batch-size", type=int, help="windows per step (default: the size's)")
+    p.add_argument("--corpus-chars", type=int, help="characters of training text to tokenize (default: the size's; "
+                   "0: all)")
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--outtype", action="append", choices=("f32", "bf16", "q8_0"),
@@ -349,6 +351,8 @@ def run(args: argparse.Namespace) -> tuple[Qwen35Model, dict]:
         print(line, file=sys.stderr, flush=True)
 
     size = dict(SIZES[args.size], **{k: v for k, v in (("seq", args.seq_len), ("batch", args.batch_size)) if v})
+    if args.corpus_chars is not None:
+        size["corpus_chars"] = args.corpus_chars or None
     args.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(args.seed)
     docs = stdlib_documents()
