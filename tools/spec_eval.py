@@ -7,9 +7,9 @@ For each mode (and each k where the mode drafts) the engine is built exactly as 
 (`launch.sized_engine_config`, the same flags: anything after `--` is passed on, e.g. `--spec-cost-window 0`),
 then every prompt of each kind in the prompts file (`tools/train_mtp.py` writes `heldout.json`: held-out
 stdlib code and pydoc prose) is decoded greedily at batch 1. Per kind and mode: the mean acceptance length
-(accepted drafts + 1 per verify round), tokens per decode step, decode tok/s (after each request's first
-token), its speed-up over `off` and whether every output equals `off`'s token for token. JSON on stdout;
-exit status 1 when any output differs.
+(accepted drafts + 1 per verify round), rounds, drafts and acceptances per proposer, tokens per decode step,
+decode tok/s (after each request's first token), its speed-up over `off` and whether every output equals
+`off`'s token for token. JSON on stdout; exit status 1 when any output differs.
 """
 from __future__ import annotations
 
@@ -61,6 +61,7 @@ def run_mode(engine, prompts: list[list[int]], max_tokens: int, sync) -> dict:
     decode_one(engine, prompts[0], 8, sync)  # the verify shapes' first use, untimed
     stats = engine.spec.stats if engine.spec is not None else None
     before = (stats.rounds, stats.accepted, stats.drafted) if stats else (0, 0, 0)
+    before_by = {name: list(counts) for name, counts in stats.by_proposer.items()} if stats else {}
     outputs, seconds, steps, decoded = [], 0.0, 0, 0
     for prompt in prompts:
         tokens, s, n = decode_one(engine, prompt, max_tokens, sync)
@@ -71,7 +72,10 @@ def run_mode(engine, prompts: list[list[int]], max_tokens: int, sync) -> dict:
     if stats:
         rounds, accepted, drafted = (a - b for a, b in zip((stats.rounds, stats.accepted, stats.drafted), before))
         row.update(verify_rounds=rounds, drafted=drafted, accepted=accepted,
-                   acceptance_length=round((accepted + rounds) / rounds, 3) if rounds else None)
+                   acceptance_length=round((accepted + rounds) / rounds, 3) if rounds else None,
+                   by_proposer={name: dict(zip(("rounds", "drafted", "accepted"),
+                                               (a - b for a, b in zip(counts, before_by[name]))))
+                                for name, counts in stats.by_proposer.items()})
     return row, outputs
 
 

@@ -47,9 +47,9 @@ MTP_WEIGHT = 0.5
 # Shapes: tiny for CI (seconds on a CPU), small for one H200 (about 35 M parameters besides the embedding).
 SIZES = {
     "tiny": dict(hidden=64, layers=4, heads=2, kv_heads=1, head_dim=32, linear_heads=2, linear_dim=32,
-                 ffn=128, seq=32, batch=2, lr=3e-3, corpus_chars=200_000),
+                 ffn=128, seq=32, batch=2, lr=3e-3, corpus_chars=50_000, eval_windows=4),
     "small": dict(hidden=512, layers=8, heads=8, kv_heads=2, head_dim=64, linear_heads=8, linear_dim=64,
-                  ffn=1536, seq=512, batch=16, lr=2e-3, corpus_chars=None),
+                  ffn=1536, seq=512, batch=16, lr=2e-3, corpus_chars=None, eval_windows=16),
 }
 
 
@@ -119,11 +119,16 @@ def hf_config(size: dict) -> dict:
         "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n)],
         "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
         "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
-                            "mrope_section": [11, 11, 10] if size["head_dim"] >= 128 else [3, 3, 2],
-                            "mrope_interleaved": True},
+                            "mrope_section": _mrope_sections(size["head_dim"] // 8), "mrope_interleaved": True},
         "hidden_act": "silu", "mtp_num_hidden_layers": 1, "eos_token_id": 248046, "pad_token_id": EOS,
         "bos_token_id": None, "dtype": "float32",
     }
+
+
+def _mrope_sections(half_rotary: int) -> list[int]:
+    """Text, height and width shares of the rotary pairs, in Qwen3.5's proportions (11, 11, 10 of 32)."""
+    share = round(half_rotary * 11 / 32)
+    return [share, share, half_rotary - 2 * share]
 
 
 def model_config(hf: dict) -> ModelConfig:
@@ -271,7 +276,7 @@ def save_checkpoint(net: Qwen35Model, hf: dict, tokenizer_dir: Path, out: Path) 
 
 # ------------------------------------------------------------------------------------------------ main
 
-def train(net: Qwen35Model, data: torch.Tensor, heldout: torch.Tensor, size: dict, args, log) -> dict:
+def train(net: Qwen35Model, data: torch.Tensor, heldout: dict[str, torch.Tensor], size: dict, args, log) -> dict:
     device = torch.device(args.device)
     seq, bsz = size["seq"], size["batch"]
     decay = [p for n, p in net.named_parameters() if p.dim() >= 2]
@@ -302,14 +307,15 @@ def train(net: Qwen35Model, data: torch.Tensor, heldout: torch.Tensor, size: dic
             history.append(row)
             log(json.dumps(row))
     result = {"steps": step, "seconds": round(time.perf_counter() - t0, 1), "history": history}
-    result["heldout_code"] = evaluate(net, heldout, seq, amp, device)
-    log(json.dumps({"heldout_code": result["heldout_code"]}))
+    for kind, tokens in heldout.items():
+        result[f"heldout_{kind}"] = evaluate(net, tokens, seq, amp, device, size["eval_windows"])
+        log(json.dumps({f"heldout_{kind}": result[f"heldout_{kind}"]}))
     return result
 
 
 @torch.no_grad()
-def evaluate(net: Qwen35Model, tokens: torch.Tensor, seq: int, amp, device, windows: int = 16) -> dict:
-    """Losses and MTP agreement on the first `windows` consecutive windows of held-out code."""
+def evaluate(net: Qwen35Model, tokens: torch.Tensor, seq: int, amp, device, windows: int) -> dict:
+    """Losses and MTP agreement on the first `windows` consecutive windows of held-out text."""
     n = min(windows, tokens.numel() // seq)
     ids = tokens[:n * seq].view(n, seq).to(device)
     with amp:
@@ -358,7 +364,8 @@ def run(args: argparse.Namespace) -> tuple[Qwen35Model, dict]:
     docs = stdlib_documents()
     tokenizer = Tokenizer.from_file(str(args.tokenizer / "tokenizer.json"))
     data = token_stream(tokenizer, docs["train"], size["corpus_chars"])
-    heldout = token_stream(tokenizer, docs["code"], 200_000)
+    chars = size["eval_windows"] * size["seq"] * 8  # enough text for the evaluation windows
+    heldout = {kind: token_stream(tokenizer, docs[kind], chars) for kind in ("code", "prose")}
     log(f"{len(docs['train'])} training documents, {data.numel()} tokens; held out: {len(docs['code'])} files, "
         f"{len(docs['prose'])} topics")
     (args.out / "heldout.json").write_text(json.dumps(
