@@ -20,16 +20,23 @@ import sys
 import time
 
 
-def build_engine(model, model_path: str, mode: str, k: int, serve_flags: list[str]):
+def serve_args(model_path: str, mode: str, k: int, serve_flags: list[str]) -> argparse.Namespace:
+    """The flags `hf2q serve --model PATH --speculative MODE --num-speculative-tokens K SERVE_FLAGS` reads."""
+    from hf2q.server import launch
+
+    parser = argparse.ArgumentParser()
+    launch.add_serve_args(parser)
+    return parser.parse_args(["--model", model_path, "--speculative", mode, "--num-speculative-tokens", str(k),
+                              *serve_flags])
+
+
+def build_engine(model, args: argparse.Namespace):
+    """The engine as `hf2q serve` sizes and warms it."""
     from hf2q.devices import resolve_device, resolve_dtype
     from hf2q.engine.engine import Engine
     from hf2q.server import launch
     from hf2q.spec.proposer import spec_config
 
-    parser = argparse.ArgumentParser()
-    launch.add_serve_args(parser)
-    args = parser.parse_args(["--model", model_path, "--speculative", mode, "--num-speculative-tokens", str(k),
-                              *serve_flags])
     device = resolve_device(args.device)
     engine = Engine(model, launch.sized_engine_config(args, model, device, resolve_dtype(args.dtype, device),
                                                       spec_config(args)))
@@ -94,25 +101,21 @@ def main(argv=None) -> int:
     import torch
 
     import hf2q
-    from hf2q.devices import resolve_device, resolve_dtype
+    from hf2q.devices import keep_quantized, resolve_device, resolve_dtype
 
-    modes = a.modes.split(",")
-    if "off" in modes:
-        modes.remove("off")
+    modes = [m for m in a.modes.split(",") if m != "off"]
     ks = [int(x) for x in a.k.split(",")]
-    flags = argparse.ArgumentParser(add_help=False)
-    flags.add_argument("--device", default="auto")
-    flags.add_argument("--dtype", default="auto")
-    known, _ = flags.parse_known_args(serve_flags)
-    device = resolve_device(known.device)
-    model = hf2q.load(a.model, device=device, dtype=resolve_dtype(known.dtype, device))
+    plain = serve_args(a.model, "off", 1, serve_flags)
+    device = resolve_device(plain.device)
+    model = hf2q.load(a.model, device=device, dtype=resolve_dtype(plain.dtype, device),
+                      keep_quantized=keep_quantized(plain))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     kinds = json.loads(open(a.prompts).read())
     prompts = {kind: [model.tokenizer.encode(item["text"]) for item in items[:a.limit or None]]
                for kind, items in kinds.items() if items}
     report, mismatches = {"model": a.model, "device": str(device), "max_tokens": a.max_tokens, "kinds": {}}, 0
     for mode, k in [("off", 1)] + [(m, k) for m in modes for k in ks]:
-        engine = build_engine(model, a.model, mode, k, serve_flags)
+        engine = build_engine(model, serve_args(a.model, mode, k, serve_flags))
         for kind, ids in prompts.items():
             row, outputs = run_mode(engine, ids, a.max_tokens, sync)
             table = report["kinds"].setdefault(kind, {"prompts": len(ids)})
