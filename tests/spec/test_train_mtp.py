@@ -70,6 +70,7 @@ def test_train_write_load_and_speculate(train_mtp, tmp_path, capsys):
     report = json.loads(capsys.readouterr().out)
     assert status == 0 and report["identical"]
     for kind in ("code", "prose"):
+        assert report["kinds"][kind]["sample"]  # the start of the plain output, as text
         row = report["kinds"][kind]["mtp+ngram k=2"]
         assert row["identical"] and row["by_proposer"]["mtp"]["rounds"] > 0  # the head drafted, the engine verified
 
