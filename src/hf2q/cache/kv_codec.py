@@ -194,7 +194,9 @@ class Fp8Codec:
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = x.float()
         amax = x.abs().amax(dim=-1)
-        scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        # amax times the fp32 reciprocal, not a division: torch on CUDA divides by a scalar that way, on the CPU it
+        # divides, so only the product gives the same scales (and codes) on every device and in the Triton store
+        scale = torch.where(amax > 0, amax * (1.0 / FP8_MAX), torch.ones_like(amax))
         return (x / scale.unsqueeze(-1)).to(torch.float8_e4m3fn), scale
 
     def decode(self, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

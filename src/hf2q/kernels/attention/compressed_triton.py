@@ -4,9 +4,9 @@ and the in-register decoding of stored rows that the paged decode attention (pag
 A stored row is head_dim payload bytes and the vector's fp32 side value (scale or norm) as 4 little-endian bytes
 (cache.kv_pool). Writing and reading compute what the codecs (cache.kv_codec) compute:
 
-- FP8: scale = amax/448, values x/scale rounded to e4m3 (nearest, ties to even). The e4m3 bits are made and read
-  with integer arithmetic, which rounds as torch does on every device (Triton's own fp8 casts differ between the
-  GPU and its interpreter).
+- FP8: scale = amax × fp32(1/448) (as the codec computes it), values x/scale rounded to e4m3 (nearest, ties
+  to even). The e4m3 bits are made and read with integer arithmetic, which rounds as torch does on every device
+  (Triton's own fp8 casts differ between the GPU and its interpreter).
 - TurboQuant: the store applies the signs and the normalised Walsh–Hadamard transform by butterflies in the same
   order as `kv_codec.fwht`, takes the L2 norm and finds each channel's codebook cell by binary search over the
   boundaries. Reading, the codes become centroids and the norm a factor per row; attention runs in the rotated
@@ -122,7 +122,7 @@ def _encode_row(x_ptr, dst_ptr, sign_ptr, bound_ptr, sqrt_d, inv_sqrt_d, HD: tl.
         _store_side(dst_ptr + HD, norm)
     else:
         amax = tl.max(tl.abs(x), 0)
-        scale = tl.where(amax > 0, tl.div_rn(amax, 448.0), 1.0)
+        scale = tl.where(amax > 0, amax * (1.0 / 448.0), 1.0)  # as the codec: times the fp32 reciprocal
         tl.store(dst_ptr + d, _e4m3_bits(tl.div_rn(x, scale)).to(tl.uint8))
         _store_side(dst_ptr + HD, scale)
 
