@@ -17,10 +17,13 @@
 # prompts, 256 new tokens), then 16 clients with 2048-token prompts, then a second start (warm caches) and 1 client; ttft: one served request's chunk timeline and the engine's
 # step times and profile for a 64-token prompt (tools/ttft_trace.py); kv: the compressed K/V kernels' tests and
 # model-level GPU tests, the paged decode configurations over fp8 and tq8 rows, and bench.kv's formats at the 9B
-# shape. Figures also go to OUT_DIR/*.json.
+# shape; mtp: train the small Qwen3.5 with its MTP head for 5 minutes (tools/train_mtp.py; carry the test
+# tokenizer as .cache/qwen35_tokenizer.tgz), its acceptance and speed-up on held-out code and prose
+# (tools/spec_eval.py), and the forced-acceptance verify-cost curves; prefix: a follow-up turn over an
+# 8,000-token shared history, served with the prefix cache and without. Figures also go to OUT_DIR/*.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?stage: tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu|mm|serve|ttft|kv}
+stage=${1:?stage: tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu|mm|serve|ttft|kv|mtp|prefix}
 out=${2:-.}
 mkdir -p "$out"
 bench() { python -m hf2q.bench --hf-new 0 "$@"; }
@@ -57,6 +60,29 @@ case "$stage" in
          for f in fp8 tq8; do python -m hf2q.bench.attention --shape 9b --context 4096 32768 --kv-format $f; done
          python -m hf2q.bench.kv --shape 9b --formats bfloat16 fp8 tq8 --streams 1 64 --contexts 4096 32768 \
            --json "$out/kv.json" ;;
+  mtp)   # needs the test tokenizer carried: tar czf .cache/qwen35_tokenizer.tgz -C ~/.cache/hf2q-tests qwen35_tokenizer
+         tar xzf .cache/qwen35_tokenizer.tgz -C .cache
+         python -m pytest -q -p no:cacheprovider tests/spec/test_train_mtp.py -k cuda
+         python tools/train_mtp.py --tokenizer .cache/qwen35_tokenizer --out "$out/mtp" --size small --device cuda \
+           --steps 100000 --minutes 5 --outtype bf16 --outtype q8_0 --log-every 100
+         python tools/spec_eval.py --model "$out/mtp/model-bf16.gguf" --prompts "$out/mtp/heldout.json" --k 1,2,3 \
+           --max-tokens 128 -- --max-num-seqs 4 > "$out/spec_bf16.json"
+         python tools/spec_eval.py --model "$out/mtp/model-q8_0.gguf" --prompts "$out/mtp/heldout.json" --k 3 \
+           --max-tokens 128 -- --max-num-seqs 4 > "$out/spec_q8.json"
+         bench --shape 9b --batch 1 4 16 --spec-accept 0 1 2 3 --spec-k 3
+         bench --shape 9b --quant q4_k_m --batch 1 4 16 --spec-accept 0 1 2 3 --spec-k 3 ;;
+  prefix) model=${MODEL_DIR:-/tmp}/hf2q-9b-q4_k_m.gguf; port=8090
+         [ -f "$model" ] || python tools/random_gguf.py --shape 9b --mix q4_k_m -o "$model"
+         for cache in "" --no-prefix-cache; do  # a follow-up turn over an 8,000-token shared history: hit, then cold
+           python -m hf2q.cli serve --model "$model" --port $port --max-model-len 16384 $cache \
+             > "$out/serve_prefix$cache.log" 2>&1 &
+           pid=$!
+           until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do
+             kill -0 $pid 2> /dev/null || { tail -30 "$out/serve_prefix$cache.log"; exit 1; }; sleep 0.5; done
+           python -m hf2q.cli bench serve --url "http://127.0.0.1:$port" --no-progress --endpoint chat --multi-turn 2 \
+             --shared-prefix-tokens 8000 --prompt-tokens 32 --max-tokens 16 --clients 1
+           kill -INT $pid; wait $pid
+         done ;;
   sweeps) python -m hf2q.bench.attention --shape 35b-a3b 9b 2b --context 512 4096
          python -m hf2q.bench.gdn --shape 9b 35b-a3b --int8-for Q4_K
          python -m hf2q.bench.gemv --moe --shape 35b-a3b ;;
