@@ -322,7 +322,7 @@ def test_fused_conv_gdn_decode_writes_int8_rows(env, qtype):
     """With int8_for, the folded step's second kernel also writes its output's int8 rows (in the row's
     order, or BLOCKED for a K-quant output projection), equal to quantizing the output afterwards: the
     quantized output projection then needs no quantizing launch of its own."""
-    from hf2q.kernels.quant import dp4a_triton as q8
+    from hf2q.kernels.quant import int8_rows as q8
     from hf2q.kernels.gdn.decode_triton import gdn_conv_decode_
 
     dev, dtype, real = env

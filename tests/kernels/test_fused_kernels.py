@@ -69,7 +69,7 @@ def _int8_readers(n):
 def _check_int8_groups(out, qtype):
     """The int8 rows a kernel wrote with its output `out`, for weights of `qtype`, are remembered for the
     mat-vec and equal quantizing `out` afterwards."""
-    from hf2q.kernels.quant import dp4a_triton as q8
+    from hf2q.kernels.quant import int8_rows as q8
 
     blocked = q8.blocked_for(qtype)
     assert q8._RECENT[0][0]() is out

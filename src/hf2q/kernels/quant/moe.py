@@ -40,7 +40,8 @@ def moe_expert_pairs_quant(x: torch.Tensor, experts: torch.Tensor, gate: tuple, 
         h = F.silu(_expert_linear_ref(xs, flat, *gate, inter)) * _expert_linear_ref(xs, flat, *up, inter)
         return _expert_linear_ref(h, flat, *down, hidden)
     if t * top_k <= MOE_PAIRS:
-        from hf2q.kernels.quant.dp4a_triton import blocked_for, matvec, quantize_rows
+        from hf2q.kernels.quant.dp4a_triton import matvec
+        from hf2q.kernels.quant.int8_rows import blocked_for, quantize_rows
 
         flat = flat.to(torch.int32)
         xs = quantize_rows(x, blocked=blocked_for(gate[1]))
