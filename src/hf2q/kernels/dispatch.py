@@ -15,7 +15,9 @@ import torch.nn.functional as F
 from hf2q import envs
 from hf2q.kernels.choose import fast_path, triton_runs, use_fast_path  # noqa: F401 (fast_path, use_fast_path: re-exported)
 from hf2q.kernels.conv.reference import causal_conv1d_varlen
-from hf2q.kernels.gdn.reference import gated_delta_rule_ref
+from hf2q.kernels.gdn.reference import gated_delta_rule_ref, l2_normalize
+from hf2q.kernels.moe import reference as moe_ref
+from hf2q.kernels.norm import reference as norm_ref
 from hf2q.kernels.norm.reference import rms_norm
 from hf2q.kernels.rotary.reference import apply_rotary
 
@@ -223,10 +225,7 @@ def conv_decode_(x: torch.Tensor, weight: torch.Tensor, state_pool: torch.Tensor
     if triton_runs(x) and weight.shape[1] == 4:
         from hf2q.kernels.conv.decode_triton import conv_decode_ as kernel
         return kernel(x, weight, state_pool, slots)
-    window = torch.cat((state_pool[slots].float(), x.float()[:, None]), dim=1)  # [B, K, C]
-    y = (window * weight.float().t()[None]).sum(1)
-    state_pool.index_copy_(0, slots, window[:, 1:].to(state_pool.dtype))
-    return F.silu(y)
+    return _conv_ref_(x, weight, state_pool, slots, [1] * x.shape[0])
 
 
 # ---- causal conv1d, many tokens per sequence ------------------------------------------------------
@@ -239,11 +238,16 @@ def conv_varlen_(x: torch.Tensor, weight: torch.Tensor, state_pool, slots, cu_se
             and (state_pool is None or state_pool.stride(2) == 1)):
         from hf2q.kernels.conv.varlen_triton import conv_varlen_ as kernel
         return kernel(x, weight, state_pool, slots, cu_seqlens)
+    return _conv_ref_(x, weight, state_pool, slots, seq_lens).to(x.dtype)
+
+
+def _conv_ref_(x, weight, state_pool, slots, seq_lens: list[int]) -> torch.Tensor:
+    """The reference conv of conv_decode_ and conv_varlen_: fp32 [T, C]; new states written to state_pool."""
     states = state_pool[slots] if state_pool is not None else None
     y, new = causal_conv1d_varlen(x, states, weight, seq_lens)
     if state_pool is not None:
         state_pool.index_copy_(0, slots, new.to(state_pool.dtype))
-    return y.to(x.dtype)
+    return y
 
 
 # ---- Gated DeltaNet, one token per sequence ---------------------------------------------------------
@@ -272,18 +276,15 @@ def gdn_decode_(qkv, a_raw, b_raw, A, dt_bias, z, norm_w, state_pool, slots, nk:
     rep = nv // nk
     q, k, v = torch.split(qkv.float(), [nk * dk, nk * dk, nv * dv], dim=-1)
     q, k = q.view(bsz, nk, dk), k.view(bsz, nk, dk)
-    q = (q * torch.rsqrt((q * q).sum(-1, keepdim=True) + eps) * dk ** -0.5).repeat(1, rep, 1)
-    k = (k * torch.rsqrt((k * k).sum(-1, keepdim=True) + eps)).repeat(1, rep, 1)
+    q = (l2_normalize(q, eps) * dk ** -0.5).repeat(1, rep, 1)
+    k = l2_normalize(k, eps).repeat(1, rep, 1)
     g = A.float() * F.softplus(a_raw.float() + dt_bias.float())
     beta = torch.sigmoid(b_raw.float())
     s = state_pool[slots].float() * g.exp()[..., None, None]
     delta = (v.view(bsz, nv, dv) - torch.einsum("bhkv,bhk->bhv", s, k)) * beta[..., None]
     s = s + k[..., :, None] * delta[..., None, :]
     state_pool.index_copy_(0, slots, s.to(state_pool.dtype))
-    o = torch.einsum("bhkv,bhk->bhv", s, q)
-    o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps) * norm_w.float()
-    o = o * F.silu(z.float().view(bsz, nv, dv))
-    return o.reshape(bsz, nv * dv).to(out_dtype)
+    return norm_ref.gated_rms_norm(torch.einsum("bhkv,bhk->bhv", s, q), z, norm_w, eps, out_dtype)
 
 
 # ---- Gated DeltaNet, many tokens per sequence -------------------------------------------------------
@@ -294,8 +295,8 @@ def chunk_gdn(q, k, v, g, beta, initial_state, cu_seqlens, seq_lens: list[int], 
         from hf2q.kernels.gdn.chunked_fla import chunk_gdn as kernel
         return kernel(q, k, v, g, beta, initial_state, cu_seqlens, scale)
     rep = v.shape[1] // q.shape[1]
-    qf = q.float() * torch.rsqrt(q.float().pow(2).sum(-1, keepdim=True) + eps) * scale
-    kf = k.float() * torch.rsqrt(k.float().pow(2).sum(-1, keepdim=True) + eps)
+    qf = l2_normalize(q.float(), eps) * scale
+    kf = l2_normalize(k.float(), eps)
     qf, kf = qf.repeat(1, rep, 1), kf.repeat(1, rep, 1)
     out, finals, row = torch.empty_like(v), [], 0
     for i, n in enumerate(seq_lens):
@@ -313,10 +314,7 @@ def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     if triton_runs(o) and o.stride(2) == 1 and z.stride(1) == 1:
         from hf2q.kernels.norm.gated_triton import gated_rms_norm as kernel
         return kernel(o, z, weight, eps, out_dtype)
-    of = o.float()
-    of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
-    of = of * F.silu(z.float().reshape(o.shape))
-    return of.to(out_dtype).reshape(o.shape[0], -1)
+    return norm_ref.gated_rms_norm(o, z, weight, eps, out_dtype)
 
 
 # ---- paged attention, one query per sequence --------------------------------------------------------
@@ -365,13 +363,7 @@ def moe_expert_pairs(x, experts, gate_exps, up_exps, down_exps):
         from hf2q.kernels.moe.grouped import grouped_mm_available, moe_expert_pairs_grouped
         if grouped_mm_available(x):
             return moe_expert_pairs_grouped(x, experts, gate_exps, up_exps, down_exps)
-    t, top_k = experts.shape
-    pairs = torch.empty(t * top_k, down_exps.shape[1], dtype=x.dtype, device=x.device)
-    for e in torch.unique(experts).tolist():
-        rows, slot = torch.where(experts == e)
-        h = F.silu(F.linear(x[rows], gate_exps[e])) * F.linear(x[rows], up_exps[e])
-        pairs[rows * top_k + slot] = F.linear(h, down_exps[e])
-    return pairs
+    return moe_ref.expert_pairs(x, experts, gate_exps, up_exps, down_exps)
 
 
 def moe_route(logits: torch.Tensor, top_k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -379,9 +371,7 @@ def moe_route(logits: torch.Tensor, top_k: int, dtype: torch.dtype) -> tuple[tor
     if triton_runs(logits) and logits.stride(-1) == 1:
         from hf2q.kernels.moe.route_triton import route
         return route(logits, top_k, dtype)
-    probs = torch.softmax(logits.float(), dim=-1)
-    weights, experts = torch.topk(probs, top_k, dim=-1)
-    return (weights / weights.sum(dim=-1, keepdim=True)).to(dtype), experts
+    return moe_ref.route(logits, top_k, dtype)
 
 
 def moe_combine(pairs: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None = None,
@@ -390,9 +380,7 @@ def moe_combine(pairs: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor
     if triton_runs(pairs) and pairs.is_contiguous() and (shared is None or shared.stride(-1) == 1):
         from hf2q.kernels.moe.route_triton import combine
         return combine(pairs, weights.contiguous(), shared, shared_gate)
-    t, top_k = weights.shape
-    out = (pairs.view(t, top_k, -1) * weights[..., None].to(pairs.dtype)).sum(1)
-    return out if shared is None else out + torch.sigmoid(shared_gate) * shared
+    return moe_ref.combine(pairs, weights, shared, shared_gate)
 
 
 def moe_down_combine(h_pairs: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, down_exps: torch.Tensor,

@@ -12,14 +12,12 @@ from torch import nn
 from hf2q.config import ModelConfig
 from hf2q.forward import ForwardBatch
 from hf2q.kernels import dispatch
-from hf2q.kernels.gdn.reference import causal_conv1d_ref, gated_delta_rule_ref
+from hf2q.kernels.conv.reference import causal_conv1d_varlen
+from hf2q.kernels.gdn.reference import gated_delta_rule_ref, l2_normalize
 from hf2q.kernels.meta import fast_meta
+from hf2q.kernels.norm.reference import gated_rms_norm
 from hf2q.kernels.quant.ops import int8_reader
 from hf2q.layers.linear import Linear
-
-
-def l2_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
 class GatedDeltaNet(nn.Module):
@@ -57,7 +55,7 @@ class GatedDeltaNet(nn.Module):
             else:
                 j = cache.linear_index(self.layer_id)
                 conv_state, rec_state = cache.conv_state[j][slot], cache.recurrent_state[j][slot]
-            conv_out, new_conv = causal_conv1d_ref(mixed[rows], conv_state, self.conv)
+            conv_out, new_conv = causal_conv1d_varlen(mixed[rows], conv_state[None], self.conv, [n])
             q, k, v = torch.split(conv_out, [self.nk * self.dk, self.nk * self.dk, self.nv * self.dv], dim=-1)
             q = l2_normalize(q.reshape(n, self.nk, self.dk).float(), self.eps) * self.dk ** -0.5
             k = l2_normalize(k.reshape(n, self.nk, self.dk).float(), self.eps)
@@ -69,13 +67,9 @@ class GatedDeltaNet(nn.Module):
             if i in keep:
                 keep[i](j, torch.cat((conv_state.to(mixed.dtype), mixed[rows])), states)
             if cache is not None:
-                cache.conv_state[j][slot].copy_(new_conv)
+                cache.conv_state[j][slot].copy_(new_conv[0])
                 cache.recurrent_state[j][slot].copy_(new_state)
-        # Gated RMSNorm per head: norm(o) * w * silu(z)
-        of = core.float()
-        of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm.float()
-        of = of * F.silu(z.float())
-        return self.out(of.to(x.dtype).reshape(x.shape[0], -1))
+        return self.out(gated_rms_norm(core, z, self.norm, self.eps, x.dtype))
 
     def _forward_fast(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Every sequence at once: fused Triton step for decode, fla's chunked kernel otherwise."""

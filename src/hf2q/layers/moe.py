@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from hf2q.kernels.moe import reference as moe_ref
 from hf2q.layers.linear import Linear
 from hf2q.layers.mlp import MLP
 
@@ -64,10 +64,7 @@ class MoE(nn.Module):
         return dequantize(*self.quant_stack(name), self.stack_shape(name), dtype)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        probs = torch.softmax(self.router(x).float(), dim=-1)
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(x.dtype), experts
+        return moe_ref.route(self.router(x), self.top_k, x.dtype)
 
     def experts_quant(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Σ_k weights · expert_k(x) straight from the quantized stacks (requires `quantized`)."""
@@ -90,11 +87,5 @@ class MoE(nn.Module):
         weights, experts = self.route(x)
         if self.quantized:
             return self.add_shared(x, self.experts_quant(x, weights, experts))
-        gate, up, down = (self.dense_stack(n, x.dtype) for n in EXPERT_STACKS)
-        out = torch.zeros_like(x)
-        for e in torch.unique(experts).tolist():
-            rows, slot = torch.where(experts == e)
-            h = x[rows]
-            y = F.linear(F.silu(F.linear(h, gate[e])) * F.linear(h, up[e]), down[e])
-            out.index_add_(0, rows, y * weights[rows, slot, None])
-        return self.add_shared(x, out)
+        stacks = (self.dense_stack(n, x.dtype) for n in EXPERT_STACKS)
+        return self.add_shared(x, moe_ref.combine(moe_ref.expert_pairs(x, experts, *stacks), weights))
