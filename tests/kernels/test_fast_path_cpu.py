@@ -11,7 +11,7 @@ from hf2q.cache.hybrid import HybridCache
 from hf2q.config import CacheConfig
 from hf2q.forward import ForwardBatch
 from hf2q.kernels.conv.reference import causal_conv1d_varlen
-from hf2q.kernels.dispatch import fast_path
+from hf2q.kernels.choose import fast_path
 
 
 def rel(a, b) -> float:
@@ -82,7 +82,7 @@ def test_varlen_conv_matches_torch_conv1d():
 
 
 def test_grouped_gemm_moe_matches_expert_loop():
-    from hf2q.kernels.dispatch import moe_combine
+    from hf2q.kernels.moe.ops import moe_combine
     from hf2q.kernels.moe.grouped import moe_expert_pairs_grouped
     torch.manual_seed(4)
     net = random_model(tiny_config(True), device="cpu", dtype=torch.bfloat16, std=0.08, seed=4)

@@ -265,9 +265,9 @@ def test_matvec_two_stacks_one_launch(qtype):
 @pytest.mark.parametrize("types", [("Q5_K", "Q4_K"), ("Q4_K", "Q6_K"), ("Q8_0", "Q4_0")])
 def test_two_types_one_launch(types, monkeypatch):
     """Projections of one input kept in two types (a DeltaNet's Q5_K qkv and Q4_K z/a/b) come from one
-    mat-vec launch through dispatch.packed_linear, each part exact against its own weight; types that read
+    mat-vec launch through linear_ops.packed_linear, each part exact against its own weight; types that read
     activations in different orders stay two launches."""
-    from hf2q.kernels import dispatch
+    from hf2q.kernels.linear import ops as linear_ops
     from hf2q.kernels.quant import dp4a_triton as quant_dp4a_triton, int8_rows
     from hf2q.layers.linear import Linear
 
@@ -285,7 +285,7 @@ def test_two_types_one_launch(types, monkeypatch):
             linears.append(lin)
             dense.append(dequantize_ref(raw, qtype, (n, k)))
         launches.clear()
-        outs = dispatch.packed_linear(x.to(DEV), linears)
+        outs = linear_ops.packed_linear(x.to(DEV), linears)
         for got, w in zip(outs, dense):
             assert rel(got, x.double() @ w.double().T) < 1e-5
         one = int8_rows.blocked_for(mixed[0]) == int8_rows.blocked_for(mixed[1])
@@ -318,7 +318,7 @@ def test_moe_experts_quant(qtype, monkeypatch):
             e = experts[i, j]
             h = torch.nn.functional.silu(dense[0][e] @ x[i]) * (dense[1][e] @ x[i])
             want[i] += weights[i, j] * (dense[2][e] @ h)
-    from hf2q.kernels.dispatch import moe_combine
+    from hf2q.kernels.moe.ops import moe_combine
 
     got = moe_combine(quant_moe.moe_expert_pairs_quant(x.to(DEV), experts.to(DEV), *stacks), weights.to(DEV))
     assert rel(got, want) < INT8_TOL

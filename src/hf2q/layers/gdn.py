@@ -11,10 +11,14 @@ from torch import nn
 
 from hf2q.config import ModelConfig
 from hf2q.forward import ForwardBatch
-from hf2q.kernels import dispatch
+from hf2q.kernels import choose
+from hf2q.kernels.conv import ops as conv_ops
 from hf2q.kernels.conv.reference import causal_conv1d_varlen
+from hf2q.kernels.gdn import ops as gdn_ops
 from hf2q.kernels.gdn.reference import gated_delta_rule_ref, l2_normalize
+from hf2q.kernels.linear import ops as linear_ops
 from hf2q.kernels.meta import fast_meta
+from hf2q.kernels.norm import ops as norm_ops
 from hf2q.kernels.norm.reference import gated_rms_norm
 from hf2q.kernels.quant.ops import int8_reader
 from hf2q.layers.linear import Linear
@@ -39,7 +43,7 @@ class GatedDeltaNet(nn.Module):
         self.out = Linear(self.nv * self.dv, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        if dispatch.use_fast_path(x):
+        if choose.use_fast_path(x):
             return self._forward_fast(x, batch)
         mixed = self.qkv(x)  # [T, C]
         z = self.z(x).view(-1, self.nv, self.dv)
@@ -74,10 +78,10 @@ class GatedDeltaNet(nn.Module):
     def _forward_fast(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Every sequence at once: fused Triton step for decode, fla's chunked kernel otherwise."""
         meta, cache = fast_meta(batch), batch.cache
-        mixed, z, alpha, beta_raw = dispatch.packed_linear(x, (self.qkv, self.z, self.alpha, self.beta))
+        mixed, z, alpha, beta_raw = linear_ops.packed_linear(x, (self.qkv, self.z, self.alpha, self.beta))
         j = cache.linear_index(self.layer_id) if cache is not None else None
         if meta.decode and cache is not None:
-            core = dispatch.gdn_conv_decode_(mixed, self.conv, cache.conv_state[j], alpha, beta_raw, self.a,
+            core = gdn_ops.gdn_conv_decode_(mixed, self.conv, cache.conv_state[j], alpha, beta_raw, self.a,
                                              self.dt_bias, z, self.norm, cache.recurrent_state[j], meta.slots,
                                              self.nk, self.dk, self.eps, x.dtype, int8_reader(x, self.out.qtype))
             return self.out(core)
@@ -85,7 +89,7 @@ class GatedDeltaNet(nn.Module):
         conv_pool, slots = (cache.conv_state[j], meta.slots) if cache is not None else (None, None)
         keep = batch.extras.get("position_states", {}) if cache is not None else {}
         conv_before = {i: conv_pool[batch.slots[i]].clone() for i in keep}  # the conv writes over them
-        conv_out = dispatch.conv_varlen_(mixed, self.conv, conv_pool, slots, meta.cu_seqlens, meta.seq_lens)
+        conv_out = conv_ops.conv_varlen_(mixed, self.conv, conv_pool, slots, meta.cu_seqlens, meta.seq_lens)
         if cache is not None:
             rec = cache.recurrent_state[j][meta.slots].float()
         else:
@@ -93,13 +97,13 @@ class GatedDeltaNet(nn.Module):
         q, k, v = torch.split(conv_out, [self.nk * self.dk, self.nk * self.dk, self.nv * self.dv], dim=-1)
         t = x.shape[0]
         g = self.a.float() * F.softplus(alpha.float() + self.dt_bias.float())
-        o, final = dispatch.chunk_gdn(q.view(t, self.nk, self.dk), k.view(t, self.nk, self.dk),
+        o, final = gdn_ops.chunk_gdn(q.view(t, self.nk, self.dk), k.view(t, self.nk, self.dk),
                                       v.view(t, self.nv, self.dv), g, torch.sigmoid(beta_raw.float()), rec,
                                       meta.cu_seqlens, meta.seq_lens, self.dk ** -0.5, self.eps)
         if cache is not None:
             cache.recurrent_state[j].index_copy_(0, meta.slots, final.to(cache.recurrent_state[j].dtype))
         self._keep_states(batch, keep, j, conv_before, mixed, q, k, v, g, beta_raw, rec)
-        return self.out(dispatch.gated_rms_norm(o, z, self.norm, self.eps, x.dtype))
+        return self.out(norm_ops.gated_rms_norm(o, z, self.norm, self.eps, x.dtype))
 
     def _keep_states(self, batch, keep, j, conv_before, mixed, q, k, v, g, beta_raw, rec) -> None:
         """Hand each verifying sequence its per-position states; sequences of one length step together."""

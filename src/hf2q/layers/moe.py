@@ -68,7 +68,7 @@ class MoE(nn.Module):
 
     def experts_quant(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Σ_k weights · expert_k(x) straight from the quantized stacks (requires `quantized`)."""
-        from hf2q.kernels.dispatch import moe_combine
+        from hf2q.kernels.moe.ops import moe_combine
 
         return moe_combine(self.expert_pairs_quant(x, experts), weights)
 
