@@ -4,7 +4,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hf2q.kernels import choose
+from hf2q.kernels.linear import ops as linear_ops
+from hf2q.kernels.moe import ops as moe_ops
 from hf2q.kernels.moe import reference as moe_ref
+from hf2q.kernels.quant.ops import int8_reader
 from hf2q.layers.linear import Linear
 from hf2q.layers.mlp import MLP
 
@@ -68,9 +72,7 @@ class MoE(nn.Module):
 
     def experts_quant(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Σ_k weights · expert_k(x) straight from the quantized stacks (requires `quantized`)."""
-        from hf2q.kernels.moe.ops import moe_combine
-
-        return moe_combine(self.expert_pairs_quant(x, experts), weights)
+        return moe_ops.moe_combine(self.expert_pairs_quant(x, experts), weights)
 
     def expert_pairs_quant(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """expert_k(x) of every token-expert pair [T·k, H] from the quantized stacks."""
@@ -84,8 +86,38 @@ class MoE(nn.Module):
         return y + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if choose.use_fast_path(x) and (self.quantized or not self.exps_qtype):
+            return self._forward_fused(x)
         weights, experts = self.route(x)
         if self.quantized:
             return self.add_shared(x, self.experts_quant(x, weights, experts))
         stacks = (self.dense_stack(n, x.dtype) for n in EXPERT_STACKS)
         return self.add_shared(x, moe_ref.combine(moe_ref.expert_pairs(x, experts, *stacks), weights))
+
+    def _forward_fused(self, x: torch.Tensor) -> torch.Tensor:
+        """The fast path: router, shared-expert gate and shared gate+up in one packed GEMM, routing and the
+        combine in one kernel each, experts as grouped GEMMs, through the expert GEMV or straight from their
+        quantized blocks (no per-expert loop, no host sync)."""
+        shared = self.shared
+        if shared is None:
+            outs = linear_ops.packed_linear(x, (self.router,))
+        else:  # router, shared-expert gate and the shared expert's SwiGLU
+            outs = linear_ops.packed_swiglu(x, (self.router, self.shared_gate, shared.gate, shared.up),
+                                            int8_reader(x, shared.down.qtype))
+        weights, experts = moe_ops.moe_route(outs[0], self.top_k, x.dtype)
+        if (not self.quantized and (shared is None or not shared.down.quantized)
+                and moe_ops.moe_pairs_by_gemv(x, experts, self.gate_exps, self.up_exps, self.down_exps)):
+            # Few pairs, dense shared down: the pairs' down projections, the shared down and the combine
+            # can be one launch.
+            act = moe_ops.moe_pairs_swiglu(x, experts, self.gate_exps, self.up_exps)
+            if shared is None:
+                return moe_ops.moe_down_combine(act, experts, weights, self.down_exps)
+            return moe_ops.moe_down_combine(act, experts, weights, self.down_exps, outs[2], shared.down.weight,
+                                            outs[1])
+        if self.quantized:
+            pairs = self.expert_pairs_quant(x, experts)
+        else:
+            pairs = moe_ops.moe_expert_pairs(x, experts, self.gate_exps, self.up_exps, self.down_exps)
+        if shared is None:
+            return moe_ops.moe_combine(pairs, weights)
+        return moe_ops.moe_combine(pairs, weights, shared.down(outs[2]), outs[1])
