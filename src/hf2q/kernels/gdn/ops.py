@@ -40,11 +40,12 @@ def gdn_decode_(qkv, a_raw, b_raw, A, dt_bias, z, norm_w, state_pool, slots, nk:
     k = l2_normalize(k, eps).repeat(1, rep, 1)
     g = A.float() * F.softplus(a_raw.float() + dt_bias.float())
     beta = torch.sigmoid(b_raw.float())
-    s = state_pool[slots].float() * g.exp()[..., None, None]
-    delta = (v.view(bsz, nv, dv) - torch.einsum("bhkv,bhk->bhv", s, k)) * beta[..., None]
-    s = s + k[..., :, None] * delta[..., None, :]
-    state_pool.index_copy_(0, slots, s.to(state_pool.dtype))
-    return norm_ref.gated_rms_norm(torch.einsum("bhkv,bhk->bhv", s, q), z, norm_w, eps, out_dtype)
+    heads = bsz * nv  # one token per sequence: the sequences ride the reference's head axis
+    state = state_pool[slots].reshape(heads, dk, dv)
+    o, s, _ = gated_delta_rule_ref(q.reshape(1, heads, dk), k.reshape(1, heads, dk), v.reshape(1, heads, dv),
+                                   g.reshape(1, heads), beta.reshape(1, heads), state)
+    state_pool.index_copy_(0, slots, s.view(bsz, nv, dk, dv).to(state_pool.dtype))
+    return norm_ref.gated_rms_norm(o.view(bsz, nv, dv), z, norm_w, eps, out_dtype)
 
 
 def chunk_gdn(q, k, v, g, beta, initial_state, cu_seqlens, seq_lens: list[int], scale: float, eps: float):
