@@ -4,7 +4,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hf2q.kernels import choose
 from hf2q.kernels.linear import ops as linear_ops
 from hf2q.kernels.moe import ops as moe_ops
 from hf2q.kernels.moe import reference as moe_ref
@@ -70,34 +69,17 @@ class MoE(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return moe_ref.route(self.router(x), self.top_k, x.dtype)
 
-    def experts_quant(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """Σ_k weights · expert_k(x) straight from the quantized stacks (requires `quantized`)."""
-        return moe_ops.moe_combine(self.expert_pairs_quant(x, experts), weights)
-
     def expert_pairs_quant(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """expert_k(x) of every token-expert pair [T·k, H] from the quantized stacks."""
         from hf2q.kernels.quant.moe import moe_expert_pairs_quant
 
         return moe_expert_pairs_quant(x, experts, *(self.quant_stack(n) for n in EXPERT_STACKS))
 
-    def add_shared(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        if self.shared is None:
-            return y
-        return y + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if choose.use_fast_path(x) and (self.quantized or not self.exps_qtype):
-            return self._forward_fused(x)
-        weights, experts = self.route(x)
-        if self.quantized:
-            return self.add_shared(x, self.experts_quant(x, weights, experts))
-        stacks = (self.dense_stack(n, x.dtype) for n in EXPERT_STACKS)
-        return self.add_shared(x, moe_ref.combine(moe_ref.expert_pairs(x, experts, *stacks), weights))
-
-    def _forward_fused(self, x: torch.Tensor) -> torch.Tensor:
-        """The fast path: router, shared-expert gate and shared gate+up in one packed GEMM, routing and the
-        combine in one kernel each, experts as grouped GEMMs, through the expert GEMV or straight from their
-        quantized blocks (no per-expert loop, no host sync)."""
+        """Router, shared-expert gate and shared gate+up in one packed GEMM, then routing, every token-expert
+        pair's expert (straight from quantized blocks, through the expert GEMV for few pairs, grouped GEMMs
+        for many, else the reference loop) and the weighted combine with the gated shared expert; each step's
+        chooser runs its kernel or its exact reference (kernels/moe/ops.py)."""
         shared = self.shared
         if shared is None:
             outs = linear_ops.packed_linear(x, (self.router,))
@@ -105,19 +87,18 @@ class MoE(nn.Module):
             outs = linear_ops.packed_swiglu(x, (self.router, self.shared_gate, shared.gate, shared.up),
                                             int8_reader(x, shared.down.qtype))
         weights, experts = moe_ops.moe_route(outs[0], self.top_k, x.dtype)
-        if (not self.quantized and (shared is None or not shared.down.quantized)
-                and moe_ops.moe_pairs_by_gemv(x, experts, self.gate_exps, self.up_exps, self.down_exps)):
-            # Few pairs, dense shared down: the pairs' down projections, the shared down and the combine
-            # can be one launch.
-            act = moe_ops.moe_pairs_swiglu(x, experts, self.gate_exps, self.up_exps)
-            if shared is None:
-                return moe_ops.moe_down_combine(act, experts, weights, self.down_exps)
-            return moe_ops.moe_down_combine(act, experts, weights, self.down_exps, outs[2], shared.down.weight,
-                                            outs[1])
         if self.quantized:
             pairs = self.expert_pairs_quant(x, experts)
-        else:
-            pairs = moe_ops.moe_expert_pairs(x, experts, self.gate_exps, self.up_exps, self.down_exps)
+        else:  # a stack kept as blocks next to dense ones is dequantized (slow, but exact)
+            gate, up, down = (self.dense_stack(n, x.dtype) for n in EXPERT_STACKS)
+            if (shared is None or not shared.down.quantized) and moe_ops.moe_pairs_by_gemv(x, experts, gate, up, down):
+                # Few pairs, dense shared down: the pairs' down projections, the shared down and the combine
+                # can be one launch.
+                act = moe_ops.moe_pairs_swiglu(x, experts, gate, up)
+                if shared is None:
+                    return moe_ops.moe_down_combine(act, experts, weights, down)
+                return moe_ops.moe_down_combine(act, experts, weights, down, outs[2], shared.down.weight, outs[1])
+            pairs = moe_ops.moe_expert_pairs(x, experts, gate, up, down)
         if shared is None:
             return moe_ops.moe_combine(pairs, weights)
         return moe_ops.moe_combine(pairs, weights, shared.down(outs[2]), outs[1])
