@@ -126,7 +126,7 @@ def test_qk_norm_rope_and_kv_write(env, with_pool):
     ref_pools = (torch.zeros(rows, nkv, hd), torch.zeros(rows, nkv, hd), mapping.cpu()) if with_pool else None
     with torch_only():
         ref_q, ref_k = rotary_ops.qk_norm_rope(q.cpu().float(), kk.cpu().float(), v.cpu().float(), qw.cpu(), kw.cpu(),
-                                             cos.cpu(), sin.cpu(), 1e-6, rd, ref_pools)
+                                               cos.cpu(), sin.cpu(), 1e-6, rd, ref_pools)
     assert rel(q_out, ref_q) <= tol and rel(k_out, ref_k) <= tol
     if with_pool:
         assert rel(pools[0], ref_pools[0]) <= tol and torch.equal(pools[1].cpu().float(), ref_pools[1])
@@ -149,8 +149,9 @@ def test_paged_attention_with_output_gate(env, gated, one):
     out = k["paged_attention_triton"].paged_decode_attention(q, rows_k, rows_v, tables.to(dev), lens.to(dev), bs,
                                                              hd ** -0.5, gate=gate)
     with torch_only():
-        ref = attention_ops.paged_decode_attention(q.cpu().float(), rows_k.cpu().float(), rows_v.cpu().float(), tables,
-                                              lens, bs, hd ** -0.5, gate=None if gate is None else gate.cpu().float())
+        ref = attention_ops.paged_decode_attention(q.cpu().float(), rows_k.cpu().float(), rows_v.cpu().float(),
+                                                   tables, lens, bs, hd ** -0.5,
+                                                   gate=None if gate is None else gate.cpu().float())
     assert rel(out, ref) <= max(tol, 2e-5)
 
 
@@ -181,7 +182,7 @@ def test_moe_combine(env, shared):
     got = k["moe_triton"].combine(pairs, weights, out, gate)
     with torch_only():
         want = moe_ops.moe_combine(pairs.cpu().float(), weights.cpu().float(), out.cpu().float() if shared else None,
-                                    gate.cpu().float() if shared else None)
+                                   gate.cpu().float() if shared else None)
     assert got.dtype == dtype and rel(got, want) < tol
 
 

@@ -83,7 +83,7 @@ def test_triton_kernels_match_torch_versions():
     st_cpu = st.cpu()
     o = gdn_decode_triton.gdn_decode_(qkv, a, bb, A, dtb, z, nw, st, slots, nk, dk, 1e-6, torch.float32)
     o_ref = gdn_ops.gdn_decode_(qkv.cpu(), a.cpu(), bb.cpu(), A.cpu(), dtb.cpu(), z.cpu(), nw.cpu(), st_cpu,
-                                 slots.cpu(), nk, dk, 1e-6, torch.float32)
+                                slots.cpu(), nk, dk, 1e-6, torch.float32)
     assert rel(o.cpu(), o_ref) <= 1e-4 and rel(st.cpu(), st_cpu) <= 1e-5
     nh, nkv, hd, bs = 16, 4, 256, 16
     rows = torch.randn(64 * bs, nkv, hd, device="cuda", dtype=torch.bfloat16)
@@ -93,7 +93,7 @@ def test_triton_kernels_match_torch_versions():
     q = torch.randn(b, nh, hd, device="cuda", dtype=torch.bfloat16)
     out = paged_attention_triton.paged_decode_attention(q, rows, vals, tables, lens, bs, hd ** -0.5)
     ref = attention_ops.paged_decode_attention(q.cpu().float(), rows.cpu().float(), vals.cpu().float(), tables.cpu(),
-                                          lens.cpu(), bs, hd ** -0.5)
+                                               lens.cpu(), bs, hd ** -0.5)
     assert rel(out.cpu(), ref) <= 2e-2
 
 

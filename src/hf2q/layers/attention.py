@@ -81,10 +81,10 @@ class GatedAttention(nn.Module):
             k_rows, v_rows = cache.kv.rows(i)
             pools = (k_rows, v_rows, meta.slot_mapping)
         q, k = rotary_ops.qk_norm_rope(qg[..., : self.hd], k_lin.reshape(t, self.nkv, self.hd), v, self.q_norm,
-                                     self.k_norm, cos, sin, self.eps, self.rotary.rotary_dim, pools)
+                                       self.k_norm, cos, sin, self.eps, self.rotary.rotary_dim, pools)
         if cache is not None and meta.decode:
             out = attention_ops.paged_decode_attention(q, k_rows, v_rows, meta.block_tables, meta.context_lens,
-                                                  meta.block_size, self.hd ** -0.5, gate=gate)
+                                                       meta.block_size, self.hd ** -0.5, gate=gate)
             return self.o(out.reshape(t, -1))
         out = torch.empty_like(q)
         row = 0

@@ -48,8 +48,8 @@ class GatedDeltaNet(nn.Module):
         j = cache.linear_index(self.layer_id) if cache is not None else None
         if meta.decode and cache is not None:
             core = gdn_ops.gdn_conv_decode_(mixed, self.conv, cache.conv_state[j], alpha, beta_raw, self.a,
-                                             self.dt_bias, z, self.norm, cache.recurrent_state[j], meta.slots,
-                                             self.nk, self.dk, self.eps, x.dtype, int8_reader(x, self.out.qtype))
+                                            self.dt_bias, z, self.norm, cache.recurrent_state[j], meta.slots,
+                                            self.nk, self.dk, self.eps, x.dtype, int8_reader(x, self.out.qtype))
             return self.out(core)
         n = len(meta.seq_lens)
         conv_pool, slots = (cache.conv_state[j], meta.slots) if cache is not None else (None, None)
@@ -64,8 +64,8 @@ class GatedDeltaNet(nn.Module):
         t = x.shape[0]
         g = self.a.float() * F.softplus(alpha.float() + self.dt_bias.float())
         o, final = gdn_ops.chunk_gdn(q.view(t, self.nk, self.dk), k.view(t, self.nk, self.dk),
-                                      v.view(t, self.nv, self.dv), g, torch.sigmoid(beta_raw.float()), rec,
-                                      meta.cu_seqlens, meta.seq_lens, self.dk ** -0.5, self.eps)
+                                     v.view(t, self.nv, self.dv), g, torch.sigmoid(beta_raw.float()), rec,
+                                     meta.cu_seqlens, meta.seq_lens, self.dk ** -0.5, self.eps)
         if cache is not None:
             cache.recurrent_state[j].index_copy_(0, meta.slots, final.to(cache.recurrent_state[j].dtype))
         self._keep_states(batch, keep, j, conv_before, mixed, q, k, v, g, beta_raw, rec)

@@ -249,8 +249,8 @@ def _q8_q4(w16, xq32, act, x_g16, m_ok, row_h, row_ok, u0, n_units, QTYPE: tl.co
 
 @triton.jit
 def row_products(w16, w32, xq_ptr, act_ptr, x_g16, m_ok, row_base, row_ok, n_units, QTYPE: tl.constexpr,
-                  BM: tl.constexpr, BN: tl.constexpr, SB: tl.constexpr, STAGES: tl.constexpr, EVEN: tl.constexpr,
-                  EMULATE: tl.constexpr):
+                 BM: tl.constexpr, BN: tl.constexpr, SB: tl.constexpr, STAGES: tl.constexpr, EVEN: tl.constexpr,
+                 EMULATE: tl.constexpr):
     """The blocks of BN weight rows (of type QTYPE, from row_base) times BM activation rows, walked SB
     blocks a step: parts [BM, BN, PARTS] summed elementwise, reduced by the caller."""
     PARTS: tl.constexpr = SB * 2 if QTYPE <= 1 else SB

@@ -80,15 +80,15 @@ def _gemv_dp4a_kernel(xq_ptr, act_ptr, w16, w32, w16b, w32b, out_ptr, expert_ptr
             w16, w32, rows, row_units = w16b, w32b, cols - n_first, row_units_b
         row_base = rows.to(tl.int64) * row_units + expert_base
         acc = row_products(w16, w32, xq_ptr, act_ptr, x_g16, m_ok, row_base, row_ok, n_units, QTYPE, BM, BN, SB,
-                            STAGES, EVEN, EMULATE)
+                           STAGES, EVEN, EMULATE)
     elif second:
         row_base = (cols - n_first).to(tl.int64) * row_units_b + expert_base
         acc = row_products(w16b, w32b, xq_ptr, act_ptr, x_g16, m_ok, row_base, row_ok, n_units, QTYPE_B, BM, BN,
-                            SB, STAGES, EVEN, EMULATE)
+                           SB, STAGES, EVEN, EMULATE)
     else:
         row_base = cols.to(tl.int64) * row_units + expert_base
         acc = row_products(w16, w32, xq_ptr, act_ptr, x_g16, m_ok, row_base, row_ok, n_units, QTYPE, BM, BN, SB,
-                            STAGES, EVEN, EMULATE)
+                           STAGES, EVEN, EMULATE)
     pdl.release_next(PDL)
     out = out_ptr + ms.to(tl.int64)[:, None] * out_stride + cols[None, :]
     tl.store(out, tl.sum(acc, axis=2).to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & row_ok[None, :])

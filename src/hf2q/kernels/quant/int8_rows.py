@@ -130,7 +130,7 @@ def quantize_rows(x: torch.Tensor, key: torch.Tensor | None = None, blocked: boo
         raise ValueError(f"BLOCKED int8 rows need a multiple of 256 values, not {k}")
     xq, act = int8_buffers(m, k, x.device)
     _quantize_kernel[(m, triton.cdiv(groups, 16))](xc, xq, act, groups, xc.stride(0), GROUPS=16, BLOCKED=blocked,
-                                                     **pdl.launch_options(x.device))
+                                                   **pdl.launch_options(x.device))
     out = Int8Rows(xq.view(torch.int32), act, blocked)
     _RECENT.appendleft((weakref.ref(key), _stamp(key), out))
     return out

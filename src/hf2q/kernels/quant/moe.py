@@ -52,8 +52,8 @@ def moe_expert_pairs_quant(x: torch.Tensor, experts: torch.Tensor, gate: tuple, 
             h = activation_ops.silu_mul(gu[:, :inter], gu[:, inter:], int8_for=down[1])
         else:
             h = activation_ops.silu_mul(matvec(xs, *gate, inter, flat, out_dtype=x.dtype, rows_per_x=top_k),
-                                  matvec(quantize_rows(x, blocked=blocked_for(up[1])), *up, inter, flat,
-                                         out_dtype=x.dtype, rows_per_x=top_k), int8_for=down[1])
+                                        matvec(quantize_rows(x, blocked=blocked_for(up[1])), *up, inter, flat,
+                                               out_dtype=x.dtype, rows_per_x=top_k), int8_for=down[1])
         return matvec(quantize_rows(h, blocked=blocked_for(down[1])), *down, hidden, flat, out_dtype=x.dtype)
     stacks = []
     for slot, (raw, qtype), shape in (("gate_exps", gate, (n_exp, inter, hidden)), ("up_exps", up, (n_exp, inter, hidden)),
