@@ -139,17 +139,11 @@ def test_kernels_import_nothing_above_them():
 
 
 MAX_LINES = 500
-# Files still over MAX_LINES, each held to its present length until it is split (quant/dp4a_triton.py: the
-# int8 activation rows and the configuration timing are to become modules of their own).
-OVER_MAX = {"kernels/quant/dp4a_triton.py": 691}
 
 
 def test_no_source_file_over_max_lines():
-    """Every file of src/hf2q fits in MAX_LINES lines, except those listed in OVER_MAX, which may not grow and
-    leave the list once they fit."""
+    """Every file of src/hf2q fits in MAX_LINES lines."""
     lengths = {path.relative_to(PACKAGE).as_posix(): len(path.read_text().splitlines())
                for path in _modules().values()}
-    too_long = {name: n for name, n in lengths.items() if n > OVER_MAX.get(name, MAX_LINES)}
+    too_long = {name: n for name, n in lengths.items() if n > MAX_LINES}
     assert not too_long, f"over {MAX_LINES} lines: {too_long}"
-    fitting = [name for name in OVER_MAX if lengths.get(name, 0) <= MAX_LINES]
-    assert not fitting, f"remove from OVER_MAX, they fit now: {fitting}"

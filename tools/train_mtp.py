@@ -11,7 +11,7 @@ Held out (never trained on): every file or topic whose name's CRC-32 falls in bu
 The network is hf2q's own (`Qwen35Model`, `MTPHead`), so training and inference run the same layers. The MTP
 loss is the standard one (DeepSeek-V3, Qwen3-Next): row t reads the trunk's hidden at t and the embedding of
 token t + 1 and predicts token t + 2, exactly as `Qwen35Model.mtp_logits` runs the head. The DeltaNet layers
-go through `dispatch.chunk_gdn` (fla's chunked kernel on CUDA, which has a backward; the reference on CPU).
+go through `gdn_ops.chunk_gdn` (fla's chunked kernel on CUDA, which has a backward; the reference on CPU).
 The result is saved in the HF layout (config.json + safetensors, MTP tensors under `mtp.*` as Qwen3.5
 checkpoints name them) and converted with `hf2q convert`'s `convert`. Needs only torch on the device
 (plus tokenizers, safetensors, gguf for the data and the files).
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from hf2q.config import ModelConfig
 from hf2q.forward import ForwardBatch
-from hf2q.kernels import dispatch
+from hf2q.kernels.gdn import ops as gdn_ops
 from hf2q.kernels.choose import fast_path
 from hf2q.models.qwen35 import DecoderLayer, Qwen35Model
 from hf2q.models.qwen35_mtp import MTPHead
@@ -174,7 +174,7 @@ def build_model(cfg: ModelConfig, seed: int, std: float = 0.02) -> Qwen35Model:
 
 def deltanet_forward(m, x: torch.Tensor, seqs: int, seq_len: int) -> torch.Tensor:
     """`GatedDeltaNet.forward` of `seqs` fresh sequences of `seq_len` tokens, through differentiable kernels:
-    the causal conv as a grouped conv1d, the delta rule through `dispatch.chunk_gdn`."""
+    the causal conv as a grouped conv1d, the delta rule through `gdn_ops.chunk_gdn`."""
     t, channels = x.shape[0], m.conv.shape[0]
     mixed = m.qkv(x)
     conv = F.conv1d(mixed.view(seqs, seq_len, channels).transpose(1, 2), m.conv.to(mixed.dtype).unsqueeze(1),
@@ -184,7 +184,7 @@ def deltanet_forward(m, x: torch.Tensor, seqs: int, seq_len: int) -> torch.Tenso
     g = m.a.float() * F.softplus(m.alpha(x).float() + m.dt_bias.float())
     cu = torch.arange(0, t + 1, seq_len, device=x.device)
     state = x.new_zeros(seqs, m.nv, m.dk, m.dv, dtype=torch.float32)
-    o, _ = dispatch.chunk_gdn(q.reshape(t, m.nk, m.dk), k.reshape(t, m.nk, m.dk), v.reshape(t, m.nv, m.dv), g,
+    o, _ = gdn_ops.chunk_gdn(q.reshape(t, m.nk, m.dk), k.reshape(t, m.nk, m.dk), v.reshape(t, m.nv, m.dv), g,
                               torch.sigmoid(m.beta(x).float()), state, cu, [seq_len] * seqs, m.dk ** -0.5, m.eps)
     of = o.float()
     of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + m.eps) * m.norm.float()
@@ -207,7 +207,8 @@ def trunk_forward(net: Qwen35Model, ids: torch.Tensor) -> torch.Tensor:
     cos, sin = net.rotary.cos_sin(batch.positions)
     for layer in net.layers:
         if layer.is_full_attention:
-            x = layer(x, batch, cos, sin)
+            x, ffn_out = layer(x, None, batch, cos, sin)
+            x = x + ffn_out
         else:
             x = x + deltanet_forward(layer.mixer, layer.attn_norm(x), seqs, n)
             x = x + layer.ffn(layer.ffn_norm(x))

@@ -7,7 +7,7 @@ import torch
 from hf2q.distributed.plan import ShardingError, deltanet_heads, plan_rank
 from hf2q.distributed.sharding import shard_linear, shard_net
 from hf2q.forward import ForwardBatch
-from hf2q.kernels import dispatch
+from hf2q.kernels import choose
 from hf2q.layers.linear import Linear
 
 
@@ -55,7 +55,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("world", [2, 4])
 @torch.inference_mode()
 def test_rank_partials_sum_to_full_blocks(model, world, mode):
-    with dispatch.fast_path(mode):
+    with choose.fast_path(mode):
         _check_partials(model, world)
 
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from hf2q.cache.kv_pool import make_pool
-from hf2q.kernels import dispatch
+from hf2q.kernels import choose
+from hf2q.kernels.attention import ops as attention_ops
 from tests.support.triton_targets import interpreter_child, randn, rel, target, torch_only
 
 triton = pytest.importorskip("triton")
@@ -133,10 +134,10 @@ def test_paged_decode_reads_compressed_rows(env, fmt, gated, one):
     gate = randn(b, nh, 2 * hd, dev=dev, dtype=dtype, gen=gen)[..., hd:] if gated else None
     context = torch.tensor(lens, dtype=torch.int32)
     k_rows, v_rows = pool.rows(0)
-    out = dispatch.paged_decode_attention(q, k_rows, v_rows, tables.to(dev), context.to(dev), bs, hd ** -0.5,
+    out = attention_ops.paged_decode_attention(q, k_rows, v_rows, tables.to(dev), context.to(dev), bs, hd ** -0.5,
                                           gate=gate, pool=pool)
     with torch_only():
-        want = dispatch.paged_decode_attention(q.cpu().float(), k_rows.cpu(), v_rows.cpu(), tables, context, bs,
+        want = attention_ops.paged_decode_attention(q.cpu().float(), k_rows.cpu(), v_rows.cpu(), tables, context, bs,
                                                hd ** -0.5, gate=None if gate is None else gate.cpu().float(),
                                                pool=pool)
     assert out.dtype == dtype and out.shape == (b, nh, hd)
@@ -172,7 +173,7 @@ def _greedy(net, fmt: str, mode: str, graphs: bool, steps: int, forced: list[int
     req = Request("r", prompt, SamplingParams())
     req.slot = cache.acquire()
     rows = []
-    with dispatch.fast_path(mode):
+    with choose.fast_path(mode):
         _, logits = runner.run([(req, len(prompt))])
         rows.append(logits[-1].float().cpu())
         for i in range(steps):

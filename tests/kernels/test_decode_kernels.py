@@ -1,17 +1,22 @@
 """The decode-step kernels: the Triton GEMV against F.linear, and the DeltaNet decode with the causal conv
-folded in against the conv + DeltaNet pair it replaces (the dispatcher's torch versions, and on a GPU
+folded in against the conv + DeltaNet pair it replaces (the choosers' torch versions, and on a GPU
 the two Triton kernels too).
 
 Runs on CPU through Triton's interpreter (small odd sizes, fp32), and on a CUDA GPU at 2B/9B sizes in bf16."""
 from __future__ import annotations
 
+import copy
 import functools
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from hf2q.kernels import dispatch
+from hf2q.kernels import choose
+from hf2q.kernels.activation import ops as activation_ops
+from hf2q.kernels.gdn import ops as gdn_ops
+from hf2q.kernels.linear import ops as linear_ops
+from hf2q.kernels.moe import ops as moe_ops
 from tests.support.triton_targets import INTERPRET, TARGETS, interpreter_child, randn, rel, target, torch_only
 
 triton = pytest.importorskip("triton")
@@ -96,10 +101,16 @@ def _count_calls(monkeypatch, calls: dict, module, name: str, key: str | None = 
     monkeypatch.setattr(module, name, wrapper)
 
 
+def _exact_ffn(ffn, h):
+    """The FFN by the torch references alone (the exact path): a float32 copy on the CPU with Triton off."""
+    with torch_only():
+        return copy.deepcopy(ffn).cpu().float()(h.cpu().float()).to(h.device, h.dtype)
+
+
 def _fast_ffn(layer, h, gemv_rows, calls: dict):
     """The layer's FFN on the forced fast path with HF2Q_GEMV=gemv_rows -> (output, the counted calls)."""
     calls.update(dict.fromkeys(calls, 0))
-    with dispatch.fast_path("force"), dispatch.gemv_switch(gemv_rows):
+    with choose.fast_path("force"), linear_ops.gemv_switch(gemv_rows):
         return layer._ffn(h, None), dict(calls)
 
 
@@ -242,8 +253,7 @@ def test_moe_down_combine_wiring_at_one_token(env, monkeypatch):
         layer = net.layers[0]
         assert (layer.ffn.shared is not None) == shared
         h = randn(1, cfg.hidden_size, dev=dev, dtype=torch.bfloat16, gen=gen)
-        with dispatch.fast_path("off"), dispatch.gemv_switch(0):
-            exact = layer.ffn(h)
+        exact = _exact_ffn(layer.ffn, h)
         got, n = fast_ffn(layer, h, 1)
         assert n == fused, (shared, n)
         assert rel(got, exact) <= 2e-2, shared
@@ -251,17 +261,16 @@ def test_moe_down_combine_wiring_at_one_token(env, monkeypatch):
             ref, n0 = fast_ffn(layer, h, 0)
             assert n0 == unfused, n0
             assert rel(got, ref) <= 1e-2
-        monkeypatch.setattr(dispatch, "MOE_GEMV_PAIRS", 1)  # 2 pairs: too many for the GEMV
+        monkeypatch.setattr(moe_ops, "MOE_GEMV_PAIRS", 1)  # 2 pairs: too many for the GEMV
         many, n = fast_ffn(layer, h, 1)
-        monkeypatch.setattr(dispatch, "MOE_GEMV_PAIRS", 32)
+        monkeypatch.setattr(moe_ops, "MOE_GEMV_PAIRS", 32)
         assert n["expert_down_combine"] == 0 and n["combine"] == 1, n
         assert rel(many, exact) <= 2e-2
     moe = layer.ffn  # quantized experts (Q8_0 blocks, dequantized for the exact path): the int8 mat-vec
     for i, name in enumerate(("gate_exps", "up_exps", "down_exps")):
         e, rows, k = moe.stack_shape(name)
         moe.set_quantized(name, random_blocks("Q8_0", e * rows, k, std=0.05, seed=i).view(e, rows, -1).to(dev), "Q8_0")
-    with dispatch.fast_path("off"):
-        exact = moe(h)
+    exact = _exact_ffn(moe, h)
     got, n = fast_ffn(layer, h, 1)
     assert n == {"expert_down_combine": 0, "expert_gemv": 0, "combine": 1}, n
     assert rel(got, exact) <= 3e-2
@@ -307,8 +316,8 @@ def test_fused_conv_gdn_decode_matches_two_step(env, heads, config):
     ref = _on_cpu(args)
     for step in range(2):
         out = gdn_conv_decode_(**args, config=config)
-        with torch_only(), dispatch.fast_path("off"):
-            ref_out = dispatch.gdn_conv_decode_(**ref)
+        with torch_only(), choose.fast_path("off"):
+            ref_out = gdn_ops.gdn_conv_decode_(**ref)
         tol = 2e-3 if real else 1e-5
         assert rel(out, ref_out) <= tol, step
         assert rel(args["conv_pool"], ref["conv_pool"]) <= 1e-6, step
@@ -322,7 +331,7 @@ def test_fused_conv_gdn_decode_writes_int8_rows(env, qtype):
     """With int8_for, the folded step's second kernel also writes its output's int8 rows (in the row's
     order, or BLOCKED for a K-quant output projection), equal to quantizing the output afterwards: the
     quantized output projection then needs no quantizing launch of its own."""
-    from hf2q.kernels.quant import dp4a_triton as q8
+    from hf2q.kernels.quant import int8_rows as q8
     from hf2q.kernels.gdn.decode_triton import gdn_conv_decode_
 
     dev, dtype, real = env
@@ -378,7 +387,7 @@ def test_default_gemv_serves_only_shapes_measured_faster():
 @needs_cuda
 @torch.inference_mode()
 def test_dispatch_linear_and_model_logits_with_gemv():
-    """HF2Q_GEMV's path: dispatch.linear takes the GEMV for bf16 products of at most the switch's rows, and
+    """HF2Q_GEMV's path: linear_ops.linear takes the GEMV for bf16 products of at most the switch's rows, and
     a bf16 model's logits for 1 and 3 tokens (every projection and the tied head through the GEMV) match
     the cuBLAS ones."""
     from hf2q.bench_shapes import random_model, tiny_config
@@ -387,25 +396,25 @@ def test_dispatch_linear_and_model_logits_with_gemv():
     w = torch.randn(1000, 512, device="cuda", dtype=torch.bfloat16)
     for m in (1, 3, 5):
         x = torch.randn(m, 512, device="cuda", dtype=torch.bfloat16)
-        with dispatch.gemv_switch(4):
-            assert torch.equal(dispatch.linear(x, w), gemv(x, w) if m <= 4 else F.linear(x, w))
-            logits = dispatch.linear(x, w, torch.float32)
+        with linear_ops.gemv_switch(4):
+            assert torch.equal(linear_ops.linear(x, w), gemv(x, w) if m <= 4 else F.linear(x, w))
+            logits = linear_ops.linear(x, w, torch.float32)
             assert logits.dtype == torch.float32 and rel(logits, F.linear(x.float(), w.float())) <= 1e-2
-        with dispatch.gemv_switch(1):
-            assert torch.equal(dispatch.linear(x, w), gemv(x, w) if m == 1 else F.linear(x, w))
-        with dispatch.gemv_switch(0):
-            assert torch.equal(dispatch.linear(x, w), F.linear(x, w))
-        with dispatch.gemv_switch("measured"):  # the default: only shapes the table has as faster
-            assert torch.equal(dispatch.linear(x, w), F.linear(x, w))
+        with linear_ops.gemv_switch(1):
+            assert torch.equal(linear_ops.linear(x, w), gemv(x, w) if m == 1 else F.linear(x, w))
+        with linear_ops.gemv_switch(0):
+            assert torch.equal(linear_ops.linear(x, w), F.linear(x, w))
+        with linear_ops.gemv_switch("measured"):  # the default: only shapes the table has as faster
+            assert torch.equal(linear_ops.linear(x, w), F.linear(x, w))
     w2b = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)  # 2B gdn.out: GEMV measured faster
     x1 = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
-    with dispatch.gemv_switch("measured"):
-        assert torch.equal(dispatch.linear(x1, w2b), gemv(x1, w2b))
+    with linear_ops.gemv_switch("measured"):
+        assert torch.equal(linear_ops.linear(x1, w2b), gemv(x1, w2b))
     net = random_model(tiny_config(), tie=True, device="cuda", dtype=torch.bfloat16, std=0.05, seed=1)
     for ids in ([5], [5, 17, 300]):
-        with dispatch.gemv_switch(0):
+        with linear_ops.gemv_switch(0):
             ref = net.logits(ids)
-        with dispatch.gemv_switch(4):
+        with linear_ops.gemv_switch(4):
             got = net.logits(ids)
         assert got.dtype == torch.float32 and rel(got, ref) <= 2e-2
 
@@ -422,7 +431,7 @@ def test_swiglu_epilogue_wiring_at_one_row(env, monkeypatch):
     dev = env[0]
     calls = dict(glu=0, silu_mul=0)
     _count_calls(monkeypatch, calls, gemv_triton, "gemv_glu", "glu")
-    _count_calls(monkeypatch, calls, dispatch, "silu_mul")
+    _count_calls(monkeypatch, calls, activation_ops, "silu_mul")
     fast_ffn = functools.partial(_fast_ffn, calls=calls)
     if INTERPRET:  # 16 rows per program instead of 1: a sixteenth of the programs to interpret
         one_row = gemv_triton.default_config
@@ -435,8 +444,7 @@ def test_swiglu_epilogue_wiring_at_one_row(env, monkeypatch):
         layer, hidden = net.layers[0], net.config.hidden_size
         for rows in (1, 2):
             h = randn(rows, hidden, dev=dev, dtype=torch.bfloat16, gen=gen)
-            with dispatch.fast_path("off"), dispatch.gemv_switch(0):
-                exact = layer.ffn(h)
+            exact = _exact_ffn(layer.ffn, h)
             got, n = fast_ffn(layer, h, 1)
             unfused, n0 = fast_ffn(layer, h, 0)  # every product by torch/cuBLAS: product, then silu_mul
             assert rel(got, exact) <= 2e-2 and rel(got, unfused) <= 2e-2, (moe, rows)
@@ -450,6 +458,6 @@ def test_swiglu_epilogue_wiring_at_one_row(env, monkeypatch):
             assert n == ({"glu": 1, "silu_mul": 0} if fused else {"glu": 0, "silu_mul": 1}), (moe, fused)
     mlp = random_model(tiny_config(), device=dev, dtype=torch.bfloat16, std=0.08, seed=5).layers[0].ffn
     calls.update(glu=0, silu_mul=0)
-    with dispatch.gemv_switch(1):  # the down projection reads int8 groups that only silu_mul writes
-        (act,) = dispatch.packed_swiglu(h[:1], (mlp.gate, mlp.up), int8_for="Q8_0")
+    with linear_ops.gemv_switch(1):  # the down projection reads int8 groups that only silu_mul writes
+        (act,) = linear_ops.packed_swiglu(h[:1], (mlp.gate, mlp.up), int8_for="Q8_0")
     assert calls == {"glu": 0, "silu_mul": 1} and act.shape == (1, 96)

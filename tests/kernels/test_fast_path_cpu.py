@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from hf2q.bench_shapes import random_model, tiny_config
 from hf2q.cache.hybrid import HybridCache
 from hf2q.config import CacheConfig
 from hf2q.forward import ForwardBatch
 from hf2q.kernels.conv.reference import causal_conv1d_varlen
-from hf2q.kernels.dispatch import fast_path
-from hf2q.kernels.gdn.reference import causal_conv1d_ref
+from hf2q.kernels.choose import fast_path
 
 
 def rel(a, b) -> float:
@@ -62,7 +62,10 @@ def test_batched_prefill_and_decode_over_slots_match_reference(net):
         step([1, 1, 1])  # decode
 
 
-def test_varlen_conv_matches_per_sequence_reference():
+def test_varlen_conv_matches_torch_conv1d():
+    """The one causal-conv reference (the exact path, and the CPU fallback of the decode and prefill conv
+    kernels) against torch's depthwise conv1d, each sequence run from its state; sequences shorter than
+    the state included."""
     g = torch.Generator().manual_seed(2)
     lens, c, k = [1, 5, 2, 7], 6, 4
     x = torch.randn(sum(lens), c, generator=g)
@@ -71,14 +74,15 @@ def test_varlen_conv_matches_per_sequence_reference():
     y, new = causal_conv1d_varlen(x, states, w, lens)
     row = 0
     for i, n in enumerate(lens):
-        ref_y, ref_state = causal_conv1d_ref(x[row:row + n], states[i], w)
-        assert torch.allclose(y[row:row + n], ref_y, atol=1e-6)
-        assert torch.equal(new[i], ref_state)
+        seq = torch.cat((states[i], x[row:row + n]))  # [K-1+n, C]: the state, then the new inputs
+        want = F.silu(F.conv1d(seq.t()[None], w[:, None, :], groups=c)[0].t())  # [n, C]
+        assert torch.allclose(y[row:row + n], want, atol=1e-5)
+        assert torch.equal(new[i], seq[-(k - 1):])
         row += n
 
 
 def test_grouped_gemm_moe_matches_expert_loop():
-    from hf2q.kernels.dispatch import moe_combine
+    from hf2q.kernels.moe.ops import moe_combine
     from hf2q.kernels.moe.grouped import moe_expert_pairs_grouped
     torch.manual_seed(4)
     net = random_model(tiny_config(True), device="cpu", dtype=torch.bfloat16, std=0.08, seed=4)

@@ -1,6 +1,6 @@
 """The fused Triton kernels (residual add + RMSNorm, SwiGLU, q/k norm + RoPE + K/V write, paged attention
-with the output gate, MoE routing and combine) against the torch versions in the dispatcher, which are
-the exact CPU path.
+with the output gate, MoE routing and combine) against the torch versions in the choosers
+(kernels/<op>/ops.py), which are the exact CPU path.
 
 Runs on CPU through Triton's interpreter, and on a CUDA GPU at real sizes in bf16."""
 from __future__ import annotations
@@ -10,7 +10,11 @@ import importlib
 import pytest
 import torch
 
-from hf2q.kernels import dispatch
+from hf2q.kernels.activation import ops as activation_ops
+from hf2q.kernels.attention import ops as attention_ops
+from hf2q.kernels.moe import ops as moe_ops
+from hf2q.kernels.norm import ops as norm_ops
+from hf2q.kernels.rotary import ops as rotary_ops
 from tests.support.triton_targets import (TARGETS, compile_for_hopper, interpreter_child, randn, rel, target,
                                           torch_only)
 
@@ -40,8 +44,8 @@ def test_add_rms_norm(env):
     w = randn(n, dev=dev, dtype=torch.float32, gen=gen)
     res, h = k["norm_triton"].add_rms_norm(x, y, w, 1e-6)
     with torch_only():
-        ref_res, ref_h = dispatch.add_rms_norm(x.cpu().float(), y.cpu().float(), w.cpu(), 1e-6)
-        _, ref_h0 = dispatch.add_rms_norm(x.cpu().float(), None, w.cpu(), 1e-6)
+        ref_res, ref_h = norm_ops.add_rms_norm(x.cpu().float(), y.cpu().float(), w.cpu(), 1e-6)
+        _, ref_h0 = norm_ops.add_rms_norm(x.cpu().float(), None, w.cpu(), 1e-6)
     assert rel(res, ref_res) <= tol and rel(h, ref_h) <= tol
     same, h0 = k["norm_triton"].add_rms_norm(x, None, w, 1e-6)
     assert same is x and rel(h0, ref_h0) <= tol
@@ -69,7 +73,7 @@ def _int8_readers(n):
 def _check_int8_groups(out, qtype):
     """The int8 rows a kernel wrote with its output `out`, for weights of `qtype`, are remembered for the
     mat-vec and equal quantizing `out` afterwards."""
-    from hf2q.kernels.quant import dp4a_triton as q8
+    from hf2q.kernels.quant import int8_rows as q8
 
     blocked = q8.blocked_for(qtype)
     assert q8._RECENT[0][0]() is out
@@ -96,7 +100,7 @@ def test_silu_mul_on_packed_halves(env):
     gate, up = torch.split(packed, [n, n], dim=-1)
     out = k["swiglu_triton"].silu_mul(gate, up)
     with torch_only():
-        ref = dispatch.silu_mul(gate.cpu().float(), up.cpu().float())
+        ref = activation_ops.silu_mul(gate.cpu().float(), up.cpu().float())
     assert rel(out, ref) <= tol
 
 
@@ -121,8 +125,8 @@ def test_qk_norm_rope_and_kv_write(env, with_pool):
     q_out, k_out = k["qk_rope_triton"].qk_norm_rope(q, kk, v, qw, kw, cos, sin, 1e-6, rd, pools)
     ref_pools = (torch.zeros(rows, nkv, hd), torch.zeros(rows, nkv, hd), mapping.cpu()) if with_pool else None
     with torch_only():
-        ref_q, ref_k = dispatch.qk_norm_rope(q.cpu().float(), kk.cpu().float(), v.cpu().float(), qw.cpu(), kw.cpu(),
-                                             cos.cpu(), sin.cpu(), 1e-6, rd, ref_pools)
+        ref_q, ref_k = rotary_ops.qk_norm_rope(q.cpu().float(), kk.cpu().float(), v.cpu().float(), qw.cpu(), kw.cpu(),
+                                               cos.cpu(), sin.cpu(), 1e-6, rd, ref_pools)
     assert rel(q_out, ref_q) <= tol and rel(k_out, ref_k) <= tol
     if with_pool:
         assert rel(pools[0], ref_pools[0]) <= tol and torch.equal(pools[1].cpu().float(), ref_pools[1])
@@ -145,8 +149,9 @@ def test_paged_attention_with_output_gate(env, gated, one):
     out = k["paged_attention_triton"].paged_decode_attention(q, rows_k, rows_v, tables.to(dev), lens.to(dev), bs,
                                                              hd ** -0.5, gate=gate)
     with torch_only():
-        ref = dispatch.paged_decode_attention(q.cpu().float(), rows_k.cpu().float(), rows_v.cpu().float(), tables,
-                                              lens, bs, hd ** -0.5, gate=None if gate is None else gate.cpu().float())
+        ref = attention_ops.paged_decode_attention(q.cpu().float(), rows_k.cpu().float(), rows_v.cpu().float(),
+                                                   tables, lens, bs, hd ** -0.5,
+                                                   gate=None if gate is None else gate.cpu().float())
     assert rel(out, ref) <= max(tol, 2e-5)
 
 
@@ -156,7 +161,7 @@ def test_moe_route(env, n_exp, top_k):
     logits = randn(5, n_exp, dev=dev, dtype=dtype, gen=torch.Generator().manual_seed(n_exp), scale=3.0)
     weights, experts = k["moe_triton"].route(logits, top_k, dtype)
     with torch_only():
-        ref_w, ref_e = dispatch.moe_route(logits.cpu(), top_k, torch.float32)
+        ref_w, ref_e = moe_ops.moe_route(logits.cpu(), top_k, torch.float32)
     # bf16 logits tie (the 256-expert case twice: inside the top 8 and at the 8th): the kernel takes the first
     # index of a tie and torch.topk may not, so compare the chosen logits, in order, and their distinctness
     chosen = logits.cpu().float().gather(1, experts.cpu().long())
@@ -176,8 +181,8 @@ def test_moe_combine(env, shared):
     gate, out = (packed[:, :1], packed[:, 1:]) if shared else (None, None)
     got = k["moe_triton"].combine(pairs, weights, out, gate)
     with torch_only():
-        want = dispatch.moe_combine(pairs.cpu().float(), weights.cpu().float(), out.cpu().float() if shared else None,
-                                    gate.cpu().float() if shared else None)
+        want = moe_ops.moe_combine(pairs.cpu().float(), weights.cpu().float(), out.cpu().float() if shared else None,
+                                   gate.cpu().float() if shared else None)
     assert got.dtype == dtype and rel(got, want) < tol
 
 
@@ -190,7 +195,7 @@ def test_moe_expert_pairs_by_gemv(env):
               for shape in ((inter, hidden), (inter, hidden), (hidden, inter))]
     x = randn(t, hidden, dev=dev, dtype=dtype, gen=gen)
     experts = torch.stack([torch.randperm(n_exp, generator=gen)[:top_k] for _ in range(t)]).to(dev)
-    got = dispatch.moe_expert_pairs(x, experts, *stacks)
+    got = moe_ops.moe_expert_pairs(x, experts, *stacks)
     g, u, d = (s.cpu().float() for s in stacks)
     want = torch.stack([d[e] @ (torch.nn.functional.silu(g[e] @ x[i].cpu().float()) * (u[e] @ x[i].cpu().float()))
                         for i in range(t) for e in experts[i].tolist()])

@@ -61,7 +61,10 @@ def test_triton_kernels_match_torch_versions():
     from hf2q.kernels.conv import decode_triton as conv_triton
     from hf2q.kernels.gdn import decode_triton as gdn_decode_triton
     from hf2q.kernels.attention import paged_triton as paged_attention_triton
-    from hf2q.kernels import dispatch
+    from hf2q.kernels import choose
+    from hf2q.kernels.attention import ops as attention_ops
+    from hf2q.kernels.conv import ops as conv_ops
+    from hf2q.kernels.gdn import ops as gdn_ops
     torch.manual_seed(0)
     b, nk, nv, dk, c, s = 5, 4, 8, 128, 2 * 4 * 128 + 8 * 128, 7
     slots = torch.tensor([3, 0, 6, 2, 5], device="cuda")
@@ -70,8 +73,8 @@ def test_triton_kernels_match_torch_versions():
     pool = torch.randn(s, 3, c, device="cuda")
     pool2 = pool.clone()
     y = conv_triton.conv_decode_(x, w, pool, slots)
-    with dispatch.fast_path("force"):
-        y_ref = dispatch.conv_decode_(x.cpu(), w.cpu(), pool2.cpu(), slots.cpu())  # torch version on CPU
+    with choose.fast_path("force"):
+        y_ref = conv_ops.conv_decode_(x.cpu(), w.cpu(), pool2.cpu(), slots.cpu())  # torch version on CPU
     assert rel(y.cpu(), y_ref) <= 1e-5
     qkv = torch.randn(b, c, device="cuda")
     a, bb, z = torch.randn(b, nv, device="cuda"), torch.randn(b, nv, device="cuda"), torch.randn(b, nv * dk, device="cuda")
@@ -79,8 +82,8 @@ def test_triton_kernels_match_torch_versions():
     st = torch.randn(s, nv, dk, dk, device="cuda") * 0.1
     st_cpu = st.cpu()
     o = gdn_decode_triton.gdn_decode_(qkv, a, bb, A, dtb, z, nw, st, slots, nk, dk, 1e-6, torch.float32)
-    o_ref = dispatch.gdn_decode_(qkv.cpu(), a.cpu(), bb.cpu(), A.cpu(), dtb.cpu(), z.cpu(), nw.cpu(), st_cpu,
-                                 slots.cpu(), nk, dk, 1e-6, torch.float32)
+    o_ref = gdn_ops.gdn_decode_(qkv.cpu(), a.cpu(), bb.cpu(), A.cpu(), dtb.cpu(), z.cpu(), nw.cpu(), st_cpu,
+                                slots.cpu(), nk, dk, 1e-6, torch.float32)
     assert rel(o.cpu(), o_ref) <= 1e-4 and rel(st.cpu(), st_cpu) <= 1e-5
     nh, nkv, hd, bs = 16, 4, 256, 16
     rows = torch.randn(64 * bs, nkv, hd, device="cuda", dtype=torch.bfloat16)
@@ -89,14 +92,17 @@ def test_triton_kernels_match_torch_versions():
     tables = torch.randint(0, 64, (5, 63), device="cuda", dtype=torch.int32)
     q = torch.randn(b, nh, hd, device="cuda", dtype=torch.bfloat16)
     out = paged_attention_triton.paged_decode_attention(q, rows, vals, tables, lens, bs, hd ** -0.5)
-    ref = dispatch.paged_decode_attention(q.cpu().float(), rows.cpu().float(), vals.cpu().float(), tables.cpu(),
-                                          lens.cpu(), bs, hd ** -0.5)
+    ref = attention_ops.paged_decode_attention(q.cpu().float(), rows.cpu().float(), vals.cpu().float(), tables.cpu(),
+                                               lens.cpu(), bs, hd ** -0.5)
     assert rel(out.cpu(), ref) <= 2e-2
 
 
 @torch.inference_mode()
 def test_fla_prefill_matches_reference():
-    from hf2q.kernels import dispatch
+    from hf2q.kernels import choose
+    from hf2q.kernels.attention import ops as attention_ops
+    from hf2q.kernels.conv import ops as conv_ops
+    from hf2q.kernels.gdn import ops as gdn_ops
     torch.manual_seed(1)
     lens, nk, nv, d = [37, 1, 100], 2, 4, 128
     t = sum(lens)
@@ -106,8 +112,9 @@ def test_fla_prefill_matches_reference():
     beta = torch.rand(t, nv, device="cuda")
     h0 = torch.randn(len(lens), nv, d, d, device="cuda") * 0.05
     cu = torch.tensor([0, 37, 38, 138], device="cuda")
-    o, final = dispatch.chunk_gdn(q, k, v, g, beta, h0, cu, lens, d ** -0.5, 1e-6)
-    o_ref, f_ref = dispatch.chunk_gdn(*(x.cpu().float() for x in (q, k, v, g, beta, h0)), cu.cpu(), lens, d ** -0.5, 1e-6)
+    o, final = gdn_ops.chunk_gdn(q, k, v, g, beta, h0, cu, lens, d ** -0.5, 1e-6)
+    o_ref, f_ref = gdn_ops.chunk_gdn(*(x.cpu().float() for x in (q, k, v, g, beta, h0)), cu.cpu(), lens, d ** -0.5,
+                                     1e-6)
     assert rel(o.cpu(), o_ref) <= 2e-2 and rel(final.cpu(), f_ref) <= 2e-2
 
 

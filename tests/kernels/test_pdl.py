@@ -28,7 +28,7 @@ def _kernels():
     from hf2q.kernels.norm import add_rms_triton as norm_triton
     from hf2q.kernels.attention import compressed_triton, paged_triton as paged_attention_triton
     from hf2q.kernels.rotary import qk_rope_triton
-    from hf2q.kernels.quant import dp4a_triton as quant_dp4a_triton
+    from hf2q.kernels.quant import dp4a_triton as quant_dp4a_triton, int8_rows
     from hf2q.kernels.activation import swiglu_triton
     dp4a = dict(QTYPE=2, QTYPE_B=2, BM=1, BN=4, SB=16, STAGES=1, HAS_EXPERTS=False, TWO=False, EVEN=True,
                 EMULATE=False)
@@ -36,7 +36,7 @@ def _kernels():
         "dp4a": (quant_dp4a_triton._gemv_dp4a_kernel, dp4a, 1),
         "dp4a_two": (quant_dp4a_triton._gemv_dp4a_kernel, dict(dp4a, TWO=True, QTYPE_B=4), 2),
         "dp4a_experts": (quant_dp4a_triton._gemv_dp4a_kernel, dict(dp4a, HAS_EXPERTS=True), 1),
-        "quantize": (quant_dp4a_triton._quantize_kernel, dict(GROUPS=16, BLOCKED=True), 4),
+        "quantize": (int8_rows._quantize_kernel, dict(GROUPS=16, BLOCKED=True), 4),
         "norm": (norm_triton._add_rms_norm_kernel, dict(HAS_R=True, BLOCK=4096, SLICE=512, QUANT=True,
                                                         BLOCKED=True), 8),
         "swiglu": (swiglu_triton._silu_mul_kernel, dict(BLOCK=512, QUANT=True, BLOCKED=True), 4),

@@ -1,5 +1,5 @@
 """The prefill Triton kernels of the DeltaNet layer (varlen causal conv with in-place state update, gated
-RMSNorm) against the dispatcher's torch versions, which are the exact CPU path.
+RMSNorm) against the choosers' torch versions, which are the exact CPU path.
 
 Runs on CPU through Triton's interpreter, and on a CUDA GPU at real 9B sizes in bf16."""
 from __future__ import annotations
@@ -7,8 +7,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf2q.kernels import dispatch
+from hf2q.kernels import choose
+from hf2q.kernels.activation import ops as activation_ops
+from hf2q.kernels.attention import ops as attention_ops
+from hf2q.kernels.conv import ops as conv_ops
+from hf2q.kernels.gdn import ops as gdn_ops
+from hf2q.kernels.linear import ops as linear_ops
+from hf2q.kernels.moe import ops as moe_ops
+from hf2q.kernels.norm import ops as norm_ops
+from hf2q.kernels.rotary import ops as rotary_ops
 from tests.support.triton_targets import TARGETS, interpreter_child, randn, rel, target, torch_only
+
+# Every operation's chooser (kernels/<op>/ops.py) but the quantized products': each picks Triton or torch.
+CHOOSERS = (activation_ops, attention_ops, conv_ops, gdn_ops, linear_ops, moe_ops, norm_ops, rotary_ops)
 
 triton = pytest.importorskip("triton")
 
@@ -44,7 +55,7 @@ def test_conv_varlen_and_state_update(env, with_cache):
         ref_pool = pool.cpu().clone()
     y = conv_varlen_(x, w, pool, slots.to(dev) if with_cache else None, cu.to(dev))
     with torch_only():
-        ref = dispatch.conv_varlen_(x.cpu().float(), w.cpu(), ref_pool, slots if with_cache else None, cu, lens)
+        ref = conv_ops.conv_varlen_(x.cpu().float(), w.cpu(), ref_pool, slots if with_cache else None, cu, lens)
     assert y.dtype == x.dtype and y.shape == (t, c)
     assert rel(y, ref) <= tol
     if with_cache:
@@ -62,7 +73,7 @@ def test_gated_rms_norm(env, dv):
     w = randn(dv, dev=dev, dtype=torch.float32, gen=gen)
     y = gated_rms_norm(o, z, w, 1e-6, dtype)
     with torch_only():
-        ref = dispatch.gated_rms_norm(o.cpu().float(), z.cpu().float(), w.cpu(), 1e-6, torch.float32)
+        ref = norm_ops.gated_rms_norm(o.cpu().float(), z.cpu().float(), w.cpu(), 1e-6, torch.float32)
     assert y.dtype == dtype and y.shape == (t, nv * dv)
     assert rel(y, ref) <= tol
 
@@ -70,7 +81,7 @@ def test_gated_rms_norm(env, dv):
 @torch.inference_mode()
 def test_prefill_over_cache_matches_torch_versions(env, monkeypatch):
     """The model's fast path with these kernels, prefill then short mixed chunks over cached states, equals the
-    same path through the dispatcher's torch versions: logits at each step and the DeltaNet states after."""
+    same path through the choosers' torch versions: logits at each step and the DeltaNet states after."""
     from hf2q.bench_shapes import random_model, tiny_config
     from hf2q.cache.hybrid import HybridCache
     from hf2q.config import CacheConfig
@@ -92,7 +103,7 @@ def test_prefill_over_cache_matches_torch_versions(env, monkeypatch):
                 cache.reserve(slot, done[i] + n)
             batch = ForwardBatch(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), list(sizes),
                                  list(done), slots, cache)
-            with dispatch.fast_path("force"):
+            with choose.fast_path("force"):
                 out.append(net.compute_logits(net(batch)).cpu())
             for i, n in enumerate(sizes):
                 done[i] += n
@@ -101,7 +112,8 @@ def test_prefill_over_cache_matches_torch_versions(env, monkeypatch):
 
     logits, states = run()
     with monkeypatch.context() as m:
-        m.setattr(dispatch, "triton_runs", lambda x: False)
+        for chooser in CHOOSERS:
+            m.setattr(chooser, "kernels_on" if hasattr(chooser, "kernels_on") else "triton_runs", lambda x: False)
         ref_logits, ref_states = run()
     tol = 1e-4 if dev == "cpu" else 1e-3
     for a, b in zip(logits, ref_logits):

@@ -10,7 +10,7 @@ import torch
 
 from hf2q.bench import decode_ceiling, prefill_ceiling
 from hf2q.bench_shapes import SHAPES, matrix_elems, quant_plan, random_quant_model, tiny_config, weight_bytes
-from hf2q.kernels.dispatch import fast_path
+from hf2q.kernels.choose import fast_path
 from hf2q.models.qwen35 import Qwen35Model
 from hf2q.quant import dequantize_ref
 

@@ -73,7 +73,7 @@ INT8_TOL = 2e-2  # the decode mat-vec's int8 activations against an fp32 referen
 
 def int8_exact(x):
     """x rounded to what the mat-vec's int8 activation groups hold, so that the kernel sees x exactly."""
-    from hf2q.kernels.quant.dp4a_triton import quantize_rows
+    from hf2q.kernels.quant.int8_rows import quantize_rows
 
     xq, act, _ = quantize_rows(x.to(DEV))
     q = xq.view(torch.int8).view(x.shape[0], -1, 16).float().cpu()
@@ -82,7 +82,7 @@ def int8_exact(x):
 
 @kernels
 def test_quantize_rows():
-    from hf2q.kernels.quant.dp4a_triton import quantize_rows
+    from hf2q.kernels.quant.int8_rows import quantize_rows
 
     x = torch.randn(3, 96, generator=torch.Generator().manual_seed(0))
     x[1, 32:64] = 0  # an all-zero group
@@ -103,7 +103,7 @@ def test_quantize_rows():
 def test_quantize_rows_blocked_order():
     """BLOCKED rows (what K-quant weights read) hold the same pieces as plain ones, piece j of 256-value
     block u at j·B + u; the fused producers write the same bytes as quantize_rows in either order."""
-    from hf2q.kernels.quant.dp4a_triton import quantize_rows
+    from hf2q.kernels.quant.int8_rows import quantize_rows
     from hf2q.kernels.activation.swiglu_triton import silu_mul
 
     x = torch.randn(2, 768, generator=torch.Generator().manual_seed(3))
@@ -127,7 +127,7 @@ def test_quantize_rows_blocked_order():
 
 @kernels
 def test_quantize_rows_reuses_recent_inputs_only_while_unchanged():
-    from hf2q.kernels.quant.dp4a_triton import quantize_rows
+    from hf2q.kernels.quant.int8_rows import quantize_rows
 
     x = torch.randn(2, 64, generator=torch.Generator().manual_seed(1)).to(DEV)
     first = quantize_rows(x)
@@ -151,7 +151,7 @@ def test_quantize_rows_reuses_recent_inputs_only_while_unchanged():
 def test_quantize_rows_under_inference_mode():
     """The engine and the bench run under torch.inference_mode, whose tensors have no version counter:
     quantizing them works, and a second pack of projections of the same input reuses the result."""
-    from hf2q.kernels.quant.dp4a_triton import quantize_rows
+    from hf2q.kernels.quant.int8_rows import quantize_rows
 
     with torch.inference_mode():
         x = torch.randn(2, 64, generator=torch.Generator().manual_seed(2)).to(DEV)
@@ -245,7 +245,8 @@ def test_gemv_unmasked_when_the_tiles_divide(qtype):
 def test_matvec_two_stacks_one_launch(qtype):
     """Pairs p = (token p // 2, expert e_p): gate and up stacks in one launch give both products, each
     against its own stack, from activations quantized once per token."""
-    from hf2q.kernels.quant.dp4a_triton import blocked_for, matvec, quantize_rows
+    from hf2q.kernels.quant.dp4a_triton import matvec
+    from hf2q.kernels.quant.int8_rows import blocked_for, quantize_rows
 
     n_exp, n, k = 3, 8, 256
     raws = [random_blocks(qtype, n_exp * n, k, seed=20 + i) for i in range(2)]
@@ -264,10 +265,10 @@ def test_matvec_two_stacks_one_launch(qtype):
 @pytest.mark.parametrize("types", [("Q5_K", "Q4_K"), ("Q4_K", "Q6_K"), ("Q8_0", "Q4_0")])
 def test_two_types_one_launch(types, monkeypatch):
     """Projections of one input kept in two types (a DeltaNet's Q5_K qkv and Q4_K z/a/b) come from one
-    mat-vec launch through dispatch.packed_linear, each part exact against its own weight; types that read
+    mat-vec launch through linear_ops.packed_linear, each part exact against its own weight; types that read
     activations in different orders stay two launches."""
-    from hf2q.kernels import dispatch
-    from hf2q.kernels.quant import dp4a_triton as quant_dp4a_triton
+    from hf2q.kernels.linear import ops as linear_ops
+    from hf2q.kernels.quant import dp4a_triton as quant_dp4a_triton, int8_rows
     from hf2q.layers.linear import Linear
 
     launches = []
@@ -284,10 +285,10 @@ def test_two_types_one_launch(types, monkeypatch):
             linears.append(lin)
             dense.append(dequantize_ref(raw, qtype, (n, k)))
         launches.clear()
-        outs = dispatch.packed_linear(x.to(DEV), linears)
+        outs = linear_ops.packed_linear(x.to(DEV), linears)
         for got, w in zip(outs, dense):
             assert rel(got, x.double() @ w.double().T) < 1e-5
-        one = quant_dp4a_triton.blocked_for(mixed[0]) == quant_dp4a_triton.blocked_for(mixed[1])
+        one = int8_rows.blocked_for(mixed[0]) == int8_rows.blocked_for(mixed[1])
         assert launches == ([mixed[0]] if one else [mixed[0], mixed[1]]), (mixed, launches)
 
 
@@ -317,7 +318,7 @@ def test_moe_experts_quant(qtype, monkeypatch):
             e = experts[i, j]
             h = torch.nn.functional.silu(dense[0][e] @ x[i]) * (dense[1][e] @ x[i])
             want[i] += weights[i, j] * (dense[2][e] @ h)
-    from hf2q.kernels.dispatch import moe_combine
+    from hf2q.kernels.moe.ops import moe_combine
 
     got = moe_combine(quant_moe.moe_expert_pairs_quant(x.to(DEV), experts.to(DEV), *stacks), weights.to(DEV))
     assert rel(got, want) < INT8_TOL
@@ -329,7 +330,8 @@ def test_k_quant_kernels_refuse_ggml_order_blocks(qtype):
     an interleaved second stack next to a ggml first one, interleaved rows under another type, or
     activations in the other order are refused before launch."""
     from hf2q.kernels.quant import dequant_triton as quant_triton
-    from hf2q.kernels.quant.dp4a_triton import Int8Rows, matvec
+    from hf2q.kernels.quant.dp4a_triton import matvec
+    from hf2q.kernels.quant.int8_rows import Int8Rows
 
     raw = random_blocks(qtype, 4, 512)
     rows = to_gpu_rows(raw, qtype)

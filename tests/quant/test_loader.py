@@ -9,7 +9,7 @@ import torch
 from hf2q.checkpoint.gguf_file import GGUFFile
 from hf2q.checkpoint.loader import build_model
 from hf2q.config import ModelConfig
-from hf2q.kernels.dispatch import fast_path
+from hf2q.kernels.choose import fast_path
 from hf2q.layers.linear import Linear
 from tests.quant.test_model import PROMPT, assert_divergence_explained, greedy
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hf2q.bench_shapes import random_model, tiny_config
-from hf2q.kernels.dispatch import fast_path
+from hf2q.kernels.choose import fast_path
 from hf2q.layers.linear import Linear
 from hf2q.quant import KQUANTS, dequantize_ref, keep_blocks, random_blocks, to_gpu_rows
 from tests.support.triton_targets import INTERPRET, target, torch_only

@@ -83,6 +83,9 @@ def test_scope_hash_ignores_prose_not_code():
     assert code_hash(src) == code_hash('def f(x):\n    """Why, said otherwise."""\n    return x + 1\n')
     assert code_hash(src) == code_hash('def f(x):\n    return x + 1\n')
     assert code_hash(src) != code_hash('def f(x):\n    """Why."""\n    return x + 2\n')
+    other = 'def g(y):\n    return y * 2\n'  # a second module of the same kernel counts as well
+    assert code_hash(src, other) == code_hash('def f(x):\n    return x + 1\n', other)
+    assert code_hash(src, other) != code_hash(src, other.replace("2", "3")) != code_hash(src)
 
 
 def test_first_start_compiles_the_candidates_side_by_side(monkeypatch):

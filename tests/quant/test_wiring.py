@@ -12,9 +12,10 @@ from hf2q.checkpoint.gguf_file import GGUFFile
 from hf2q.checkpoint.loader import build_model
 from hf2q.config import CacheConfig, ModelConfig
 from hf2q.forward import ForwardBatch
-from hf2q.kernels import dispatch
+from hf2q.kernels.choose import fast_path
+from hf2q.kernels.linear.ops import packed_linear
+from hf2q.kernels.moe import ops as moe_ops
 from hf2q.kernels.quant import moe as quant_moe
-from hf2q.kernels.dispatch import fast_path, packed_linear
 from hf2q.layers.linear import Linear
 from hf2q.layers.moe import EXPERT_STACKS, MoE
 from hf2q.quant import dequantize_ref, keep_blocks, random_blocks
@@ -166,7 +167,8 @@ def test_quantized_moe_experts_equal_dense_loop(device, tokens):
     tol = 1e-5 if device == "cpu" else 2e-2  # CUDA: bf16, and int8 activations for few pairs
     assert rel(kept(x), ref) <= tol
     weights, experts = kept.route(x)
-    direct = dispatch.moe_combine(quant_moe.moe_expert_pairs_quant(x, experts, *(kept.quant_stack(n) for n in EXPERT_STACKS)),
+    direct = moe_ops.moe_combine(quant_moe.moe_expert_pairs_quant(x, experts,
+                                                                  *(kept.quant_stack(n) for n in EXPERT_STACKS)),
                                   weights)
     assert rel(direct, ref) <= tol
 

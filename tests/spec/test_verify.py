@@ -16,7 +16,7 @@ from hf2q.config import CacheConfig
 from hf2q.engine.engine import Engine, EngineConfig
 from hf2q.engine.sampling_params import SamplingParams
 from hf2q.engine.scheduler import SchedulerConfig
-from hf2q.kernels import dispatch
+from hf2q.kernels import choose
 from hf2q.spec import SpecConfig
 
 MAX_TOKENS = 10
@@ -104,7 +104,7 @@ def run(engine, work):
 
 @pytest.mark.parametrize("path", ["off", "force"])  # force: the fast path keeps several sequences' states at once
 def test_outputs_identical_with_mixed_accepted_and_rejected_drafts(model, path):
-    with dispatch.fast_path(path):
+    with choose.fast_path(path):
         mixed_drafts_against_plain(model)
 
 
@@ -150,7 +150,7 @@ def test_slot_state_after_rejections_equals_plain_decoding(model, path):
                 seen[req.num_computed] = (list(req.output_ids), blocks, engine.cache.snapshot(req.slot))
         return seen
 
-    with dispatch.fast_path(path):
+    with choose.fast_path(path):
         plain = states(make_engine(model))
         answer = next(reversed(plain.values()))[0]
         engine = make_engine(model, SpecConfig(method="ngram", num_tokens=3, cost_window=0))

@@ -17,7 +17,7 @@ TARGETS = ["interpret", "cuda"]
 
 @contextlib.contextmanager
 def torch_only():
-    """Run the dispatcher's torch versions even while the interpreter is on."""
+    """Run the choosers' torch versions even while the interpreter is on."""
     old = os.environ.pop("TRITON_INTERPRET", None)
     try:
         yield

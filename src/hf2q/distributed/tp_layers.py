@@ -67,9 +67,10 @@ class TPGatedDeltaNet(GatedDeltaNet):
 
 
 class TPDecoderLayer(DecoderLayer):
-    """A decoder layer whose FFN (dense or MoE, either code path) is all-reduced once at its output.
+    """A decoder layer whose FFN (dense or MoE) is all-reduced once at its output.
 
-    The reduce sits here rather than in the FFN module because the MoE fast path bypasses `MoE.forward`.
+    The reduce sits here rather than in the FFN module because sharding builds the plain `MLP` / `MoE`
+    for a rank's slice of the FFN.
     """
 
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, group):

@@ -22,6 +22,14 @@ def triton_runs(x: torch.Tensor) -> bool:
     return x.is_cuda or envs.triton_interpret()
 
 
+def kernels_on(x: torch.Tensor) -> bool:
+    """Whether a chooser of a dense operation (norms, activations, convs, rotary, the DeltaNet step, dense
+    linears and experts) takes its Triton kernel for x: where Triton runs, unless `fast_path("off")` asks
+    for the torch references, which the exactness tests compare against and training differentiates.
+    Quantized weights have no torch path in their GPU layout: their choosers ask `triton_runs`."""
+    return _MODE["value"] != "off" and triton_runs(x)
+
+
 @contextlib.contextmanager
 def fast_path(mode: str):
     """Temporarily set the fast-path mode: 'auto', 'off' or 'force'."""

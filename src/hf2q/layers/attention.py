@@ -8,8 +8,11 @@ from torch import nn
 
 from hf2q.config import ModelConfig
 from hf2q.forward import ForwardBatch
-from hf2q.kernels import dispatch
+from hf2q.kernels import choose
+from hf2q.kernels.attention import ops as attention_ops
+from hf2q.kernels.linear import ops as linear_ops
 from hf2q.kernels.meta import fast_meta
+from hf2q.kernels.rotary import ops as rotary_ops
 from hf2q.layers.linear import Linear
 from hf2q.layers.norm import rms_norm
 from hf2q.layers.rotary import RotaryEmbedding
@@ -31,8 +34,8 @@ class GatedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
-        if dispatch.use_fast_path(x):  # one GEMM for q+gate, k and v
-            return self._forward_fast(*dispatch.packed_linear(x, (self.q, self.k, self.v)), batch, cos, sin)
+        if choose.use_fast_path(x):  # one GEMM for q+gate, k and v
+            return self._forward_fast(*linear_ops.packed_linear(x, (self.q, self.k, self.v)), batch, cos, sin)
         qg = self.q(x).reshape(t, self.nh, 2 * self.hd)
         q, gate = qg[..., : self.hd], qg[..., self.hd:].reshape(t, self.nh * self.hd)
         q = self.rotary.apply(rms_norm(q, self.q_norm, self.eps), cos, sin)
@@ -78,13 +81,13 @@ class GatedAttention(nn.Module):
             i = cache.kv_index(self.layer_id)
             k_rows, v_rows = cache.kv.rows(i)
             pools = None if compressed else (k_rows, v_rows, meta.slot_mapping)
-        q, k = dispatch.qk_norm_rope(qg[..., : self.hd], k_lin.reshape(t, self.nkv, self.hd), v, self.q_norm,
-                                     self.k_norm, cos, sin, self.eps, self.rotary.rotary_dim, pools)
+        q, k = rotary_ops.qk_norm_rope(qg[..., : self.hd], k_lin.reshape(t, self.nkv, self.hd), v, self.q_norm,
+                                       self.k_norm, cos, sin, self.eps, self.rotary.rotary_dim, pools)
         if compressed:
-            dispatch.store_compressed_kv(cache.kv, i, meta.slot_mapping, k, v)
+            attention_ops.store_compressed_kv(cache.kv, i, meta.slot_mapping, k, v)
         if cache is not None and meta.decode:
-            out = dispatch.paged_decode_attention(q, k_rows, v_rows, meta.block_tables, meta.context_lens,
-                                                  meta.block_size, self.hd ** -0.5, gate=gate, pool=cache.kv)
+            out = attention_ops.paged_decode_attention(q, k_rows, v_rows, meta.block_tables, meta.context_lens,
+                                                       meta.block_size, self.hd ** -0.5, gate=gate, pool=cache.kv)
             return self.o(out.reshape(t, -1))
         out = torch.empty_like(q)
         row = 0

@@ -11,15 +11,14 @@ from torch import nn
 
 from hf2q.config import ModelConfig
 from hf2q.forward import ForwardBatch
-from hf2q.kernels import dispatch
-from hf2q.kernels.gdn.reference import causal_conv1d_ref, gated_delta_rule_ref
+from hf2q.kernels.conv import ops as conv_ops
+from hf2q.kernels.gdn import ops as gdn_ops
+from hf2q.kernels.gdn.reference import gated_delta_rule_ref, l2_normalize
+from hf2q.kernels.linear import ops as linear_ops
 from hf2q.kernels.meta import fast_meta
+from hf2q.kernels.norm import ops as norm_ops
 from hf2q.kernels.quant.ops import int8_reader
 from hf2q.layers.linear import Linear
-
-
-def l2_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
 class GatedDeltaNet(nn.Module):
@@ -41,57 +40,22 @@ class GatedDeltaNet(nn.Module):
         self.out = Linear(self.nv * self.dv, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        if dispatch.use_fast_path(x):
-            return self._forward_fast(x, batch)
-        mixed = self.qkv(x)  # [T, C]
-        z = self.z(x).view(-1, self.nv, self.dv)
-        g = self.a.float() * F.softplus(self.alpha(x).float() + self.dt_bias.float())  # [T, nv] log-decay
-        beta = torch.sigmoid(self.beta(x).float())
-        core = torch.empty(x.shape[0], self.nv, self.dv, dtype=x.dtype, device=x.device)
-        cache, keep = batch.cache, batch.extras.get("position_states", {})
-        for i, row, n, start, slot in batch.segments():
-            rows = slice(row, row + n)
-            if cache is None:
-                conv_state = mixed.new_zeros(self.conv.shape[1] - 1, mixed.shape[1])
-                rec_state = x.new_zeros(self.nv, self.dk, self.dv, dtype=torch.float32)
-            else:
-                j = cache.linear_index(self.layer_id)
-                conv_state, rec_state = cache.conv_state[j][slot], cache.recurrent_state[j][slot]
-            conv_out, new_conv = causal_conv1d_ref(mixed[rows], conv_state, self.conv)
-            q, k, v = torch.split(conv_out, [self.nk * self.dk, self.nk * self.dk, self.nv * self.dv], dim=-1)
-            q = l2_normalize(q.reshape(n, self.nk, self.dk).float(), self.eps) * self.dk ** -0.5
-            k = l2_normalize(k.reshape(n, self.nk, self.dk).float(), self.eps)
-            rep = self.nv // self.nk
-            q, k = q.repeat(1, rep, 1), k.repeat(1, rep, 1)  # tiled: value head h -> key head h % nk
-            o, new_state, states = gated_delta_rule_ref(q, k, v.reshape(n, self.nv, self.dv), g[rows], beta[rows],
-                                                        rec_state, capture=i in keep)
-            core[rows] = o.to(x.dtype)
-            if i in keep:
-                keep[i](j, torch.cat((conv_state.to(mixed.dtype), mixed[rows])), states)
-            if cache is not None:
-                cache.conv_state[j][slot].copy_(new_conv)
-                cache.recurrent_state[j][slot].copy_(new_state)
-        # Gated RMSNorm per head: norm(o) * w * silu(z)
-        of = core.float()
-        of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm.float()
-        of = of * F.silu(z.float())
-        return self.out(of.to(x.dtype).reshape(x.shape[0], -1))
-
-    def _forward_fast(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """Every sequence at once: fused Triton step for decode, fla's chunked kernel otherwise."""
+        """Every sequence at once: the fused decode step (conv, delta rule and gated norm) for decode, else
+        the varlen conv, the chunked delta rule and the gated norm; each operation's chooser runs the
+        kernel or its exact reference (kernels/<op>/ops.py)."""
         meta, cache = fast_meta(batch), batch.cache
-        mixed, z, alpha, beta_raw = dispatch.packed_linear(x, (self.qkv, self.z, self.alpha, self.beta))
+        mixed, z, alpha, beta_raw = linear_ops.packed_linear(x, (self.qkv, self.z, self.alpha, self.beta))
         j = cache.linear_index(self.layer_id) if cache is not None else None
         if meta.decode and cache is not None:
-            core = dispatch.gdn_conv_decode_(mixed, self.conv, cache.conv_state[j], alpha, beta_raw, self.a,
-                                             self.dt_bias, z, self.norm, cache.recurrent_state[j], meta.slots,
-                                             self.nk, self.dk, self.eps, x.dtype, int8_reader(x, self.out.qtype))
+            core = gdn_ops.gdn_conv_decode_(mixed, self.conv, cache.conv_state[j], alpha, beta_raw, self.a,
+                                            self.dt_bias, z, self.norm, cache.recurrent_state[j], meta.slots,
+                                            self.nk, self.dk, self.eps, x.dtype, int8_reader(x, self.out.qtype))
             return self.out(core)
         n = len(meta.seq_lens)
         conv_pool, slots = (cache.conv_state[j], meta.slots) if cache is not None else (None, None)
         keep = batch.extras.get("position_states", {}) if cache is not None else {}
         conv_before = {i: conv_pool[batch.slots[i]].clone() for i in keep}  # the conv writes over them
-        conv_out = dispatch.conv_varlen_(mixed, self.conv, conv_pool, slots, meta.cu_seqlens, meta.seq_lens)
+        conv_out = conv_ops.conv_varlen_(mixed, self.conv, conv_pool, slots, meta.cu_seqlens, meta.seq_lens)
         if cache is not None:
             rec = cache.recurrent_state[j][meta.slots].float()
         else:
@@ -99,13 +63,13 @@ class GatedDeltaNet(nn.Module):
         q, k, v = torch.split(conv_out, [self.nk * self.dk, self.nk * self.dk, self.nv * self.dv], dim=-1)
         t = x.shape[0]
         g = self.a.float() * F.softplus(alpha.float() + self.dt_bias.float())
-        o, final = dispatch.chunk_gdn(q.view(t, self.nk, self.dk), k.view(t, self.nk, self.dk),
-                                      v.view(t, self.nv, self.dv), g, torch.sigmoid(beta_raw.float()), rec,
-                                      meta.cu_seqlens, meta.seq_lens, self.dk ** -0.5, self.eps)
+        o, final = gdn_ops.chunk_gdn(q.view(t, self.nk, self.dk), k.view(t, self.nk, self.dk),
+                                     v.view(t, self.nv, self.dv), g, torch.sigmoid(beta_raw.float()), rec,
+                                     meta.cu_seqlens, meta.seq_lens, self.dk ** -0.5, self.eps)
         if cache is not None:
             cache.recurrent_state[j].index_copy_(0, meta.slots, final.to(cache.recurrent_state[j].dtype))
         self._keep_states(batch, keep, j, conv_before, mixed, q, k, v, g, beta_raw, rec)
-        return self.out(dispatch.gated_rms_norm(o, z, self.norm, self.eps, x.dtype))
+        return self.out(norm_ops.gated_rms_norm(o, z, self.norm, self.eps, x.dtype))
 
     def _keep_states(self, batch, keep, j, conv_before, mixed, q, k, v, g, beta_raw, rec) -> None:
         """Hand each verifying sequence its per-position states; sequences of one length step together."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hf2q.kernels import dispatch
+from hf2q.kernels.linear import ops as linear_ops
 
 
 class Linear(nn.Module):
@@ -34,7 +34,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweight is None:
-            return dispatch.linear(x, self.weight)
+            return linear_ops.linear(x, self.weight)
         from hf2q.kernels.quant.ops import quant_linear
 
         return quant_linear(x, self.qweight, self.qtype, self.out_features)

@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from hf2q.kernels.linear import ops as linear_ops
+from hf2q.kernels.moe import ops as moe_ops
+from hf2q.kernels.moe import reference as moe_ref
+from hf2q.kernels.quant.ops import int8_reader
 from hf2q.layers.linear import Linear
 from hf2q.layers.mlp import MLP
 
@@ -64,16 +67,7 @@ class MoE(nn.Module):
         return dequantize(*self.quant_stack(name), self.stack_shape(name), dtype)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        probs = torch.softmax(self.router(x).float(), dim=-1)
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(x.dtype), experts
-
-    def experts_quant(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """Σ_k weights · expert_k(x) straight from the quantized stacks (requires `quantized`)."""
-        from hf2q.kernels.dispatch import moe_combine
-
-        return moe_combine(self.expert_pairs_quant(x, experts), weights)
+        return moe_ref.route(self.router(x), self.top_k, x.dtype)
 
     def expert_pairs_quant(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """expert_k(x) of every token-expert pair [T·k, H] from the quantized stacks."""
@@ -81,20 +75,30 @@ class MoE(nn.Module):
 
         return moe_expert_pairs_quant(x, experts, *(self.quant_stack(n) for n in EXPERT_STACKS))
 
-    def add_shared(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        if self.shared is None:
-            return y
-        return y + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, experts = self.route(x)
+        """Router, shared-expert gate and shared gate+up in one packed GEMM, then routing, every token-expert
+        pair's expert (straight from quantized blocks, through the expert GEMV for few pairs, grouped GEMMs
+        for many, else the reference loop) and the weighted combine with the gated shared expert; each step's
+        chooser runs its kernel or its exact reference (kernels/moe/ops.py)."""
+        shared = self.shared
+        if shared is None:
+            outs = linear_ops.packed_linear(x, (self.router,))
+        else:  # router, shared-expert gate and the shared expert's SwiGLU
+            outs = linear_ops.packed_swiglu(x, (self.router, self.shared_gate, shared.gate, shared.up),
+                                            int8_reader(x, shared.down.qtype))
+        weights, experts = moe_ops.moe_route(outs[0], self.top_k, x.dtype)
         if self.quantized:
-            return self.add_shared(x, self.experts_quant(x, weights, experts))
-        gate, up, down = (self.dense_stack(n, x.dtype) for n in EXPERT_STACKS)
-        out = torch.zeros_like(x)
-        for e in torch.unique(experts).tolist():
-            rows, slot = torch.where(experts == e)
-            h = x[rows]
-            y = F.linear(F.silu(F.linear(h, gate[e])) * F.linear(h, up[e]), down[e])
-            out.index_add_(0, rows, y * weights[rows, slot, None])
-        return self.add_shared(x, out)
+            pairs = self.expert_pairs_quant(x, experts)
+        else:  # a stack kept as blocks next to dense ones is dequantized (slow, but exact)
+            gate, up, down = (self.dense_stack(n, x.dtype) for n in EXPERT_STACKS)
+            if (shared is None or not shared.down.quantized) and moe_ops.moe_pairs_by_gemv(x, experts, gate, up, down):
+                # Few pairs, dense shared down: the pairs' down projections, the shared down and the combine
+                # can be one launch.
+                act = moe_ops.moe_pairs_swiglu(x, experts, gate, up)
+                if shared is None:
+                    return moe_ops.moe_down_combine(act, experts, weights, down)
+                return moe_ops.moe_down_combine(act, experts, weights, down, outs[2], shared.down.weight, outs[1])
+            pairs = moe_ops.moe_expert_pairs(x, experts, gate, up, down)
+        if shared is None:
+            return moe_ops.moe_combine(pairs, weights)
+        return moe_ops.moe_combine(pairs, weights, shared.down(outs[2]), outs[1])

@@ -11,7 +11,8 @@ from torch import nn
 
 from hf2q.config import ModelConfig
 from hf2q.forward import ForwardBatch
-from hf2q.kernels import dispatch
+from hf2q.kernels.linear import ops as linear_ops
+from hf2q.kernels.norm import ops as norm_ops
 from hf2q.kernels.quant.ops import int8_reader
 from hf2q.layers.attention import GatedAttention
 from hf2q.layers.gdn import GatedDeltaNet
@@ -43,23 +44,16 @@ class DecoderLayer(nn.Module):
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.ffn = make_ffn(cfg)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = self.attn_norm(x)
-        if self.is_full_attention:
-            x = x + self.mixer(h, batch, cos, sin)
-        else:
-            x = x + self.mixer(h, batch)
-        return x + self._ffn(self.ffn_norm(x), batch)
-
-    def forward_fused(self, x: torch.Tensor, pending, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor):
-        """The same block with each residual add fused into the following norm: `pending` (the previous
-        block's FFN output, or None) is added here; returns (residual, this block's FFN output)."""
+    def forward(self, x: torch.Tensor, pending, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor):
+        """x += pending; x += mixer(norm(x)); returns (x, ffn(norm(x))): each residual add is fused into the
+        norm after it, so `pending` is the previous block's FFN output (or None) and this block's is added
+        by the next block or the final norm. The same adds and norms as the plain pre-norm block."""
         int8_mixer, int8_ffn = self._int8_inputs()
         norm = self.attn_norm
-        x, h = dispatch.add_rms_norm(x, pending, norm.weight, norm.eps, int8_reader(x, int8_mixer))
+        x, h = norm_ops.add_rms_norm(x, pending, norm.weight, norm.eps, int8_reader(x, int8_mixer))
         m = self.mixer(h, batch, cos, sin) if self.is_full_attention else self.mixer(h, batch)
         norm = self.ffn_norm
-        x, h = dispatch.add_rms_norm(x, m, norm.weight, norm.eps, int8_reader(x, int8_ffn))
+        x, h = norm_ops.add_rms_norm(x, m, norm.weight, norm.eps, int8_reader(x, int8_ffn))
         return x, self._ffn(h, batch)
 
     def _int8_inputs(self) -> tuple[str | None, str | None]:
@@ -78,41 +72,8 @@ class DecoderLayer(nn.Module):
         return self._int8
 
     def _ffn(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """MoE on the fast path: router, shared-expert gate and shared gate+up in one packed GEMM, routing
-        and the combine in one kernel each, experts as grouped GEMMs or straight from their quantized
-        blocks (no per-expert loop, no host sync). The dense MLP's and the shared expert's SwiGLU follow
-        their gate+up product (dispatch.packed_swiglu: at one row the GEMV's epilogue)."""
-        if isinstance(self.ffn, MoE) and dispatch.use_fast_path(h) and (self.ffn.quantized or not self.ffn.exps_qtype):
-            return self._moe_fast(h)
-        if isinstance(self.ffn, MLP) and dispatch.use_fast_path(h):
-            ffn = self.ffn
-            (act,) = dispatch.packed_swiglu(h, (ffn.gate, ffn.up), int8_reader(h, ffn.down.qtype))  # one GEMM
-            return ffn.down(act)
+        """The FFN, dense MLP or MoE, each choosing its own kernels (the tensor-parallel layer reduces here)."""
         return self.ffn(h)
-
-    def _moe_fast(self, h: torch.Tensor) -> torch.Tensor:
-        moe, shared = self.ffn, self.ffn.shared
-        if shared is None:
-            outs = dispatch.packed_linear(h, (moe.router,))
-        else:  # router, shared-expert gate and the shared expert's SwiGLU
-            outs = dispatch.packed_swiglu(h, (moe.router, moe.shared_gate, shared.gate, shared.up),
-                                          int8_reader(h, shared.down.qtype))
-        weights, experts = dispatch.moe_route(outs[0], moe.top_k, h.dtype)
-        if (not moe.quantized and (shared is None or not shared.down.quantized)
-                and dispatch.moe_pairs_by_gemv(h, experts, moe.gate_exps, moe.up_exps, moe.down_exps)):
-            # Few pairs, dense shared down: the pairs' down projections, the shared down and the combine
-            # can be one launch.
-            act = dispatch.moe_pairs_swiglu(h, experts, moe.gate_exps, moe.up_exps)
-            if shared is None:
-                return dispatch.moe_down_combine(act, experts, weights, moe.down_exps)
-            return dispatch.moe_down_combine(act, experts, weights, moe.down_exps, outs[2], shared.down.weight, outs[1])
-        if moe.quantized:
-            pairs = moe.expert_pairs_quant(h, experts)
-        else:
-            pairs = dispatch.moe_expert_pairs(h, experts, moe.gate_exps, moe.up_exps, moe.down_exps)
-        if shared is None:
-            return dispatch.moe_combine(pairs, weights)
-        return dispatch.moe_combine(pairs, weights, shared.down(outs[2]), outs[1])
 
 
 class Qwen35Model(nn.Module):
@@ -134,15 +95,11 @@ class Qwen35Model(nn.Module):
         """Hidden states after the final norm, one row per input token: [T, hidden]."""
         x = self.embed_tokens(batch.input_ids) if input_embeds is None else input_embeds
         cos, sin = self.rotary.cos_sin(batch.positions)
-        if dispatch.use_fast_path(x):
-            pending = None
-            for layer in self.layers:
-                x, pending = layer.forward_fused(x, pending, batch, cos, sin)
-            head = int8_reader(x, self.lm_head.qtype if self.lm_head is not None else None)
-            return dispatch.add_rms_norm(x, pending, self.norm.weight, self.norm.eps, head)[1]
+        pending = None
         for layer in self.layers:
-            x = layer(x, batch, cos, sin)
-        return self.norm(x)
+            x, pending = layer(x, pending, batch, cos, sin)
+        head = int8_reader(x, self.lm_head.qtype if self.lm_head is not None else None)
+        return norm_ops.add_rms_norm(x, pending, self.norm.weight, self.norm.eps, head)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [T, vocab]; a quantized head goes through its Linear. A dense one asks for fp32 out
@@ -150,7 +107,7 @@ class Qwen35Model(nn.Module):
         if self.lm_head is not None and self.lm_head.quantized:
             return self.lm_head(hidden).float()
         weight = self.embed if self.lm_head is None else self.lm_head.weight
-        return dispatch.linear(hidden, weight, torch.float32)
+        return linear_ops.linear(hidden, weight, torch.float32)
 
     @torch.inference_mode()
     def logits(self, token_ids) -> torch.Tensor:

@@ -33,5 +33,5 @@ class MTPHead(nn.Module):
             batch.input_ids, self.embed)
         x = self.eh_proj(torch.cat((self.enorm(emb), self.hnorm(hidden)), dim=-1))
         cos, sin = model.rotary.cos_sin(batch.positions)
-        x = self.layer(x, batch, cos, sin)
-        return self.shared_head_norm(x)
+        x, ffn_out = self.layer(x, None, batch, cos, sin)
+        return self.shared_head_norm(x + ffn_out)

@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from hf2q.kernels.tuning import pdl
-from hf2q.kernels.quant.dp4a_triton import QUANT_SLICE, int8_buffers, int8_writes, quantize_and_store, remember
+from hf2q.kernels.quant.int8_rows import QUANT_SLICE, int8_buffers, int8_writes, quantize_and_store, remember
 
 
 @triton.jit
@@ -28,7 +28,7 @@ def _silu_mul_kernel(g_ptr, u_ptr, o_ptr, xq_ptr, act_ptr, N, stride_g, stride_u
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, int8_for: str | None = None) -> torch.Tensor:
     """gate, up: [T, N] (row-strided views are fine) -> silu(gate) * up [T, N] in gate's dtype.
-    int8_for: the output's int8 rows, in the order weights of that type read (quant_dp4a_triton.Int8Rows),
+    int8_for: the output's int8 rows, in the order weights of that type read (int8_rows.Int8Rows),
     are written too and remembered for the mat-vec."""
     t, n = gate.shape
     assert gate.stride(1) == 1 and up.stride(1) == 1 and up.shape == gate.shape

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from hf2q.kernels.tuning import pdl
-from hf2q.kernels.quant.dp4a_triton import int8_buffers, int8_writes, quantize_and_store, remember
+from hf2q.kernels.quant.int8_rows import int8_buffers, int8_writes, quantize_and_store, remember
 
 
 @triton.jit
@@ -150,7 +150,7 @@ def _gdn_conv_finish_kernel(x_ptr, conv_ptr, z_ptr, nw_ptr, slot_ptr, o_ptr, ss_
                             DV: tl.constexpr, SPLIT: tl.constexpr, QUANT: tl.constexpr, BLOCKED: tl.constexpr,
                             PDL: tl.constexpr = False):
     """Program (b, h): the gated RMSNorm of head h's read-out (with QUANT also its int8 rows for the
-    quantized output projection, quant_dp4a_triton.quantize_and_store); programs h < n_k also shift key
+    quantized output projection, int8_rows.quantize_and_store); programs h < n_k also shift key
     head h's q/k conv channels (every reader of them ran in the previous launch)."""
     pdl.enter(PDL)
     b = tl.program_id(0)

@@ -5,20 +5,11 @@ Shapes are for one sequence: n tokens, h value heads (q/k already expanded to h 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 
-def causal_conv1d_ref(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal conv + SiLU. x: [n, C]; state: [K-1, C] previous raw inputs; weight: [C, K].
-
-    Returns (y [n, C], new state [K-1, C]).
-    """
-    k = weight.shape[1]
-    xp = torch.cat((state.to(x.dtype), x), dim=0)  # [n + K - 1, C]
-    windows = xp.unfold(0, k, 1)  # [n, C, K]
-    y = (windows * weight.to(x.dtype)[None]).sum(-1)
-    return F.silu(y), xp[-(k - 1):].clone() if k > 1 else state
+def l2_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / ‖x‖ over the last axis (the DeltaNet's q and k per head), eps inside the root."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
 def gated_delta_rule_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

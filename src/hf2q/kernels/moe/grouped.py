@@ -1,7 +1,7 @@
 """MoE experts as three grouped GEMMs (torch `_grouped_mm`), with no host synchronisation.
 
 Token-expert pairs are sorted by expert; each expert multiplies its contiguous run of rows, and the
-outputs go back to pair order. The caller combines them (dispatch.moe_combine: a weighted sum over the
+outputs go back to pair order. The caller combines them (moe/ops.moe_combine: a weighted sum over the
 top-k, deterministic unlike an atomic index_add), so a CUDA graph replays exactly what eager execution
 computes.
 """

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from hf2q.kernels.tuning import pdl
-from hf2q.kernels.quant.dp4a_triton import QUANT_SLICE, int8_buffers, int8_writes, quantize_and_store, remember
+from hf2q.kernels.quant.int8_rows import QUANT_SLICE, int8_buffers, int8_writes, quantize_and_store, remember
 
 
 @triton.jit
@@ -57,7 +57,7 @@ def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, res_ptr, y_ptr, xq_ptr, act_ptr, N
 def add_rms_norm(x: torch.Tensor, add: Optional[torch.Tensor], weight: torch.Tensor, eps: float,
                  int8_for: str | None = None, slice_width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x, add: [T, N] -> (x + add, rms_norm(x + add) * weight), both in x's dtype; add None: (x, norm(x)).
-    int8_for: the norm's int8 rows, in the order weights of that type read (quant_dp4a_triton.Int8Rows),
+    int8_for: the norm's int8 rows, in the order weights of that type read (int8_rows.Int8Rows),
     are written too and remembered for the mat-vec, by programs of slice_width columns each (a power of
     two dividing N; default QUANT_SLICE where it divides a wider N, else the whole row)."""
     t, n = x.shape

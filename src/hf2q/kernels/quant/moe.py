@@ -1,15 +1,16 @@
 """Every token-expert pair's SwiGLU expert from quantized expert stacks, by device.
 
-It composes the quantized products of quant_ops with dispatch's dense ops (silu_mul, the dense expert
-pairs), so it sits above both: quant_ops imports nothing of dispatch.
+It composes the quantized products of quant/ops.py with the dense choosers (activation/ops.silu_mul, the
+dense expert pairs of moe/ops.py), so it sits above them: quant/ops.py imports neither.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from hf2q.kernels import dispatch
+from hf2q.kernels.activation import ops as activation_ops
 from hf2q.kernels.choose import triton_runs
+from hf2q.kernels.moe import ops as moe_ops
 from hf2q.kernels.quant.ops import MOE_PAIRS, dequantize, scratch
 from hf2q.quant import dequantize_ref
 
@@ -40,22 +41,23 @@ def moe_expert_pairs_quant(x: torch.Tensor, experts: torch.Tensor, gate: tuple, 
         h = F.silu(_expert_linear_ref(xs, flat, *gate, inter)) * _expert_linear_ref(xs, flat, *up, inter)
         return _expert_linear_ref(h, flat, *down, hidden)
     if t * top_k <= MOE_PAIRS:
-        from hf2q.kernels.quant.dp4a_triton import blocked_for, matvec, quantize_rows
+        from hf2q.kernels.quant.dp4a_triton import matvec
+        from hf2q.kernels.quant.int8_rows import blocked_for, quantize_rows
 
         flat = flat.to(torch.int32)
         xs = quantize_rows(x, blocked=blocked_for(gate[1]))
         if blocked_for(gate[1]) == blocked_for(up[1]):  # one launch, also for two types
             gu = matvec(xs, gate[0], gate[1], inter, flat, out_dtype=x.dtype, second=(up[0], inter, up[1]),
                         rows_per_x=top_k)
-            h = dispatch.silu_mul(gu[:, :inter], gu[:, inter:], int8_for=down[1])
+            h = activation_ops.silu_mul(gu[:, :inter], gu[:, inter:], int8_for=down[1])
         else:
-            h = dispatch.silu_mul(matvec(xs, *gate, inter, flat, out_dtype=x.dtype, rows_per_x=top_k),
-                                  matvec(quantize_rows(x, blocked=blocked_for(up[1])), *up, inter, flat,
-                                         out_dtype=x.dtype, rows_per_x=top_k), int8_for=down[1])
+            h = activation_ops.silu_mul(matvec(xs, *gate, inter, flat, out_dtype=x.dtype, rows_per_x=top_k),
+                                        matvec(quantize_rows(x, blocked=blocked_for(up[1])), *up, inter, flat,
+                                               out_dtype=x.dtype, rows_per_x=top_k), int8_for=down[1])
         return matvec(quantize_rows(h, blocked=blocked_for(down[1])), *down, hidden, flat, out_dtype=x.dtype)
     stacks = []
     for slot, (raw, qtype), shape in (("gate_exps", gate, (n_exp, inter, hidden)), ("up_exps", up, (n_exp, inter, hidden)),
                                       ("down_exps", down, (n_exp, hidden, inter))):
         buf = scratch(slot, n_exp * shape[1] * shape[2], x.dtype, x.device)
         stacks.append(dequantize(raw, qtype, shape, x.dtype, out=buf))
-    return dispatch.moe_expert_pairs(x, experts, *stacks)
+    return moe_ops.moe_expert_pairs(x, experts, *stacks)

@@ -103,7 +103,8 @@ def quant_linear_pair(x: torch.Tensor, first: tuple, second: tuple) -> torch.Ten
     mat-vec launch -> [..., n1 + n2] in x's dtype; None where that launch does not serve: no Triton, too
     many rows, types that read activations in different orders, or a first weight whose rows do not
     split into whole programs (a multiple of 32). (K-quant rows are whole 256-value blocks by type.)"""
-    from hf2q.kernels.quant.dp4a_triton import blocked_for, matvec, quantize_rows
+    from hf2q.kernels.quant.dp4a_triton import matvec
+    from hf2q.kernels.quant.int8_rows import blocked_for, quantize_rows
 
     (raw1, qtype1, n1), (raw2, qtype2, n2) = first, second
     k = x.shape[-1]

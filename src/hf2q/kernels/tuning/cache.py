@@ -2,7 +2,7 @@
 
 Timing every candidate configuration of every shape makes the first start of a 9B Q4_K_M model take about
 a minute and a half on an H200; a later start reads the choices back and compiles only the chosen ones.
-Entries are scoped by GPU name, Triton version and a hash of the kernel module's code (code_hash: not its
+Entries are scoped by GPU name, Triton version and a hash of the kernel modules' code (code_hash: not its
 comments or docstrings): another card, compiler or kernel times anew. HF2Q_TUNE_CACHE names the file
 (default: hf2q/matvec_configs.json under XDG_CACHE_HOME or ~/.cache); set it empty to keep nothing on disk.
 Any candidate is exact, so a stale or foreign entry can cost speed, never correctness.
@@ -59,13 +59,16 @@ def store(scope: str, key: str, config) -> None:
         warnings.warn(f"mat-vec tuning cache {path} not written: {err}", stacklevel=2)
 
 
-def code_hash(source: str) -> str:
-    """A digest of Python source that changes with its code, not with its comments or docstrings (an edit
-    of the prose keeps the stored choices)."""
-    tree = ast.parse(source)
-    for node in ast.walk(tree):
-        body = getattr(node, "body", None)
-        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) \
-                and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
-            node.body = body[1:] or [ast.Pass()]
-    return hashlib.sha256(ast.dump(tree).encode()).hexdigest()[:16]
+def code_hash(*sources: str) -> str:
+    """A digest of Python sources (the modules of one kernel) that changes with their code, not with their
+    comments or docstrings (an edit of the prose keeps the stored choices)."""
+    digest = hashlib.sha256()
+    for source in sources:
+        tree = ast.parse(source)
+        for node in ast.walk(tree):
+            body = getattr(node, "body", None)
+            if isinstance(body, list) and body and isinstance(body[0], ast.Expr) \
+                    and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+                node.body = body[1:] or [ast.Pass()]
+        digest.update(ast.dump(tree).encode())
+    return digest.hexdigest()[:16]

@@ -1,0 +1,67 @@
+"""The Gated DeltaNet's delta rule: one token per sequence (the fused Triton decode step, with the conv
+folded in) or many (fla's chunked kernel), else the reference."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hf2q.kernels.choose import kernels_on
+from hf2q.kernels.conv.ops import conv_decode_
+from hf2q.kernels.gdn.reference import gated_delta_rule_ref, l2_normalize
+from hf2q.kernels.norm import reference as norm_ref
+
+
+def gdn_conv_decode_(x, conv_w, conv_pool, a_raw, b_raw, A, dt_bias, z, norm_w, state_pool, slots, nk: int, dk: int,
+                     eps: float, out_dtype: torch.dtype, int8_for: str | None = None) -> torch.Tensor:
+    """conv_decode_ then gdn_decode_ of the qkv projection x [B, C], in one kernel where Triton runs (one
+    launch per layer fewer); conv_pool and state_pool updated in place at `slots`. int8_for: the output
+    feeds the int8 mat-vec of a weight of that type (quant_ops.int8_reader); the kernel also writes its
+    int8 rows."""
+    if (kernels_on(x) and conv_w.shape[1] == 4 and state_pool.dtype == torch.float32 and x.stride(1) == 1
+            and conv_pool.stride(2) == 1):
+        from hf2q.kernels.gdn.decode_triton import gdn_conv_decode_ as kernel
+        return kernel(x, conv_w, conv_pool, a_raw, b_raw, A, dt_bias, z, norm_w, state_pool, slots, nk, dk, eps,
+                      out_dtype, int8_for)
+    return gdn_decode_(conv_decode_(x, conv_w, conv_pool, slots), a_raw, b_raw, A, dt_bias, z, norm_w, state_pool,
+                       slots, nk, dk, eps, out_dtype)
+
+
+def gdn_decode_(qkv, a_raw, b_raw, A, dt_bias, z, norm_w, state_pool, slots, nk: int, dk: int, eps: float,
+                out_dtype: torch.dtype) -> torch.Tensor:
+    """Fused decode step of every sequence (see gdn_decode_triton); state_pool[slots] updated in place."""
+    if kernels_on(qkv) and state_pool.dtype == torch.float32:
+        from hf2q.kernels.gdn.decode_triton import gdn_decode_ as kernel
+        return kernel(qkv, a_raw, b_raw, A, dt_bias, z, norm_w, state_pool, slots, nk, dk, eps, out_dtype)
+    bsz, nv, dv = qkv.shape[0], state_pool.shape[1], state_pool.shape[3]
+    rep = nv // nk
+    q, k, v = torch.split(qkv.float(), [nk * dk, nk * dk, nv * dv], dim=-1)
+    q, k = q.view(bsz, nk, dk), k.view(bsz, nk, dk)
+    q = (l2_normalize(q, eps) * dk ** -0.5).repeat(1, rep, 1)
+    k = l2_normalize(k, eps).repeat(1, rep, 1)
+    g = A.float() * F.softplus(a_raw.float() + dt_bias.float())
+    beta = torch.sigmoid(b_raw.float())
+    heads = bsz * nv  # one token per sequence: the sequences ride the reference's head axis
+    state = state_pool[slots].reshape(heads, dk, dv)
+    o, s, _ = gated_delta_rule_ref(q.reshape(1, heads, dk), k.reshape(1, heads, dk), v.reshape(1, heads, dv),
+                                   g.reshape(1, heads), beta.reshape(1, heads), state)
+    state_pool.index_copy_(0, slots, s.view(bsz, nv, dk, dv).to(state_pool.dtype))
+    return norm_ref.gated_rms_norm(o.view(bsz, nv, dv), z, norm_w, eps, out_dtype)
+
+
+def chunk_gdn(q, k, v, g, beta, initial_state, cu_seqlens, seq_lens: list[int], scale: float, eps: float):
+    """q, k: [T, nk, dk] raw; v: [T, nv, dv]; g, beta: [T, nv]; initial_state: [N, nv, dk, dv].
+    Returns (o [T, nv, dv] in v's dtype, final states [N, nv, dk, dv] fp32)."""
+    if q.is_cuda:
+        from hf2q.kernels.gdn.chunked_fla import chunk_gdn as kernel
+        return kernel(q, k, v, g, beta, initial_state, cu_seqlens, scale)
+    rep = v.shape[1] // q.shape[1]
+    qf = l2_normalize(q.float(), eps) * scale
+    kf = l2_normalize(k.float(), eps)
+    qf, kf = qf.repeat(1, rep, 1), kf.repeat(1, rep, 1)
+    out, finals, row = torch.empty_like(v), [], 0
+    for i, n in enumerate(seq_lens):
+        r = slice(row, row + n)
+        o, s, _ = gated_delta_rule_ref(qf[r], kf[r], v[r], g[r], beta[r], initial_state[i])
+        out[r], row = o, row + n
+        finals.append(s)
+    return out, torch.stack(finals) if finals else initial_state.float()

@@ -1,0 +1,171 @@
+"""Dense products and packs of projections of one input: picks the Triton GEMV (a few bf16 rows, where its
+table measured it faster or HF2Q_GEMV sends them) or cuBLAS, and routes quantized packs to quant/ops.py."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+from hf2q import envs
+from hf2q.kernels.activation import ops as activation_ops
+from hf2q.kernels.choose import kernels_on
+
+
+# The Triton GEMV for few rows of x. By default ("measured") it serves the shapes its table records as
+# faster than cuBLAS on the device (2B, one row: 20% faster); HF2Q_GEMV=N sends every product of at most
+# N (0..4) rows to it, HF2Q_GEMV=0 none.
+_GEMV = {"rows": envs.gemv_rows()}
+
+
+@contextlib.contextmanager
+def gemv_switch(rows):
+    """Temporarily send products of at most `rows` rows (0: none; "measured": the table's faster shapes)
+    to the Triton GEMV, as HF2Q_GEMV does."""
+    old, _GEMV["rows"] = _GEMV["rows"], rows
+    try:
+        yield
+    finally:
+        _GEMV["rows"] = old
+
+
+def gemv_serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether x Wᵀ goes to the Triton GEMV: a few bf16 rows where Triton runs and the HF2Q_GEMV setting
+    sends them."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if not (1 <= rows <= 4 and kernels_on(x) and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
+            and x.stride(-1) == 1 and weight.stride(-1) == 1):
+        return False
+    from hf2q.kernels.linear import gemv_triton
+    limit = _GEMV["rows"]
+    if limit == "measured":
+        return gemv_triton.measured_faster(weight.shape[0], x.shape[-1], rows)
+    return rows <= limit
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x Wᵀ for a dense weight [N, K], in out_dtype (default x's): the Triton GEMV for a few bf16 rows on
+    CUDA where the HF2Q_GEMV setting sends them (one kernel, no split-K reduce), cuBLAS otherwise."""
+    if gemv_serves(x, weight):
+        from hf2q.kernels.linear.gemv_triton import gemv
+        return gemv(x, weight, out_dtype)
+    y = F.linear(x, weight)
+    return y if out_dtype is None else y.to(out_dtype)
+
+
+def packed_linear(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
+    """Several projections of the same input as one GEMM. On first use their weights are concatenated
+    once and each Linear's weight becomes a view of the packed matrix (no second copy). Quantized
+    projections of one type pack their blocks the same way (rows are whole blocks); a pack mixing
+    types packs each type's projections together (llama.cpp's Q4_K_M gives the DeltaNet qkv Q5_K and
+    its z, alpha and beta Q4_K), and its dense projections together (a MoE's router and shared-expert
+    gate, kept in float: one product instead of two)."""
+    if any(lin.quantized for lin in linears):
+        return _packed_by_type(x, linears)
+    out = linear(x, _pack(x, linears))
+    return torch.split(out, [lin.weight.shape[0] for lin in linears], dim=-1)
+
+
+def packed_swiglu(x: torch.Tensor, linears, int8_for: str | None = None) -> tuple[torch.Tensor, ...]:
+    """packed_linear of `linears` whose last two are a SwiGLU's gate and up -> the other projections'
+    outputs, then silu(gate) * up. Where the GEMV serves the pack at one row, the SwiGLU is its epilogue
+    (gemv_triton.gemv_glu): one launch, no activation launch after it. Elsewhere the pack's product and
+    silu_mul run as two steps; with int8_for (the result feeds the int8 mat-vec of a weight of that type)
+    too, since silu_mul also writes the int8 rows."""
+    gate, up = linears[-2], linears[-1]
+    if (int8_for is None and not any(lin.quantized for lin in linears) and x.numel() == x.shape[-1]
+            and gate.weight.shape == up.weight.shape):
+        packed = _pack(x, linears)
+        if gemv_serves(x, packed):
+            from hf2q.kernels.linear.gemv_triton import gemv_glu
+            sizes = [lin.weight.shape[0] for lin in linears[:-1]]
+            return torch.split(gemv_glu(x, packed, sum(sizes[:-1])), sizes, dim=-1)
+    *others, g, u = packed_linear(x, linears)
+    return (*others, activation_ops.silu_mul(g, u, int8_for))
+
+
+def _pack(x: torch.Tensor, linears) -> torch.Tensor:
+    """The dense projections' weights concatenated (made on first use; each weight then a view of it)."""
+    first = linears[0]
+    packed = getattr(first, "_packed", None)
+    if packed is None or packed.device != x.device or not _views_of(packed, [lin.weight for lin in linears]):
+        packed = torch.cat([lin.weight.data for lin in linears])
+        row = 0
+        for lin in linears:
+            n = lin.weight.shape[0]
+            lin.weight = torch.nn.Parameter(packed[row:row + n], requires_grad=False)
+            row += n
+        first._packed = packed
+    return packed
+
+
+def _views_of(packed: torch.Tensor, parts) -> bool:
+    """Whether `parts` are, in order, consecutive row blocks of `packed` (the pack made for exactly these
+    projections: a projection shared by two packs, such as a router replicated across tensor-parallel
+    shards, must not pick up another pack)."""
+    row_bytes = packed.stride(0) * packed.element_size()
+    ptr = packed.data_ptr()
+    for part in parts:
+        if part.data_ptr() != ptr:
+            return False
+        ptr += part.shape[0] * row_bytes
+    return ptr == packed.data_ptr() + packed.shape[0] * row_bytes
+
+
+def _packed_by_type(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
+    groups: dict[str | None, list[int]] = {}
+    for i, lin in enumerate(linears):
+        groups.setdefault(lin.qtype if lin.quantized else None, []).append(i)
+    if len(groups) == 1:
+        return _packed_quant_linear(x, linears)
+    out: list = [None] * len(linears)
+    quant = [(qtype, idx) for qtype, idx in groups.items() if qtype is not None]
+    if len(quant) == 2:  # two types (a DeltaNet's Q5_K qkv and Q4_K z/a/b): one launch where the mat-vec serves
+        from hf2q.kernels.quant.ops import quant_linear_pair
+
+        parts = [[linears[i] for i in idx] for _, idx in quant]
+        sizes = [[lin.out_features for lin in part] for part in parts]
+        weights = [(_packed_raw(part), qtype, sum(n)) for part, (qtype, _), n in zip(parts, quant, sizes)]
+        y = quant_linear_pair(x, *weights)
+        if y is not None:
+            for i, r in zip(quant[0][1] + quant[1][1], torch.split(y, sizes[0] + sizes[1], dim=-1)):
+                out[i] = r
+            groups = {None: groups[None]} if None in groups else {}
+    for qtype, idx in groups.items():
+        if len(idx) == 1:
+            results = [linears[idx[0]](x)]
+        elif qtype is None:
+            results = packed_linear(x, [linears[i] for i in idx])
+        else:
+            results = _packed_quant_linear(x, [linears[i] for i in idx])
+        for i, r in zip(idx, results):
+            out[i] = r
+    return tuple(out)
+
+
+def _packed_quant_linear(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
+    """packed_linear for projections quantized as one type (see _packed_raw)."""
+    from hf2q.kernels.quant.ops import quant_linear
+
+    sizes = [lin.out_features for lin in linears]
+    out = quant_linear(x, _packed_raw(linears), linears[0].qtype, sum(sizes))
+    return torch.split(out, sizes, dim=-1)
+
+
+def _packed_raw(linears) -> torch.Tensor:
+    """The block rows of projections quantized as one type, concatenated once (made on first use; each
+    Linear's qweight then a view of the packed blocks); a lone projection's own blocks."""
+    first = linears[0]
+    if len(linears) == 1:
+        return first.qweight
+    packed = getattr(first, "_qpacked", None)
+    parts = [lin.qweight for lin in linears]
+    if packed is None or packed.device != parts[0].device or not _views_of(packed, parts):
+        packed = torch.cat(parts)
+        row = 0
+        for lin in linears:
+            n = lin.out_features
+            lin.qweight = packed[row:row + n]
+            row += n
+        first._qpacked = packed
+    return packed
