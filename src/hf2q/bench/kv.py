@@ -1,5 +1,5 @@
-"""`python -m hf2q.bench.kv`: what each K/V format buys at a real shape: bytes per token, the 32k-token sequences
-the server's sizing admits, and decode tok/s at 1 and 64 streams at 4k and 32k contexts (CUDA).
+"""`python -m hf2q.bench.kv`: what each K/V format buys at a real shape: bytes per token, the most 32k-token
+sequences the server's sizing admits at once, and decode tok/s at 1 and 64 streams at 4k and 32k contexts (CUDA).
 
 Contexts are filled by writing random K/V through the pool (the attention cost depends on the length, not the
 values); decode replays a captured CUDA graph of exactly the streams, as the server decodes, for every format
@@ -22,12 +22,24 @@ from hf2q.server.sizing import BLOCK, choose
 FORMATS = ("bfloat16", "fp8", "tq8", "tq6", "tq5")
 
 
-def capacity(cfg, fmt: str, free_bytes: int, total_bytes: int, context: int, max_num_seqs: int = 64) -> dict:
-    """Bytes per token and the sequences of `context` tokens the server's sizing admits in `free_bytes` (at most
-    `max_num_seqs`, the server's default decode batch)."""
-    limits = choose(cfg, "cuda", fmt, max_num_seqs, context, free_bytes=free_bytes, total_bytes=total_bytes)
-    return {"bytes_per_token": kv_bytes_per_token(cfg, fmt), "pool_tokens": limits.cache.num_blocks * BLOCK,
-            "max_seqs": min(limits.cache.num_blocks // -(-context // BLOCK), max_num_seqs)}
+def capacity(cfg, fmt: str, free_bytes: int, total_bytes: int, context: int) -> dict:
+    """Bytes per token, and the most sequences of `context` tokens the server's sizing admits at once in
+    `free_bytes`: the largest --max-num-seqs whose pool (after its DeltaNet states and the reserve) holds
+    every sequence at full length."""
+    per_seq = -(-context // BLOCK)
+
+    def fits(seqs: int) -> bool:
+        try:
+            limits = choose(cfg, "cuda", fmt, seqs, context, free_bytes=free_bytes, total_bytes=total_bytes)
+        except ValueError:
+            return False
+        return limits.cache.num_blocks >= seqs * per_seq
+
+    lo, hi = 0, 1 << 14
+    while lo < hi:  # fits() is monotone: each sequence takes its state and its blocks
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return {"bytes_per_token": kv_bytes_per_token(cfg, fmt), "max_seqs": lo}
 
 
 def _fill(cache: HybridCache, slots: list[int], context: int) -> None:
