@@ -39,14 +39,6 @@ def _bytes_in_order(words, shift, mask):
 
 
 @triton.jit
-def _to_f32(v):
-    """float32 of int32 v, |v| < 2**22, exactly: v added into the mantissa of 1.5 * 2**23, which is then
-    subtracted. Two full-rate operations instead of the quarter-rate integer conversion, which bounded
-    the kernel (one conversion per weight)."""
-    return (v + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
-
-
-@triton.jit
 def _block_words(w32, row_q, row_ok, first, t, nblk):
     """Words first..first+7 [BN, 8] of K-quant block t in interleaved rows starting at quad row_q (word w of
     a block sits in quad w // 4, and quad q of block t at quad q * nblk + t of the row)."""
@@ -93,7 +85,7 @@ def _kquant45_group(w32, row_q, row_ok, t, nblk, G: tl.constexpr, QTYPE: tl.cons
     h2 = tl.load(header + 2, mask=row_ok, other=0)
     h3 = tl.load(header + 3, mask=row_ok, other=0)
     sc, mn = _scale_min(h1, h2, h3, G)
-    return (f16_bits(h0) * sc)[:, None] * _to_f32(q) - (f16_bits(h0 >> 16) * mn)[:, None]
+    return (f16_bits(h0) * sc)[:, None] * q.to(tl.float32) - (f16_bits(h0 >> 16) * mn)[:, None]
 
 
 @triton.jit
@@ -113,7 +105,7 @@ def _q6k_group(w32, row_q, row_ok, t, nblk, G: tl.constexpr):
     sc = tl.where((tl.arange(0, 32) < 16)[None, :], sc0[:, None], sc1[:, None])
     dw = tl.load(w32 + row_q * 4 + 52 * nblk + t // 2, mask=row_ok, other=0)
     d = f16_bits(dw >> (16 * (t % 2)))
-    return d[:, None] * _to_f32(sc * ((lo | (hi << 4)) - 32))
+    return d[:, None] * (sc * ((lo | (hi << 4)) - 32)).to(tl.float32)
 
 
 @triton.jit
@@ -128,9 +120,9 @@ def _q8_q4_group(w8, w16, row_base, row_ok, t, nblk, G: tl.constexpr, QTYPE: tl.
     i = tl.arange(0, 32)
     if QTYPE == 0:
         q = tl.load(w8 + base[:, None] + 2 + i[None, :], mask=ok[:, None], other=0).to(tl.int8, bitcast=True)
-        return d[:, None] * _to_f32(q.to(tl.int32))
+        return d[:, None] * q.to(tl.float32)
     q = tl.load(w8 + base[:, None] + 2 + (i % 16)[None, :], mask=ok[:, None], other=0).to(tl.int32)
-    return d[:, None] * _to_f32(((q >> (4 * (i // 16))[None, :]) & 15) - 8)
+    return d[:, None] * (((q >> (4 * (i // 16))[None, :]) & 15) - 8).to(tl.float32)
 
 
 @triton.jit
