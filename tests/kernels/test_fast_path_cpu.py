@@ -93,3 +93,30 @@ def test_grouped_gemm_moe_matches_expert_loop():
     for ids in (experts, experts.int()):  # torch's top-k gives int64, the routing kernel int32
         got = moe_combine(moe_expert_pairs_grouped(x, ids, moe.gate_exps, moe.up_exps, moe.down_exps), weights)
         assert rel(got.float(), ref.float()) <= 2e-2
+
+
+def test_fast_path_off_keeps_the_dense_choosers_on_their_references(monkeypatch):
+    """Where Triton runs, fast_path("off") still gives the torch references of the dense operations (what the
+    exactness tests compare against on CUDA and training differentiates): the kernel module is never reached."""
+    import sys
+    import types
+
+    from hf2q.kernels import choose
+    from hf2q.kernels.norm import ops as norm_ops
+
+    monkeypatch.setattr(choose, "triton_runs", lambda x: True)
+    kernel_module = types.ModuleType("hf2q.kernels.norm.add_rms_triton")
+
+    def kernel(*args):
+        raise AssertionError("the Triton kernel ran under fast_path('off')")
+
+    kernel_module.add_rms_norm = kernel
+    monkeypatch.setitem(sys.modules, "hf2q.kernels.norm.add_rms_triton", kernel_module)
+    x, w = torch.randn(3, 8), torch.ones(8)
+    with fast_path("off"):
+        assert not choose.kernels_on(x)
+        new_x, h = norm_ops.add_rms_norm(x, x, w, 1e-6)
+    assert torch.equal(new_x, x + x) and torch.allclose(h, F.rms_norm(x + x, (8,), w, 1e-6), atol=1e-6)
+    assert choose.kernels_on(x)  # auto: the kernel where Triton runs
+    with pytest.raises(AssertionError, match="Triton kernel ran"):
+        norm_ops.add_rms_norm(x, x, w, 1e-6)
