@@ -42,7 +42,8 @@ def llama_cpp_root() -> Path:
               prefix + "models/templates/")
     with tarfile.open(sdist) as tar:
         members = [m for m in tar.getmembers() if m.name.startswith(wanted)]
-        tar.extractall(CACHE, members=members, filter="data")
+        safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}  # Pythons before 3.11.4 lack filters
+        tar.extractall(CACHE, members=members, **safe)
     marker.touch()
     return root / "vendor" / "llama.cpp"
 
