@@ -431,6 +431,6 @@ def test_quant_mm_compiles_for_hopper(qtype, chunks):
     sig = {"x_ptr": "*bf16", "w8": "*u8", "w16": "*fp16", "w32": "*i32", "out_ptr": "*fp32", "M": "i32", "N": "i32",
            "K": "i32", "x_stride": "i32", "row_stride": "i32", "nblk": "i32", "tiles_per_split": "i32",
            "n_tiles": "i32"}
-    const = dict(QTYPE=mm.QTYPE_ID[qtype], CHUNKS=chunks, BLOCK_N=32, IEEE=False)
+    const = dict(QTYPE=mm.QTYPE_ID[qtype], CHUNKS=chunks, BLOCK_N=32, IEEE=False, EVEN_K=True)
     ptx = compile_for_hopper(mm._quant_mm_kernel, sig, const, 8)
     assert "mma" in ptx

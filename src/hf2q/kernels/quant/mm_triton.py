@@ -39,12 +39,12 @@ def _bytes_in_order(words, shift, mask):
 
 
 @triton.jit
-def _block_words(w32, row_q, row_ok, first, t, nblk):
+def _block_words(w32, row_q, first, t, nblk):
     """Words first..first+7 [BN, 8] of K-quant block t in interleaved rows starting at quad row_q (word w of
     a block sits in quad w // 4, and quad q of block t at quad q * nblk + t of the row)."""
     w = first + tl.arange(0, 8)
     off = (row_q[:, None] + ((w // 4) * nblk + t)[None, :]) * 4 + (w % 4)[None, :]
-    return tl.load(w32 + off, mask=row_ok[:, None], other=0)
+    return tl.load(w32 + off)
 
 
 @triton.jit
@@ -72,49 +72,49 @@ def _scale_min(h1, h2, h3, s: tl.constexpr):
 
 
 @triton.jit
-def _kquant45_group(w32, row_q, row_ok, t, nblk, G: tl.constexpr, QTYPE: tl.constexpr):
+def _kquant45_group(w32, row_q, t, nblk, G: tl.constexpr, QTYPE: tl.constexpr):
     """fp32 values [BN, 32] of sub-block G of Q4_K/Q5_K block t: value 64g + 32h + l (G = 2g + h) is nibble h
     of nibble byte 32g + l, plus (Q5_K) bit G of fifth-bit byte l as 16; times d * scale, minus dmin * min."""
     QS: tl.constexpr = 4 if QTYPE == 2 else 12  # first word of the nibbles (after the header, Q5_K's fifth bits)
-    q = _bytes_in_order(_block_words(w32, row_q, row_ok, QS + 8 * (G // 2), t, nblk), 4 * (G % 2), 15)
+    q = _bytes_in_order(_block_words(w32, row_q, QS + 8 * (G // 2), t, nblk), 4 * (G % 2), 15)
     if QTYPE == 3:
-        q += _bytes_in_order(_block_words(w32, row_q, row_ok, 4, t, nblk), G, 1) << 4
+        q += _bytes_in_order(_block_words(w32, row_q, 4, t, nblk), G, 1) << 4
     header = w32 + (row_q + t) * 4  # quad 0 of block t: f16 d and dmin, then the 12 scale bytes
-    h0 = tl.load(header, mask=row_ok, other=0)
-    h1 = tl.load(header + 1, mask=row_ok, other=0)
-    h2 = tl.load(header + 2, mask=row_ok, other=0)
-    h3 = tl.load(header + 3, mask=row_ok, other=0)
+    h0 = tl.load(header)
+    h1 = tl.load(header + 1)
+    h2 = tl.load(header + 2)
+    h3 = tl.load(header + 3)
     sc, mn = _scale_min(h1, h2, h3, G)
     return (f16_bits(h0) * sc)[:, None] * q.to(tl.float32) - (f16_bits(h0 >> 16) * mn)[:, None]
 
 
 @triton.jit
-def _q6k_group(w32, row_q, row_ok, t, nblk, G: tl.constexpr):
+def _q6k_group(w32, row_q, t, nblk, G: tl.constexpr):
     """fp32 values [BN, 32] of group G = 4h + j of Q6_K block t: value 128h + 32j + l has its low nibble in
     ql byte 64h + 32(j % 2) + l (shifted by 4(j // 2)), its top two bits in qh byte 32h + l (shifted by 2j),
     and scale 8h + 2j + l // 16 (signed bytes in words 48-51); d sits in the row's plane after the quads."""
     H: tl.constexpr = G // 4
     J: tl.constexpr = G % 4
-    lo = _bytes_in_order(_block_words(w32, row_q, row_ok, 16 * H + 8 * (J % 2), t, nblk), 4 * (J // 2), 15)
-    hi = _bytes_in_order(_block_words(w32, row_q, row_ok, 32 + 8 * H, t, nblk), 2 * J, 3)
+    lo = _bytes_in_order(_block_words(w32, row_q, 16 * H + 8 * (J % 2), t, nblk), 4 * (J // 2), 15)
+    hi = _bytes_in_order(_block_words(w32, row_q, 32 + 8 * H, t, nblk), 2 * J, 3)
     S: tl.constexpr = 48 + 2 * H + J // 2  # the word holding scales 8h + 2j and 8h + 2j + 1
-    sw = tl.load(w32 + (row_q + (S // 4) * nblk + t) * 4 + S % 4, mask=row_ok, other=0)
+    sw = tl.load(w32 + (row_q + (S // 4) * nblk + t) * 4 + S % 4)
     B: tl.constexpr = 2 * (J % 2)  # their bytes in that word
     sc0 = (sw << (24 - 8 * B)) >> 24
     sc1 = (sw << (16 - 8 * B)) >> 24
     sc = tl.where((tl.arange(0, 32) < 16)[None, :], sc0[:, None], sc1[:, None])
-    dw = tl.load(w32 + row_q * 4 + 52 * nblk + t // 2, mask=row_ok, other=0)
+    dw = tl.load(w32 + row_q * 4 + 52 * nblk + t // 2)
     d = f16_bits(dw >> (16 * (t % 2)))
     return d[:, None] * (sc * ((lo | (hi << 4)) - 32)).to(tl.float32)
 
 
 @triton.jit
-def _q8_q4_group(w8, w16, row_base, row_ok, t, nblk, G: tl.constexpr, QTYPE: tl.constexpr):
+def _q8_q4_group(w8, w16, row_base, t, nblk, G: tl.constexpr, QTYPE: tl.constexpr):
     """fp32 values [BN, 32] of block 8t + G of Q8_0 (f16 d, 32 int8) or Q4_0 (f16 d, 16 bytes: value i is
     nibble i // 16 of byte i % 16, minus 8), ggml's byte order; zeros past the row's last block."""
     BYTES: tl.constexpr = 34 if QTYPE == 0 else 18
     b = t * 8 + G
-    ok = row_ok & (row_base * 0 + b < nblk)  # a [BN] mask (a scalar comparison would not broadcast as one)
+    ok = row_base * 0 + b < nblk  # a [BN] mask (a scalar comparison would not broadcast as one)
     base = row_base + b * BYTES
     d = tl.load(w16 + base // 2, mask=ok, other=0).to(tl.float32)
     i = tl.arange(0, 32)
@@ -126,22 +126,25 @@ def _q8_q4_group(w8, w16, row_base, row_ok, t, nblk, G: tl.constexpr, QTYPE: tl.
 
 
 @triton.jit
-def _group(w8, w16, w32, row_base, row_ok, t, nblk, G: tl.constexpr, QTYPE: tl.constexpr):
+def _group(w8, w16, w32, row_base, t, nblk, G: tl.constexpr, QTYPE: tl.constexpr):
     """fp32 values [BN, 32] of weight columns 256t + 32G.. of each row."""
     if QTYPE == 2 or QTYPE == 3:
-        return _kquant45_group(w32, row_base, row_ok, t, nblk, G, QTYPE)
+        return _kquant45_group(w32, row_base, t, nblk, G, QTYPE)
     elif QTYPE == 4:
-        return _q6k_group(w32, row_base, row_ok, t, nblk, G)
+        return _q6k_group(w32, row_base, t, nblk, G)
     else:
-        return _q8_q4_group(w8, w16, row_base, row_ok, t, nblk, G, QTYPE)
+        return _q8_q4_group(w8, w16, row_base, t, nblk, G, QTYPE)
 
 
 @triton.jit
-def _x_cols(x_ptr, m0, M, x_stride, k, K):
-    """[16, 32] activations: rows m0.., columns k."""
-    m = m0 + tl.arange(0, 16)
-    return tl.load(x_ptr + m.to(tl.int64)[:, None] * x_stride + k[None, :], mask=(m < M)[:, None] & (k < K)[None, :],
-                   other=0)
+def _x_cols(x_ptr, m0, M, x_stride, k, K, EVEN_K: tl.constexpr):
+    """[16, 32] activations: rows m0.. (rows past M read the last one: their results are never stored),
+    columns k (masked past K unless every tile is whole, as K-quant rows are)."""
+    m = tl.minimum(m0 + tl.arange(0, 16), M - 1)
+    ptrs = x_ptr + m.to(tl.int64)[:, None] * x_stride + k[None, :]
+    if EVEN_K:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=(k < K)[None, :], other=0)
 
 
 @triton.jit
@@ -161,14 +164,15 @@ def _store(out_ptr, acc, split, m0, M, N, rows, row_ok):
 
 @triton.jit(do_not_specialize=["M"])  # one build for every row count: a new count must not compile mid-serve
 def _quant_mm_kernel(x_ptr, w8, w16, w32, out_ptr, M, N, K, x_stride, row_stride, nblk, tiles_per_split,
-                     n_tiles, QTYPE: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+                     n_tiles, QTYPE: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+                     EVEN_K: tl.constexpr):
     """A program: BLOCK_N weight rows times CHUNKS x 16 activation rows over one split of K. Each chunk of 16
     rows is its own dot with its own accumulator, so a row's sums never depend on how many rows a program
     takes."""
     pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
-    row_base = rows.to(tl.int64) * row_stride
+    row_base = tl.minimum(rows, N - 1).to(tl.int64) * row_stride  # rows past N read the last: the store drops them
     m0 = pid_m * CHUNKS * 16
     acc0 = tl.zeros((16, BLOCK_N), dtype=tl.float32)
     acc1 = tl.zeros((16, BLOCK_N), dtype=tl.float32)
@@ -178,14 +182,14 @@ def _quant_mm_kernel(x_ptr, w8, w16, w32, out_ptr, M, N, K, x_stride, row_stride
     last = tl.minimum(first + tiles_per_split, n_tiles)
     for t in range(first, last):
         for g in tl.static_range(8):
-            w = tl.trans(_group(w8, w16, w32, row_base, row_ok, t, nblk, g, QTYPE))  # [32, BLOCK_N]
+            w = tl.trans(_group(w8, w16, w32, row_base, t, nblk, g, QTYPE))  # [32, BLOCK_N]
             k = t * 256 + 32 * g + tl.arange(0, 32)
-            acc0 = _dot(_x_cols(x_ptr, m0, M, x_stride, k, K), w, acc0, IEEE)
+            acc0 = _dot(_x_cols(x_ptr, m0, M, x_stride, k, K, EVEN_K), w, acc0, IEEE)
             if CHUNKS > 1:
-                acc1 = _dot(_x_cols(x_ptr, m0 + 16, M, x_stride, k, K), w, acc1, IEEE)
+                acc1 = _dot(_x_cols(x_ptr, m0 + 16, M, x_stride, k, K, EVEN_K), w, acc1, IEEE)
             if CHUNKS > 2:
-                acc2 = _dot(_x_cols(x_ptr, m0 + 32, M, x_stride, k, K), w, acc2, IEEE)
-                acc3 = _dot(_x_cols(x_ptr, m0 + 48, M, x_stride, k, K), w, acc3, IEEE)
+                acc2 = _dot(_x_cols(x_ptr, m0 + 32, M, x_stride, k, K, EVEN_K), w, acc2, IEEE)
+                acc3 = _dot(_x_cols(x_ptr, m0 + 48, M, x_stride, k, K, EVEN_K), w, acc3, IEEE)
     _store(out_ptr, acc0, split, m0, M, N, rows, row_ok)
     if CHUNKS > 1:
         _store(out_ptr, acc1, split, m0 + 16, M, N, rows, row_ok)
@@ -228,7 +232,7 @@ def quant_mm(x: torch.Tensor, raw: torch.Tensor, qtype: str, n: int, cfg: tuple[
     grid = (triton.cdiv(m, 16 * c), triton.cdiv(n, block_n), split)
     _quant_mm_kernel[grid](x, w8, w16, flat if raw.dtype == torch.int32 else w16, out, m, n, k, x.stride(0),
                            row_stride, nblk, per_split, n_tiles, QTYPE=QTYPE_ID[qtype], CHUNKS=c,
-                           BLOCK_N=block_n, IEEE=x.dtype == torch.float32, num_warps=warps)
+                           BLOCK_N=block_n, IEEE=x.dtype == torch.float32, EVEN_K=k % 256 == 0, num_warps=warps)
     if split == 1:
         return out[0]
     return out.sum(0).to(x.dtype)
