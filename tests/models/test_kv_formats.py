@@ -30,12 +30,15 @@ def model(request):
 
 
 @torch.inference_mode()
-def greedy(model, fmt: str, steps: int = STEPS, forced: list[int] | None = None) -> tuple[list[int], torch.Tensor]:
+def greedy(model, fmt: str, steps: int = STEPS, forced: list[int] | None = None, device: str = "cpu",
+           cuda_graphs: bool = False) -> tuple[list[int], torch.Tensor]:
     """Greedy tokens and the logits of every step, decoding one token at a time through a `fmt` K/V pool
-    (feeding `forced` tokens instead of its own when given, so every format sees the same context)."""
+    (feeding `forced` tokens instead of its own when given, so every format sees the same context); with
+    cuda_graphs the decode steps must have run in a captured graph."""
     blocks = -(-(len(PROMPT) + steps) // 16) + 1
-    cache = HybridCache(model.config, CacheConfig(num_slots=1, num_blocks=blocks, block_size=16, kv_dtype=fmt))
-    runner = ModelRunner(model.net, cache, cuda_graphs=False)
+    cache = HybridCache(model.config, CacheConfig(num_slots=1, num_blocks=blocks, block_size=16, kv_dtype=fmt),
+                        device=device)
+    runner = ModelRunner(model.net, cache, cuda_graphs=cuda_graphs)
     req = Request("r", list(PROMPT), SamplingParams())
     req.slot = cache.acquire()
     _, logits = runner.run([(req, len(PROMPT))])
@@ -44,6 +47,8 @@ def greedy(model, fmt: str, steps: int = STEPS, forced: list[int] | None = None)
         req.output_ids.append(forced[i] if forced else int(rows[-1].argmax()))
         _, logits = runner.run([(req, 1)])
         rows.append(logits[-1].float())
+    if cuda_graphs:
+        assert runner.graphs is not None and runner.graphs.graphs, f"{fmt}: no decode graph captured"
     req.output_ids.append(int(rows[-1].argmax()))
     return req.output_ids, torch.stack(rows)
 
@@ -159,20 +164,7 @@ def test_cuda_graphs_with_compressed_pools_stay_within_the_cpu_bounds(kind, requ
     model = hf2q.load(request.getfixturevalue(f"gguf_{kind}_f32"), device="cuda")
 
     def run(fmt, steps, forced=None):
-        blocks = -(-(len(PROMPT) + steps) // 16) + 1
-        cache = HybridCache(model.config, CacheConfig(num_slots=1, num_blocks=blocks, block_size=16, kv_dtype=fmt),
-                            device="cuda")
-        runner = ModelRunner(model.net, cache, cuda_graphs=True)
-        req = Request("r", list(PROMPT), SamplingParams())
-        req.slot = cache.acquire()
-        _, logits = runner.run([(req, len(PROMPT))])
-        rows = [logits[-1].float()]
-        for i in range(steps - 1):
-            req.output_ids.append(forced[i] if forced else int(rows[-1].argmax()))
-            _, logits = runner.run([(req, 1)])
-            rows.append(logits[-1].float())
-        assert runner.graphs is not None and runner.graphs.graphs, f"{fmt}: no decode graph captured"
-        return req.output_ids + [int(rows[-1].argmax())], torch.stack(rows)
+        return greedy(model, fmt, steps, forced, device="cuda", cuda_graphs=True)
 
     tokens, base = run("float32", 24)
     errors = {fmt: rel(run(fmt, 24, tokens)[1], base) for fmt in ("bfloat16", "fp8", "tq8")}
