@@ -175,6 +175,7 @@ def build_state(args):
     if tp != 1 and mmproj is not None:  # the vision tower runs on rank 0's side only
         raise ValueError("a vision projector (--mmproj, or one beside the model) does not work with "
                          "--tensor-parallel-size yet; pass --no-mmproj")
+    envs.keep_autotuning()  # before any rank is spawned: every process keeps its autotuning results
     workers = None
     if tp != 1:
         from hf2q.distributed.serve import TPLaunch, TPWorkers, check_tensor_parallel
@@ -196,7 +197,6 @@ def build_state(args):
         aengine = workers.start_engine(model, engine_config)
     else:
         engine = Engine(model, engine_config)
-        envs.keep_autotuning()
         log.info("warming up: compiling, tuning and capturing decode graphs for up to %d sequences ...",
                  args.max_num_seqs)
         t0 = time.monotonic()
