@@ -1,11 +1,75 @@
-"""Paged decode attention, one query per sequence, and the store of new rows into a compressed K/V pool: picks
-the Triton kernels or torch (SDPA over the gathered, decoded rows; the pool's own store)."""
+"""Attention over the paged K/V pool: causal attention of a batch's new rows over their prefixes with the
+output gate, paged decode attention (one query per sequence) and the store of new rows into a compressed
+pool. Picks the vectorised path (Triton kernels where they run) or the exact torch path."""
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from hf2q.kernels.choose import triton_runs
+from hf2q.forward import ForwardBatch
+from hf2q.kernels.attention.reference import prefix_attention
+from hf2q.kernels.choose import triton_runs, use_fast_path
+from hf2q.kernels.meta import fast_meta
+
+
+class LayerKV(NamedTuple):
+    """One attention layer's K/V in the batch's cache: the pool, the layer's index in it and its flat rows
+    (`pool.rows(index)`), and the cache that maps a slot's positions to rows."""
+    cache: object  # HybridCache
+    pool: object  # cache/kv_pool.py KVPool
+    index: int
+    k_rows: torch.Tensor
+    v_rows: torch.Tensor
+
+
+def layer_kv(batch: ForwardBatch, layer_id: int) -> LayerKV | None:
+    """The K/V of decoder layer `layer_id` in the batch's cache; None for a forward without a cache."""
+    cache = batch.cache
+    if cache is None:
+        return None
+    index = cache.kv_index(layer_id)
+    return LayerKV(cache, cache.kv, index, *cache.kv.rows(index))
+
+
+def gated_causal_attention(q, k, v, gate, batch: ForwardBatch, kv: LayerKV | None, scale: float) -> torch.Tensor:
+    """softmax(q kᵀ · scale) v over each sequence's prefix (its cached rows, then its new rows, causal; GQA),
+    times sigmoid(gate). q/gate: [T, nh, hd] of the new tokens, k/v: [T, nkv, hd] (already in the pool when
+    kv is given). Returns [T, nh * hd]. Vectorised path: a decode step reads the pool in the paged kernel, the
+    gate in its epilogue; a prefill attends over its new rows alone where they are the whole prefix. Exact
+    path: every sequence over its prefix gathered from the pool."""
+    t = q.shape[0]
+    if not use_fast_path(q):
+        out = _each_sequence(q, k, v, batch, kv, scale, new_rows_alone=False)
+        return out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
+    meta = fast_meta(batch)
+    if kv is not None and meta.decode:
+        out = paged_decode_attention(q, kv.k_rows, kv.v_rows, meta.block_tables, meta.context_lens,
+                                     meta.block_size, scale, gate=gate, pool=kv.pool)
+        return out.reshape(t, -1)
+    out = _each_sequence(q, k, v, batch, kv, scale, new_rows_alone=True)
+    return out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
+
+
+def _each_sequence(q, k, v, batch: ForwardBatch, kv: LayerKV | None, scale: float, new_rows_alone: bool):
+    """Each sequence's new rows over its prefix, read from the pool (decoded where it is compressed); with
+    new_rows_alone, a sequence without cached rows over a model-dtype pool attends over k/v directly (SDPA's
+    causal kernel)."""
+    out = torch.empty_like(q)
+    for _, row, n, start, slot in batch.segments():
+        rows = slice(row, row + n)
+        if new_rows_alone and start == 0 and (kv is None or kv.pool.is_dense):
+            qh, kh, vh = (a[rows].transpose(0, 1)[None] for a in (q, k, v))  # [1, heads, n, hd]
+            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
+            out[rows] = o[0].transpose(0, 1)
+            continue
+        if kv is None:
+            keys, values = k[rows], v[rows]
+        else:
+            keys, values = kv.pool.gather(kv.index, kv.cache.token_indices(slot, 0, start + n), q.dtype)
+        out[rows] = prefix_attention(q[rows], keys, values, start, scale)
+    return out
 
 
 def paged_decode_attention(q, k_rows, v_rows, block_tables, context_lens, block_size: int, scale: float,

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from hf2q import envs
 from hf2q.kernels.activation import ops as activation_ops
-from hf2q.kernels.choose import kernels_on
+from hf2q.kernels.choose import kernels_on, use_fast_path
 
 
 # The Triton GEMV for few rows of x. By default ("measured") it serves the shapes its table records as
@@ -64,6 +64,14 @@ def packed_linear(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
         return _packed_by_type(x, linears)
     out = linear(x, _pack(x, linears))
     return torch.split(out, [lin.weight.shape[0] for lin in linears], dim=-1)
+
+
+def projections(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
+    """Several projections of x: one packed GEMM on the vectorised path (`use_fast_path`, packed_linear),
+    each Linear's own product on the exact path (the products the exactness tests were written against)."""
+    if use_fast_path(x):
+        return packed_linear(x, linears)
+    return tuple(lin(x) for lin in linears)
 
 
 def packed_swiglu(x: torch.Tensor, linears, int8_for: str | None = None) -> tuple[torch.Tensor, ...]:
