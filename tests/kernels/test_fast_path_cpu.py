@@ -120,3 +120,44 @@ def test_fast_path_off_keeps_the_dense_choosers_on_their_references(monkeypatch)
     assert choose.kernels_on(x)  # auto: the kernel where Triton runs
     with pytest.raises(AssertionError, match="Triton kernel ran"):
         norm_ops.add_rms_norm(x, x, w, 1e-6)
+
+
+@pytest.mark.parametrize("fmt", ["float32", "fp8", "tq8"])
+def test_attention_ops_vectorised_path_matches_exact_path(fmt):
+    """The attention layer's q/k + K/V-write and gated causal attention operations: the vectorised path (writes
+    by slot mapping, paged decode, SDPA's causal kernel for a fresh prompt) against the exact per-sequence path,
+    each over its own pool in `fmt`: prefill, chunked prefill mixed with decode, then decode over two slots."""
+    from hf2q.kernels.attention import ops as attention_ops
+    from hf2q.kernels.rotary import ops as rotary_ops
+    from hf2q.layers.rotary import RotaryEmbedding
+
+    cfg = tiny_config()
+    layer = next(i for i in range(cfg.num_layers) if cfg.is_full_attention(i))
+    nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, cfg.rope_sections)
+    q_w, k_w = 1 + 0.1 * torch.randn(hd), 1 + 0.1 * torch.randn(hd)
+    caches = {mode: HybridCache(cfg, CacheConfig(num_slots=3, num_blocks=16, block_size=4, kv_dtype=fmt))
+              for mode in ("off", "force")}
+    slots = {mode: [cache.acquire(), cache.acquire()] for mode, cache in caches.items()}
+    g, done = torch.Generator().manual_seed(5), [0, 0]
+    for sizes in ([5, 3], [2, 1], [1, 1], [1, 1]):
+        t = sum(sizes)
+        q, gate = torch.randn(t, nh, hd, generator=g), torch.randn(t, nh, hd, generator=g)
+        k, v = torch.randn(t, nkv, hd, generator=g), torch.randn(t, nkv, hd, generator=g)
+        pos = torch.cat([torch.arange(d, d + n) for d, n in zip(done, sizes)])
+        cos, sin = rotary.cos_sin(pos)
+        outs = {}
+        for mode, cache in caches.items():
+            for s, d, n in zip(slots[mode], done, sizes):
+                cache.reserve(s, d + n)
+            batch = ForwardBatch(torch.zeros(t, dtype=torch.long), pos, list(sizes), list(done), slots[mode], cache)
+            kv = attention_ops.layer_kv(batch, layer)
+            with fast_path(mode):
+                qr, kr = rotary_ops.qk_norm_rope_store(q, k, v, q_w, k_w, cos, sin, cfg.rms_norm_eps,
+                                                       cfg.rotary_dim, batch, kv)
+                outs[mode] = attention_ops.gated_causal_attention(qr, kr, v, gate, batch, kv, hd ** -0.5)
+            for s, d, n in zip(slots[mode], done, sizes):
+                cache.commit(s, d + n)
+        assert outs["off"].shape == (t, nh * hd)
+        assert rel(outs["force"], outs["off"]) <= 1e-5, (fmt, sizes)
+        done = [d + n for d, n in zip(done, sizes)]
