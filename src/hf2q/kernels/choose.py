@@ -2,9 +2,9 @@
 
 Each operation has an exact torch reference and a Triton (or fla) implementation of the same contract.
 The Triton side runs on CUDA tensors, and on CPU tensors while Triton's interpreter is on (its tests);
-the reference runs everywhere else. The layers' vectorised path has its own switch, `fast_path`:
-'auto' takes it for CUDA tensors, 'force' on every device (its batching logic is testable on CPU), 'off'
-never.
+the reference runs everywhere else. The attention operations' vectorised path (packed projections, K/V
+written by slot mapping, paged decode) has its own switch, `fast_path`: 'auto' takes it for CUDA tensors,
+'force' on every device (its batching logic is testable on CPU), 'off' never.
 """
 from __future__ import annotations
 
@@ -43,6 +43,7 @@ def fast_path(mode: str):
 
 
 def use_fast_path(x: torch.Tensor) -> bool:
-    """The vectorised kernels on CUDA (or when forced); the reference path otherwise."""
+    """Whether the attention operations take their vectorised path: on CUDA (or when forced); their exact
+    per-sequence path otherwise."""
     mode = _MODE["value"]
     return mode == "force" or (mode == "auto" and x.is_cuda)

@@ -3,7 +3,7 @@ output gate, paged decode attention (one query per sequence) and the store of ne
 pool. Picks the vectorised path (Triton kernels where they run) or the exact torch path."""
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -13,12 +13,16 @@ from hf2q.kernels.attention.reference import prefix_attention
 from hf2q.kernels.choose import triton_runs, use_fast_path
 from hf2q.kernels.meta import fast_meta
 
+if TYPE_CHECKING:
+    from hf2q.cache.hybrid import HybridCache
+    from hf2q.cache.kv_pool import KVPool
+
 
 class LayerKV(NamedTuple):
     """One attention layer's K/V in the batch's cache: the pool, the layer's index in it and its flat rows
     (`pool.rows(index)`), and the cache that maps a slot's positions to rows."""
-    cache: object  # HybridCache
-    pool: object  # cache/kv_pool.py KVPool
+    cache: HybridCache
+    pool: KVPool
     index: int
     k_rows: torch.Tensor
     v_rows: torch.Tensor
