@@ -1,14 +1,18 @@
 """Sharding in one process: each rank's slice of every block sums (or concatenates) to the full block."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from hf2q.distributed.plan import ShardingError, deltanet_heads, plan_rank
-from hf2q.distributed.sharding import shard_linear, shard_net
+from hf2q.distributed.sharding import shard_linear, shard_net, shard_vocab
+from hf2q.distributed.tp_layers import VocabParallelHead
 from hf2q.forward import ForwardBatch
 from hf2q.kernels import choose
 from hf2q.layers.linear import Linear
+from hf2q.models.qwen35 import Qwen35Model
 
 
 def test_deltanet_heads_keep_tiled_order():
@@ -70,7 +74,7 @@ def _check_partials(model, world):
         parts = [n.layers[i] if i < len(n.layers) else n.mtp.layer for n in nets]
         args = (x, batch, cos, sin) if full.is_full_attention else (x, batch)
         assert _rel(sum(p.mixer(*args) for p in parts), full.mixer(*args)) < 1e-5, i
-        assert _rel(sum(p._ffn(x, batch) for p in parts), full._ffn(x, batch)) < 1e-5, i
+        assert _rel(sum(p.ffn(x) for p in parts), full.ffn(x)) < 1e-5, i
     h = torch.randn(3, model.config.hidden_size, generator=gen)
     logits = torch.cat([n.compute_logits(h) for n in nets], dim=-1)[:, : model.config.vocab_size]
     assert torch.equal(logits, model.net.compute_logits(h))
@@ -106,3 +110,26 @@ def test_interleaved_k_quants_split_by_whole_blocks(qtype):
     cols = shard_linear(full, 1, torch.arange(256, 3 * 256))
     assert torch.equal(from_gpu_rows(rows.qweight, qtype, 3 * 256), raw[[1, 4]])
     assert torch.equal(from_gpu_rows(cols.qweight, qtype, 2 * 256), raw[:, size:])
+
+
+@pytest.mark.parametrize("head", ["tied", "Q8_0"])
+def test_vocab_parallel_head_pads_the_last_slice_and_trims_it(tp_models, head):
+    """10 rows over 4 ranks: 3 each, the last rank's 1 row padded to 3; the gathered logits, trimmed to
+    the vocabulary, are the single-device head's (to fp32 rounding). A tied head without padding stays a
+    view of the embedding; a quantized one is cut by whole rows of blocks."""
+    from hf2q.quant import random_blocks
+
+    cfg = dataclasses.replace(tp_models["dense"].config, vocab_size=10)
+    gen = torch.Generator().manual_seed(3)
+    full = Qwen35Model(cfg, tie_embeddings=head == "tied")
+    full.embed.copy_(torch.randn(10, cfg.hidden_size, generator=gen))
+    if head != "tied":
+        full.lm_head.set_quantized(random_blocks(head, 10, cfg.hidden_size, seed=4), head)
+    heads = [VocabParallelHead(shard_vocab(full, plan_rank(cfg, r, 4)), 10, None) for r in range(4)]
+    qtype = None if full.lm_head is None else full.lm_head.qtype
+    assert all(h.shard.out_features == 3 and h.qtype == qtype for h in heads)
+    h = torch.randn(2, cfg.hidden_size, generator=gen)
+    got = torch.cat([p(h) for p in heads], dim=-1)[:, :10]
+    assert _rel(got, full.compute_logits(h)) < 1e-6  # fp32 rounding: a 3-row GEMM sums in another order
+    if head == "tied":
+        assert heads[0].shard.weight.data_ptr() == full.embed.data_ptr()

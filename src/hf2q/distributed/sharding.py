@@ -1,8 +1,9 @@
 """Shard a loaded model in place for one tensor-parallel rank.
 
-Every rank loads the whole model with `hf2q.load`, then keeps its share: each block is rebuilt from
-the rank's local config as its tensor-parallel twin (`tp_layers`) and filled with slices of the loaded
-weights. A rule table names how each parameter is cut; a parameter without a rule fails loudly.
+Every rank loads the whole model with `hf2q.load`, then keeps its share: each block is rebuilt by the
+ordinary model classes from the rank's local config, filled with slices of the loaded weights, and its
+mixer and FFN get the all-reduce hook of `tp_layers`; the LM head becomes a `VocabParallelHead`. A rule
+table names how each parameter is cut; a parameter without a rule fails loudly.
 
 MoE experts are tensor-parallel on the expert FFN dimension (every rank holds a slice of every expert),
 not expert-parallel: the work per rank then does not depend on where the router sends tokens (at batch 1
@@ -19,7 +20,7 @@ import torch
 from torch import nn
 
 from hf2q.distributed.plan import RankPlan, ShardingError, head_rows, plan_rank
-from hf2q.distributed.tp_layers import TPDecoderLayer, TPGatedAttention, TPGatedDeltaNet, TPQwen35Model
+from hf2q.distributed.tp_layers import VocabParallelHead, reduce_output
 from hf2q.layers.attention import GatedAttention
 from hf2q.layers.linear import Linear
 from hf2q.layers.mlp import MLP
@@ -42,17 +43,12 @@ def shard_model(model: Model, rank: int, world: int, group=None) -> Model:
     return dataclasses.replace(model, config=net.config, net=net)
 
 
-def shard_net(full: Qwen35Model, plan: RankPlan, group=None) -> TPQwen35Model:
+def shard_net(full: Qwen35Model, plan: RankPlan, group=None) -> Qwen35Model:
     cfg = plan.local
-    start, end, per = plan.vocab_rows(cfg.vocab_size)
     with torch.device("meta"):
-        net = TPQwen35Model(cfg, full.tie_embeddings, per, group)
+        net = Qwen35Model(cfg, full.tie_embeddings)
     net.embed, net.rotary, net.norm = full.embed, full.rotary, full.norm
-    head = full.embed if full.lm_head is None else full.lm_head.weight
-    rows = head[start:end]
-    if rows.shape[0] < per:  # the last rank's slice is short: pad with rows that are never read
-        rows = torch.cat([rows, rows.new_zeros(per - rows.shape[0], rows.shape[1])])
-    net.lm_shard.weight = nn.Parameter(rows if full.lm_head is None else rows.clone(), requires_grad=False)
+    net.lm_head = VocabParallelHead(shard_vocab(full, plan), cfg.vocab_size, group)
     net.layers = nn.ModuleList(shard_layer(layer, plan, group) for layer in full.layers)
     if full.mtp is not None:  # a new head sharing the replicated parts; the loaded one stays intact
         with torch.device("meta"):
@@ -64,20 +60,35 @@ def shard_net(full: Qwen35Model, plan: RankPlan, group=None) -> TPQwen35Model:
     return net
 
 
-def shard_layer(full: DecoderLayer, plan: RankPlan, group=None) -> TPDecoderLayer:
+def shard_vocab(full: Qwen35Model, plan: RankPlan) -> Linear:
+    """This rank's rows of the LM head, padded to an equal count on every rank by repeating the last
+    vocabulary row (padding logits are trimmed after the gather). A tied head is a view of the replicated
+    embedding whenever no padding is needed; a quantized head is cut by whole rows of blocks."""
+    vocab = full.config.vocab_size
+    start, end, per = plan.vocab_rows(vocab)
+    rows = torch.arange(start, start + per).clamp(max=vocab - 1)
+    if full.lm_head is not None:
+        return shard_linear(full.lm_head, 0, rows)
+    with torch.device("meta"):
+        head = Linear(full.config.hidden_size, per)
+    embed = full.embed
+    weight = embed[start:end] if end - start == per else embed.index_select(0, rows.to(embed.device))
+    head.weight = nn.Parameter(weight, requires_grad=False)
+    return head
+
+
+def shard_layer(full: DecoderLayer, plan: RankPlan, group=None) -> DecoderLayer:
     cfg = plan.local
     rotary = full.mixer.rotary if full.is_full_attention else None
     with torch.device("meta"):
-        layer = TPDecoderLayer(cfg, full.mixer.layer_id, rotary, group)
-        if full.is_full_attention:
-            layer.mixer = TPGatedAttention(cfg, full.mixer.layer_id, rotary, group)
-        else:
-            layer.mixer = TPGatedDeltaNet(cfg, full.mixer.layer_id, group)
+        layer = DecoderLayer(cfg, full.mixer.layer_id, rotary)
         layer.ffn = _empty_ffn(full.ffn, plan)
     layer.attn_norm, layer.ffn_norm = full.attn_norm, full.ffn_norm
     mixer_rules = _attention_rules(full.mixer, plan) if full.is_full_attention else _deltanet_rules(full.mixer, plan)
     fill(layer.mixer, full.mixer, mixer_rules)
     fill(layer.ffn, full.ffn, _ffn_rules(full.ffn, plan))
+    reduce_output(layer.mixer, group)  # row-parallel o / out: a partial sum of the block output
+    reduce_output(layer.ffn, group)  # down, or MoE's routed + shared experts combined: reduced once
     return layer
 
 
