@@ -121,10 +121,13 @@ def broadcast(msg: StepMessage | None, group) -> StepMessage | None:
 
 
 class TPRunner(ModelRunner):
-    """Rank 0's runner: announce the step to the other ranks, then run it like the single-device runner."""
+    """Rank 0's runner: announce the step to the other ranks, then run it like the single-device runner.
+
+    Every step runs eagerly, as on the other ranks: a decode graph would pad the batch to its bucket and
+    warm up and capture with collectives that no other rank joins (and take a padding slot unlogged)."""
 
     def __init__(self, net, cache: RecordingCache, group):
-        super().__init__(net, cache)
+        super().__init__(net, cache, cuda_graphs=False)
         self.group = group
 
     @torch.inference_mode()
