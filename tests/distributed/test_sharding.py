@@ -7,11 +7,12 @@ import pytest
 import torch
 
 from hf2q.distributed.plan import ShardingError, deltanet_heads, plan_rank
-from hf2q.distributed.sharding import shard_linear, shard_net, shard_vocab
+from hf2q.distributed.sharding import shard_ffn, shard_linear, shard_net, shard_vocab, slice_blocks
 from hf2q.distributed.tp_layers import VocabParallelHead
 from hf2q.forward import ForwardBatch
 from hf2q.kernels import choose
 from hf2q.layers.linear import Linear
+from hf2q.layers.moe import EXPERT_STACKS, MoE
 from hf2q.models.qwen35 import Qwen35Model
 
 
@@ -133,3 +134,29 @@ def test_vocab_parallel_head_pads_the_last_slice_and_trims_it(tp_models, head):
     assert _rel(got, full.compute_logits(h)) < 1e-6  # fp32 rounding: a 3-row GEMM sums in another order
     if head == "tied":
         assert heads[0].shard.weight.data_ptr() == full.embed.data_ptr()
+
+
+@pytest.mark.parametrize("qtype, hidden, width", [("Q8_0", 32, 64), ("Q4_K", 256, 512)])
+@torch.inference_mode()
+def test_kept_expert_stacks_split_by_whole_blocks(tp_models, qtype, hidden, width):
+    """A MoE whose experts and shared expert are kept as blocks: each rank keeps blocks (gate/up by rows,
+    down by whole input blocks) and the ranks' outputs sum to the full MoE's; interleaved stacks cut alike."""
+    from hf2q.quant import block_layout, from_gpu_rows, random_blocks, to_gpu_rows
+
+    full = MoE(hidden, 4, 2, width, width)
+    gen = torch.Generator().manual_seed(5)
+    for lin in (full.router, full.shared_gate):
+        lin.weight.copy_(torch.randn(lin.weight.shape, generator=gen))
+    for seed, lin in enumerate((full.shared.gate, full.shared.up, full.shared.down)):
+        lin.set_quantized(random_blocks(qtype, lin.out_features, lin.in_features, seed=seed), qtype)
+    for seed, name in enumerate(EXPERT_STACKS, start=3):
+        experts, rows, cols = full.stack_shape(name)
+        full.set_quantized(name, random_blocks(qtype, experts * rows, cols, seed=seed).view(experts, rows, -1), qtype)
+    parts = [shard_ffn(full, plan_rank(tp_models["moe"].config, r, 2)) for r in range(2)]
+    assert all(p.quantized and p.shared.down.quantized and p.expert_dim == width // 2 for p in parts)
+    x = torch.randn(5, hidden, generator=gen)
+    assert _rel(sum(p(x) for p in parts), full(x)) < 1e-5
+    if qtype == "Q4_K":  # 512 columns are two blocks: rank 1 keeps the second
+        raw = full.down_qexps
+        cut = slice_blocks(to_gpu_rows(raw, qtype), qtype, width, 2, torch.arange(256, 512))
+        assert torch.equal(from_gpu_rows(cut, qtype, 256), raw[..., block_layout(qtype)[1]:])
