@@ -173,7 +173,7 @@ def fill(target: nn.Module, source: nn.Module, rules: dict) -> None:
             with _naming(target, name):
                 _set(target, path, shard_linear(source.get_submodule(path), *rule))
     if isinstance(source, MoE):
-        for name, qtype in source.exps_qtype.items():  # set_quantized drops the dense parameter filled below
+        for name, qtype in source.exps_qtype.items():  # a stack kept as blocks has no dense parameter left
             rule = _rule(rules, name, type(target))
             with _naming(target, name):
                 target.set_quantized(name, slice_blocks(source.quant_stack(name)[0], qtype,
