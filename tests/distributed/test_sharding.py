@@ -52,6 +52,12 @@ def test_kv_heads_replicate_at_four_ranks(model):
     assert all(p.local.num_kv_heads == 1 and p.local.conv_channels == 2 * 32 + 32 for p in plans)
 
 
+def test_a_shard_is_built_from_the_single_device_classes(model):
+    """No tensor-parallel twins: the only module a rank adds is its vocab-parallel head."""
+    net = shard_net(model.net, plan_rank(model.config, 1, 2))
+    assert {type(m) for m in net.modules()} - {type(m) for m in model.net.modules()} == {VocabParallelHead}
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max()).item()
 
