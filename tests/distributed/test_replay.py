@@ -18,7 +18,7 @@ CC = CacheConfig(num_slots=4, num_blocks=12, block_size=4)
 
 
 def recording() -> RecordingCache:
-    return RecordingCache.adopt(HybridCache(MC, CC))
+    return RecordingCache(MC, CC)
 
 
 def test_random_slot_operations_replay_to_the_same_layout():

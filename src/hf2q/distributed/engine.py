@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from hf2q.cache.hybrid import HybridCache
+from hf2q.config import CacheConfig, ModelConfig
 from hf2q.engine.engine import Engine, EngineConfig
 from hf2q.engine.request import Request
 from hf2q.engine.runner import ModelRunner
@@ -27,15 +28,10 @@ _LOGGED = ("acquire", "release", "reset", "reserve", "commit", "truncate", "fork
 class RecordingCache(HybridCache):
     """Rank 0's cache: a HybridCache that also logs its slot operations for the other ranks to replay."""
 
-    log: list
-    recording: bool
-
-    @classmethod
-    def adopt(cls, cache: HybridCache) -> "RecordingCache":
-        """Turn an existing cache into a recording one in place (its holders keep the same object)."""
-        cache.__class__ = cls
-        cache.log, cache.recording = [], True
-        return cache
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, device: str | torch.device = "cpu"):
+        super().__init__(model_config, cache_config, device)
+        self.log: list = []
+        self.recording = True
 
     def _record(self, name: str, *args) -> None:
         if self.recording:
@@ -125,10 +121,13 @@ def broadcast(msg: StepMessage | None, group) -> StepMessage | None:
 
 
 class TPRunner(ModelRunner):
-    """Rank 0's runner: announce the step to the other ranks, then run it like the single-device runner."""
+    """Rank 0's runner: announce the step to the other ranks, then run it like the single-device runner.
+
+    Every step runs eagerly, as on the other ranks: a decode graph would pad the batch to its bucket and
+    warm up and capture with collectives that no other rank joins (and take a padding slot unlogged)."""
 
     def __init__(self, net, cache: RecordingCache, group):
-        super().__init__(net, cache)
+        super().__init__(net, cache, cuda_graphs=False)
         self.group = group
 
     @torch.inference_mode()
@@ -151,9 +150,10 @@ class TPRunner(ModelRunner):
 class TPEngine(Engine):
     """The engine of rank 0 in a tensor-parallel group; `close()` releases the other ranks."""
 
+    cache_class = RecordingCache
+
     def __init__(self, model: Model, config: EngineConfig = EngineConfig(), group=None):
         super().__init__(model, config)
-        RecordingCache.adopt(self.cache)  # the scheduler built on it keeps the same object
         self.runner = TPRunner(model.net, self.cache, group)
         self.group = group
 

@@ -89,8 +89,9 @@ class TPWorkers:
         """Join the group as rank 0, send the engine config, and wrap rank 0's TPEngine (not yet started)."""
         try:
             world, control = self._join()
-            dist.broadcast_object_list([config], src=0, group=control)
-            engine = TPEngine(shard_model(model, 0, self.launch.world, world), config, control)
+            local = shard_model(model, 0, self.launch.world, world)  # a cut that splits a block fails before
+            dist.broadcast_object_list([config], src=0, group=control)  # any worker shards
+            engine = TPEngine(local, config, control)
         except BaseException:
             self.stop(0)
             raise

@@ -1,8 +1,9 @@
 """Shard a loaded model in place for one tensor-parallel rank.
 
-Every rank loads the whole model with `hf2q.load`, then keeps its share: each block is rebuilt from
-the rank's local config as its tensor-parallel twin (`tp_layers`) and filled with slices of the loaded
-weights. A rule table names how each parameter is cut; a parameter without a rule fails loudly.
+Every rank loads the whole model with `hf2q.load`, then keeps its share: each block is rebuilt by the
+ordinary model classes from the rank's local config, filled with slices of the loaded weights, and its
+mixer and FFN get the all-reduce hook of `tp_layers`; the LM head becomes a `VocabParallelHead`. A rule
+table names how each parameter is cut; a parameter without a rule fails loudly.
 
 MoE experts are tensor-parallel on the expert FFN dimension (every rank holds a slice of every expert),
 not expert-parallel: the work per rank then does not depend on where the router sends tokens (at batch 1
@@ -13,13 +14,14 @@ are large, which the serving sizes here are not.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
 from torch import nn
 
 from hf2q.distributed.plan import RankPlan, ShardingError, head_rows, plan_rank
-from hf2q.distributed.tp_layers import TPDecoderLayer, TPGatedAttention, TPGatedDeltaNet, TPQwen35Model
+from hf2q.distributed.tp_layers import VocabParallelHead, reduce_output
 from hf2q.layers.attention import GatedAttention
 from hf2q.layers.linear import Linear
 from hf2q.layers.mlp import MLP
@@ -42,17 +44,12 @@ def shard_model(model: Model, rank: int, world: int, group=None) -> Model:
     return dataclasses.replace(model, config=net.config, net=net)
 
 
-def shard_net(full: Qwen35Model, plan: RankPlan, group=None) -> TPQwen35Model:
+def shard_net(full: Qwen35Model, plan: RankPlan, group=None) -> Qwen35Model:
     cfg = plan.local
-    start, end, per = plan.vocab_rows(cfg.vocab_size)
     with torch.device("meta"):
-        net = TPQwen35Model(cfg, full.tie_embeddings, per, group)
+        net = Qwen35Model(cfg, full.tie_embeddings)
     net.embed, net.rotary, net.norm = full.embed, full.rotary, full.norm
-    head = full.embed if full.lm_head is None else full.lm_head.weight
-    rows = head[start:end]
-    if rows.shape[0] < per:  # the last rank's slice is short: pad with rows that are never read
-        rows = torch.cat([rows, rows.new_zeros(per - rows.shape[0], rows.shape[1])])
-    net.lm_shard.weight = nn.Parameter(rows if full.lm_head is None else rows.clone(), requires_grad=False)
+    net.lm_head = VocabParallelHead(shard_vocab(full, plan), cfg.vocab_size, group)
     net.layers = nn.ModuleList(shard_layer(layer, plan, group) for layer in full.layers)
     if full.mtp is not None:  # a new head sharing the replicated parts; the loaded one stays intact
         with torch.device("meta"):
@@ -64,21 +61,44 @@ def shard_net(full: Qwen35Model, plan: RankPlan, group=None) -> TPQwen35Model:
     return net
 
 
-def shard_layer(full: DecoderLayer, plan: RankPlan, group=None) -> TPDecoderLayer:
+def shard_vocab(full: Qwen35Model, plan: RankPlan) -> Linear:
+    """This rank's rows of the LM head, padded to an equal count on every rank by repeating the last
+    vocabulary row (padding logits are trimmed after the gather). A tied head is a view of the replicated
+    embedding whenever no padding is needed; a quantized head is cut by whole rows of blocks."""
+    vocab = full.config.vocab_size
+    start, end, per = plan.vocab_rows(vocab)
+    rows = torch.arange(start, start + per).clamp(max=vocab - 1)
+    if full.lm_head is not None:
+        return shard_linear(full.lm_head, 0, rows)
+    with torch.device("meta"):
+        head = Linear(full.config.hidden_size, per)
+    embed = full.embed
+    weight = embed[start:end] if end - start == per else embed.index_select(0, rows.to(embed.device))
+    head.weight = nn.Parameter(weight, requires_grad=False)
+    return head
+
+
+def shard_layer(full: DecoderLayer, plan: RankPlan, group=None) -> DecoderLayer:
     cfg = plan.local
     rotary = full.mixer.rotary if full.is_full_attention else None
     with torch.device("meta"):
-        layer = TPDecoderLayer(cfg, full.mixer.layer_id, rotary, group)
-        if full.is_full_attention:
-            layer.mixer = TPGatedAttention(cfg, full.mixer.layer_id, rotary, group)
-        else:
-            layer.mixer = TPGatedDeltaNet(cfg, full.mixer.layer_id, group)
-        layer.ffn = _empty_ffn(full.ffn, plan)
+        layer = DecoderLayer(cfg, full.mixer.layer_id, rotary)
     layer.attn_norm, layer.ffn_norm = full.attn_norm, full.ffn_norm
     mixer_rules = _attention_rules(full.mixer, plan) if full.is_full_attention else _deltanet_rules(full.mixer, plan)
     fill(layer.mixer, full.mixer, mixer_rules)
-    fill(layer.ffn, full.ffn, _ffn_rules(full.ffn, plan))
+    reduce_output(layer.mixer, group)  # row-parallel o / out: a partial sum of the block output
+    layer.ffn = shard_ffn(full.ffn, plan, group)
     return layer
+
+
+def shard_ffn(full: nn.Module, plan: RankPlan, group=None) -> nn.Module:
+    """The rank's slice of a dense or MoE FFN, its output summed over `group`: after `down`, or for MoE
+    once the routed experts and the shared expert are combined."""
+    with torch.device("meta"):
+        ffn = _empty_ffn(full, plan)
+    fill(ffn, full, _ffn_rules(full, plan))
+    reduce_output(ffn, group)
+    return ffn
 
 
 def _empty_ffn(full: nn.Module, plan: RankPlan) -> nn.Module:
@@ -86,7 +106,7 @@ def _empty_ffn(full: nn.Module, plan: RankPlan) -> nn.Module:
     w = plan.world
     if isinstance(full, MoE):
         shared = full.shared.gate.out_features if full.shared is not None else 0
-        return MoE(full.router.in_features, full.num_experts, full.top_k, _div(full.gate_exps.shape[1], w, "expert"),
+        return MoE(full.router.in_features, full.num_experts, full.top_k, _div(full.expert_dim, w, "expert"),
                    _div(shared, w, "shared-expert"))
     if isinstance(full, MLP):
         return MLP(full.gate.in_features, _div(full.gate.out_features, w, "dense FFN"))
@@ -134,7 +154,7 @@ def _mlp_rules(m: MLP, plan: RankPlan, prefix: str = "") -> dict:
 def _ffn_rules(m: nn.Module, plan: RankPlan) -> dict:
     if isinstance(m, MLP):
         return _mlp_rules(m, plan)
-    rows = plan.ffn_rows(m.gate_exps.shape[1], "expert FFN width")
+    rows = plan.ffn_rows(m.expert_dim, "expert FFN width")
     rules = {"router.weight": REPLICATE, "gate_exps": (1, rows), "up_exps": (1, rows), "down_exps": (2, rows)}
     if m.shared is not None:
         rules.update(_mlp_rules(m.shared, plan, "shared."))
@@ -144,12 +164,20 @@ def _ffn_rules(m: nn.Module, plan: RankPlan) -> dict:
 
 # ---- filling ----------------------------------------------------------------------------------------
 def fill(target: nn.Module, source: nn.Module, rules: dict) -> None:
-    """Give every parameter of `target` its slice of the same-named parameter of `source`."""
+    """Give every parameter of `target` its slice of the same-named parameter of `source` (kept blocks
+    of a Linear or an expert stack stay blocks)."""
     for path, mod in list(target.named_modules()):
         if isinstance(mod, Linear):
             name = f"{path}.weight" if path else "weight"
-            src = source.get_submodule(path)
-            _set(target, path, shard_linear(src, *_rule(rules, name, type(target))))
+            rule = _rule(rules, name, type(target))
+            with _naming(target, name):
+                _set(target, path, shard_linear(source.get_submodule(path), *rule))
+    if isinstance(source, MoE):
+        for name, qtype in source.exps_qtype.items():  # a stack kept as blocks has no dense parameter left
+            rule = _rule(rules, name, type(target))
+            with _naming(target, name):
+                target.set_quantized(name, slice_blocks(source.quant_stack(name)[0], qtype,
+                                                        source.stack_shape(name)[-1], *rule), qtype)
     linear_paths = {p for p, mod in target.named_modules() if isinstance(mod, Linear)}
     for name, param in list(target.named_parameters()):
         owner_path, _, attr = name.rpartition(".")
@@ -160,6 +188,15 @@ def fill(target: nn.Module, source: nn.Module, rules: dict) -> None:
             raise ShardingError(f"{type(target).__name__}.{name}: slice {tuple(value.shape)} != {tuple(param.shape)}")
         owner = target.get_submodule(owner_path) if owner_path else target
         setattr(owner, attr, nn.Parameter(value, requires_grad=False))
+
+
+@contextlib.contextmanager
+def _naming(target: nn.Module, name: str):
+    """A block that cannot be cut names the tensor."""
+    try:
+        yield
+    except ShardingError as exc:
+        raise ShardingError(f"{type(target).__name__}.{name}: {exc}") from None
 
 
 def _rule(rules: dict, name: str, cls: type):
@@ -186,8 +223,6 @@ def shard_linear(full: Linear, dim: int | None, idx: torch.Tensor | None) -> Lin
 
     Quantized weights are cut by whole GGUF blocks: a column slice must cover complete blocks.
     """
-    from hf2q.quant import from_gpu_rows, is_interleaved, to_gpu_rows
-
     if dim is None:
         return full
     n = int(idx.numel())
@@ -195,16 +230,23 @@ def shard_linear(full: Linear, dim: int | None, idx: torch.Tensor | None) -> Lin
     if not full.quantized:
         out.weight = nn.Parameter(full.weight.index_select(dim, idx.to(full.weight.device)), requires_grad=False)
         return out
-    raw = full.qweight
-    if dim == 1 and is_interleaved(raw, full.qtype):  # interleaved rows: cut ggml's blocks, then regroup
-        cols = _block_bytes(idx, full.qtype).to(raw.device)
-        raw = to_gpu_rows(from_gpu_rows(raw, full.qtype, full.in_features).index_select(1, cols), full.qtype)
-    elif dim == 1:
-        raw = raw.index_select(1, _block_bytes(idx, full.qtype).to(raw.device))
-    else:  # rows stay rows in either layout
-        raw = raw.index_select(0, idx.to(raw.device))
-    out.set_quantized(raw.contiguous(), full.qtype)
+    out.set_quantized(slice_blocks(full.qweight, full.qtype, full.in_features, dim, idx), full.qtype)
     return out
+
+
+def slice_blocks(raw: torch.Tensor, qtype: str, in_features: int, dim: int | None, idx) -> torch.Tensor:
+    """Rows (`dim` before the last) or input columns (the last `dim`, whole blocks only) of kept blocks
+    [..., rows, row bytes or interleaved words] holding rows of `in_features` values; `dim` None: all."""
+    from hf2q.quant import from_gpu_rows, is_interleaved, to_gpu_rows
+
+    if dim is None:
+        return raw
+    if dim != raw.dim() - 1:  # rows stay rows in either layout
+        return raw.index_select(dim, idx.to(raw.device)).contiguous()
+    cols = _block_bytes(idx, qtype).to(raw.device)
+    if is_interleaved(raw, qtype):  # interleaved rows: cut ggml's blocks, then regroup
+        return to_gpu_rows(from_gpu_rows(raw, qtype, in_features).index_select(-1, cols), qtype)
+    return raw.index_select(-1, cols).contiguous()
 
 
 def _block_bytes(cols: torch.Tensor, qtype: str) -> torch.Tensor:

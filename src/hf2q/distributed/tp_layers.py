@@ -1,8 +1,10 @@
-"""Tensor-parallel versions of the decoder blocks: the same math on a rank's heads, then one collective.
+"""What tensor parallelism adds to the single-device model: a sum after each block and a vocab-parallel head.
 
-Each class subclasses the single-device layer and reuses its forward: a rank's mixer or FFN computes a
-partial sum of the block output (its heads' share of the row-parallel output projection), and one
-all-reduce per block restores the full output. The LM head is vocab-parallel and all-gathers logits.
+A rank's mixer or FFN, built by the ordinary model classes from the rank's local config and filled with its
+slices of the weights, returns a partial sum of the block output (its heads' or FFN rows' share of the
+row-parallel output projection). A forward hook on the block (`reduce_output`) sums the partials over the
+group, so the model code needs no tensor-parallel twin. For MoE the hook sits on the whole FFN: the routed
+experts and the shared expert are combined first, then reduced once. The LM head is a `VocabParallelHead`.
 
 `group=None` means no communication: each rank returns its partial sums / logits slice, which lets
 tests check the sharding in one process by summing the ranks' outputs.
@@ -11,15 +13,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from torch import nn
 
-from hf2q.config import ModelConfig
-from hf2q.forward import ForwardBatch
-from hf2q.layers.attention import GatedAttention
-from hf2q.layers.gdn import GatedDeltaNet
 from hf2q.layers.linear import Linear
-from hf2q.layers.rotary import RotaryEmbedding
-from hf2q.models.qwen35 import DecoderLayer, Qwen35Model
+from hf2q.models.qwen35 import head_logits
 
 
 def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
@@ -40,62 +37,40 @@ def all_gather_last(x: torch.Tensor, group) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-class TPGatedAttention(GatedAttention):
-    """Column-parallel q(+gate)/k/v by head, row-parallel o; K/V pool holds this rank's K/V heads only."""
+class ReduceOutput:
+    """Forward hook: the module's output (a rank's partial sum) summed over `group`."""
 
-    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, group):
-        super().__init__(cfg, layer_id, rotary)
+    def __init__(self, group):
         self.group = group
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return all_reduce(super().forward(x, batch, cos, sin), self.group)
+    def __call__(self, module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
+        return all_reduce(output, self.group)
+
+    def __repr__(self) -> str:
+        return f"ReduceOutput(group={self.group!r})"
 
 
-class TPGatedDeltaNet(GatedDeltaNet):
-    """Column-parallel qkv/z/alpha/beta and conv by key-head group, row-parallel out.
-
-    The recurrent state of a value head depends only on its own head's inputs, so each rank's state
-    (the cache built from its local config) is complete for its heads and never communicated.
-    """
-
-    def __init__(self, cfg: ModelConfig, layer_id: int, group):
-        super().__init__(cfg, layer_id)
-        self.group = group
-
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        return all_reduce(super().forward(x, batch), self.group)
+def reduce_output(module: nn.Module, group) -> None:
+    """Make `module` return the sum of its output over the ranks of `group`."""
+    module.register_forward_hook(ReduceOutput(group))
 
 
-class TPDecoderLayer(DecoderLayer):
-    """A decoder layer whose FFN (dense or MoE) is all-reduced once at its output.
+class VocabParallelHead(nn.Module):
+    """LM head of one rank: `shard` holds its rows of the vocabulary (padded to an equal count on every
+    rank, the padding never read); logits are computed like the single-device head's, all-gathered and
+    trimmed to the vocabulary. The model calls it in place of its own head (`Qwen35Model.compute_logits`)."""
 
-    The reduce sits here rather than in the FFN module because sharding builds the plain `MLP` / `MoE`
-    for a rank's slice of the FFN.
-    """
+    def __init__(self, shard: Linear, vocab_size: int, group):
+        super().__init__()
+        self.shard, self.vocab_size, self.group = shard, vocab_size, group
 
-    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, group):
-        super().__init__(cfg, layer_id, rotary)
-        self.group = group
+    @property
+    def qtype(self) -> str | None:
+        """The shard's quantized type: the final norm writes int8 rows for it as for a single-device head."""
+        return self.shard.qtype
 
-    def _ffn(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        return all_reduce(super()._ffn(h, batch), self.group)
-
-
-class TPQwen35Model(Qwen35Model):
-    """The decoder with a vocab-parallel LM head: each rank scores its vocabulary slice, then all-gather.
-
-    `lm_shard` holds this rank's rows (padded to an equal length on every rank); with tied embeddings
-    it is a view of the replicated embedding whenever no padding is needed.
-    """
-
-    def __init__(self, cfg: ModelConfig, tie_embeddings: bool, shard_rows: int, group):
-        super().__init__(cfg, tie_embeddings)
-        self.lm_head = None
-        self.lm_shard = Linear(cfg.hidden_size, shard_rows)
-        self.group = group
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        local = F.linear(hidden, self.lm_shard.weight).float()  # [T, vocab / world]
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        local = head_logits(hidden, self.shard)  # fp32 [T, padded vocab / world]
         if self.group is None:
             return local
-        return all_gather_last(local, self.group)[..., : self.config.vocab_size]
+        return all_gather_last(local, self.group)[..., : self.vocab_size]

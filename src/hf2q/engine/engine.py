@@ -51,11 +51,13 @@ def _disk_store(model: Model, cc: CacheConfig) -> Optional[PrefixStore]:
 
 
 class Engine:
+    cache_class: type[HybridCache] = HybridCache  # a tensor-parallel rank 0 builds one that logs its slot operations
+
     def __init__(self, model: Model, config: EngineConfig = EngineConfig()):
         self.model = model
         self.config = config
         self.max_model_len = min(config.max_model_len, model.config.context_length)
-        self.cache = HybridCache(model.config, config.cache, device=model.device)
+        self.cache = self.cache_class(model.config, config.cache, device=model.device)
         cc = config.cache
         self.prefix = PrefixCache(self.cache, cc.prefix_cache_bytes, _disk_store(model, cc)) \
             if cc.prefix_cache_bytes > 0 else None

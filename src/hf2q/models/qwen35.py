@@ -30,6 +30,14 @@ def make_ffn(cfg: ModelConfig) -> nn.Module:
     return MLP(cfg.hidden_size, cfg.intermediate_size)
 
 
+def head_logits(hidden: torch.Tensor, head: Linear) -> torch.Tensor:
+    """fp32 logits of an LM head: a quantized one goes through its Linear; a dense one asks for fp32 out
+    directly (the GEMV writes it, saving a cast kernel over the vocabulary)."""
+    if head.quantized:
+        return head(hidden).float()
+    return linear_ops.linear(hidden, head.weight, torch.float32)
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: x += mixer(norm(x)); x += ffn(norm(x))."""
 
@@ -54,7 +62,7 @@ class DecoderLayer(nn.Module):
         m = self.mixer(h, batch, cos, sin) if self.is_full_attention else self.mixer(h, batch)
         norm = self.ffn_norm
         x, h = norm_ops.add_rms_norm(x, m, norm.weight, norm.eps, int8_reader(x, int8_ffn))
-        return x, self._ffn(h, batch)
+        return x, self.ffn(h)
 
     def _int8_inputs(self) -> tuple[str | None, str | None]:
         """The quantized type through which the mixer and the FFN read their input (then each norm also
@@ -70,10 +78,6 @@ class DecoderLayer(nn.Module):
                 return None
             self._int8 = (first_qtype(self.mixer), first_qtype(self.ffn))
         return self._int8
-
-    def _ffn(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """The FFN, dense MLP or MoE, each choosing its own kernels (the tensor-parallel layer reduces here)."""
-        return self.ffn(h)
 
 
 class Qwen35Model(nn.Module):
@@ -102,12 +106,13 @@ class Qwen35Model(nn.Module):
         return norm_ops.add_rms_norm(x, pending, self.norm.weight, self.norm.eps, head)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits [T, vocab]; a quantized head goes through its Linear. A dense one asks for fp32 out
-        directly (the GEMV writes it, saving a cast kernel over the vocabulary)."""
-        if self.lm_head is not None and self.lm_head.quantized:
-            return self.lm_head(hidden).float()
-        weight = self.embed if self.lm_head is None else self.lm_head.weight
-        return linear_ops.linear(hidden, weight, torch.float32)
+        """fp32 logits [T, vocab]. `lm_head` is a Linear, None (tied to the embedding), or a module that
+        computes the logits itself (a tensor-parallel rank's vocab-parallel head)."""
+        if self.lm_head is None:
+            return linear_ops.linear(hidden, self.embed, torch.float32)
+        if isinstance(self.lm_head, Linear):
+            return head_logits(hidden, self.lm_head)
+        return self.lm_head(hidden)
 
     @torch.inference_mode()
     def logits(self, token_ids) -> torch.Tensor:
