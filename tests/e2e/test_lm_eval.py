@@ -1,12 +1,13 @@
-"""lm-evaluation-harness, unmodified, against the shared `hf2q serve`: two small tasks defined here on local
-JSONL files (no network), run through `lm_eval.simple_evaluate` with its `local-completions` model and
-default arguments, so it tokenizes through the server's /tokenizer_info and /tokenize as a user's run would.
+"""lm-evaluation-harness, unmodified, against the shared `hf2q serve`: small tasks defined here on local JSONL
+files (no network), run through `lm_eval.simple_evaluate`. `local-completions` with its default arguments
+tokenizes through the server's /tokenizer_info and /tokenize as a user's run would, and runs a generation
+task and a multiple-choice (log-likelihood) task; `local-chat-completions` runs the generation task as chat.
 
 The model has random weights, so each task's data is made from the server's own answers, fetched here
-independently (text prompts, where lm_eval sends token ids, in batches of two): the generation task's
-targets are the greedy completion for half the questions, and each multiple-choice question's gold answer
-is the best-scored choice for all but one question. The metrics lm_eval reports must then come out at the
-known fractions, and every log-likelihood it recorded must equal the one from `echo` + `logprobs`."""
+independently (text prompts one at a time, where lm_eval sends token ids in batches of two): the generation
+targets are the greedy answer for half the questions, and each multiple-choice question's gold answer is its
+best-scored choice for all but one question. The metrics lm_eval reports must then come out at the known
+fractions, and every log-likelihood it recorded must equal the one from `echo` + `logprobs`."""
 from __future__ import annotations
 
 import json
@@ -51,23 +52,24 @@ def choice_score(server, context: str, choice: str) -> tuple[float, bool]:
     return sum(lp for lp, _ in tokens), all(lp == max(top.values()) for lp, top in tokens)
 
 
-def write_tasks(folder, gen_docs: list[dict], mc_docs: list[dict]) -> None:
-    """Two task YAMLs over JSONL files in `folder` (datasets' own `json` loader, caching inside `folder`)."""
-    def dataset(name: str, docs: list[dict]) -> str:
-        (folder / f"{name}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
-        return (f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {folder / name}.jsonl\n"
-                f"  cache_dir: {folder / 'datasets'}\ntest_split: test\n")
+def write_task(folder, name: str, docs: list[dict], spec: str) -> None:
+    """Task `name`: `spec` (its YAML lines) over `docs` as a JSONL file, read by datasets' own `json` loader."""
+    data = folder / f"{name}.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (folder / f"{name}.yaml").write_text(
+        f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {json.dumps(str(data))}\n"
+        f"  cache_dir: {json.dumps(str(folder / 'datasets'))}\ntest_split: test\n{spec}")
 
-    (folder / "hf2q_generate.yaml").write_text(
-        "task: hf2q_generate\n" + dataset("generate", gen_docs) +
-        "output_type: generate_until\ndoc_to_text: '{{question}}'\ndoc_to_target: '{{answer}}'\n"
-        f"generation_kwargs:\n  until: {json.dumps(UNTIL)}\n  max_gen_toks: {MAX_GEN_TOKS}\n"
-        "metric_list:\n  - metric: exact_match\n    aggregation: mean\n    higher_is_better: true\n")
-    (folder / "hf2q_choice.yaml").write_text(
-        "task: hf2q_choice\n" + dataset("choice", mc_docs) +
-        "output_type: multiple_choice\ndoc_to_text: '{{question}}'\ndoc_to_target: '{{label}}'\n"
-        "doc_to_choice: '{{choices}}'\n"
-        "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n")
+
+GENERATION_SPEC = ("output_type: generate_until\ndoc_to_text: '{{question}}'\ndoc_to_target: '{{answer}}'\n"
+                   f"generation_kwargs:\n  until: {json.dumps(UNTIL)}\n  max_gen_toks: {MAX_GEN_TOKS}\n"
+                   "metric_list:\n  - metric: exact_match\n    aggregation: mean\n    higher_is_better: true\n")
+
+
+def half_right(answers: list[str]) -> list[dict]:
+    """Generation docs whose target is the server's answer for the even questions: exact match 0.5."""
+    return [{"question": q, "answer": a if i % 2 == 0 else "certainly not this"}
+            for i, (q, a) in enumerate(zip(QUESTIONS, answers))]
 
 
 @pytest.fixture
@@ -82,27 +84,29 @@ def offline(monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
 
 
-def test_generation_and_log_likelihood_tasks(plain_server, offline, tmp_path):
+def local_tasks(folder):
     from lm_eval.tasks import TaskManager
 
+    return TaskManager(include_path=str(folder), include_defaults=False)  # not lm_eval's thousands of tasks
+
+
+def test_generation_and_log_likelihood_tasks(plain_server, offline, tmp_path):
     eos = httpx.get(plain_server.url + "/tokenizer_info", timeout=30).json()["eos_token"]
     answers = [greedy_answer(plain_server, q, eos) for q in QUESTIONS]
-    gen_docs = [{"question": q, "answer": a if i % 2 == 0 else "certainly not this"}
-                for i, (q, a) in enumerate(zip(QUESTIONS, answers))]
     scores = [[choice_score(plain_server, ctx, c) for c in choices] for ctx, choices in MULTIPLE_CHOICE]
     best = [max(range(len(s)), key=lambda j: s[j][0]) for s in scores]
     labels = [b if i else (b + 1) % len(s) for i, (b, s) in enumerate(zip(best, scores))]  # the first is wrong
-    mc_docs = [{"question": ctx, "choices": choices, "label": label}
-               for (ctx, choices), label in zip(MULTIPLE_CHOICE, labels)]
-    write_tasks(tmp_path, gen_docs, mc_docs)
+    write_task(tmp_path, "hf2q_generate", half_right(answers), GENERATION_SPEC)
+    write_task(tmp_path, "hf2q_choice", [{"question": ctx, "choices": choices, "label": label}
+                                         for (ctx, choices), label in zip(MULTIPLE_CHOICE, labels)],
+               "output_type: multiple_choice\ndoc_to_text: '{{question}}'\ndoc_to_target: '{{label}}'\n"
+               "doc_to_choice: '{{choices}}'\nmetric_list:\n  - metric: acc\n")
 
     out = lm_eval.simple_evaluate(
         model="local-completions",
         model_args={"base_url": plain_server.url + "/v1/completions", "model": MODEL, "batch_size": 2,
                     "max_length": MAX_MODEL_LEN, "max_retries": 1},
-        tasks=["hf2q_generate", "hf2q_choice"], task_manager=TaskManager(include_path=str(tmp_path),
-                                                                         include_defaults=False),
-        log_samples=True)
+        tasks=["hf2q_generate", "hf2q_choice"], task_manager=local_tasks(tmp_path), log_samples=True)
 
     generated = sorted(out["samples"]["hf2q_generate"], key=lambda s: s["doc_id"])
     assert [s["filtered_resps"][0] for s in generated] == answers
@@ -114,3 +118,27 @@ def test_generation_and_log_likelihood_tasks(plain_server, offline, tmp_path):
         assert [greedy for _, greedy in recorded] == [greedy for _, greedy in expected]
         assert [lp for lp, _ in recorded] == pytest.approx([lp for lp, _ in expected], abs=LOGPROB_TOLERANCE)
     assert out["results"]["hf2q_choice"]["acc,none"] == pytest.approx(2 / 3)
+
+
+def test_chat_generation_with_thinking_off(plain_server, offline, tmp_path):
+    """`local-chat-completions` sends each question as a user turn; `reasoning_effort=minimal` in gen_kwargs
+    turns thinking off (lm_eval reads `none` as null), so the answer is the message's content."""
+    def chat_answer(question: str) -> str:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": question}], "max_tokens": MAX_GEN_TOKS,
+                "temperature": 0, "stop": UNTIL, "reasoning_effort": "minimal"}
+        r = httpx.post(plain_server.url + "/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["message"]["content"]
+
+    answers = [chat_answer(q) for q in QUESTIONS]
+    assert any(answers)
+    write_task(tmp_path, "hf2q_chat", half_right(answers), GENERATION_SPEC)
+    out = lm_eval.simple_evaluate(
+        model="local-chat-completions",
+        model_args={"base_url": plain_server.url + "/v1/chat/completions", "model": MODEL, "max_retries": 1},
+        tasks=["hf2q_chat"], task_manager=local_tasks(tmp_path), apply_chat_template=True,
+        gen_kwargs="reasoning_effort=minimal", log_samples=True)
+
+    generated = sorted(out["samples"]["hf2q_chat"], key=lambda s: s["doc_id"])
+    assert [s["filtered_resps"][0] for s in generated] == answers
+    assert out["results"]["hf2q_chat"]["exact_match,none"] == pytest.approx(0.5)
