@@ -26,7 +26,8 @@ def test_openapi_document_describes_the_request_models(plain_server):
     doc = resp.json()
     assert set(doc["paths"]) == {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings",
                                  "/v1/responses/{response_id}", "/v1/responses/{response_id}/input_items",
-                                 "/v1/models", "/v1/models/{name}", "/tokenize", "/detokenize", "/health", "/metrics"}
+                                 "/v1/models", "/v1/models/{name}", "/tokenize", "/detokenize", "/tokenizer_info",
+                                 "/health", "/metrics"}
     for path, model in (("/v1/chat/completions", ChatCompletionRequest), ("/v1/completions", CompletionRequest)):
         op = doc["paths"][path]["post"]
         ref = op["requestBody"]["content"]["application/json"]["schema"]["$ref"]

@@ -42,7 +42,7 @@ def chat(server, key=KEY, **body):
 
 
 def test_key_guards_metrics_and_the_document(guarded):
-    for path in ("/metrics", "/openapi.json", "/v1/models"):
+    for path in ("/metrics", "/openapi.json", "/v1/models", "/tokenizer_info"):
         assert get(guarded, path).status_code == 401, path
         assert get(guarded, path, key=KEY).status_code == 200, path
     assert get(guarded, "/health").status_code == 200

@@ -1,4 +1,5 @@
-"""POST /tokenize and /detokenize (vLLM's shape) through a real server: the ids chat requests are built from."""
+"""POST /tokenize, /detokenize and GET /tokenizer_info (vLLM's shape) through a real server: the ids chat requests
+are built from, and what a client needs to tokenize through them (lm-evaluation-harness does)."""
 from __future__ import annotations
 
 import httpx
@@ -45,6 +46,22 @@ def test_bad_requests(plain_server):
                               ("/detokenize", {"tokens": ["a"]}, "tokens[0]"),
                               ("/tokenize", {}, "prompt"),
                               ("/tokenize", {"prompt": "x", "messages": MSGS}, "prompt"),
-                              ("/tokenize", {"prompt": "x", "add_special_tokens": True}, "add_special_tokens")]:
+                              ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, "add_special_tokens")]:
         r = post(plain_server, path, body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+
+
+def test_tokenizer_info_is_the_gguf_tokenizer(plain_server, served_model_path):
+    from hf2q.checkpoint.gguf_file import GGUFFile
+
+    meta = GGUFFile(served_model_path).metadata
+    info = httpx.get(plain_server.url + "/tokenizer_info", timeout=60).json()
+    tokens = meta["tokenizer.ggml.tokens"]
+    assert info["eos_token"] == tokens[meta["tokenizer.ggml.eos_token_id"]]
+    assert info["chat_template"] == meta["tokenizer.chat_template"] and info["model_max_length"] == MAX_MODEL_LEN
+    assert info["add_bos_token"] is bool(meta.get("tokenizer.ggml.add_bos_token", False)) is False
+    # what lm-evaluation-harness sends: the special-token text is one id, and this model adds no BOS
+    eos = post(plain_server, "/tokenize", {"prompt": info["eos_token"], "add_special_tokens": False}).json()
+    assert eos["tokens"] == [meta["tokenizer.ggml.eos_token_id"]]
+    added = post(plain_server, "/tokenize", {"prompt": "Hi", "add_special_tokens": True}).json()["tokens"]
+    assert added == post(plain_server, "/tokenize", {"prompt": "Hi"}).json()["tokens"]

@@ -1,4 +1,5 @@
 """Tokenizer from GGUF metadata: the same ids as the Qwen3.5 reference encoder, lossless round trips."""
+import copy
 import random
 import time
 import unicodedata
@@ -125,6 +126,14 @@ def test_user_defined_tokens(meta):
     assert ids[0] == tokens.index("<think>") and ids[-1] == tokens.index("<|im_end|>")
     assert tok.decode(ids, skip_special_tokens=True) == "<think>x</think>"
     assert tokens.index("<think>") in tok.special_ids and tokens.index("<think>") not in tok.control_ids
+
+
+def test_add_special_tokens_adds_bos_only_where_the_gguf_asks(tok):
+    assert tok.encode("Hi", add_special_tokens=True) == tok.encode("Hi")  # Qwen3.5: no BOS
+    with_bos = copy.copy(tok)
+    with_bos.add_bos_token, with_bos.bos_token_id = True, tok.token_to_id("<|endoftext|>")
+    assert with_bos.encode("Hi", add_special_tokens=True) == [with_bos.bos_token_id, *tok.encode("Hi")]
+    assert with_bos.encode("Hi") == tok.encode("Hi")  # prompts: the chat template writes BOS where it belongs
 
 
 def test_token_bytes_concatenate_to_decode(tok):

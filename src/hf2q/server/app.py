@@ -19,7 +19,7 @@ from hf2q.server.serving_chat import ChatServing
 from hf2q.server.serving_completions import CompletionServing
 from hf2q.server.serving_embeddings import EmbeddingServing
 from hf2q.server.serving_responses import ResponsesServing
-from hf2q.server.serving_tokens import detokenize, tokenize
+from hf2q.server.serving_tokens import detokenize, tokenize, tokenizer_info
 from hf2q.server.state import ServerState
 
 
@@ -49,7 +49,7 @@ class _RequestMetrics:
 
 
 _ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings", "/v1/models", "/tokenize",
-           "/detokenize", "/health", "/metrics", "/openapi.json")
+           "/detokenize", "/tokenizer_info", "/health", "/metrics", "/openapi.json")
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -123,6 +123,10 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/detokenize", dependencies=auth)
     async def detokenize_route(body: DetokenizeRequest) -> JSONResponse:
         return JSONResponse(detokenize(state, body))
+
+    @app.get("/tokenizer_info", dependencies=auth)
+    async def tokenizer_info_route() -> JSONResponse:
+        return JSONResponse(tokenizer_info(state))
 
     @app.get("/v1/models", dependencies=auth)
     async def models() -> JSONResponse:

@@ -239,6 +239,7 @@ class TokenizeRequest(_Strict):
     prompt: Optional[StrictStr] = None
     messages: Optional[list[Message]] = None
     add_generation_prompt: StrictBool = True
+    add_special_tokens: StrictBool = False  # BOS where the GGUF asks for it; off: the ids requests are built from
     tools: Optional[list[Tool]] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
     return_token_strs: StrictBool = False

@@ -1,10 +1,12 @@
-"""POST /tokenize and /detokenize, as vLLM offers them: what the model sees, without generating."""
+"""POST /tokenize, /detokenize and GET /tokenizer_info, as vLLM offers them: what the model sees, without
+generating (lm-evaluation-harness tokenizes through them when no local tokenizer is given)."""
 from __future__ import annotations
 
 from hf2q.server.errors import bad_request
 from hf2q.server.schemas import DetokenizeRequest, TokenizeRequest
 from hf2q.server.serving_chat import render_prompt
 from hf2q.server.state import ServerState
+from hf2q.text.tokenizer import EOS_TOKEN_NAMES
 
 
 def tokenize(state: ServerState, req: TokenizeRequest) -> dict:
@@ -19,7 +21,7 @@ def tokenize(state: ServerState, req: TokenizeRequest) -> dict:
     else:
         text = req.prompt
     tokenizer = state.model.tokenizer
-    ids = tokenizer.encode(text)
+    ids = tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
     out = {"tokens": ids, "count": len(ids), "max_model_len": state.config.max_model_len}
     if req.return_token_strs:
         out["token_strs"] = [tokenizer.id_to_token(i) for i in ids]
@@ -35,3 +37,20 @@ def detokenize(state: ServerState, req: DetokenizeRequest) -> dict:
             raise bad_request(f"token id {token} is outside the vocabulary (0 to {tokenizer.vocab_size - 1})",
                               param=f"tokens[{i}]")
     return {"prompt": tokenizer.decode(req.tokens)}
+
+
+def tokenizer_info(state: ServerState) -> dict:
+    """The special tokens as text, the chat template and the context limit: what a client needs to tokenize
+    through /tokenize as the server does (vLLM's field names; a token the GGUF does not name is null)."""
+    tokenizer, meta = state.model.tokenizer, state.model.metadata
+
+    def token(key: str) -> str | None:
+        token_id = meta.get(f"tokenizer.ggml.{key}")
+        return None if token_id is None else tokenizer.id_to_token(int(token_id))
+
+    named_eos = [name for name in EOS_TOKEN_NAMES if tokenizer.token_to_id(name) is not None]
+    eos = token("eos_token_id") or next(iter(named_eos), None)  # a GGUF without an eos id: the turn end by name
+    return {"tokenizer_class": "GGUF byte-level BPE", "eos_token": eos, "bos_token": token("bos_token_id"),
+            "pad_token": token("padding_token_id"), "add_bos_token": tokenizer.add_bos_token,
+            "chat_template": state.model.chat_template.source, "model_max_length": state.config.max_model_len,
+            "vocab_size": tokenizer.vocab_size}

@@ -123,12 +123,15 @@ class Tokenizer:
                    pad_token_id=_optional_int(meta.get("tokenizer.ggml.padding_token_id")),
                    add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)))
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text`; special-token text becomes the special id. BOS is never added here: the
-        chat template writes it where the model expects it."""
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`; special-token text becomes the special id. BOS is added only when asked for
+        (`/tokenize`'s `add_special_tokens`) and the GGUF says the model wants it: prompts never get it here,
+        the chat template writes it where the model expects it."""
+        wants_bos = add_special_tokens and self.add_bos_token and self.bos_token_id is not None
+        prefix = [self.bos_token_id] if wants_bos else []
         if len(text) > _LONG_TEXT:  # the batch call releases the GIL: a server thread keeps answering meanwhile
-            return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
-        return self._tok.encode(text, add_special_tokens=False).ids
+            return prefix + self._tok.encode_batch([text], add_special_tokens=False)[0].ids
+        return prefix + self._tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         """Text of `ids`; invalid UTF-8 becomes U+FFFD. `skip_special_tokens` drops control tokens."""
