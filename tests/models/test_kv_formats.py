@@ -35,8 +35,9 @@ def greedy(model, fmt: str, steps: int = STEPS, forced: list[int] | None = None,
     """Greedy tokens and the logits of every step, decoding one token at a time through a `fmt` K/V pool
     (feeding `forced` tokens instead of its own when given, so every format sees the same context); with
     cuda_graphs the decode steps must have run in a captured graph."""
-    blocks = -(-(len(PROMPT) + steps) // 16) + 1
-    cache = HybridCache(model.config, CacheConfig(num_slots=1, num_blocks=blocks, block_size=16, kv_dtype=fmt),
+    blocks = -(-(len(PROMPT) + steps) // 16) + 1  # one more for the graphs' padding row
+    slots = 2 if cuda_graphs else 1  # the graphs hold a padding slot of their own
+    cache = HybridCache(model.config, CacheConfig(num_slots=slots, num_blocks=blocks, block_size=16, kv_dtype=fmt),
                         device=device)
     runner = ModelRunner(model.net, cache, cuda_graphs=cuda_graphs)
     req = Request("r", list(PROMPT), SamplingParams())

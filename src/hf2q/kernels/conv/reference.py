@@ -32,15 +32,18 @@ def _window_rows(seq_lens: torch.Tensor, cu: torch.Tensor, k: int, n_seqs: int):
 def causal_conv1d_varlen(x: torch.Tensor, states: torch.Tensor | None, weight: torch.Tensor,
                          seq_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [T, C] new inputs of N sequences end to end; states: [N, K-1, C] previous raw inputs (None = zeros);
-    weight: [C, K]. Returns (SiLU(conv) [T, C] fp32, new states [N, K-1, C] in x's dtype)."""
+    weight: [C, K]. Returns (SiLU(conv) [T, C] fp32, new states [N, K-1, C]). The buffer takes the wider of
+    the states' and x's dtypes, so fp32 states next to bf16 inputs are read (and carried) unrounded, as the
+    kernels read them."""
     k, c = weight.shape[1], x.shape[1]
     n = len(seq_lens)
     if states is None:
         states = x.new_zeros(n, k - 1, c)
+    dtype = torch.promote_types(states.dtype, x.dtype)
     lens = torch.tensor(seq_lens, dtype=torch.long, device=x.device)
     cu = torch.zeros(n + 1, dtype=torch.long, device=x.device)
     cu[1:] = torch.cumsum(lens, 0)
-    buf = torch.cat((states.reshape(n * (k - 1), c).to(x.dtype), x), dim=0)
+    buf = torch.cat((states.reshape(n * (k - 1), c).to(dtype), x.to(dtype)), dim=0)
     token_rows, state_rows = _window_rows(lens, cu, k, n)
     w = weight.float()
     acc = buf[token_rows[:, 0]].float() * w[:, 0]
