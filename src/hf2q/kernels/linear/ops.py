@@ -62,6 +62,8 @@ def packed_linear(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
     gate, kept in float: one product instead of two)."""
     if any(lin.quantized for lin in linears):
         return _packed_by_type(x, linears)
+    if _trainable(linears):
+        return tuple(linear(x, lin.weight) for lin in linears)
     out = linear(x, _pack(x, linears))
     return torch.split(out, [lin.weight.shape[0] for lin in linears], dim=-1)
 
@@ -82,7 +84,7 @@ def packed_swiglu(x: torch.Tensor, linears, int8_for: str | None = None) -> tupl
     too, since silu_mul also writes the int8 rows."""
     gate, up = linears[-2], linears[-1]
     if (int8_for is None and not any(lin.quantized for lin in linears) and x.numel() == x.shape[-1]
-            and gate.weight.shape == up.weight.shape):
+            and gate.weight.shape == up.weight.shape and not _trainable(linears)):
         packed = _pack(x, linears)
         if gemv_serves(x, packed):
             from hf2q.kernels.linear.gemv_triton import gemv_glu
@@ -90,6 +92,12 @@ def packed_swiglu(x: torch.Tensor, linears, int8_for: str | None = None) -> tupl
             return torch.split(gemv_glu(x, packed, sum(sizes[:-1])), sizes, dim=-1)
     *others, g, u = packed_linear(x, linears)
     return (*others, activation_ops.silu_mul(g, u, int8_for))
+
+
+def _trainable(linears) -> bool:
+    """Whether a projection's weight is being trained (tools/train_mtp.py): such weights are never packed, as
+    the pack is a copy outside autograd and would replace the Parameters an optimizer holds."""
+    return any(lin.weight.requires_grad for lin in linears)
 
 
 def _pack(x: torch.Tensor, linears) -> torch.Tensor:
