@@ -18,7 +18,9 @@
 # step times and profile for a 64-token prompt (tools/ttft_trace.py); kv: the compressed K/V kernels' tests and
 # model-level GPU tests, the paged decode configurations over fp8 and tq8 rows, and bench.kv's formats at the 9B
 # shape; mtp: train the small Qwen3.5 with its MTP head for 5 minutes (tools/train_mtp.py; carry the test
-# tokenizer as .cache/qwen35_tokenizer.tgz), its acceptance and speed-up on held-out code and prose
+# tokenizer as .cache/qwen35_tokenizer.tgz; its DeltaNet delta rule is --gdn auto: fla's PyTorch chunked form where
+# fla refuses its gated Triton backward (Hopper with Triton < 3.7.1), train.json's "gdn" says which ran; steps per
+# minute on that path are not measured yet), its acceptance and speed-up on held-out code and prose
 # (tools/spec_eval.py), and the forced-acceptance verify-cost curves; prefix: a follow-up turn over an
 # 8,000-token shared history, served with the prefix cache and without. Figures also go to OUT_DIR/*.json.
 set -uo pipefail
@@ -62,9 +64,9 @@ case "$stage" in
            --json "$out/kv.json" ;;
   mtp)   # needs the test tokenizer carried: tar czf .cache/qwen35_tokenizer.tgz -C ~/.cache/hf2q-tests qwen35_tokenizer
          tar xzf .cache/qwen35_tokenizer.tgz -C .cache
-         python -m pytest -q -p no:cacheprovider tests/spec/test_train_mtp.py -k cuda
+         python -m pytest -q -p no:cacheprovider -rs tests/spec/test_train_mtp.py -k "cuda or naive"
          python tools/train_mtp.py --tokenizer .cache/qwen35_tokenizer --out "$out/mtp" --size small --device cuda \
-           --steps 100000 --minutes 5 --outtype bf16 --outtype q8_0 --log-every 100
+           --gdn auto --steps 100000 --minutes 5 --outtype bf16 --outtype q8_0 --log-every 100
          python tools/spec_eval.py --model "$out/mtp/model-bf16.gguf" --prompts "$out/mtp/heldout.json" --k 1,2,3 \
            --max-tokens 128 -- --max-num-seqs 4 > "$out/spec_bf16.json"
          python tools/spec_eval.py --model "$out/mtp/model-q8_0.gguf" --prompts "$out/mtp/heldout.json" --k 3 \

@@ -1,7 +1,7 @@
 """Train a small Qwen3.5 text model with its MTP head on the Python standard library, and write it as a GGUF.
 
     python tools/train_mtp.py --tokenizer TOK_DIR --out DIR [--size tiny|small] [--device cuda]
-                              [--steps N] [--minutes M] [--outtype bf16|f32|q8_0]
+                              [--steps N] [--minutes M] [--outtype bf16|f32|q8_0] [--gdn auto|kernel|naive]
 
 Random weights accept no drafts, so speculation's speed-up cannot be judged on them; this model's MTP drafts
 are real. The text ships with every Python: the stdlib's `.py` files and `pydoc_data`'s topics (prose).
@@ -11,7 +11,9 @@ Held out (never trained on): every file or topic whose name's CRC-32 falls in bu
 The network is hf2q's own (`Qwen35Model`, `MTPHead`), so training and inference run the same layers. The MTP
 loss is the standard one (DeepSeek-V3, Qwen3-Next): row t reads the trunk's hidden at t and the embedding of
 token t + 1 and predicts token t + 2, exactly as `Qwen35Model.mtp_logits` runs the head. The DeltaNet layers
-go through `gdn_ops.chunk_gdn` (fla's chunked kernel on CUDA, which has a backward; the reference on CPU).
+go through `gdn_ops.chunk_gdn` (fla's chunked kernel on CUDA, which has a backward; the reference on CPU), or,
+where fla refuses its gated backward (Hopper with Triton older than 3.7.1) or `--gdn naive` asks, through fla's
+PyTorch chunked form (`kernels/gdn/chunked_naive.py`), which autograd differentiates.
 The result is saved in the HF layout (config.json + safetensors, MTP tensors under `mtp.*` as Qwen3.5
 checkpoints name them) and converted with `hf2q convert`'s `convert`. Needs only torch on the device
 (plus tokenizers, safetensors, gguf for the data and the files).
@@ -19,6 +21,7 @@ checkpoints name them) and converted with `hf2q convert`'s `convert`. Needs only
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import random
@@ -35,6 +38,7 @@ import torch.nn.functional as F
 from hf2q.config import ModelConfig
 from hf2q.forward import ForwardBatch
 from hf2q.kernels.gdn import ops as gdn_ops
+from hf2q.kernels.gdn.chunked_naive import chunk_gdn_naive, fla_backward_refused
 from hf2q.kernels.choose import fast_path
 from hf2q.models.qwen35 import DecoderLayer, Qwen35Model
 from hf2q.models.qwen35_mtp import MTPHead
@@ -43,6 +47,8 @@ HELD_OUT_BUCKETS = 8  # a file or topic is held out when crc32(name) % HELD_OUT_
 VOCAB = 248320  # the Qwen3.5 embedding rows
 EOS = 248044  # <|endoftext|>: separates documents
 MTP_WEIGHT = 0.5
+# The delta rules training can differentiate (`--gdn`): the serving path's chunked op, or fla's PyTorch chunked form
+DELTA_RULES = {"kernel": gdn_ops.chunk_gdn, "naive": chunk_gdn_naive}
 
 # Shapes: tiny for CI (seconds on a CPU), small for one H200 (about 35 M parameters besides the embedding).
 SIZES = {
@@ -172,9 +178,17 @@ def build_model(cfg: ModelConfig, seed: int, std: float = 0.02) -> Qwen35Model:
     return net
 
 
-def deltanet_forward(m, x: torch.Tensor, seqs: int, seq_len: int) -> torch.Tensor:
+def choose_delta_rule(choice: str, device) -> str:
+    """The `DELTA_RULES` entry `--gdn CHOICE` trains with on `device`: `auto` takes `naive` on a CUDA device
+    where fla refuses its gated chunked backward, else `kernel`."""
+    if choice != "auto":
+        return choice
+    return "naive" if torch.device(device).type == "cuda" and fla_backward_refused() else "kernel"
+
+
+def deltanet_forward(m, x: torch.Tensor, seqs: int, seq_len: int, delta_rule=gdn_ops.chunk_gdn) -> torch.Tensor:
     """`GatedDeltaNet.forward` of `seqs` fresh sequences of `seq_len` tokens, through differentiable kernels:
-    the causal conv as a grouped conv1d, the delta rule through `gdn_ops.chunk_gdn`."""
+    the causal conv as a grouped conv1d, the delta rule through `delta_rule` (a `DELTA_RULES` value)."""
     t, channels = x.shape[0], m.conv.shape[0]
     mixed = m.qkv(x)
     conv = F.conv1d(mixed.view(seqs, seq_len, channels).transpose(1, 2), m.conv.to(mixed.dtype).unsqueeze(1),
@@ -184,8 +198,8 @@ def deltanet_forward(m, x: torch.Tensor, seqs: int, seq_len: int) -> torch.Tenso
     g = m.a.float() * F.softplus(m.alpha(x).float() + m.dt_bias.float())
     cu = torch.arange(0, t + 1, seq_len, device=x.device)
     state = x.new_zeros(seqs, m.nv, m.dk, m.dv, dtype=torch.float32)
-    o, _ = gdn_ops.chunk_gdn(q.reshape(t, m.nk, m.dk), k.reshape(t, m.nk, m.dk), v.reshape(t, m.nv, m.dv), g,
-                              torch.sigmoid(m.beta(x).float()), state, cu, [seq_len] * seqs, m.dk ** -0.5, m.eps)
+    o, _ = delta_rule(q.reshape(t, m.nk, m.dk), k.reshape(t, m.nk, m.dk), v.reshape(t, m.nv, m.dv), g,
+                        torch.sigmoid(m.beta(x).float()), state, cu, [seq_len] * seqs, m.dk ** -0.5, m.eps)
     of = o.float()
     of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + m.eps) * m.norm.float()
     of = of * F.silu(m.z(x).float().view(t, m.nv, m.dv))
@@ -199,7 +213,7 @@ def batch_of(ids: torch.Tensor, start: int = 0) -> ForwardBatch:
     return ForwardBatch(ids.reshape(-1).long(), pos, [n] * seqs, [start] * seqs, list(range(seqs)))
 
 
-def trunk_forward(net: Qwen35Model, ids: torch.Tensor) -> torch.Tensor:
+def trunk_forward(net: Qwen35Model, ids: torch.Tensor, delta_rule=gdn_ops.chunk_gdn) -> torch.Tensor:
     """Hidden rows after the final norm for [seqs, n] ids: the model's forward, DeltaNet as above."""
     seqs, n = ids.shape
     batch = batch_of(ids)
@@ -210,17 +224,18 @@ def trunk_forward(net: Qwen35Model, ids: torch.Tensor) -> torch.Tensor:
             x, ffn_out = layer(x, None, batch, cos, sin)
             x = x + ffn_out
         else:
-            x = x + deltanet_forward(layer.mixer, layer.attn_norm(x), seqs, n)
+            x = x + deltanet_forward(layer.mixer, layer.attn_norm(x), seqs, n, delta_rule)
             x = x + layer.ffn(layer.ffn_norm(x))
     return net.norm(x)
 
 
-def losses(net: Qwen35Model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def losses(net: Qwen35Model, ids: torch.Tensor, delta_rule=gdn_ops.chunk_gdn
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(next-token loss, MTP loss, MTP agreement): the head's row t predicts token t + 2 from hidden t and
     token t + 1; agreement is how often its greedy guess equals the trunk's greedy token at t + 1 (what a
     greedy verify accepts)."""
     seqs, n = ids.shape
-    hidden = trunk_forward(net, ids)
+    hidden = trunk_forward(net, ids, delta_rule)
     logits = net.compute_logits(hidden).view(seqs, n, -1)
     main = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1).long())
     rows = hidden.view(seqs, n, -1)[:, :-1].reshape(-1, hidden.shape[-1])
@@ -286,6 +301,10 @@ def train(net: Qwen35Model, data: torch.Tensor, heldout: dict[str, torch.Tensor]
                             lr=size["lr"], betas=(0.9, 0.95), fused=device.type == "cuda")
     rng = random.Random(args.seed)
     amp = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    rule = choose_delta_rule(args.gdn, device)
+    if rule == "naive" and importlib.util.find_spec("fla") is None:
+        raise SystemExit("--gdn naive runs fla's PyTorch chunked delta rule: install fla-core")
+    log(f"delta rule: {rule}")
     t0, step, history = time.perf_counter(), 0, []
     budget = args.minutes * 60 if args.minutes else math.inf
     while step < args.steps and time.perf_counter() - t0 < budget:
@@ -296,7 +315,7 @@ def train(net: Qwen35Model, data: torch.Tensor, heldout: dict[str, torch.Tensor]
         starts = [rng.randrange(0, data.numel() - seq) for _ in range(bsz)]
         ids = torch.stack([data[s:s + seq] for s in starts]).to(device)
         with amp:
-            main, mtp, agree = losses(net, ids)
+            main, mtp, agree = losses(net, ids, DELTA_RULES[rule])
         opt.zero_grad(set_to_none=True)
         (main + MTP_WEIGHT * mtp).backward()
         torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
@@ -309,20 +328,21 @@ def train(net: Qwen35Model, data: torch.Tensor, heldout: dict[str, torch.Tensor]
                    "mtp_loss": round(mtp.item(), 4), "mtp_agree": round(agree.item(), 4)}
             history.append(row)
             log(json.dumps(row))
-    result = {"steps": step, "seconds": round(time.perf_counter() - t0, 1), "history": history}
+    result = {"gdn": rule, "steps": step, "seconds": round(time.perf_counter() - t0, 1), "history": history}
     for kind, tokens in heldout.items():
-        result[f"heldout_{kind}"] = evaluate(net, tokens, seq, amp, device, size["eval_windows"])
+        result[f"heldout_{kind}"] = evaluate(net, tokens, seq, amp, device, size["eval_windows"], DELTA_RULES[rule])
         log(json.dumps({f"heldout_{kind}": result[f"heldout_{kind}"]}))
     return result
 
 
 @torch.no_grad()
-def evaluate(net: Qwen35Model, tokens: torch.Tensor, seq: int, amp, device, windows: int) -> dict:
+def evaluate(net: Qwen35Model, tokens: torch.Tensor, seq: int, amp, device, windows: int,
+             delta_rule=gdn_ops.chunk_gdn) -> dict:
     """Losses and MTP agreement on the first `windows` consecutive windows of held-out text."""
     n = min(windows, tokens.numel() // seq)
     ids = tokens[:n * seq].view(n, seq).to(device)
     with amp:
-        main, mtp, agree = losses(net, ids)
+        main, mtp, agree = losses(net, ids, delta_rule)
     return {"loss": round(main.item(), 4), "mtp_loss": round(mtp.item(), 4), "mtp_agree": round(agree.item(), 4)}
 
 
@@ -348,6 +368,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=8, help="held-out prompts of each kind in heldout.json")
     p.add_argument("--prompt-chars", type=int, default=600)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--gdn", choices=("auto", *DELTA_RULES), default="auto", help="the DeltaNet's delta rule: kernel "
+                   "(fla's chunked kernel on CUDA, the reference on CPU), naive (fla's PyTorch chunked form, fp32, "
+                   "slower; needs no Triton backward), auto (naive where fla refuses its backward: Hopper with "
+                   "Triton >= 3.4.0 and < 3.7.1, fla issue 640; else kernel)")
     return p.parse_args(argv)
 
 
