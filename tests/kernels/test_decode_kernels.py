@@ -111,7 +111,7 @@ def _fast_ffn(layer, h, gemv_rows, calls: dict):
     """The layer's FFN on the forced fast path with HF2Q_GEMV=gemv_rows -> (output, the counted calls)."""
     calls.update(dict.fromkeys(calls, 0))
     with choose.fast_path("force"), linear_ops.gemv_switch(gemv_rows):
-        return layer._ffn(h, None), dict(calls)
+        return layer.ffn(h), dict(calls)
 
 
 # ---- the GEMV with the SwiGLU epilogue ----------------------------------------------------------------------
