@@ -18,7 +18,7 @@ from tests.support.triton_targets import interpreter_child, randn, rel, target, 
 
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
-from hf2q.kernels.attention.compressed_triton import _e4m3_bits, _e4m3_value  # noqa: E402 (needs triton)
+from hf2q.kernels.attention.compressed_triton import _e4m3_bits  # noqa: E402 (needs triton)
 
 FORMATS = ["fp8", "tq8", "tq6", "tq5"]
 
@@ -55,7 +55,7 @@ def _e4m3_round_trip(x_ptr, bits_ptr, value_ptr, N: tl.constexpr):
     i = tl.arange(0, N)
     bits = _e4m3_bits(tl.load(x_ptr + i))
     tl.store(bits_ptr + i, bits)
-    tl.store(value_ptr + i, _e4m3_value(bits))
+    tl.store(value_ptr + i, bits.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32))  # as decode reads
 
 
 def test_e4m3_bits_round_as_torch(env):
@@ -101,7 +101,7 @@ def test_store_writes_the_pools_encoding(env, fmt):
     assert not pool.k[0].any() and not pool.v[0].any()
 
 
-def _filled_pool(fmt, dev, dtype, real, lens, gen):
+def _filled_pool(fmt, dev, dtype, real, lens, gen, k_scale=2.0, v_scale=1.0):
     """A pool whose sequences of `lens` tokens sit in shuffled blocks; (pool, block tables [B, width] int32)."""
     _, nkv, hd, bs, blocks = _shape(real)
     pool = make_pool(fmt, 1, blocks, bs, nkv, hd, torch.device(dev))
@@ -112,8 +112,8 @@ def _filled_pool(fmt, dev, dtype, real, lens, gen):
         tables[i, :len(own)] = torch.tensor(own, dtype=torch.int32)
         pos = torch.arange(n)
         rows = (tables[i].long()[pos // bs] * bs + pos % bs).to(dev)
-        pool.store(0, rows, randn(n, nkv, hd, dev=dev, dtype=dtype, gen=gen, scale=2.0),
-                   randn(n, nkv, hd, dev=dev, dtype=dtype, gen=gen))
+        pool.store(0, rows, randn(n, nkv, hd, dev=dev, dtype=dtype, gen=gen, scale=k_scale),
+                   randn(n, nkv, hd, dev=dev, dtype=dtype, gen=gen, scale=v_scale))
     return pool, tables
 
 
@@ -142,6 +142,30 @@ def test_paged_decode_reads_compressed_rows(env, fmt, gated, one):
                                                pool=pool)
     assert out.dtype == dtype and out.shape == (b, nh, hd)
     assert rel(out, want) <= (2e-2 if real else 2e-5)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "tq8"])
+def test_paged_decode_in_half_precision_keeps_the_range(env, fmt):
+    """A bf16 query (the kernel's tensor-core operands are then fp16) far outside fp16's range (10⁶) against keys
+    and values near the bottom of it (10⁻⁶): each row of q and of p times the value rows' factors goes through the
+    tensor cores as unit values and a power-of-two factor, so nothing overflows or flushes. Against the plain path
+    in fp32 from the same bf16 query: within 5e-3, the bf16 output's rounding (≈1.5e-3 rounded to nearest, 3.3e-3
+    under the interpreter, which truncates) and fp16's rounding of the unit values (≈3e-4 in fp32)."""
+    dev, _, real = env
+    nh, nkv, hd, bs, _ = _shape(real)
+    gen = torch.Generator().manual_seed(5)
+    lens = [40, 999] if real else [9, 30]
+    pool, tables = _filled_pool(fmt, dev, torch.float32, real, lens, gen, k_scale=1e-6, v_scale=1e-6)
+    q = randn(len(lens), nh, hd, dev=dev, dtype=torch.bfloat16, gen=gen, scale=1e6)
+    context = torch.tensor(lens, dtype=torch.int32)
+    k_rows, v_rows = pool.rows(0)
+    out = attention_ops.paged_decode_attention(q, k_rows, v_rows, tables.to(dev), context.to(dev), bs, hd ** -0.5,
+                                               pool=pool)
+    with torch_only():
+        want = attention_ops.paged_decode_attention(q.cpu().float(), k_rows.cpu(), v_rows.cpu(), tables, context, bs,
+                                                    hd ** -0.5, pool=pool)
+    assert out.dtype == torch.bfloat16 and bool(torch.isfinite(out).all())
+    assert rel(out, want) <= 5e-3
 
 
 def test_tables_rotate_as_the_codec():

@@ -5,12 +5,14 @@ A stored row is head_dim payload bytes and the vector's fp32 side value (scale o
 (cache.kv_pool). Writing and reading compute what the codecs (cache.kv_codec) compute:
 
 - FP8: scale = amax × fp32(1/448) (as the codec computes it), values x/scale rounded to e4m3 (nearest, ties
-  to even). The e4m3 bits are made and read with integer arithmetic, which rounds as torch does on every device
-  (Triton's own fp8 casts differ between the GPU and its interpreter).
+  to even). The e4m3 bits are made with integer arithmetic, which rounds as torch does on every device (Triton's
+  own fp32 → fp8 casts differ between the GPU and its interpreter); reading them is the hardware's exact e4m3 →
+  fp16 conversion, two values an instruction.
 - TurboQuant: the store applies the signs and the normalised Walsh–Hadamard transform by butterflies in the same
   order as `kv_codec.fwht`, takes the L2 norm and finds each channel's codebook cell by binary search over the
-  boundaries. Reading, the codes become centroids and the norm a factor per row; attention runs in the rotated
-  domain (paged_triton). The codebook width only changes the tables, so tq8, tq6 and tq5 share the kernels.
+  boundaries. Reading, the codes become centroids (one table lookup each) and the norm a factor per row;
+  attention runs in the rotated domain (paged_triton). The codebook width only changes the tables, so tq8, tq6
+  and tq5 share the kernels.
 
 Everything is capturable in a CUDA graph: fixed shapes, no host synchronisation; the device tables are made on
 first use (the graphs' warm-up steps), before any capture.
@@ -36,12 +38,21 @@ def device_tables(fmt: str, head_dim: int, device: str) -> tuple[torch.Tensor, .
     `device` for a TurboQuant format; x @ rotation = codec.rotate(x). Made once per (format, shape, device)."""
     codec = TurboQuantCodec(head_dim, int(fmt[2:]))
     centroids, bounds = codebook(codec.bits)
-    padded_bounds = torch.full((_TABLE,), math.inf)
-    padded_bounds[: bounds.numel()] = bounds
-    padded_centroids = torch.zeros(_TABLE)
-    padded_centroids[: centroids.numel()] = centroids
     rotation = codec.rotate(torch.eye(head_dim))
-    return tuple(t.float().contiguous().to(device) for t in (codec.signs, padded_bounds, padded_centroids, rotation))
+    return tuple(t.float().contiguous().to(device)
+                 for t in (codec.signs, _padded(bounds, math.inf), _padded(centroids, 0.0), rotation))
+
+
+@lru_cache(maxsize=None)
+def centroid_table(fmt: str, dtype: torch.dtype, device: str) -> torch.Tensor:
+    """A TurboQuant format's centroids padded to 256, in the dtype of the decode kernel's tensor-core operands."""
+    return _padded(codebook(int(fmt[2:]))[0], 0.0).to(dtype).to(device)
+
+
+def _padded(table: torch.Tensor, fill: float) -> torch.Tensor:
+    out = torch.full((_TABLE,), fill)
+    out[: table.numel()] = table
+    return out
 
 
 # ---- e4m3 bits by integer arithmetic ----------------------------------------------------------------------------
@@ -58,33 +69,12 @@ def _e4m3_bits(x):
     return tl.where(x.to(tl.int32, bitcast=True) < 0, mag + 128, mag)  # the sign bit: -0.0 too
 
 
-@triton.jit
-def _e4m3_value(code):
-    """e4m3fn bits (any int type) → fp32 value."""
-    c = code.to(tl.int32)
-    e = (c >> 3) & 15
-    m = c & 7
-    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
-    mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
-    return tl.where(c >= 128, -mag, mag)
-
-
-# ---- side value: 4 little-endian bytes after the payload ---------------------------------------------------------
+# ---- side value: 4 little-endian bytes after the payload ----------------------------------------------------------
 @triton.jit
 def _store_side(ptr, value):
     bits = value.to(tl.int32, bitcast=True)
     j = tl.arange(0, 4)
     tl.store(ptr + j, ((bits >> (j * 8)) & 255).to(tl.uint8))
-
-
-@triton.jit
-def _load_side(ptr, mask):
-    """fp32 side values of a tile of rows: ptr [N] points at each row's side bytes."""
-    b0 = tl.load(ptr, mask=mask, other=0).to(tl.int32)
-    b1 = tl.load(ptr + 1, mask=mask, other=0).to(tl.int32)
-    b2 = tl.load(ptr + 2, mask=mask, other=0).to(tl.int32)
-    b3 = tl.load(ptr + 3, mask=mask, other=0).to(tl.int32)
-    return (b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)).to(tl.float32, bitcast=True)
 
 
 # ---- store ---------------------------------------------------------------------------------------------------------
@@ -164,11 +154,28 @@ def store(fmt: str, k: torch.Tensor, v: torch.Tensor, k_rows: torch.Tensor, v_ro
 
 # ---- reading ---------------------------------------------------------------------------------------------------------
 @triton.jit
-def decoded_tile(ptr, off, valid, cb_ptr, HD: tl.constexpr, TQ: tl.constexpr):
-    """A tile's unit values [N, HD] (e4m3 values, or centroids) and per-row factors [N] (scale, or norm/√D)."""
+def unit_rows(x, DOT: tl.constexpr):
+    """x [M, N] fp32 as (u [M, N] in DOT, f [M]) with x = u · f[:, None]: f is the power of two at or below each
+    row's largest magnitude (1 for a zero row), so u's largest is in [1, 2) and dividing by f rounds nothing. This
+    keeps fp16 operands in range whatever the rows' scale."""
+    amax = tl.max(tl.abs(x), 1)
+    exponent = amax.to(tl.int32, bitcast=True) & 0x7F800000
+    exponent = tl.where(amax > 0, tl.maximum(exponent, 1 << 23), 127 << 23)  # below the normals: 2^-126
+    f = exponent.to(tl.float32, bitcast=True)
+    inv_f = ((254 << 23) - exponent).to(tl.float32, bitcast=True)  # 1/f, exactly
+    return (x * inv_f[:, None]).to(DOT), f
+
+
+@triton.jit
+def decoded_tile(ptr, off, valid, cb_ptr, HD: tl.constexpr, TQ: tl.constexpr, DOT: tl.constexpr):
+    """A tile's unit values [N, HD] in DOT (e4m3 values, or centroids from the table at cb_ptr, held in DOT by the
+    caller so the lookup converts nothing) and per-row factors [N] in fp32 (scale, or norm/√D). off [N] are the rows' byte offsets, multiples of
+    4 (rows of head_dim + 4 bytes, head_dim a power of two ≥ 4): the codes load 4 at a time and the side value
+    in one word."""
     d = tl.arange(0, HD)
     codes = tl.load(ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0)
-    side = _load_side(ptr + off + HD, valid)
+    side = tl.load((ptr + off + HD).to(tl.pointer_type(tl.int32)), mask=valid, other=0)
+    side = side.to(tl.float32, bitcast=True)
     if TQ:
-        return tl.load(cb_ptr + codes.to(tl.int32)), side * (1.0 / tl.sqrt(HD * 1.0))
-    return _e4m3_value(codes), side
+        return tl.load(cb_ptr + codes.to(tl.int32)).to(DOT), side * (1.0 / tl.sqrt(HD * 1.0))
+    return codes.to(tl.float8e4nv, bitcast=True).to(DOT), side

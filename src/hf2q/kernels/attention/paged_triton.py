@@ -7,9 +7,12 @@ a weighted sum by a second small kernel, which also applies the gated attention'
 Splitting keeps the GPU busy at batch 1 with long contexts.
 
 A compressed pool (fp8, tq8/tq6/tq5) takes the same kernel with its rows decoded in registers
-(compressed_triton): each tile's unit values go through the tensor cores in q's dtype and its per-row
-factors scale the scores and the probabilities. TurboQuant attends in the rotated domain: q is rotated
-once per step before the kernel, and the merged output rotated back once after it.
+(compressed_triton): the codes are read 4 bytes at a time (so Triton's pipeline prefetches them like
+model-dtype rows), each tile's unit values go through the tensor cores in fp16 (which holds every e4m3
+value and the hardware converts two an instruction), and its per-row factors scale the scores and the
+probabilities; q and the probabilities times the value rows' factors enter fp16 as unit rows with a
+power-of-two factor, so no range is lost. TurboQuant attends in the rotated domain: q is rotated once per
+step before the kernel, and the merged output rotated back once after it.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ import triton
 import triton.language as tl
 
 from hf2q import envs
-from hf2q.kernels.attention.compressed_triton import decoded_tile, device_tables
+from hf2q.kernels.attention.compressed_triton import centroid_table, decoded_tile, device_tables, unit_rows
 from hf2q.kernels.tuning import pdl
 
 # how the pool stores a row: the kernel's CODED
@@ -32,7 +35,7 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, cb_ptr, bt_ptr, len_ptr, o_ptr, ls
                          stride_qb, stride_qh, stride_kr, stride_kh, stride_bt, stride_ob, stride_oh, stride_os,
                          stride_lb, stride_lh, REP: tl.constexpr, REP_PAD: tl.constexpr, HD: tl.constexpr,
                          BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr,
-                         CODED: tl.constexpr = 0, PDL: tl.constexpr = False):
+                         CODED: tl.constexpr = 0, DOT: tl.constexpr = tl.float16, PDL: tl.constexpr = False):
     pdl.enter(PDL)
     b = tl.program_id(0)
     g = tl.program_id(1)
@@ -48,8 +51,8 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, cb_ptr, bt_ptr, len_ptr, o_ptr, ls
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=rmask[:, None], other=0.0)
     if CODED == VALUES:
         q = (q.to(tl.float32) * scale).to(k_ptr.dtype.element_ty)
-    else:  # decoded tiles go through the tensor cores in q's dtype
-        q = (q.to(tl.float32) * scale).to(q_ptr.dtype.element_ty)
+    else:  # decoded tiles go through the tensor cores in DOT, each row of q as unit values and a factor
+        q, q_factor = unit_rows(q.to(tl.float32) * scale, DOT)
     m_i = tl.full([REP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([REP_PAD], tl.float32)
     acc = tl.zeros([REP_PAD, HD], tl.float32)
@@ -63,10 +66,10 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, cb_ptr, bt_ptr, len_ptr, o_ptr, ls
             off = rows[:, None] * stride_kr + g * stride_kh + d[None, :]
             k = tl.load(k_ptr + off, mask=valid[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k))  # [REP_PAD, BLOCK_N]
-        else:  # unit values and a factor per row: scale, or norm/√D
-            off = rows * stride_kr + g * stride_kh
-            k, k_factor = decoded_tile(k_ptr, off, valid, cb_ptr, HD, CODED == TURBOQUANT)
-            s = tl.dot(q, tl.trans(k.to(q.dtype))) * k_factor[None, :]
+        else:  # unit values and a factor per row: scale, or norm/√D; strides in 4-byte words (loads 4 codes wide)
+            off = (rows * stride_kr + g * stride_kh) * 4
+            k, k_factor = decoded_tile(k_ptr, off, valid, cb_ptr, HD, CODED == TURBOQUANT, DOT)
+            s = tl.dot(q, tl.trans(k)) * q_factor[:, None] * k_factor[None, :]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp(s - m_new[:, None])
@@ -76,8 +79,9 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, cb_ptr, bt_ptr, len_ptr, o_ptr, ls
             v = tl.load(v_ptr + off, mask=valid[:, None], other=0.0)
             pv = tl.dot(p.to(v.dtype), v)
         else:
-            v, v_factor = decoded_tile(v_ptr, off, valid, cb_ptr, HD, CODED == TURBOQUANT)
-            pv = tl.dot((p * v_factor[None, :]).to(q.dtype), v.to(q.dtype))
+            v, v_factor = decoded_tile(v_ptr, off, valid, cb_ptr, HD, CODED == TURBOQUANT, DOT)
+            w, w_factor = unit_rows(p * v_factor[None, :], DOT)  # the value rows' factors go on p's columns
+            pv = tl.dot(w, v) * w_factor[:, None]
         acc = acc * alpha[:, None] + pv
         m_i = m_new
     safe_l = tl.where(l_i > 0, l_i, 1.0)
@@ -159,20 +163,29 @@ def paged_decode_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.
     nkv = k_rows.shape[1]
     rep = nh // nkv
     assert k_rows.stride(2) == 1 and q.stride(2) == 1 and k_rows.stride() == v_rows.stride()
+    # a compressed pool's tiles go through the tensor cores in fp16, which holds every e4m3 value exactly (fp32 for
+    # an fp32 model)
+    dot = torch.float32 if q.dtype == torch.float32 else torch.float16
     codebook = k_rows  # unread unless TurboQuant
     if coded == TURBOQUANT:
-        codebook, rotation = device_tables(kv_format, hd, str(q.device))[2:]
-        q = (q.float() @ rotation).to(q.dtype)  # the keys' orthogonal map: ⟨Rq, Rk⟩ = ⟨q, k⟩
-    if coded != VALUES:
-        assert k_rows.dtype == torch.uint8 and k_rows.shape[2] == hd + 4
+        rotation = device_tables(kv_format, hd, str(q.device))[3]
+        codebook = centroid_table(kv_format, dot, str(q.device))
+        q_in = q.float() @ rotation  # the keys' orthogonal map: ⟨Rq, Rk⟩ = ⟨q, k⟩ (read as fp32)
+    else:
+        q_in = q
+    unit = 1
+    if coded != VALUES:  # rows of hd + 4 bytes, hd a power of two ≥ 4: the kernel takes strides in words
+        assert k_rows.dtype == torch.uint8 and k_rows.shape[2] == hd + 4 and hd % 4 == 0
+        unit = 4
     parts = torch.empty(bsz, nh, num_splits, hd, dtype=torch.float32, device=q.device)
     lse = torch.empty(bsz, nh, num_splits, dtype=torch.float32, device=q.device)
     _paged_decode_kernel[(bsz, nkv, num_splits)](
-        q, k_rows, v_rows, codebook, block_tables, context_lens, parts, lse, scale,
-        q.stride(0), q.stride(1), k_rows.stride(0), k_rows.stride(1), block_tables.stride(0),
+        q_in, k_rows, v_rows, codebook, block_tables, context_lens, parts, lse, scale,
+        q_in.stride(0), q_in.stride(1), k_rows.stride(0) // unit, k_rows.stride(1) // unit, block_tables.stride(0),
         parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0), lse.stride(1),
         REP=rep, REP_PAD=max(16, triton.next_power_of_2(rep)), HD=hd, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        NSPLIT=num_splits, CODED=coded, num_warps=num_warps, **pdl.launch_options(q.device))
+        NSPLIT=num_splits, CODED=coded, DOT=tl.float32 if dot == torch.float32 else tl.float16, num_warps=num_warps,
+        **pdl.launch_options(q.device))
     rotated = coded == TURBOQUANT  # a rotated output is rotated back, then gated
     out = torch.empty(bsz, nh, hd, dtype=torch.float32 if rotated else q.dtype, device=q.device)
     merge_gate = None if rotated else gate
