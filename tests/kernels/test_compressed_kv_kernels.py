@@ -229,3 +229,22 @@ def test_fast_path_over_a_compressed_pool_decodes_as_the_plain_path(env, fmt):
             _, replayed_logits, captured = _greedy(net, fmt, "auto", True, steps, forced=plain)
             assert captured and rel(replayed_logits, fast_logits) <= 1e-3, moe  # the same kernels, replayed
             assert [int(r.argmax()) for r in replayed_logits[:-1]] == plain, moe
+
+
+def test_attention_bench_compares_formats_with_the_first():
+    """bench.attention's comparison: each format's fastest and served configurations against the first format's
+    fastest time; a served configuration the sweep could not time is said so. Bad counts are refused."""
+    from hf2q.bench import attention as bench
+    times = {"bfloat16": [(10.0, (8, 64, 4)), (12.0, (8, 32, 8))],
+             "fp8": [(9.0, (8, 32, 4)), (15.0, (8, 32, 8))],
+             "tq8": [(11.0, (4, 32, 4))]}
+    served = {"bfloat16": (8, 64, 4), "fp8": (8, 32, 8), "tq8": (8, 32, 8)}
+    lines = bench.comparison(times, served)
+    assert lines[0] == ("bfloat16: fastest (8, 64, 4) 10.00 µs (+0.0% against bfloat16's fastest), "
+                        "served (8, 64, 4) 10.00 µs (+0.0%)")
+    assert lines[1] == ("fp8: fastest (8, 32, 4) 9.00 µs (-10.0% against bfloat16's fastest), "
+                        "served (8, 32, 8) 15.00 µs (+50.0%)")
+    assert lines[2].endswith("(+10.0% against bfloat16's fastest), served (8, 32, 8) not among the timed")
+    for bad in (["--batch", "0"], ["--context", "0"], ["--kv-format", "int4"]):
+        with pytest.raises(SystemExit):
+            bench.main(bad)
