@@ -10,9 +10,9 @@ A stored row is head_dim payload bytes and the vector's fp32 side value (scale o
   fp16 conversion, two values an instruction.
 - TurboQuant: the store applies the signs and the normalised Walsh–Hadamard transform by butterflies in the same
   order as `kv_codec.fwht`, takes the L2 norm and finds each channel's codebook cell by binary search over the
-  boundaries. Reading, the codes become centroids (one table lookup each) and the norm a factor per row;
-  attention runs in the rotated domain (paged_triton). The codebook width only changes the tables, so tq8, tq6
-  and tq5 share the kernels.
+  boundaries. Reading, the codes become centroids (a gather from the codebook in shared memory) and the norm a
+  factor per row; attention runs in the rotated domain (paged_triton). The codebook width only changes the
+  tables, so tq8, tq6 and tq5 share the kernels.
 
 Everything is capturable in a CUDA graph: fixed shapes, no host synchronisation; the device tables are made on
 first use (the graphs' warm-up steps), before any capture.
@@ -177,5 +177,9 @@ def decoded_tile(ptr, off, valid, cb_ptr, HD: tl.constexpr, TQ: tl.constexpr, DO
     side = tl.load((ptr + off + HD).to(tl.pointer_type(tl.int32)), mask=valid, other=0)
     side = side.to(tl.float32, bitcast=True)
     if TQ:
-        return tl.load(cb_ptr + codes.to(tl.int32)).to(DOT), side * (1.0 / tl.sqrt(HD * 1.0))
+        # a gather from the table in shared memory: a 32-bit address a value, against 64-bit ones from global memory
+        table = tl.load(cb_ptr + tl.arange(0, 256)).to(DOT)  # the codebook padded to 256 (device_tables)
+        flat = tl.reshape(codes.to(tl.int32), [codes.shape[0] * HD])
+        unit = tl.reshape(tl.gather(table, flat, 0), [codes.shape[0], HD])
+        return unit, side * (1.0 / tl.sqrt(HD * 1.0))
     return codes.to(tl.float8e4nv, bitcast=True).to(DOT), side
