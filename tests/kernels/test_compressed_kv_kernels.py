@@ -168,6 +168,28 @@ def test_paged_decode_in_half_precision_keeps_the_range(env, fmt):
     assert rel(out, want) <= 5e-3
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "tq8"])
+def test_paged_decode_reads_codes_through_the_pipeline(fmt):
+    """Compiled for Hopper at the 9B's heads: the codes reach shared memory by 4-byte cp.async (Triton's pipeline,
+    as model-dtype rows do), no global load reads single bytes, and fp8 decodes by the hardware's e4m3 → f16x2
+    conversion (the kernel used to read each code byte with its own load and decode e4m3 by integer arithmetic)."""
+    import re
+
+    from hf2q.kernels.attention import paged_triton
+    from tests.support.triton_targets import compile_for_hopper
+
+    sig = {"q_ptr": "*bf16", "k_ptr": "*u8", "v_ptr": "*u8", "cb_ptr": "*fp16", "bt_ptr": "*i32", "len_ptr": "*i32",
+           "o_ptr": "*fp32", "lse_ptr": "*fp32", "scale": "fp32"}
+    sig.update({p.name: "i32" for p in paged_triton._paged_decode_kernel.params
+                if p.name.startswith("stride_")})
+    const = dict(REP=4, REP_PAD=16, HD=256, BLOCK_SIZE=16, BLOCK_N=32, NSPLIT=8,
+                 CODED=paged_triton.FP8.value if fmt == "fp8" else paged_triton.TURBOQUANT.value)
+    ptx = compile_for_hopper(paged_triton._paged_decode_kernel, sig, const, 8)
+    assert re.search(r"cp\.async\.c[ag]\.shared\.global[^\n]*, 0x4", ptx)
+    assert not re.search(r"ld\.global[.\w]*\.[usb]8\b", ptx)
+    assert ("cvt.rn.f16x2.e4m3x2" in ptx) == (fmt == "fp8")
+
+
 def test_tables_rotate_as_the_codec():
     """The rotation matrix the kernels multiply q by is the codec's map, and the padded tables keep the codebook."""
     from hf2q.cache.kv_codec import TurboQuantCodec, codebook
