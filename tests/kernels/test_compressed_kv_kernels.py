@@ -178,8 +178,8 @@ def test_paged_decode_reads_codes_through_the_pipeline(fmt):
     from hf2q.kernels.attention import paged_triton
     from tests.support.triton_targets import compile_for_hopper
 
-    sig = {"q_ptr": "*bf16", "k_ptr": "*u8", "v_ptr": "*u8", "cb_ptr": "*fp16", "bt_ptr": "*i32", "len_ptr": "*i32",
-           "o_ptr": "*fp32", "lse_ptr": "*fp32", "scale": "fp32"}
+    sig = {"q_ptr": "*bf16", "k_ptr": "*u8", "v_ptr": "*u8", "cb_ptr": "*fp16", "sign_ptr": "*fp32", "bt_ptr": "*i32",
+           "len_ptr": "*i32", "o_ptr": "*fp32", "lse_ptr": "*fp32", "scale": "fp32"}
     sig.update({p.name: "i32" for p in paged_triton._paged_decode_kernel.params
                 if p.name.startswith("stride_")})
     const = dict(REP=4, REP_PAD=16, HD=256, BLOCK_SIZE=16, BLOCK_N=32, NSPLIT=8,
@@ -190,16 +190,18 @@ def test_paged_decode_reads_codes_through_the_pipeline(fmt):
     assert ("cvt.rn.f16x2.e4m3x2" in ptx) == (fmt == "fp8")
 
 
-def test_tables_rotate_as_the_codec():
-    """The rotation matrix the kernels multiply q by is the codec's map, and the padded tables keep the codebook."""
+def test_tables_keep_the_codec():
+    """The padded tables the kernels read keep the codec's signs, boundaries and centroids (the decode's centroids
+    in its tensor-core dtype: fp32, or fp16 rounded from them)."""
     from hf2q.cache.kv_codec import TurboQuantCodec, codebook
-    from hf2q.kernels.attention.compressed_triton import device_tables
-    signs, bounds, centroids, rotation = device_tables("tq6", 64, "cpu")
-    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
-    codec = TurboQuantCodec(64, 6)
-    assert rel(x @ rotation, codec.rotate(x)) <= 1e-6 and rel(x @ rotation @ rotation.t(), x) <= 1e-6
-    assert torch.equal(signs, codec.signs) and torch.equal(centroids[:64], codebook(6)[0])
+    from hf2q.kernels.attention.compressed_triton import centroid_table, device_tables
+    signs, bounds = device_tables("tq6", 64, "cpu")
+    assert torch.equal(signs, TurboQuantCodec(64, 6).signs)
     assert torch.equal(bounds[:63], codebook(6)[1]) and bool(torch.isinf(bounds[63:]).all())
+    for dtype in (torch.float32, torch.float16):
+        centroids = centroid_table("tq6", dtype, "cpu")
+        assert centroids.dtype == dtype and torch.equal(centroids[:64], codebook(6)[0].to(dtype))
+        assert not centroids[64:].any()
 
 
 @torch.inference_mode()

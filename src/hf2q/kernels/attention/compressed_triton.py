@@ -33,14 +33,11 @@ _TABLE = 256  # codebook and boundary tables padded to the 8-bit size: one binar
 
 
 @lru_cache(maxsize=None)
-def device_tables(fmt: str, head_dim: int, device: str) -> tuple[torch.Tensor, ...]:
-    """(signs [D], boundaries [256] padded with +inf, centroids [256] padded with 0, rotation [D, D]) in fp32 on
-    `device` for a TurboQuant format; x @ rotation = codec.rotate(x). Made once per (format, shape, device)."""
+def device_tables(fmt: str, head_dim: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(signs [D], boundaries [256] padded with +inf) in fp32 on `device` for a TurboQuant format: the store's
+    encoding and the rotation of q and of the attention output. Made once per (format, shape, device)."""
     codec = TurboQuantCodec(head_dim, int(fmt[2:]))
-    centroids, bounds = codebook(codec.bits)
-    rotation = codec.rotate(torch.eye(head_dim))
-    return tuple(t.float().contiguous().to(device)
-                 for t in (codec.signs, _padded(bounds, math.inf), _padded(centroids, 0.0), rotation))
+    return codec.signs.to(device), _padded(codebook(codec.bits)[1], math.inf).to(device)
 
 
 @lru_cache(maxsize=None)
@@ -79,14 +76,14 @@ def _store_side(ptr, value):
 
 # ---- store ---------------------------------------------------------------------------------------------------------
 @triton.jit
-def _fwht(x, inv_sqrt_d, HD: tl.constexpr, LOG2: tl.constexpr):
-    """Normalised Walsh–Hadamard transform of x [HD] with kv_codec.fwht's additions, in its order. Each stage pairs
-    the elements that differ in the lowest index bit (a = bit 0, b = bit 1) and writes a + b, a - b to the halves,
-    which moves that bit to the top: the next stage's lowest bit is the next stride's, and after LOG2 stages every
-    element is back in place."""
+def fwht(x, inv_sqrt_d, ROWS: tl.constexpr, HD: tl.constexpr, LOG2: tl.constexpr):
+    """Normalised Walsh–Hadamard transform of each row of x [ROWS, HD] with kv_codec.fwht's additions, in its
+    order. Each stage pairs the elements that differ in the lowest index bit (a = bit 0, b = bit 1) and writes
+    a + b, a - b to the halves, which moves that bit to the top: the next stage's lowest bit is the next stride's,
+    and after LOG2 stages every element is back in place."""
     for _ in tl.static_range(LOG2):
-        a, b = tl.split(tl.reshape(x, [HD // 2, 2]))
-        x = tl.reshape(tl.permute(tl.join(a + b, a - b), [1, 0]), [HD])
+        a, b = tl.split(tl.reshape(x, [ROWS, HD // 2, 2]))
+        x = tl.reshape(tl.permute(tl.join(a + b, a - b), [0, 2, 1]), [ROWS, HD])
     return x * inv_sqrt_d
 
 
@@ -98,7 +95,7 @@ def _encode_row(x_ptr, dst_ptr, sign_ptr, bound_ptr, sqrt_d, inv_sqrt_d, HD: tl.
     d = tl.arange(0, HD)
     x = tl.load(x_ptr + d).to(tl.float32)
     if TQ:
-        y = _fwht(x * tl.load(sign_ptr + d), inv_sqrt_d, HD, LOG2)
+        y = tl.reshape(fwht(tl.reshape(x * tl.load(sign_ptr + d), [1, HD]), inv_sqrt_d, 1, HD, LOG2), [HD])
         norm = tl.sqrt_rn(tl.sum(y * y, 0))
         # torch computes sqrt(D) / norm as (1 / norm) * sqrt(D); a zero vector stores norm 0 (kv_codec)
         z = y * tl.where(norm > 1e-10, tl.div_rn(1.0, norm) * sqrt_d, 0.0)
@@ -143,7 +140,7 @@ def store(fmt: str, k: torch.Tensor, v: torch.Tensor, k_rows: torch.Tensor, v_ro
     assert k_rows.shape[1:] == (nkv, hd + 4) and k_rows.dtype == torch.uint8
     tq = fmt != "fp8"
     if tq:
-        signs, bounds = device_tables(fmt, hd, str(k.device))[:2]
+        signs, bounds = device_tables(fmt, hd, str(k.device))
     else:
         signs = bounds = k_rows  # unread
     _store_kernel[(t, 2 * nkv)](k, v, slot_mapping, k_rows, v_rows, signs, bounds, nkv, k.stride(0), k.stride(1),
@@ -169,16 +166,16 @@ def unit_rows(x, DOT: tl.constexpr):
 @triton.jit
 def decoded_tile(ptr, off, valid, cb_ptr, HD: tl.constexpr, TQ: tl.constexpr, DOT: tl.constexpr):
     """A tile's unit values [N, HD] in DOT (e4m3 values, or centroids from the table at cb_ptr, held in DOT by the
-    caller so the lookup converts nothing) and per-row factors [N] in fp32 (scale, or norm/√D). off [N] are the rows' byte offsets, multiples of
-    4 (rows of head_dim + 4 bytes, head_dim a power of two ≥ 4): the codes load 4 at a time and the side value
-    in one word."""
+    caller so the lookup converts nothing) and per-row factors [N] in fp32 (scale, or norm/√D). off [N] are the
+    rows' byte offsets, multiples of 4 (rows of head_dim + 4 bytes, head_dim a power of two ≥ 4): the codes load
+    4 at a time and the side value in one word."""
     d = tl.arange(0, HD)
     codes = tl.load(ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0)
     side = tl.load((ptr + off + HD).to(tl.pointer_type(tl.int32)), mask=valid, other=0)
     side = side.to(tl.float32, bitcast=True)
     if TQ:
         # a gather from the table in shared memory: a 32-bit address a value, against 64-bit ones from global memory
-        table = tl.load(cb_ptr + tl.arange(0, 256)).to(DOT)  # the codebook padded to 256 (device_tables)
+        table = tl.load(cb_ptr + tl.arange(0, 256)).to(DOT)  # the codebook padded to 256 (centroid_table)
         flat = tl.reshape(codes.to(tl.int32), [codes.shape[0] * HD])
         unit = tl.reshape(tl.gather(table, flat, 0), [codes.shape[0], HD])
         return unit, side * (1.0 / tl.sqrt(HD * 1.0))
