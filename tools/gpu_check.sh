@@ -59,7 +59,7 @@ case "$stage" in
   gemv)  python -m hf2q.bench.gemv --shape 9b 2b ;;
   kv)    python -m pytest -q -p no:cacheprovider -s -m gpu tests/kernels/test_compressed_kv_kernels.py \
            tests/models/test_kv_formats.py
-         for f in fp8 tq8; do python -m hf2q.bench.attention --shape 9b --context 4096 32768 --kv-format $f; done
+         python -m hf2q.bench.attention --shape 9b --context 4096 32768 --batch 1 64 --kv-format bfloat16 fp8 tq8
          python -m hf2q.bench.kv --shape 9b --formats bfloat16 fp8 tq8 --streams 1 64 --contexts 4096 32768 \
            --json "$out/kv.json" ;;
   mtp)   # needs the test tokenizer carried: tar czf .cache/qwen35_tokenizer.tgz -C ~/.cache/hf2q-tests qwen35_tokenizer

@@ -18,7 +18,7 @@ from tests.support.triton_targets import interpreter_child, randn, rel, target, 
 
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
-from hf2q.kernels.attention.compressed_triton import _e4m3_bits, _e4m3_value  # noqa: E402 (needs triton)
+from hf2q.kernels.attention.compressed_triton import _e4m3_bits  # noqa: E402 (needs triton)
 
 FORMATS = ["fp8", "tq8", "tq6", "tq5"]
 
@@ -55,7 +55,7 @@ def _e4m3_round_trip(x_ptr, bits_ptr, value_ptr, N: tl.constexpr):
     i = tl.arange(0, N)
     bits = _e4m3_bits(tl.load(x_ptr + i))
     tl.store(bits_ptr + i, bits)
-    tl.store(value_ptr + i, _e4m3_value(bits))
+    tl.store(value_ptr + i, bits.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32))  # as decode reads
 
 
 def test_e4m3_bits_round_as_torch(env):
@@ -101,7 +101,7 @@ def test_store_writes_the_pools_encoding(env, fmt):
     assert not pool.k[0].any() and not pool.v[0].any()
 
 
-def _filled_pool(fmt, dev, dtype, real, lens, gen):
+def _filled_pool(fmt, dev, dtype, real, lens, gen, k_scale=2.0, v_scale=1.0):
     """A pool whose sequences of `lens` tokens sit in shuffled blocks; (pool, block tables [B, width] int32)."""
     _, nkv, hd, bs, blocks = _shape(real)
     pool = make_pool(fmt, 1, blocks, bs, nkv, hd, torch.device(dev))
@@ -112,8 +112,8 @@ def _filled_pool(fmt, dev, dtype, real, lens, gen):
         tables[i, :len(own)] = torch.tensor(own, dtype=torch.int32)
         pos = torch.arange(n)
         rows = (tables[i].long()[pos // bs] * bs + pos % bs).to(dev)
-        pool.store(0, rows, randn(n, nkv, hd, dev=dev, dtype=dtype, gen=gen, scale=2.0),
-                   randn(n, nkv, hd, dev=dev, dtype=dtype, gen=gen))
+        pool.store(0, rows, randn(n, nkv, hd, dev=dev, dtype=dtype, gen=gen, scale=k_scale),
+                   randn(n, nkv, hd, dev=dev, dtype=dtype, gen=gen, scale=v_scale))
     return pool, tables
 
 
@@ -144,16 +144,64 @@ def test_paged_decode_reads_compressed_rows(env, fmt, gated, one):
     assert rel(out, want) <= (2e-2 if real else 2e-5)
 
 
-def test_tables_rotate_as_the_codec():
-    """The rotation matrix the kernels multiply q by is the codec's map, and the padded tables keep the codebook."""
+@pytest.mark.parametrize("fmt", ["fp8", "tq8"])
+def test_paged_decode_in_half_precision_keeps_the_range(env, fmt):
+    """A bf16 query (the kernel's tensor-core operands are then fp16) far outside fp16's range (10⁶) against keys
+    and values near the bottom of it (10⁻⁶): each row of q and of p times the value rows' factors goes through the
+    tensor cores as unit values and a power-of-two factor, so nothing overflows or flushes. Against the plain path
+    in fp32 from the same bf16 query: within 5e-3, the bf16 output's rounding (≈1.5e-3 rounded to nearest, 3.3e-3
+    under the interpreter, which truncates) and fp16's rounding of the unit values (≈3e-4 in fp32)."""
+    dev, _, real = env
+    nh, nkv, hd, bs, _ = _shape(real)
+    gen = torch.Generator().manual_seed(5)
+    lens = [40, 999] if real else [9, 30]
+    pool, tables = _filled_pool(fmt, dev, torch.float32, real, lens, gen, k_scale=1e-6, v_scale=1e-6)
+    q = randn(len(lens), nh, hd, dev=dev, dtype=torch.bfloat16, gen=gen, scale=1e6)
+    context = torch.tensor(lens, dtype=torch.int32)
+    k_rows, v_rows = pool.rows(0)
+    out = attention_ops.paged_decode_attention(q, k_rows, v_rows, tables.to(dev), context.to(dev), bs, hd ** -0.5,
+                                               pool=pool)
+    with torch_only():
+        want = attention_ops.paged_decode_attention(q.cpu().float(), k_rows.cpu(), v_rows.cpu(), tables, context, bs,
+                                                    hd ** -0.5, pool=pool)
+    assert out.dtype == torch.bfloat16 and bool(torch.isfinite(out).all())
+    assert rel(out, want) <= 5e-3
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "tq8"])
+def test_paged_decode_reads_codes_through_the_pipeline(fmt):
+    """Compiled for Hopper at the 9B's heads: the codes reach shared memory by 4-byte cp.async (Triton's pipeline,
+    as model-dtype rows do), no global load reads single bytes, and fp8 decodes by the hardware's e4m3 → f16x2
+    conversion (the kernel used to read each code byte with its own load and decode e4m3 by integer arithmetic)."""
+    import re
+
+    from hf2q.kernels.attention import paged_triton
+    from tests.support.triton_targets import compile_for_hopper
+
+    sig = {"q_ptr": "*bf16", "k_ptr": "*u8", "v_ptr": "*u8", "cb_ptr": "*fp16", "sign_ptr": "*fp32", "bt_ptr": "*i32",
+           "len_ptr": "*i32", "o_ptr": "*fp32", "lse_ptr": "*fp32", "scale": "fp32"}
+    sig.update({p.name: "i32" for p in paged_triton._paged_decode_kernel.params
+                if p.name.startswith("stride_")})
+    const = dict(REP=4, REP_PAD=16, HD=256, BLOCK_SIZE=16, BLOCK_N=32, NSPLIT=8,
+                 CODED=paged_triton.FP8.value if fmt == "fp8" else paged_triton.TURBOQUANT.value)
+    ptx = compile_for_hopper(paged_triton._paged_decode_kernel, sig, const, 8)
+    assert re.search(r"cp\.async\.c[ag]\.shared\.global[^\n]*, 0x4", ptx)
+    assert not re.search(r"ld\.global[.\w]*\.[usb]8\b", ptx)
+    assert ("cvt.rn.f16x2.e4m3x2" in ptx) == (fmt == "fp8")
+
+
+def test_tables_keep_the_codec():
+    """The padded tables the kernels read keep the codec's signs, boundaries and centroids (the decode's centroids
+    in its tensor-core dtype: fp32, or fp16 rounded from them)."""
     from hf2q.cache.kv_codec import TurboQuantCodec, codebook
-    from hf2q.kernels.attention.compressed_triton import device_tables
-    signs, bounds, centroids, rotation = device_tables("tq6", 64, "cpu")
-    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
-    codec = TurboQuantCodec(64, 6)
-    assert rel(x @ rotation, codec.rotate(x)) <= 1e-6 and rel(x @ rotation @ rotation.t(), x) <= 1e-6
-    assert torch.equal(signs, codec.signs) and torch.equal(centroids[:64], codebook(6)[0])
+    from hf2q.kernels.attention.compressed_triton import centroid_table, device_tables
+    signs, bounds = device_tables("tq6", 64, "cpu")
+    assert torch.equal(signs, TurboQuantCodec(64, 6).signs)
     assert torch.equal(bounds[:63], codebook(6)[1]) and bool(torch.isinf(bounds[63:]).all())
+    for dtype in (torch.float32, torch.float16):
+        centroids = centroid_table("tq6", dtype, "cpu")
+        assert centroids.dtype == dtype and torch.equal(centroids[:64], codebook(6)[0].to(dtype))
+        assert not centroids[64:].any()
 
 
 @torch.inference_mode()
@@ -205,3 +253,22 @@ def test_fast_path_over_a_compressed_pool_decodes_as_the_plain_path(env, fmt):
             _, replayed_logits, captured = _greedy(net, fmt, "auto", True, steps, forced=plain)
             assert captured and rel(replayed_logits, fast_logits) <= 1e-3, moe  # the same kernels, replayed
             assert [int(r.argmax()) for r in replayed_logits[:-1]] == plain, moe
+
+
+def test_attention_bench_compares_formats_with_the_first():
+    """bench.attention's comparison: each format's fastest and served configurations against the first format's
+    fastest time; a served configuration the sweep could not time is said so. Bad counts are refused."""
+    from hf2q.bench import attention as bench
+    times = {"bfloat16": [(10.0, (8, 64, 4)), (12.0, (8, 32, 8))],
+             "fp8": [(9.0, (8, 32, 4)), (15.0, (8, 32, 8))],
+             "tq8": [(11.0, (4, 32, 4))]}
+    served = {"bfloat16": (8, 64, 4), "fp8": (8, 32, 8), "tq8": (8, 32, 8)}
+    lines = bench.comparison(times, served)
+    assert lines[0] == ("bfloat16: fastest (8, 64, 4) 10.00 µs (+0.0% against bfloat16's fastest), "
+                        "served (8, 64, 4) 10.00 µs (+0.0%)")
+    assert lines[1] == ("fp8: fastest (8, 32, 4) 9.00 µs (-10.0% against bfloat16's fastest), "
+                        "served (8, 32, 8) 15.00 µs (+50.0%)")
+    assert lines[2].endswith("(+10.0% against bfloat16's fastest), served (8, 32, 8) not among the timed")
+    for bad in (["--batch", "0"], ["--context", "0"], ["--kv-format", "int4"]):
+        with pytest.raises(SystemExit):
+            bench.main(bad)

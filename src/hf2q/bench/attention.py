@@ -3,8 +3,11 @@ sequence, for each (splits, keys a step, warps) configuration, at a model shape'
 
 Each timing replays a CUDA graph over enough distinct K/V pools to overflow the L2, as a decode step
 finds each layer's keys cold. Every configuration is checked against the served one's output first.
---kv-format times the kernel over a compressed pool's stored rows (random K/V encoded by the pool's codec).
-Run: python -m hf2q.bench.attention [--shape 35b-a3b 9b] [--context 512 4096] [--kv-format tq8]
+--kv-format times the kernel over each pool format's stored rows (random K/V encoded by the pool's codec) and
+compares each format's fastest and served configurations with the first format's fastest, at every context and
+batch (sequences a step).
+Run: python -m hf2q.bench.attention [--shape 35b-a3b 9b] [--context 512 4096] [--batch 1 64]
+     [--kv-format bfloat16 fp8 tq8]
 """
 from __future__ import annotations
 
@@ -66,19 +69,42 @@ def bench_shape(shape: str, context: int, batch: int = 1,
     return times
 
 
+def comparison(times: dict[str, list[tuple[float, tuple[int, int, int]]]], served: dict[str, tuple[int, int, int]]
+               ) -> list[str]:
+    """One line per format: its fastest configuration and the served one, each against the first format's fastest
+    (times: format → bench_shape's list, fastest first; served: format → its served configuration)."""
+    base_name, base = next(iter(times.items()))
+    base_us = base[0][0]
+    lines = []
+    for fmt, fmt_times in times.items():
+        best_us, best = fmt_times[0]
+        line = f"{fmt}: fastest {best} {best_us:.2f} µs ({best_us / base_us - 1:+.1%} against {base_name}'s fastest)"
+        served_us = [t for t, c in fmt_times if c == served[fmt]]
+        if served_us:
+            line += f", served {served[fmt]} {served_us[0]:.2f} µs ({served_us[0] / base_us - 1:+.1%})"
+        lines.append(line + ("" if served_us else f", served {served[fmt]} not among the timed"))
+    return lines
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", nargs="+", default=["35b-a3b", "9b"], choices=sorted(SHAPES))
     p.add_argument("--context", type=int, nargs="+", default=[512, 4096])
-    p.add_argument("--kv-format", default="bfloat16", choices=("bfloat16",) + COMPRESSED_FORMATS,
-                   help="the pool's stored rows the kernel reads")
+    p.add_argument("--batch", type=int, nargs="+", default=[1], help="sequences a step")
+    p.add_argument("--kv-format", nargs="+", default=["bfloat16"], choices=("bfloat16",) + COMPRESSED_FORMATS,
+                   help="the pool formats whose stored rows the kernel reads (the first is the yardstick)")
     args = p.parse_args(argv)
-    if min(args.context) < 1:
-        p.error("--context: token counts of at least 1")
+    if min(args.context) < 1 or min(args.batch) < 1:
+        p.error("--context and --batch: counts of at least 1")
     for shape in args.shape:
         for context in args.context:
-            best = bench_shape(shape, context, kv_format=args.kv_format)[0][1]
-            print(f"BEST {shape} {context} {','.join(map(str, best))}")  # HF2Q_PAGED_DECODE's form
+            for batch in args.batch:
+                times = {fmt: bench_shape(shape, context, batch, fmt) for fmt in dict.fromkeys(args.kv_format)}
+                for fmt, fmt_times in times.items():  # HF2Q_PAGED_DECODE's form
+                    print(f"BEST {shape} {context} {batch} {fmt} {','.join(map(str, fmt_times[0][1]))}")
+                served = {fmt: config_for(batch, fmt in COMPRESSED_FORMATS) for fmt in times}
+                for line in comparison(times, served):
+                    print(f"COMPARE {shape} {context} {batch} {line}")
 
 
 if __name__ == "__main__":

@@ -5,12 +5,14 @@ A stored row is head_dim payload bytes and the vector's fp32 side value (scale o
 (cache.kv_pool). Writing and reading compute what the codecs (cache.kv_codec) compute:
 
 - FP8: scale = amax × fp32(1/448) (as the codec computes it), values x/scale rounded to e4m3 (nearest, ties
-  to even). The e4m3 bits are made and read with integer arithmetic, which rounds as torch does on every device
-  (Triton's own fp8 casts differ between the GPU and its interpreter).
+  to even). The e4m3 bits are made with integer arithmetic, which rounds as torch does on every device (Triton's
+  own fp32 → fp8 casts differ between the GPU and its interpreter); reading them is the hardware's exact e4m3 →
+  fp16 conversion, two values an instruction.
 - TurboQuant: the store applies the signs and the normalised Walsh–Hadamard transform by butterflies in the same
   order as `kv_codec.fwht`, takes the L2 norm and finds each channel's codebook cell by binary search over the
-  boundaries. Reading, the codes become centroids and the norm a factor per row; attention runs in the rotated
-  domain (paged_triton). The codebook width only changes the tables, so tq8, tq6 and tq5 share the kernels.
+  boundaries. Reading, the codes become centroids (a gather from the codebook in shared memory) and the norm a
+  factor per row; attention runs in the rotated domain (paged_triton). The codebook width only changes the
+  tables, so tq8, tq6 and tq5 share the kernels.
 
 Everything is capturable in a CUDA graph: fixed shapes, no host synchronisation; the device tables are made on
 first use (the graphs' warm-up steps), before any capture.
@@ -31,17 +33,23 @@ _TABLE = 256  # codebook and boundary tables padded to the 8-bit size: one binar
 
 
 @lru_cache(maxsize=None)
-def device_tables(fmt: str, head_dim: int, device: str) -> tuple[torch.Tensor, ...]:
-    """(signs [D], boundaries [256] padded with +inf, centroids [256] padded with 0, rotation [D, D]) in fp32 on
-    `device` for a TurboQuant format; x @ rotation = codec.rotate(x). Made once per (format, shape, device)."""
+def device_tables(fmt: str, head_dim: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(signs [D], boundaries [256] padded with +inf) in fp32 on `device` for a TurboQuant format: the store's
+    encoding and the rotation of q and of the attention output. Made once per (format, shape, device)."""
     codec = TurboQuantCodec(head_dim, int(fmt[2:]))
-    centroids, bounds = codebook(codec.bits)
-    padded_bounds = torch.full((_TABLE,), math.inf)
-    padded_bounds[: bounds.numel()] = bounds
-    padded_centroids = torch.zeros(_TABLE)
-    padded_centroids[: centroids.numel()] = centroids
-    rotation = codec.rotate(torch.eye(head_dim))
-    return tuple(t.float().contiguous().to(device) for t in (codec.signs, padded_bounds, padded_centroids, rotation))
+    return codec.signs.to(device), _padded(codebook(codec.bits)[1], math.inf).to(device)
+
+
+@lru_cache(maxsize=None)
+def centroid_table(fmt: str, dtype: torch.dtype, device: str) -> torch.Tensor:
+    """A TurboQuant format's centroids padded to 256, in the dtype of the decode kernel's tensor-core operands."""
+    return _padded(codebook(int(fmt[2:]))[0], 0.0).to(dtype).to(device)
+
+
+def _padded(table: torch.Tensor, fill: float) -> torch.Tensor:
+    out = torch.full((_TABLE,), fill)
+    out[: table.numel()] = table
+    return out
 
 
 # ---- e4m3 bits by integer arithmetic ----------------------------------------------------------------------------
@@ -58,18 +66,7 @@ def _e4m3_bits(x):
     return tl.where(x.to(tl.int32, bitcast=True) < 0, mag + 128, mag)  # the sign bit: -0.0 too
 
 
-@triton.jit
-def _e4m3_value(code):
-    """e4m3fn bits (any int type) → fp32 value."""
-    c = code.to(tl.int32)
-    e = (c >> 3) & 15
-    m = c & 7
-    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
-    mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
-    return tl.where(c >= 128, -mag, mag)
-
-
-# ---- side value: 4 little-endian bytes after the payload ---------------------------------------------------------
+# ---- side value: 4 little-endian bytes after the payload ----------------------------------------------------------
 @triton.jit
 def _store_side(ptr, value):
     bits = value.to(tl.int32, bitcast=True)
@@ -77,26 +74,16 @@ def _store_side(ptr, value):
     tl.store(ptr + j, ((bits >> (j * 8)) & 255).to(tl.uint8))
 
 
-@triton.jit
-def _load_side(ptr, mask):
-    """fp32 side values of a tile of rows: ptr [N] points at each row's side bytes."""
-    b0 = tl.load(ptr, mask=mask, other=0).to(tl.int32)
-    b1 = tl.load(ptr + 1, mask=mask, other=0).to(tl.int32)
-    b2 = tl.load(ptr + 2, mask=mask, other=0).to(tl.int32)
-    b3 = tl.load(ptr + 3, mask=mask, other=0).to(tl.int32)
-    return (b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)).to(tl.float32, bitcast=True)
-
-
 # ---- store ---------------------------------------------------------------------------------------------------------
 @triton.jit
-def _fwht(x, inv_sqrt_d, HD: tl.constexpr, LOG2: tl.constexpr):
-    """Normalised Walsh–Hadamard transform of x [HD] with kv_codec.fwht's additions, in its order. Each stage pairs
-    the elements that differ in the lowest index bit (a = bit 0, b = bit 1) and writes a + b, a - b to the halves,
-    which moves that bit to the top: the next stage's lowest bit is the next stride's, and after LOG2 stages every
-    element is back in place."""
+def fwht(x, inv_sqrt_d, ROWS: tl.constexpr, HD: tl.constexpr, LOG2: tl.constexpr):
+    """Normalised Walsh–Hadamard transform of each row of x [ROWS, HD] with kv_codec.fwht's additions, in its
+    order. Each stage pairs the elements that differ in the lowest index bit (a = bit 0, b = bit 1) and writes
+    a + b, a - b to the halves, which moves that bit to the top: the next stage's lowest bit is the next stride's,
+    and after LOG2 stages every element is back in place."""
     for _ in tl.static_range(LOG2):
-        a, b = tl.split(tl.reshape(x, [HD // 2, 2]))
-        x = tl.reshape(tl.permute(tl.join(a + b, a - b), [1, 0]), [HD])
+        a, b = tl.split(tl.reshape(x, [ROWS, HD // 2, 2]))
+        x = tl.reshape(tl.permute(tl.join(a + b, a - b), [0, 2, 1]), [ROWS, HD])
     return x * inv_sqrt_d
 
 
@@ -108,7 +95,7 @@ def _encode_row(x_ptr, dst_ptr, sign_ptr, bound_ptr, sqrt_d, inv_sqrt_d, HD: tl.
     d = tl.arange(0, HD)
     x = tl.load(x_ptr + d).to(tl.float32)
     if TQ:
-        y = _fwht(x * tl.load(sign_ptr + d), inv_sqrt_d, HD, LOG2)
+        y = tl.reshape(fwht(tl.reshape(x * tl.load(sign_ptr + d), [1, HD]), inv_sqrt_d, 1, HD, LOG2), [HD])
         norm = tl.sqrt_rn(tl.sum(y * y, 0))
         # torch computes sqrt(D) / norm as (1 / norm) * sqrt(D); a zero vector stores norm 0 (kv_codec)
         z = y * tl.where(norm > 1e-10, tl.div_rn(1.0, norm) * sqrt_d, 0.0)
@@ -153,7 +140,7 @@ def store(fmt: str, k: torch.Tensor, v: torch.Tensor, k_rows: torch.Tensor, v_ro
     assert k_rows.shape[1:] == (nkv, hd + 4) and k_rows.dtype == torch.uint8
     tq = fmt != "fp8"
     if tq:
-        signs, bounds = device_tables(fmt, hd, str(k.device))[:2]
+        signs, bounds = device_tables(fmt, hd, str(k.device))
     else:
         signs = bounds = k_rows  # unread
     _store_kernel[(t, 2 * nkv)](k, v, slot_mapping, k_rows, v_rows, signs, bounds, nkv, k.stride(0), k.stride(1),
@@ -164,11 +151,32 @@ def store(fmt: str, k: torch.Tensor, v: torch.Tensor, k_rows: torch.Tensor, v_ro
 
 # ---- reading ---------------------------------------------------------------------------------------------------------
 @triton.jit
-def decoded_tile(ptr, off, valid, cb_ptr, HD: tl.constexpr, TQ: tl.constexpr):
-    """A tile's unit values [N, HD] (e4m3 values, or centroids) and per-row factors [N] (scale, or norm/√D)."""
+def unit_rows(x, DOT: tl.constexpr):
+    """x [M, N] fp32 as (u [M, N] in DOT, f [M]) with x = u · f[:, None]: f is the power of two at or below each
+    row's largest magnitude (1 for a zero row), so u's largest is in [1, 2) and dividing by f rounds nothing. This
+    keeps fp16 operands in range whatever the rows' scale."""
+    amax = tl.max(tl.abs(x), 1)
+    exponent = amax.to(tl.int32, bitcast=True) & 0x7F800000
+    exponent = tl.where(amax > 0, tl.maximum(exponent, 1 << 23), 127 << 23)  # below the normals: 2^-126
+    f = exponent.to(tl.float32, bitcast=True)
+    inv_f = ((254 << 23) - exponent).to(tl.float32, bitcast=True)  # 1/f, exactly
+    return (x * inv_f[:, None]).to(DOT), f
+
+
+@triton.jit
+def decoded_tile(ptr, off, valid, cb_ptr, HD: tl.constexpr, TQ: tl.constexpr, DOT: tl.constexpr):
+    """A tile's unit values [N, HD] in DOT (e4m3 values, or centroids from the table at cb_ptr, held in DOT by the
+    caller so the lookup converts nothing) and per-row factors [N] in fp32 (scale, or norm/√D). off [N] are the
+    rows' byte offsets, multiples of 4 (rows of head_dim + 4 bytes, head_dim a power of two ≥ 4): the codes load
+    4 at a time and the side value in one word."""
     d = tl.arange(0, HD)
     codes = tl.load(ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0)
-    side = _load_side(ptr + off + HD, valid)
+    side = tl.load((ptr + off + HD).to(tl.pointer_type(tl.int32)), mask=valid, other=0)
+    side = side.to(tl.float32, bitcast=True)
     if TQ:
-        return tl.load(cb_ptr + codes.to(tl.int32)), side * (1.0 / tl.sqrt(HD * 1.0))
-    return _e4m3_value(codes), side
+        # a gather from the table in shared memory: a 32-bit address a value, against 64-bit ones from global memory
+        table = tl.load(cb_ptr + tl.arange(0, 256)).to(DOT)  # the codebook padded to 256 (centroid_table)
+        flat = tl.reshape(codes.to(tl.int32), [codes.shape[0] * HD])
+        unit = tl.reshape(tl.gather(table, flat, 0), [codes.shape[0], HD])
+        return unit, side * (1.0 / tl.sqrt(HD * 1.0))
+    return codes.to(tl.float8e4nv, bitcast=True).to(DOT), side

@@ -7,12 +7,17 @@ a weighted sum by a second small kernel, which also applies the gated attention'
 Splitting keeps the GPU busy at batch 1 with long contexts.
 
 A compressed pool (fp8, tq8/tq6/tq5) takes the same kernel with its rows decoded in registers
-(compressed_triton): each tile's unit values go through the tensor cores in q's dtype and its per-row
-factors scale the scores and the probabilities. TurboQuant attends in the rotated domain: q is rotated
-once per step before the kernel, and the merged output rotated back once after it.
+(compressed_triton): the codes are read 4 bytes at a time (so Triton's pipeline prefetches them like
+model-dtype rows), each tile's unit values go through the tensor cores in fp16 (which holds every e4m3
+value and the hardware converts two an instruction), and its per-row factors scale the scores and the
+probabilities; q and the probabilities times the value rows' factors enter fp16 as unit rows with a
+power-of-two factor, so no range is lost. TurboQuant attends in the rotated domain: the kernel rotates q
+(signs and Walsh–Hadamard butterflies, as the store rotates K/V), and the merge rotates the output back
+before the gate, so no other launch is needed.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -20,7 +25,7 @@ import triton
 import triton.language as tl
 
 from hf2q import envs
-from hf2q.kernels.attention.compressed_triton import decoded_tile, device_tables
+from hf2q.kernels.attention.compressed_triton import centroid_table, decoded_tile, device_tables, fwht, unit_rows
 from hf2q.kernels.tuning import pdl
 
 # how the pool stores a row: the kernel's CODED
@@ -28,11 +33,12 @@ VALUES, FP8, TURBOQUANT = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 
 @triton.jit
-def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, cb_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, scale,
+def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, cb_ptr, sign_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, scale,
                          stride_qb, stride_qh, stride_kr, stride_kh, stride_bt, stride_ob, stride_oh, stride_os,
                          stride_lb, stride_lh, REP: tl.constexpr, REP_PAD: tl.constexpr, HD: tl.constexpr,
                          BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr,
-                         CODED: tl.constexpr = 0, PDL: tl.constexpr = False):
+                         CODED: tl.constexpr = 0, DOT: tl.constexpr = tl.float16, LOG2_HD: tl.constexpr = 0,
+                         INV_SQRT_HD: tl.constexpr = 1.0, PDL: tl.constexpr = False):
     pdl.enter(PDL)
     b = tl.program_id(0)
     g = tl.program_id(1)
@@ -48,8 +54,11 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, cb_ptr, bt_ptr, len_ptr, o_ptr, ls
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=rmask[:, None], other=0.0)
     if CODED == VALUES:
         q = (q.to(tl.float32) * scale).to(k_ptr.dtype.element_ty)
-    else:  # decoded tiles go through the tensor cores in q's dtype
-        q = (q.to(tl.float32) * scale).to(q_ptr.dtype.element_ty)
+    else:  # decoded tiles go through the tensor cores in DOT, each row of q as unit values and a factor
+        q = q.to(tl.float32) * scale
+        if CODED == TURBOQUANT:  # the keys' orthogonal map, kv_codec.rotate: ⟨Rq, Rk⟩ = ⟨q, k⟩
+            q = fwht(q * tl.load(sign_ptr + d)[None, :], INV_SQRT_HD, REP_PAD, HD, LOG2_HD)
+        q, q_factor = unit_rows(q, DOT)
     m_i = tl.full([REP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([REP_PAD], tl.float32)
     acc = tl.zeros([REP_PAD, HD], tl.float32)
@@ -63,10 +72,10 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, cb_ptr, bt_ptr, len_ptr, o_ptr, ls
             off = rows[:, None] * stride_kr + g * stride_kh + d[None, :]
             k = tl.load(k_ptr + off, mask=valid[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k))  # [REP_PAD, BLOCK_N]
-        else:  # unit values and a factor per row: scale, or norm/√D
-            off = rows * stride_kr + g * stride_kh
-            k, k_factor = decoded_tile(k_ptr, off, valid, cb_ptr, HD, CODED == TURBOQUANT)
-            s = tl.dot(q, tl.trans(k.to(q.dtype))) * k_factor[None, :]
+        else:  # unit values and a factor per row: scale, or norm/√D; strides in 4-byte words (loads 4 codes wide)
+            off = (rows * stride_kr + g * stride_kh) * 4
+            k, k_factor = decoded_tile(k_ptr, off, valid, cb_ptr, HD, CODED == TURBOQUANT, DOT)
+            s = tl.dot(q, tl.trans(k)) * q_factor[:, None] * k_factor[None, :]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp(s - m_new[:, None])
@@ -76,8 +85,9 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, cb_ptr, bt_ptr, len_ptr, o_ptr, ls
             v = tl.load(v_ptr + off, mask=valid[:, None], other=0.0)
             pv = tl.dot(p.to(v.dtype), v)
         else:
-            v, v_factor = decoded_tile(v_ptr, off, valid, cb_ptr, HD, CODED == TURBOQUANT)
-            pv = tl.dot((p * v_factor[None, :]).to(q.dtype), v.to(q.dtype))
+            v, v_factor = decoded_tile(v_ptr, off, valid, cb_ptr, HD, CODED == TURBOQUANT, DOT)
+            w, w_factor = unit_rows(p * v_factor[None, :], DOT)  # the value rows' factors go on p's columns
+            pv = tl.dot(w, v) * w_factor[:, None]
         acc = acc * alpha[:, None] + pv
         m_i = m_new
     safe_l = tl.where(l_i > 0, l_i, 1.0)
@@ -89,8 +99,9 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, cb_ptr, bt_ptr, len_ptr, o_ptr, ls
 
 
 @triton.jit
-def _merge_kernel(parts_ptr, lse_ptr, gate_ptr, o_ptr, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-                  stride_gb, stride_gh, NH, HD: tl.constexpr, NSPLIT: tl.constexpr, HAS_GATE: tl.constexpr,
+def _merge_kernel(parts_ptr, lse_ptr, gate_ptr, o_ptr, sign_ptr, stride_pb, stride_ph, stride_ps, stride_lb,
+                  stride_lh, stride_gb, stride_gh, NH, HD: tl.constexpr, NSPLIT: tl.constexpr, HAS_GATE: tl.constexpr,
+                  UNROTATE: tl.constexpr = False, LOG2_HD: tl.constexpr = 0, INV_SQRT_HD: tl.constexpr = 1.0,
                   PDL: tl.constexpr = False):
     pdl.enter(PDL)
     b = tl.program_id(0).to(tl.int64)
@@ -101,7 +112,10 @@ def _merge_kernel(parts_ptr, lse_ptr, gate_ptr, o_ptr, stride_pb, stride_ph, str
     w = tl.exp(lse - tl.max(lse, 0))  # empty splits have lse -inf and weight 0
     w = w / tl.sum(w, 0)
     parts = tl.load(parts_ptr + b * stride_pb + h * stride_ph + sp[:, None] * stride_ps + d[None, :])
-    o = tl.sum(parts * w[:, None], 0).to(o_ptr.dtype.element_ty)
+    o = tl.sum(parts * w[:, None], 0)
+    if UNROTATE:  # TurboQuant's rotated output back to the heads' own basis: s ⊙ (H o / √D), kv_codec.unrotate
+        o = tl.reshape(fwht(tl.reshape(o, [1, HD]), INV_SQRT_HD, 1, HD, LOG2_HD), [HD]) * tl.load(sign_ptr + d)
+    o = o.to(o_ptr.dtype.element_ty)
     if HAS_GATE:
         g = tl.load(gate_ptr + b * stride_gb + h * stride_gh + d).to(tl.float32)
         o = (o.to(tl.float32) * tl.sigmoid(g)).to(o_ptr.dtype.element_ty)
@@ -159,30 +173,32 @@ def paged_decode_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.
     nkv = k_rows.shape[1]
     rep = nh // nkv
     assert k_rows.stride(2) == 1 and q.stride(2) == 1 and k_rows.stride() == v_rows.stride()
-    codebook = k_rows  # unread unless TurboQuant
-    if coded == TURBOQUANT:
-        codebook, rotation = device_tables(kv_format, hd, str(q.device))[2:]
-        q = (q.float() @ rotation).to(q.dtype)  # the keys' orthogonal map: ⟨Rq, Rk⟩ = ⟨q, k⟩
-    if coded != VALUES:
-        assert k_rows.dtype == torch.uint8 and k_rows.shape[2] == hd + 4
+    # a compressed pool's tiles go through the tensor cores in fp16, which holds every e4m3 value exactly (fp32 for
+    # an fp32 model)
+    dot = torch.float32 if q.dtype == torch.float32 else torch.float16
+    rotated = coded == TURBOQUANT  # q is rotated in the kernel, the output back in the merge
+    codebook = centroid_table(kv_format, dot, str(q.device)) if rotated else k_rows  # unread unless rotated
+    signs = device_tables(kv_format, hd, str(q.device))[0] if rotated else k_rows
+    log2_hd, inv_sqrt_hd = hd.bit_length() - 1, 1.0 / math.sqrt(hd)
+    unit = 1
+    if coded != VALUES:  # rows of hd + 4 bytes, hd a power of two ≥ 4: the kernel takes strides in words
+        assert k_rows.dtype == torch.uint8 and k_rows.shape[2] == hd + 4 and hd % 4 == 0
+        unit = 4
     parts = torch.empty(bsz, nh, num_splits, hd, dtype=torch.float32, device=q.device)
     lse = torch.empty(bsz, nh, num_splits, dtype=torch.float32, device=q.device)
     _paged_decode_kernel[(bsz, nkv, num_splits)](
-        q, k_rows, v_rows, codebook, block_tables, context_lens, parts, lse, scale,
-        q.stride(0), q.stride(1), k_rows.stride(0), k_rows.stride(1), block_tables.stride(0),
+        q, k_rows, v_rows, codebook, signs, block_tables, context_lens, parts, lse, scale,
+        q.stride(0), q.stride(1), k_rows.stride(0) // unit, k_rows.stride(1) // unit, block_tables.stride(0),
         parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0), lse.stride(1),
         REP=rep, REP_PAD=max(16, triton.next_power_of_2(rep)), HD=hd, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        NSPLIT=num_splits, CODED=coded, num_warps=num_warps, **pdl.launch_options(q.device))
-    rotated = coded == TURBOQUANT  # a rotated output is rotated back, then gated
-    out = torch.empty(bsz, nh, hd, dtype=torch.float32 if rotated else q.dtype, device=q.device)
-    merge_gate = None if rotated else gate
-    if merge_gate is not None:
+        NSPLIT=num_splits, CODED=coded, DOT=tl.float32 if dot == torch.float32 else tl.float16, LOG2_HD=log2_hd,
+        INV_SQRT_HD=inv_sqrt_hd, num_warps=num_warps, **pdl.launch_options(q.device))
+    out = torch.empty(bsz, nh, hd, dtype=q.dtype, device=q.device)
+    if gate is not None:
         assert gate.shape == q.shape and gate.stride(2) == 1
-    g = merge_gate if merge_gate is not None else q
-    _merge_kernel[(bsz, nh)](parts, lse, g, out, parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0),
-                             lse.stride(1), g.stride(0), g.stride(1), nh, HD=hd, NSPLIT=num_splits,
-                             HAS_GATE=merge_gate is not None, num_warps=2, **pdl.launch_options(q.device))
-    if not rotated:
-        return out
-    out = (out @ rotation.t()).to(q.dtype)
-    return out if gate is None else out * torch.sigmoid(gate)
+    g = gate if gate is not None else q
+    _merge_kernel[(bsz, nh)](parts, lse, g, out, signs, parts.stride(0), parts.stride(1), parts.stride(2),
+                             lse.stride(0), lse.stride(1), g.stride(0), g.stride(1), nh, HD=hd, NSPLIT=num_splits,
+                             HAS_GATE=gate is not None, UNROTATE=rotated, LOG2_HD=log2_hd, INV_SQRT_HD=inv_sqrt_hd,
+                             num_warps=2, **pdl.launch_options(q.device))
+    return out
