@@ -12,7 +12,7 @@ from hf2q.engine.engine import Engine, EngineConfig
 from hf2q.engine.sampling_params import SamplingParams
 from hf2q.engine.scheduler import SchedulerConfig
 from hf2q.server.schemas import Message
-from hf2q.server.serving_chat import render_prompt, turn_anchor
+from hf2q.server.serving_chat import next_turn_history, render_prompt, turn_anchor
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=6, ignore_eos=True)
@@ -68,8 +68,9 @@ USER_AFTER_LOOP = 3  # the turn that answers the two tool results and asks again
 
 
 def chat_turns(model, thinking: bool):
-    """Each turn's (prompt ids, anchor) of a 5-turn tool-using conversation through the real chat template,
-    with a long system prompt (a realistic agent's instructions)."""
+    """Each turn's (prompt ids, anchor, re-render ids) of a 5-turn tool-using conversation through the real chat
+    template, with a long system prompt (a realistic agent's instructions). The re-render ids are what the
+    server prefills in the background after a turn that answers (`next_turn_history`), else None."""
     state = SimpleNamespace(model=model, config=SimpleNamespace(default_chat_template_kwargs={}))
     extra = {"enable_thinking": thinking}
     messages = [Message(role="system", content="You answer questions about the weather. " * 60),
@@ -77,7 +78,14 @@ def chat_turns(model, thinking: bool):
     result = []
     for t in range(len(FOLLOW_UPS) + 1):
         ids = model.tokenizer.encode(render_prompt(state, messages, [WEATHER_TOOL], extra))
-        result.append((ids, turn_anchor(state, messages, [WEATHER_TOOL], extra, ids)))
+        rerender = None
+        if t < len(FOLLOW_UPS) and not FOLLOW_UPS[t](t)[0].tool_calls:
+            # The server's message for an answer; with thinking, its reasoning (which the client may drop).
+            answer = {"role": "assistant", "content": FOLLOW_UPS[t](t)[0].content}
+            if thinking:
+                answer["reasoning_content"] = "They asked again; the tool said rain."
+            rerender = next_turn_history(state, messages, [WEATHER_TOOL], extra, answer)
+        result.append((ids, turn_anchor(state, messages, [WEATHER_TOOL], extra, ids), rerender))
         if t < len(FOLLOW_UPS):
             messages += FOLLOW_UPS[t](t)
     return result
@@ -90,26 +98,35 @@ def _common(a: list[int], b: list[int]) -> int:
 @pytest.mark.parametrize("thinking", [True, False])
 def test_tool_calling_chat_hits_from_turn_two_and_matches_cache_off(model, thinking):
     turns = chat_turns(model, thinking)
-    anchors = [anchor for _, anchor in turns]
     on, off = (make_engine(model, prefix_bytes=b, chunk=256, batched=512) for b in (1 << 30, 0))
-    for i, (ids, anchor) in enumerate(turns):
+    rerenders = [(i, r) for i, (_, _, r) in enumerate(turns) if r is not None]
+    assert [i for i, _ in rerenders] == [USER_AFTER_LOOP - 1]
+    for i, (ids, anchor, rerender) in enumerate(turns):
         # Greedy and seeded sampling side by side, same prompt.
         turn = {f"g{i}": (ids, GREEDY, anchor), f"s{i}": (ids, SEEDED, anchor)}
         got_both, want_both = run(on, turn), run(off, turn)
+        if rerender is not None:  # as the server does once the answer is out; the next turn comes at once
+            assert on.prefill_in_background(rerender) is not None and off.prefill_in_background(rerender) is None
         for rid in turn:
             got, want = got_both[rid], want_both[rid]
             assert got[0] == want[0], (i, rid)
             if rid.startswith("s"):  # queued beside the greedy one: it waits for that prefill's anchor and resumes
                 assert got[1] == anchor, (i, got[1], anchor)
                 continue
-            best = max((a for (p, a) in turns[:i] if a and _common(p, ids) >= a), default=0)
-            assert got[1] == best, (i, got[1], best, anchors)  # the longest earlier anchor it extends
+            # The longest earlier checkpoint it extends: a turn anchor, or the re-rendered history.
+            best = max([a for p, a, _ in turns[:i] if a and _common(p, ids) >= a] +
+                       [len(r) for _, _, r in turns[:i] if r and ids[:len(r)] == r], default=0)
+            assert got[1] == best, (i, got[1], best)
             if i == USER_AFTER_LOOP:
-                # Qwen3.5 renders an agent loop's tool calls with an empty think block until a user speaks,
-                # then without: no engine can reuse them exactly; this turn resumes where the loop began.
-                assert got[1] == anchors[0] == _common(turns[1][0], ids)
-            elif i:
+                # Qwen3.5 renders an agent loop's messages with a think block until a user speaks, then
+                # without: the turns' own checkpoints end where the loop began; the background re-render of
+                # the history after the answer is this prompt's prefix, and it resumes there.
+                before = rerenders[0][1]
+                assert ids[:len(before)] == before and got[1] == len(before)
+                assert _common(turns[1][0], ids) == turns[0][1] < len(before)
+            if i:
                 assert got[1] >= 0.9 * len(ids), (i, got[1], len(ids))
+    assert on.prefix.stats.rerenders == 1 and 0 < on.prefix.stats.rerender_tokens < len(rerenders[0][1])
 
 
 def test_finished_request_is_a_checkpoint(model):

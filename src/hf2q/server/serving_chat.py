@@ -118,6 +118,29 @@ def turn_anchor(state: ServerState, messages: list[Message], tools: Optional[lis
     return min(n, len(prompt_ids) - 1) or None
 
 
+# Where a message begins in the Qwen3.5 chat format: a special token, so the tokenizer splits there and
+# the ids of the text before it are a prefix of the ids of the whole prompt.
+MESSAGE_START = "<|im_start|>"
+_NEXT_USER = "Next question."
+
+
+def next_turn_history(state: ServerState, messages: list[Message], tools: Optional[list[dict]], extra: dict,
+                      answer: dict) -> Optional[list[int]]:
+    """The token ids the next user turn of this conversation will start with, once `answer` (this turn's
+    assistant message) is sent back: the history up to where that user message begins. The template may
+    render the history differently from this turn's prompt (Qwen3.5 drops the think blocks of an agent
+    loop's messages once a user speaks), so these ids can be new to every checkpoint held. None when the
+    template does not render the conversation that way."""
+    rendered, kwargs = _template_args(state, messages, extra)
+    following = [*rendered, answer, {"role": "user", "content": _NEXT_USER}]
+    try:
+        text = state.model.chat_template.render(following, tools=tools, add_generation_prompt=False, **kwargs)
+    except Exception:
+        return None
+    start = text.rfind(MESSAGE_START, 0, max(text.rfind(_NEXT_USER), 0))
+    return state.model.tokenizer.encode(text[:start]) if start > 0 else None
+
+
 def _template_args(state: ServerState, messages: list[Message], extra: dict) -> tuple[list[dict], dict]:
     kwargs = {**state.config.default_chat_template_kwargs, **extra}
     bad = [k for k in kwargs if k in _RESERVED_TEMPLATE_KWARGS]
