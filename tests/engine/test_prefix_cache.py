@@ -206,3 +206,30 @@ def test_warm_up_requests_leave_nothing_behind(model):
     assert (engine.cache.num_free_slots, engine.cache.blocks.num_free_blocks) == (slots, blocks)
     prompt = list(range(2000, 2030))
     assert run(engine, {"a": (prompt, SEEDED, None)}) == run(fresh, {"a": (prompt, SEEDED, None)})
+
+
+def test_background_prefill_never_delays_or_changes_a_user_request(model):
+    """A queued background prefill waits while a user request runs, though a slot is free for it; a running
+    one is cancelled when a user request needs its slot. The user's tokens are a cache-off engine's."""
+    user, history = list(range(5000, 5030)), list(range(4000, 4100))
+    want = run(make_engine(model, prefix_bytes=0, seqs=1), {"u": (user, SEEDED, None)})["u"][0]
+    for seqs, started in ((2, False), (1, True)):
+        engine = make_engine(model, seqs=seqs, chunk=16)
+        background = engine.prefill_in_background(history)
+        if started:
+            engine.step()  # idle: it starts, and holds the only slot
+            assert background.num_computed == 16
+        req = engine.add_request(user, SEEDED)
+        tokens = []
+        for _ in range(20):  # a bounded wait: a user request stuck behind the background one fails here
+            tokens += [t for o in engine.step() if o.request_id == req.request_id for t in o.new_token_ids]
+            assert background.num_computed == (16 if started else 0)  # no step of it while the user's runs
+            if req.finished:
+                break
+        assert tokens == want
+        while engine.has_work():
+            engine.step()
+        st = engine.prefix.stats
+        assert engine.prefix.holds(history) is not started and engine.cache.usage().slots_used == 0
+        assert (st.rerenders, st.rerender_cancelled, st.rerender_tokens) == ((0, 1, 0) if started else (1, 0, 100))
+        assert (engine.prefill_in_background(history) is None) is not started
