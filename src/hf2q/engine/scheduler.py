@@ -293,7 +293,8 @@ class Scheduler:
 
     @property
     def num_running(self) -> int:
-        return len(self.running)
+        """User requests holding a slot (background prefills are not requests anyone waits for)."""
+        return sum(1 for r in self.running if not r.background)
 
     @property
     def num_waiting(self) -> int:

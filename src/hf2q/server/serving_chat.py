@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from contextlib import aclosing
@@ -24,6 +25,8 @@ from hf2q.server.state import ServerState
 from hf2q.text.reasoning import prompt_opens_reasoning
 from hf2q.vision.inputs import ImageInput
 from hf2q.vision.prompt import image_pad_id
+
+log = logging.getLogger(__name__)
 
 # Arguments of `ChatTemplate.render` itself: chat_template_kwargs may not override them.
 _RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "add_generation_prompt")
@@ -206,9 +209,9 @@ class ChatServing:
         if req.stream:
             opts = req.stream_options
             usage = "continuous" if opts and opts.continuous_usage_stats else bool(opts and opts.include_usage)
-            return StreamingResponse(self._stream(choices, outputs, head, req.logprobs, usage),
+            return StreamingResponse(self._stream(choices, outputs, head, req.logprobs, usage, req),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        body = await unless_disconnected(raw, self._collect(choices, outputs, head, req.logprobs))
+        body = await unless_disconnected(raw, self._collect(choices, outputs, head, req.logprobs, req))
         return JSONResponse(body) if body is not None else Response(status_code=499)
 
     async def start(self, req: ChatCompletionRequest) -> tuple[Choices, list[ChatOutput], dict]:
@@ -243,7 +246,26 @@ class ChatServing:
             head["service_tier"] = "default"  # what "auto" resolves to here: the only tier
         return choices, outputs, head
 
-    async def _collect(self, choices: Choices, outputs: list[ChatOutput], head: dict, logprobs: bool) -> dict:
+    async def prefill_next_turn(self, req: ChatCompletionRequest, output: ChatOutput, finish_reason: str) -> None:
+        """After an answer that is not a tool call, have the engine checkpoint this conversation's history as
+        the next user turn will render it (`next_turn_history`), before the client can send that turn.
+        One choice only (a client sends one back), and not with images (their pads are keyed by content)."""
+        if not self.state.config.prefix_rerender or (req.n or 1) != 1 or finish_reason not in ("stop", "length") \
+                or image_urls(req.messages, self.state.vision is not None):
+            return
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        try:
+            ids = await asyncio.to_thread(next_turn_history, self.state, req.messages,
+                                          self._template_tools(req, tools), self._extra(req), output.message())
+        except Exception:  # an optimisation: never the request's failure
+            log.exception("re-rendering the conversation for the next turn failed")
+            return
+        if ids:
+            self.state.engine.prefill_in_background(ids)
+
+    async def _collect(self, choices: Choices, outputs: list[ChatOutput], head: dict, logprobs: bool,
+                       req: Optional[ChatCompletionRequest] = None) -> dict:
+        """The whole response; with `req`, an answer then has the next turn's history prefilled."""
         lps: list[list[dict]] = [[] for _ in outputs]
         reasons: list[Optional[str]] = [None] * len(outputs)
         async with aclosing(choices.stream()) as stream:
@@ -256,6 +278,8 @@ class ChatServing:
                     reasons[gen.index] = out.finish_reason
                 if all(r is not None or c.cut for r, c in zip(reasons, outputs)):
                     break
+        if req is not None:
+            await self.prefill_next_turn(req, outputs[0], outputs[0].finish_reason(reasons[0]))
         result = []
         for i, o in enumerate(outputs):
             result.append({"index": i, "message": o.message(), "finish_reason": o.finish_reason(reasons[i]),
@@ -264,9 +288,10 @@ class ChatServing:
                 "usage": choices.usage(sum(o.reasoning_tokens for o in outputs))}
 
     async def _stream(self, choices: Choices, outputs: list[ChatOutput], head: dict, logprobs: bool,
-                      include_usage) -> AsyncIterator[str]:
+                      include_usage, req: Optional[ChatCompletionRequest] = None) -> AsyncIterator[str]:
         """include_usage: False, True (a last chunk with the usage) or "continuous" (usage so far on every
-        chunk too, vLLM's continuous_usage_stats)."""
+        chunk too, vLLM's continuous_usage_stats). With `req`, an answer has the next turn's history prefilled."""
+        ends: dict[int, str] = {}
         chunk = {**head, "object": "chat.completion.chunk"}
         if include_usage:
             chunk["usage"] = None
@@ -301,6 +326,7 @@ class ChatServing:
                         for delta, lp in pieces:
                             yield frame(gen.index, delta, lp=lp)
                         if end is not None:
+                            ends[gen.index] = end
                             open_choices.discard(gen.index)
                             yield frame(gen.index, {}, end)
                     if not open_choices:
@@ -308,6 +334,8 @@ class ChatServing:
             if include_usage:
                 usage = choices.usage(sum(o.reasoning_tokens for o in outputs))
                 yield event({**chunk, "choices": [], "usage": usage})
+            if req is not None and 0 in ends:  # before [DONE]: a client that reads to the end sends its next turn after this
+                await self.prefill_next_turn(req, outputs[0], ends[0])
         except Exception as exc:  # the status line is already sent: report in the stream
             error = exc if isinstance(exc, APIError) else APIError(500, f"internal error: {exc}", code="internal_error")
             yield event(error.body())
