@@ -233,3 +233,18 @@ def test_background_prefill_never_delays_or_changes_a_user_request(model):
         assert engine.prefix.holds(history) is not started and engine.cache.usage().slots_used == 0
         assert (st.rerenders, st.rerender_cancelled, st.rerender_tokens) == ((0, 1, 0) if started else (1, 0, 100))
         assert (engine.prefill_in_background(history) is None) is not started
+
+
+def test_user_request_extending_a_running_background_prefill_resumes_at_its_end(model):
+    """The next turn arrives while its history is still being prefilled: it waits for that checkpoint (which
+    goes on though a user request now waits) instead of computing the history itself."""
+    history = list(range(4000, 4100))
+    follow = history + [7, 8, 9]
+    want = run(make_engine(model, prefix_bytes=0), {"u": (follow, GREEDY, None)})["u"][0]
+    engine = make_engine(model, chunk=16)
+    background = engine.prefill_in_background(history)
+    engine.step()
+    assert background.num_computed == 16
+    got = run(engine, {"u": (follow, GREEDY, None)})["u"]
+    assert got == (want, len(history)) and engine.prefix.stats.rerenders == 1
+    assert engine.prefix.stats.hits == 1 and engine.prefix.stats.misses == 0  # the background's own admission: neither
