@@ -248,3 +248,25 @@ def test_user_request_extending_a_running_background_prefill_resumes_at_its_end(
     got = run(engine, {"u": (follow, GREEDY, None)})["u"]
     assert got == (want, len(history)) and engine.prefix.stats.rerenders == 1
     assert engine.prefix.stats.hits == 1 and engine.prefix.stats.misses == 0  # the background's own admission: neither
+
+
+def test_awaited_background_prefill_takes_the_slot_of_one_nobody_awaits(model):
+    """Every slot is held by background prefills when the next turn of another history arrives: the one it
+    extends is started in the latest one's place (cancelled), and the turn resumes from it."""
+    history = list(range(4000, 4100))
+    follow = history + [7, 8, 9]
+    want = run(make_engine(model, prefix_bytes=0), {"u": (follow, GREEDY, None)})["u"][0]
+    engine = make_engine(model, seqs=2, chunk=16)
+    others = [engine.prefill_in_background(list(range(s, s + 60))) for s in (6000, 7000)]
+    engine.step()
+    assert all(o.num_computed == 16 for o in others)
+    engine.prefill_in_background(history)
+    req, tokens, cached = engine.add_request(follow, GREEDY), [], 0
+    for _ in range(40):  # bounded: a turn waiting on a prefill that never gets a slot fails here
+        for o in engine.step():
+            tokens, cached = tokens + o.new_token_ids, max(cached, o.num_cached_tokens)
+        if not engine.has_work():
+            break
+    st = engine.prefix.stats
+    assert req.finished and (tokens, cached) == (want, len(history)) and (st.rerenders, st.rerender_cancelled) == (2, 1)
+    assert others[1].finished and engine.prefix.holds(others[0].prompt_ids)

@@ -113,9 +113,12 @@ class Scheduler:
             if req.background and (idle or req.awaited) and budget > 0:
                 budget = self._take(batch, req, budget)
         for req in list(self.background):
-            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+            if budget <= 0:
                 return
             if not (idle or req.awaited):
+                continue
+            # One a user request waits for takes the slot of one nobody waits for.
+            if len(self.running) >= self.config.max_num_seqs and not (req.awaited and self._cancel_background(True)):
                 continue
             self.background.remove(req)
             if not self._admit(req):
@@ -134,9 +137,10 @@ class Scheduler:
         """Whether a background prefill of exactly these tokens is queued or running."""
         return any(r.prompt_ids == tokens for r in (*self.background, *self.running) if r.background)
 
-    def _cancel_background(self) -> bool:
-        """Cancel the latest admitted background prefill (its slot and blocks go back); False if none runs."""
-        req = next((r for r in reversed(self.running) if r.background), None)
+    def _cancel_background(self, spare_awaited: bool = False) -> bool:
+        """Cancel the latest admitted background prefill (its slot and blocks go back), with `spare_awaited`
+        one no user request waits for; False if there is none."""
+        req = next((r for r in reversed(self.running) if r.background and not (spare_awaited and r.awaited)), None)
         if req is None:
             return False
         self.finish(req)
