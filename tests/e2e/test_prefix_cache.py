@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import httpx
+import pytest
 
 from tests.e2e.test_scripted import KEY, REPLIES, TOOLS, ScriptedClient, assembled
 
@@ -39,12 +40,17 @@ def _metric(server, name: str) -> float:
     return float(re.search(rf"^{name} (\S+)", text, re.M).group(1))
 
 
-def test_user_turn_after_an_agent_loop_is_cached(server_factory):
+@pytest.fixture(scope="module")
+def scripted(server_factory):
+    server = server_factory("--api-key", KEY, "--served-model-name", "scripted", scripted=REPLIES)
+    return server, ScriptedClient(server)
+
+
+def test_user_turn_after_an_agent_loop_is_cached(scripted):
     """Tool calls, their results, a streamed answer, then the user asks again: that turn resumes from the
     history the server prefilled in the background as the template renders it once a user speaks (no think
     blocks), not only from where the loop began. Then a plain (non-streamed) answer and one more question."""
-    server = server_factory("--api-key", KEY, "--served-model-name", "scripted", scripted=REPLIES)
-    sc = ScriptedClient(server)
+    server, sc = scripted
     before = _metric(server, "hf2q_prefix_rerender_prefills_total")
     messages = [{"role": "system", "content": "You look up the weather for travellers. " * 8},
                 {"role": "user", "content": "Weather in Paris?"}]
@@ -66,3 +72,20 @@ def test_user_turn_after_an_agent_loop_is_cached(server_factory):
     # The streamed answer's and the first plain answer's histories were prefilled, each before the next turn
     # resumed from it; the second plain answer's may still be running.
     assert _metric(server, "hf2q_prefix_rerender_prefills_total") >= before + 2
+
+
+def test_response_continued_by_previous_response_id_resumes_after_its_answer(scripted):
+    """/v1/responses too: an answered response's history is prefilled as its continuation will render it."""
+    server, sc = scripted
+    client = sc.next(ANSWER)
+    before = _metric(server, "hf2q_prefix_rerender_prefills_total")
+    first = client.responses.create(model="scripted", input=[
+        {"role": "system", "content": "You look up the weather for travellers. " * 30},
+        {"role": "user", "content": "Weather in Paris?"}])
+    assert first.output_text == "It is sunny in Paris."
+    sc.count += 1  # the next generation is the following scripted reply, cut short: only its prompt matters
+    second = client.responses.create(model="scripted", previous_response_id=first.id, input="And tomorrow?",
+                                     max_output_tokens=2)
+    u = second.usage
+    assert u.input_tokens_details.cached_tokens >= 0.9 * u.input_tokens, u
+    assert _metric(server, "hf2q_prefix_rerender_prefills_total") >= before + 1
