@@ -334,7 +334,7 @@ class ChatServing:
             if include_usage:
                 usage = choices.usage(sum(o.reasoning_tokens for o in outputs))
                 yield event({**chunk, "choices": [], "usage": usage})
-            if req is not None and 0 in ends:  # before [DONE]: a client that reads to the end sends its next turn after this
+            if req is not None and 0 in ends:  # before [DONE], which a client reads before its next turn
                 await self.prefill_next_turn(req, outputs[0], ends[0])
         except Exception as exc:  # the status line is already sent: report in the stream
             error = exc if isinstance(exc, APIError) else APIError(500, f"internal error: {exc}", code="internal_error")
