@@ -12,7 +12,7 @@ from hf2q.engine.engine import Engine, EngineConfig
 from hf2q.engine.sampling_params import SamplingParams
 from hf2q.engine.scheduler import SchedulerConfig
 from hf2q.server.schemas import Message
-from hf2q.server.serving_chat import render_prompt, turn_anchor
+from hf2q.server.serving_chat import next_turn_history, render_prompt, turn_anchor
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=6, ignore_eos=True)
@@ -68,8 +68,9 @@ USER_AFTER_LOOP = 3  # the turn that answers the two tool results and asks again
 
 
 def chat_turns(model, thinking: bool):
-    """Each turn's (prompt ids, anchor) of a 5-turn tool-using conversation through the real chat template,
-    with a long system prompt (a realistic agent's instructions)."""
+    """Each turn's (prompt ids, anchor, re-render ids) of a 5-turn tool-using conversation through the real chat
+    template, with a long system prompt (a realistic agent's instructions). The re-render ids are what the
+    server prefills in the background after a turn that answers (`next_turn_history`), else None."""
     state = SimpleNamespace(model=model, config=SimpleNamespace(default_chat_template_kwargs={}))
     extra = {"enable_thinking": thinking}
     messages = [Message(role="system", content="You answer questions about the weather. " * 60),
@@ -77,7 +78,14 @@ def chat_turns(model, thinking: bool):
     result = []
     for t in range(len(FOLLOW_UPS) + 1):
         ids = model.tokenizer.encode(render_prompt(state, messages, [WEATHER_TOOL], extra))
-        result.append((ids, turn_anchor(state, messages, [WEATHER_TOOL], extra, ids)))
+        rerender = None
+        if t < len(FOLLOW_UPS) and not FOLLOW_UPS[t](t)[0].tool_calls:
+            # The server's message for an answer; with thinking, its reasoning (which the client may drop).
+            answer = {"role": "assistant", "content": FOLLOW_UPS[t](t)[0].content}
+            if thinking:
+                answer["reasoning_content"] = "They asked again; the tool said rain."
+            rerender = next_turn_history(state, messages, [WEATHER_TOOL], extra, answer)
+        result.append((ids, turn_anchor(state, messages, [WEATHER_TOOL], extra, ids), rerender))
         if t < len(FOLLOW_UPS):
             messages += FOLLOW_UPS[t](t)
     return result
@@ -90,26 +98,35 @@ def _common(a: list[int], b: list[int]) -> int:
 @pytest.mark.parametrize("thinking", [True, False])
 def test_tool_calling_chat_hits_from_turn_two_and_matches_cache_off(model, thinking):
     turns = chat_turns(model, thinking)
-    anchors = [anchor for _, anchor in turns]
     on, off = (make_engine(model, prefix_bytes=b, chunk=256, batched=512) for b in (1 << 30, 0))
-    for i, (ids, anchor) in enumerate(turns):
+    rerenders = [(i, r) for i, (_, _, r) in enumerate(turns) if r is not None]
+    assert [i for i, _ in rerenders] == [USER_AFTER_LOOP - 1]
+    for i, (ids, anchor, rerender) in enumerate(turns):
         # Greedy and seeded sampling side by side, same prompt.
         turn = {f"g{i}": (ids, GREEDY, anchor), f"s{i}": (ids, SEEDED, anchor)}
         got_both, want_both = run(on, turn), run(off, turn)
+        if rerender is not None:  # as the server does once the answer is out; the next turn comes at once
+            assert on.prefill_in_background(rerender) is not None and off.prefill_in_background(rerender) is None
         for rid in turn:
             got, want = got_both[rid], want_both[rid]
             assert got[0] == want[0], (i, rid)
             if rid.startswith("s"):  # queued beside the greedy one: it waits for that prefill's anchor and resumes
                 assert got[1] == anchor, (i, got[1], anchor)
                 continue
-            best = max((a for (p, a) in turns[:i] if a and _common(p, ids) >= a), default=0)
-            assert got[1] == best, (i, got[1], best, anchors)  # the longest earlier anchor it extends
+            # The longest earlier checkpoint it extends: a turn anchor, or the re-rendered history.
+            best = max([a for p, a, _ in turns[:i] if a and _common(p, ids) >= a] +
+                       [len(r) for _, _, r in turns[:i] if r and ids[:len(r)] == r], default=0)
+            assert got[1] == best, (i, got[1], best)
             if i == USER_AFTER_LOOP:
-                # Qwen3.5 renders an agent loop's tool calls with an empty think block until a user speaks,
-                # then without: no engine can reuse them exactly; this turn resumes where the loop began.
-                assert got[1] == anchors[0] == _common(turns[1][0], ids)
-            elif i:
+                # Qwen3.5 renders an agent loop's messages with a think block until a user speaks, then
+                # without: the turns' own checkpoints end where the loop began; the background re-render of
+                # the history after the answer is this prompt's prefix, and it resumes there.
+                before = rerenders[0][1]
+                assert ids[:len(before)] == before and got[1] == len(before)
+                assert _common(turns[1][0], ids) == turns[0][1] < len(before)
+            if i:
                 assert got[1] >= 0.9 * len(ids), (i, got[1], len(ids))
+    assert on.prefix.stats.rerenders == 1 and 0 < on.prefix.stats.rerender_tokens < len(rerenders[0][1])
 
 
 def test_finished_request_is_a_checkpoint(model):
@@ -189,3 +206,67 @@ def test_warm_up_requests_leave_nothing_behind(model):
     assert (engine.cache.num_free_slots, engine.cache.blocks.num_free_blocks) == (slots, blocks)
     prompt = list(range(2000, 2030))
     assert run(engine, {"a": (prompt, SEEDED, None)}) == run(fresh, {"a": (prompt, SEEDED, None)})
+
+
+def test_background_prefill_never_delays_or_changes_a_user_request(model):
+    """A queued background prefill waits while a user request runs, though a slot is free for it; a running
+    one is cancelled when a user request needs its slot. The user's tokens are a cache-off engine's."""
+    user, history = list(range(5000, 5030)), list(range(4000, 4100))
+    want = run(make_engine(model, prefix_bytes=0, seqs=1), {"u": (user, SEEDED, None)})["u"][0]
+    for seqs, started in ((2, False), (1, True)):
+        engine = make_engine(model, seqs=seqs, chunk=16)
+        background = engine.prefill_in_background(history)
+        if started:
+            engine.step()  # idle: it starts, and holds the only slot
+            assert background.num_computed == 16
+        req = engine.add_request(user, SEEDED)
+        tokens = []
+        for _ in range(20):  # a bounded wait: a user request stuck behind the background one fails here
+            tokens += [t for o in engine.step() if o.request_id == req.request_id for t in o.new_token_ids]
+            assert background.num_computed == (16 if started else 0)  # no step of it while the user's runs
+            if req.finished:
+                break
+        assert tokens == want
+        while engine.has_work():
+            engine.step()
+        st = engine.prefix.stats
+        assert engine.prefix.holds(history) is not started and engine.cache.usage().slots_used == 0
+        assert (st.rerenders, st.rerender_cancelled, st.rerender_tokens) == ((0, 1, 0) if started else (1, 0, 100))
+        assert (engine.prefill_in_background(history) is None) is not started
+
+
+def test_user_request_extending_a_running_background_prefill_resumes_at_its_end(model):
+    """The next turn arrives while its history is still being prefilled: it waits for that checkpoint (which
+    goes on though a user request now waits) instead of computing the history itself."""
+    history = list(range(4000, 4100))
+    follow = history + [7, 8, 9]
+    want = run(make_engine(model, prefix_bytes=0), {"u": (follow, GREEDY, None)})["u"][0]
+    engine = make_engine(model, chunk=16)
+    background = engine.prefill_in_background(history)
+    engine.step()
+    assert background.num_computed == 16
+    got = run(engine, {"u": (follow, GREEDY, None)})["u"]
+    assert got == (want, len(history)) and engine.prefix.stats.rerenders == 1
+    assert engine.prefix.stats.hits == 1 and engine.prefix.stats.misses == 0  # the background's own admission: neither
+
+
+def test_awaited_background_prefill_takes_the_slot_of_one_nobody_awaits(model):
+    """Every slot is held by background prefills when the next turn of another history arrives: the one it
+    extends is started in the latest one's place (cancelled), and the turn resumes from it."""
+    history = list(range(4000, 4100))
+    follow = history + [7, 8, 9]
+    want = run(make_engine(model, prefix_bytes=0), {"u": (follow, GREEDY, None)})["u"][0]
+    engine = make_engine(model, seqs=2, chunk=16)
+    others = [engine.prefill_in_background(list(range(s, s + 60))) for s in (6000, 7000)]
+    engine.step()
+    assert all(o.num_computed == 16 for o in others)
+    engine.prefill_in_background(history)
+    req, tokens, cached = engine.add_request(follow, GREEDY), [], 0
+    for _ in range(40):  # bounded: a turn waiting on a prefill that never gets a slot fails here
+        for o in engine.step():
+            tokens, cached = tokens + o.new_token_ids, max(cached, o.num_cached_tokens)
+        if not engine.has_work():
+            break
+    st = engine.prefix.stats
+    assert req.finished and (tokens, cached) == (want, len(history)) and (st.rerenders, st.rerender_cancelled) == (2, 1)
+    assert others[1].finished and engine.prefix.holds(others[0].prompt_ids)

@@ -27,6 +27,12 @@ class PrefixStats:
     misses: int = 0
     tokens_reused: int = 0
     evictions: int = 0
+    # Re-render prefills (`Engine.prefill_in_background`): run to their checkpoint, the tokens they computed,
+    # skipped (a checkpoint or a queued prefill already covered them), and cancelled for a user request's room.
+    rerenders: int = 0
+    rerender_tokens: int = 0
+    rerender_skipped: int = 0
+    rerender_cancelled: int = 0
 
 
 @dataclass
@@ -74,6 +80,11 @@ class PrefixCache:
             if tokens is not None:
                 return Checkpoint("", tokens, on_disk=True)
         return best
+
+    def holds(self, tokens: list[int]) -> bool:
+        """Whether a checkpoint of exactly these tokens is kept, in memory or on disk."""
+        key = tuple(tokens)
+        return key in self._entries or (self.disk is not None and self.disk.has(key))
 
     def adopt(self, ckpt: Checkpoint, slot: int) -> int:
         """Start `slot` from the checkpoint; returns the tokens it covers (0 when a file on disk turns out

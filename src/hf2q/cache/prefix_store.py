@@ -134,6 +134,10 @@ class PrefixStore:
                 best = tokens
         return best
 
+    def has(self, tokens: tuple[int, ...]) -> bool:
+        with self._lock:
+            return tokens in self._index
+
     def load(self, tokens: tuple[int, ...]) -> Optional[CacheSnapshot]:
         """The checkpoint of exactly `tokens`, or None (logged, and forgotten) when its file is bad."""
         with self._lock:

@@ -47,6 +47,11 @@ class _Abort:
 
 
 @dataclass
+class _Background:
+    prompt_ids: list[int]
+
+
+@dataclass
 class _Stop:
     reason: str
 
@@ -104,6 +109,11 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
+
+    def prefill_in_background(self, prompt_ids: list[int]) -> None:
+        """Queue a lowest-priority prefill that ends in a checkpoint (`Engine.prefill_in_background`). Commands
+        run in order, so a request submitted after this call finds it queued."""
+        self._commands.put(_Background(list(prompt_ids)))
 
     def stop_requests(self, reason: str) -> None:
         """End every running request with `ShuttingDown(reason)` and refuse new ones, so streams close at once."""
@@ -163,6 +173,12 @@ class AsyncEngine:
         elif isinstance(cmd, _Abort):
             self._sinks.pop(cmd.request_id, None)
             self.engine.abort(cmd.request_id)
+        elif isinstance(cmd, _Background):
+            if self._refusal is None:
+                try:
+                    self.engine.prefill_in_background(cmd.prompt_ids)
+                except Exception:  # an optimisation: its failure is a log line, never a request's
+                    log.exception("background prefill refused")
         elif isinstance(cmd, _Stop):
             self._refusal = cmd.reason
             self._fail_all(ShuttingDown(cmd.reason))

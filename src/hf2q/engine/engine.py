@@ -115,6 +115,25 @@ class Engine:
         self.requests[request_id] = req
         return req
 
+    def prefill_in_background(self, prompt_ids: list[int]) -> Optional[Request]:
+        """Queue a prefill of `prompt_ids` at the lowest priority that ends in a checkpoint there (see
+        `Scheduler`): how a finished conversation's history will render in its next turn, which differs
+        from what its turns computed. It resumes from the longest checkpoint it extends. None when nothing
+        is queued: no prefix cache, a checkpoint or a queued prefill already covers these tokens, or they
+        could not be a prompt."""
+        prefix = self.scheduler.prefix
+        n = len(prompt_ids)
+        vocab = self.model.config.vocab_size
+        if prefix is None or not 1 < n < self.max_model_len or any(not 0 <= t < vocab for t in prompt_ids):
+            return None
+        if prefix.holds(prompt_ids) or self.scheduler.has_background(list(prompt_ids)):
+            prefix.stats.rerender_skipped += 1
+            return None
+        req = Request(f"background-{next(self._ids)}", list(prompt_ids), SamplingParams(), max_total_len=n,
+                      prefill_only=True, background=True)
+        self.scheduler.add_background(req)
+        return req
+
     def _attach_images(self, req: Request, images: list) -> None:
         from hf2q.vision.prompt import image_pad_id
         from hf2q.vision.request_inputs import attach_images
@@ -183,8 +202,13 @@ class Engine:
         self.last_batch = (len(scheduled), sum(n for _, n in scheduled))
         sampling, logits = self.runner.run(scheduled)
         self.scheduler.retain_prefixes(scheduled)
-        outputs = [self._prefill_done(req) for req, _ in scheduled
-                   if req.prefill_only and req.num_computed == req.num_tokens]
+        outputs = []
+        for req, _ in scheduled:
+            if req.prefill_only and req.num_computed == req.num_tokens:
+                if req.background:
+                    self.scheduler.background_done(req)
+                else:
+                    outputs.append(self._prefill_done(req))
         if sampling:
             states = [req.extras["out"] for req in sampling]
             failed: dict[int, Exception] = {}

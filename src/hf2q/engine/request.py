@@ -79,6 +79,10 @@ class Request:
     prefill_only: bool = False  # computes its prompt and finishes without sampling (max_tokens 0, embeddings)
     prompt_logprobs: Optional[int] = None  # top entries per prompt token's logprobs, when they are wanted
     pooling: Optional[str] = None  # "last" | "mean": an embedding request
+    # A re-render prefill (`Engine.prefill_in_background`): no output, a checkpoint at its end, run only when
+    # the engine has no user work, unless `awaited`: a waiting user request's prompt extends it.
+    background: bool = False
+    awaited: bool = False
     hidden: list[Any] = field(default_factory=list)  # prompt hidden-state chunks, kept only when keeps_hidden
     # A prompt with images (hf2q.vision): the images, the prompt as the prefix cache keys it (each image's pad
     # rows stand for its content hash) and its multimodal rotary positions plus the delta after the prompt.

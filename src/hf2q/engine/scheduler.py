@@ -9,6 +9,11 @@ queue waits for room rather than being overtaken, so long prompts do not starve.
 With a prefix cache, admission resumes a request from the longest retained prefix of its prompt, and a
 prefill chunk ends exactly at each checkpoint boundary (the request's anchor, every `stride` prompt
 tokens) so the state there is retained without an extra forward pass.
+
+Background prefills (a conversation re-rendered as its next turn will see it, `Engine.prefill_in_background`)
+are the lowest priority: they run only in steps with no user request running or waiting, or when the user
+request at the head of the queue extends one (it waits for that checkpoint, as for a running prefill's); a
+user request that lacks a slot or room cancels them. Their only product is the checkpoint at their end.
 """
 from __future__ import annotations
 
@@ -45,6 +50,7 @@ class Scheduler:
         self.prefix = prefix
         self.stride = stride
         self.waiting: deque[Request] = deque()
+        self.background: deque[Request] = deque()  # background prefills not admitted yet, oldest first
         self.running: list[Request] = []
         self.leaders: dict[str, Request] = {}  # group -> the choice whose prompt the others fork
 
@@ -69,21 +75,89 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         batch: list[tuple[Request, int]] = []
         for req in self.running:
-            n = self._limit(req, min(self._need(req), budget, self.config.prefill_chunk))
-            if n > 0:
-                batch.append((req, n))
-                budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            if not req.background:
+                budget = self._take(batch, req, budget)
+        while self.waiting and budget > 0:
             req = self.waiting[0]
-            if self._awaits_checkpoint(req) or not self._admit(req):
+            awaited = self._awaits_checkpoint(req)
+            if awaited is not None:
+                awaited.awaited = awaited.background
+                break
+            if not self._admit_user(req):
                 break
             self.waiting.popleft()
             self.running.append(req)
-            n = self._limit(req, min(self._need(req), budget, self.config.prefill_chunk))
-            if n > 0:
-                batch.append((req, n))
-                budget -= n
+            budget = self._take(batch, req, budget)
+        self._schedule_background(batch, budget, idle=not batch and not self.waiting)
         return batch
+
+    def _take(self, batch: list[tuple[Request, int]], req: Request, budget: int) -> int:
+        n = self._limit(req, min(self._need(req), budget, self.config.prefill_chunk))
+        if n > 0:
+            batch.append((req, n))
+            budget -= n
+        return budget
+
+    def _admit_user(self, req: Request) -> bool:
+        """Admit a user request; background prefills holding the slot or room it needs are cancelled."""
+        while True:
+            if len(self.running) < self.config.max_num_seqs and self._admit(req):
+                return True
+            if not self._cancel_background():
+                return False
+
+    def _schedule_background(self, batch: list[tuple[Request, int]], budget: int, idle: bool) -> None:
+        """Background prefills take what is left of the step: all of them when the engine has no user work,
+        else only those a waiting user request awaits. One that finds no room when admitted is dropped."""
+        for req in self.running:
+            if req.background and (idle or req.awaited) and budget > 0:
+                budget = self._take(batch, req, budget)
+        for req in list(self.background):
+            if budget <= 0:
+                return
+            if not (idle or req.awaited):
+                continue
+            # One a user request waits for takes the slot of one nobody waits for.
+            if len(self.running) >= self.config.max_num_seqs and not (req.awaited and self._cancel_background(True)):
+                continue
+            self.background.remove(req)
+            if not self._admit(req):
+                self._count_cancelled(req)
+                continue
+            self.running.append(req)
+            budget = self._take(batch, req, budget)
+
+    def add_background(self, req: Request) -> None:
+        """Queue a background prefill; past `max_waiting` of them the oldest is dropped."""
+        if len(self.background) >= self.config.max_waiting:
+            self._count_cancelled(self.background.popleft())
+        self.background.append(req)
+
+    def has_background(self, tokens: list[int]) -> bool:
+        """Whether a background prefill of exactly these tokens is queued or running."""
+        return any(r.prompt_ids == tokens for r in (*self.background, *self.running) if r.background)
+
+    def _cancel_background(self, spare_awaited: bool = False) -> bool:
+        """Cancel the latest admitted background prefill (its slot and blocks go back), with `spare_awaited`
+        one no user request waits for; False if there is none."""
+        req = next((r for r in reversed(self.running) if r.background and not (spare_awaited and r.awaited)), None)
+        if req is None:
+            return False
+        self.finish(req)
+        self._count_cancelled(req)
+        return True
+
+    def _count_cancelled(self, req: Request) -> None:
+        req.status = RequestStatus.FINISHED
+        if self.prefix is not None:
+            self.prefix.stats.rerender_cancelled += 1
+
+    def background_done(self, req: Request) -> None:
+        """A background prefill reached its end (its checkpoint is retained by then): free its slot."""
+        if self.prefix is not None:
+            self.prefix.stats.rerenders += 1
+            self.prefix.stats.rerender_tokens += len(req.prompt_ids) - req.num_cached
+        self.finish(req)
 
     def _need(self, req: Request) -> int:
         """Tokens left to compute, plus this step's drafts to verify; a leader with siblings to fork stops at
@@ -108,8 +182,8 @@ class Scheduler:
             return
         for req, _ in scheduled:
             k = req.num_computed
-            if req.slot is not None and k <= len(req.prompt_ids) and \
-                    (k == req.anchor or (self.stride > 0 and k % self.stride == 0)):
+            if req.slot is not None and k <= len(req.prompt_ids) and (k == req.anchor or (
+                    self.stride > 0 and k % self.stride == 0) or (req.background and k == len(req.prompt_ids))):
                 self.prefix.store(req.slot, req.key(0, k))
 
     def fork_siblings(self) -> None:
@@ -142,16 +216,17 @@ class Scheduler:
         self.running.append(sib)
         return True
 
-    def _awaits_checkpoint(self, req: Request) -> bool:
-        """Whether a running prefill will soon retain a longer checkpoint of this prompt than any held now
-        (requests sharing a document, sent together): admitted later, it resumes there instead of computing
-        the shared part again. The running request progresses every step, so the wait is bounded."""
+    def _awaits_checkpoint(self, req: Request) -> Request | None:
+        """The running prefill that will soon retain a longer checkpoint of this prompt than any held now
+        (requests sharing a document, sent together; a background prefill of this conversation's history),
+        or None: admitted later, the request resumes there instead of computing the shared part again. The
+        prefill progresses every step (a background one too, once awaited), so the wait is bounded."""
         if self.prefix is None or req.keeps_hidden:
-            return False
+            return None
         mine = req.key(0, len(req.prompt_ids))  # as the prefix cache keys it (images by their hashes)
         held = self.prefix.lookup(mine)
         reuse = len(held.tokens) if held is not None else 0
-        for other in self.running:
+        for other in (*self.running, *self.background):
             done, n = other.num_computed, len(other.prompt_ids)
             if done >= n:
                 continue
@@ -161,9 +236,11 @@ class Scheduler:
             bounds = [b for b in (other.anchor,) if b is not None and b <= shared]
             if self.stride > 0:
                 bounds.append(shared // self.stride * self.stride)
+            if other.background and shared == n:
+                bounds.append(n)
             if max(bounds, default=0) > max(reuse, done):
-                return True
-        return False
+                return other
+        return None
 
     def _admit(self, req: Request) -> bool:
         """Give the request a slot and cache room, resuming from the longest retained prefix of its prompt;
@@ -182,7 +259,7 @@ class Scheduler:
         if not placed:
             self.cache.release(slot)
             return False
-        if self.prefix is not None:
+        if self.prefix is not None and not req.background:
             self.prefix.count(req.num_cached)
         req.slot = slot
         req.status = RequestStatus.RUNNING
@@ -220,11 +297,12 @@ class Scheduler:
 
     @property
     def num_running(self) -> int:
-        return len(self.running)
+        """User requests holding a slot (background prefills are not requests anyone waits for)."""
+        return sum(1 for r in self.running if not r.background)
 
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
 
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting)
+        return bool(self.running or self.waiting or self.background)

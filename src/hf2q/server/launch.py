@@ -80,6 +80,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="also keep a prefix checkpoint every N prompt tokens of a prefill, so long shared "
                         "documents resume too (0: only turn anchors and finished requests; default: %(default)s)")
     p.add_argument("--no-prefix-cache", action="store_true", help="turn retained-prefix reuse off")
+    p.add_argument("--no-prefix-rerender", action="store_true",
+                   help="after a chat answer, do not prefill the history in the background as the next user "
+                        "turn will render it (which lets the turn after an agent loop resume from the cache)")
     p.add_argument("--prefix-cache-dir", metavar="DIR",
                    help="also write prefix checkpoints to files in DIR (created 0700) and resume from them "
                         "after a restart of the same model (default: none, in memory only)")
@@ -208,7 +211,9 @@ def build_state(args):
                           max_model_len=max_len, allowed_origins=tuple(getattr(args, "allowed_origins", ())),
                           metrics_public=getattr(args, "metrics_public", False),
                           max_request_bytes=getattr(args, "max_request_bytes", DEFAULT_MAX_REQUEST_BYTES),
-                          prefix_cache=cache.prefix_cache_bytes > 0, media=media)
+                          prefix_cache=cache.prefix_cache_bytes > 0, media=media,
+                          prefix_rerender=cache.prefix_cache_bytes > 0
+                          and not getattr(args, "no_prefix_rerender", False))
     vision = image_processing(model.vision.cfg) if model.vision is not None else None
     state = ServerState(model, aengine, config, scripted_replies=_scripted(args.scripted_replies, model.tokenizer),
                         vision=vision)

@@ -46,7 +46,17 @@ class Metrics:
                                      registry=r)
         self.prefix_evictions = Counter("hf2q_prefix_cache_evictions", "Retained prefixes evicted", registry=r)
         self.prefix_bytes = Gauge("hf2q_prefix_cache_bytes", "Bytes held by retained prefixes", registry=r)
-        self._prefix_seen = (0, 0, 0, 0)
+        self.rerenders = Counter("hf2q_prefix_rerender_prefills",
+                                 "Background prefills of a history as its next turn renders it, checkpointed",
+                                 registry=r)
+        self.rerender_tokens = Counter("hf2q_prefix_rerender_tokens", "Tokens those background prefills computed",
+                                       registry=r)
+        self.rerender_skipped = Counter("hf2q_prefix_rerender_skipped",
+                                        "Re-rendered histories a checkpoint or a queued prefill already covered",
+                                        registry=r)
+        self.rerender_cancelled = Counter("hf2q_prefix_rerender_cancelled",
+                                          "Background prefills cancelled for a user request's slot or room", registry=r)
+        self._prefix_seen = (0,) * 8
         self._prefix_lock = threading.Lock()  # the engine thread and /metrics scrapes both observe
         self.spec = SpecMetrics(r)
         info = Gauge("hf2q_model_info", "The served model (value is always 1)", ["model"], registry=r)
@@ -80,8 +90,10 @@ class Metrics:
     def _observe_prefix(self, prefix) -> None:
         """The prefix cache keeps plain counts; the counters advance by what changed since last time."""
         st = prefix.stats
-        now = (st.hits, st.misses, st.tokens_reused, st.evictions)
-        counters = (self.prefix_hits, self.prefix_misses, self.prefix_tokens, self.prefix_evictions)
+        now = (st.hits, st.misses, st.tokens_reused, st.evictions,
+               st.rerenders, st.rerender_tokens, st.rerender_skipped, st.rerender_cancelled)
+        counters = (self.prefix_hits, self.prefix_misses, self.prefix_tokens, self.prefix_evictions,
+                    self.rerenders, self.rerender_tokens, self.rerender_skipped, self.rerender_cancelled)
         with self._prefix_lock:
             for counter, new, old in zip(counters, now, self._prefix_seen):
                 if new > old:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from contextlib import aclosing
@@ -24,6 +25,8 @@ from hf2q.server.state import ServerState
 from hf2q.text.reasoning import prompt_opens_reasoning
 from hf2q.vision.inputs import ImageInput
 from hf2q.vision.prompt import image_pad_id
+
+log = logging.getLogger(__name__)
 
 # Arguments of `ChatTemplate.render` itself: chat_template_kwargs may not override them.
 _RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "add_generation_prompt")
@@ -118,6 +121,29 @@ def turn_anchor(state: ServerState, messages: list[Message], tools: Optional[lis
     return min(n, len(prompt_ids) - 1) or None
 
 
+# Where a message begins in the Qwen3.5 chat format: a special token, so the tokenizer splits there and
+# the ids of the text before it are a prefix of the ids of the whole prompt.
+MESSAGE_START = "<|im_start|>"
+_NEXT_USER = "Next question."
+
+
+def next_turn_history(state: ServerState, messages: list[Message], tools: Optional[list[dict]], extra: dict,
+                      answer: dict) -> Optional[list[int]]:
+    """The token ids the next user turn of this conversation will start with, once `answer` (this turn's
+    assistant message) is sent back: the history up to where that user message begins. The template may
+    render the history differently from this turn's prompt (Qwen3.5 drops the think blocks of an agent
+    loop's messages once a user speaks), so these ids can be new to every checkpoint held. None when the
+    template does not render the conversation that way."""
+    rendered, kwargs = _template_args(state, messages, extra)
+    following = [*rendered, answer, {"role": "user", "content": _NEXT_USER}]
+    try:
+        text = state.model.chat_template.render(following, tools=tools, add_generation_prompt=False, **kwargs)
+    except Exception:
+        return None
+    start = text.rfind(MESSAGE_START, 0, max(text.rfind(_NEXT_USER), 0))
+    return state.model.tokenizer.encode(text[:start]) if start > 0 else None
+
+
 def _template_args(state: ServerState, messages: list[Message], extra: dict) -> tuple[list[dict], dict]:
     kwargs = {**state.config.default_chat_template_kwargs, **extra}
     bad = [k for k in kwargs if k in _RESERVED_TEMPLATE_KWARGS]
@@ -183,9 +209,9 @@ class ChatServing:
         if req.stream:
             opts = req.stream_options
             usage = "continuous" if opts and opts.continuous_usage_stats else bool(opts and opts.include_usage)
-            return StreamingResponse(self._stream(choices, outputs, head, req.logprobs, usage),
+            return StreamingResponse(self._stream(choices, outputs, head, req.logprobs, usage, req),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        body = await unless_disconnected(raw, self._collect(choices, outputs, head, req.logprobs))
+        body = await unless_disconnected(raw, self._collect(choices, outputs, head, req.logprobs, req))
         return JSONResponse(body) if body is not None else Response(status_code=499)
 
     async def start(self, req: ChatCompletionRequest) -> tuple[Choices, list[ChatOutput], dict]:
@@ -220,7 +246,26 @@ class ChatServing:
             head["service_tier"] = "default"  # what "auto" resolves to here: the only tier
         return choices, outputs, head
 
-    async def _collect(self, choices: Choices, outputs: list[ChatOutput], head: dict, logprobs: bool) -> dict:
+    async def prefill_next_turn(self, req: ChatCompletionRequest, output: ChatOutput, finish_reason: str) -> None:
+        """After an answer that is not a tool call, have the engine checkpoint this conversation's history as
+        the next user turn will render it (`next_turn_history`), before the client can send that turn.
+        One choice only (a client sends one back), and not with images (their pads are keyed by content)."""
+        if not self.state.config.prefix_rerender or (req.n or 1) != 1 or finish_reason not in ("stop", "length") \
+                or image_urls(req.messages, self.state.vision is not None):
+            return
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        try:
+            ids = await asyncio.to_thread(next_turn_history, self.state, req.messages,
+                                          self._template_tools(req, tools), self._extra(req), output.message())
+        except Exception:  # an optimisation: never the request's failure
+            log.exception("re-rendering the conversation for the next turn failed")
+            return
+        if ids:
+            self.state.engine.prefill_in_background(ids)
+
+    async def _collect(self, choices: Choices, outputs: list[ChatOutput], head: dict, logprobs: bool,
+                       req: Optional[ChatCompletionRequest] = None) -> dict:
+        """The whole response; with `req`, an answer then has the next turn's history prefilled."""
         lps: list[list[dict]] = [[] for _ in outputs]
         reasons: list[Optional[str]] = [None] * len(outputs)
         async with aclosing(choices.stream()) as stream:
@@ -233,6 +278,8 @@ class ChatServing:
                     reasons[gen.index] = out.finish_reason
                 if all(r is not None or c.cut for r, c in zip(reasons, outputs)):
                     break
+        if req is not None:
+            await self.prefill_next_turn(req, outputs[0], outputs[0].finish_reason(reasons[0]))
         result = []
         for i, o in enumerate(outputs):
             result.append({"index": i, "message": o.message(), "finish_reason": o.finish_reason(reasons[i]),
@@ -241,9 +288,10 @@ class ChatServing:
                 "usage": choices.usage(sum(o.reasoning_tokens for o in outputs))}
 
     async def _stream(self, choices: Choices, outputs: list[ChatOutput], head: dict, logprobs: bool,
-                      include_usage) -> AsyncIterator[str]:
+                      include_usage, req: Optional[ChatCompletionRequest] = None) -> AsyncIterator[str]:
         """include_usage: False, True (a last chunk with the usage) or "continuous" (usage so far on every
-        chunk too, vLLM's continuous_usage_stats)."""
+        chunk too, vLLM's continuous_usage_stats). With `req`, an answer has the next turn's history prefilled."""
+        ends: dict[int, str] = {}
         chunk = {**head, "object": "chat.completion.chunk"}
         if include_usage:
             chunk["usage"] = None
@@ -278,6 +326,7 @@ class ChatServing:
                         for delta, lp in pieces:
                             yield frame(gen.index, delta, lp=lp)
                         if end is not None:
+                            ends[gen.index] = end
                             open_choices.discard(gen.index)
                             yield frame(gen.index, {}, end)
                     if not open_choices:
@@ -285,6 +334,8 @@ class ChatServing:
             if include_usage:
                 usage = choices.usage(sum(o.reasoning_tokens for o in outputs))
                 yield event({**chunk, "choices": [], "usage": usage})
+            if req is not None and 0 in ends:  # before [DONE], which a client reads before its next turn
+                await self.prefill_next_turn(req, outputs[0], ends[0])
         except Exception as exc:  # the status line is already sent: report in the stream
             error = exc if isinstance(exc, APIError) else APIError(500, f"internal error: {exc}", code="internal_error")
             yield event(error.body())

@@ -260,7 +260,7 @@ class ResponsesServing:
         choices, outputs, head = await self.chat.start(chat_req)
         response = self._response(req, _new_id("resp"), head["created"])
         log_labels("responses", response["id"], req)
-        run = _Run(self, req, response, conversation, choices, outputs[0])
+        run = _Run(self, req, response, conversation, choices, outputs[0], chat_req)
         if req.stream:
             return StreamingResponse(run.stream(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
@@ -288,9 +288,10 @@ class _Run:
     """One response being generated: chat deltas in, output items (and stream events) out."""
 
     def __init__(self, serving: ResponsesServing, req: ResponsesRequest, response: dict, conversation: list[dict],
-                 choices: Choices, output: ChatOutput):
+                 choices: Choices, output: ChatOutput, chat_req: ChatCompletionRequest):
         self.serving, self.req, self.response = serving, req, response
         self.conversation, self.choices, self.output = conversation, choices, output
+        self.chat_req = chat_req
         self.items = _Items()
 
     async def deltas(self) -> AsyncIterator[list[dict]]:
@@ -305,6 +306,8 @@ class _Run:
         incomplete = reason == "length"
         yield self.items.finish(incomplete)
         self._final(incomplete)
+        if reason is not None:  # before the last event: a later response may continue this one at once
+            await self.serving.chat.prefill_next_turn(self.chat_req, self.output, reason)
 
     def _final(self, incomplete: bool) -> None:
         usage = self.choices.usage(self.output.reasoning_tokens)

@@ -24,6 +24,7 @@ class ServerConfig:
     metrics_public: bool = False  # /metrics without the API key, for scrapers that send none
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     prefix_cache: bool = True  # the engine retains prefixes: chat requests then find their turn anchor
+    prefix_rerender: bool = True  # and, after an answer, prefill the history as the next user turn renders it
     media: MediaPolicy = MediaPolicy()  # where image_url parts may come from, and how large they may be
 
 
