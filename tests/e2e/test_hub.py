@@ -1,10 +1,12 @@
 """Models by name against a local Hub endpoint (tests/support/fake_hub.py) serving a repository built from the
-fixture GGUF: fetched once with its projector (HF_TOKEN sent), then found in the cache with the endpoint gone or offline mode
-on; a tag that matches nothing lists what the repository holds. `hf2q info` resolves names as `hf2q serve`
-does and starts in seconds; the full serve round trip (two server starts) is opt-in: HF2Q_SERVE_FROM_HUB=1."""
+fixture GGUF: `hf2q serve` downloads it once (progress bar, HF_TOKEN sent) and serves it, and a second start
+serves it from the cache with the endpoint gone; `hf2q info` (which resolves names as serve does, in seconds)
+fetches the projector beside it and finds both in offline mode; a tag that matches nothing lists what the
+repository holds."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -39,17 +41,15 @@ def _hf2q(*argv: str, **env: str) -> subprocess.CompletedProcess:
                           env={**os.environ, **env})
 
 
-def test_fetched_once_then_found_in_the_cache_without_the_hub(hub):
-    first = _hf2q("info", f"{REPO}:Q4_K_M", HF_TOKEN="hf_fixture")
+def test_info_fetches_the_projector_too_then_offline_mode_uses_the_cache(hub):
+    first = _hf2q("info", f"{REPO}:Q4_K_M")
     assert first.returncode == 0, first.stderr
-    assert hub.tokens == {"Bearer hf_fixture"}
     assert "Tiny-Q4_K_M.gguf" in first.stdout
     assert hub.downloads == {"Tiny-Q4_K_M.gguf": 1, "mmproj-Tiny-F16.gguf": 1}  # the projector too, not Q8_0
-    hub.stop()  # the network is gone
-    again = _hf2q("info", f"hf://{REPO}")
-    assert again.returncode == 0, again.stderr
-    assert "Tiny-Q4_K_M.gguf" in again.stdout and "unreachable" in again.stderr
-    assert hub.downloads["Tiny-Q4_K_M.gguf"] == 1
+    hub.stop()
+    offline = _hf2q("info", f"hf://{REPO}", HF_HUB_OFFLINE="1")
+    assert offline.returncode == 0, offline.stderr
+    assert "Tiny-Q4_K_M.gguf" in offline.stdout and "unreachable" not in offline.stderr  # never asked the Hub
 
 
 def test_a_tag_matching_nothing_lists_the_files(hub):
@@ -61,24 +61,32 @@ def test_a_tag_matching_nothing_lists_the_files(hub):
     assert not hub.downloads
 
 
-@pytest.mark.skipif(not os.environ.get("HF2Q_SERVE_FROM_HUB"), reason="two server starts: set HF2Q_SERVE_FROM_HUB")
-def test_serves_a_hub_model_then_offline_from_the_cache(hub, tmp_path, monkeypatch):
+def test_serves_a_hub_model_then_from_the_cache_with_the_network_gone(hub, tmp_path, monkeypatch):
+    """The first start downloads the model once, with a progress bar and HF_TOKEN, and serves it; the second finds
+    the Hub unreachable and serves the cached file. (The fixture's projector is no GGUF: --no-mmproj, which
+    also leaves it on the Hub.)"""
     import openai
 
-    flags = ["--max-model-len", "128", "--max-num-seqs", "1", "--log-level", "info"]
+    flags = ["--max-model-len", "128", "--max-num-seqs", "1", "--log-level", "info", "--no-mmproj"]
+    monkeypatch.setenv("HF_TOKEN", "hf_fixture")
+    monkeypatch.setenv("TQDM_POSITION", "-1")  # huggingface_hub's switch: the bar even without a terminal
     server = Server(f"{REPO}:Q4_K_M", flags, tmp_path / "first.log")
     try:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-        assert client.completions.create(model="Hf_Dense", prompt="hello", max_tokens=2).choices[0].text is not None
-        assert "fetching Tiny-Q4_K_M.gguf" in server.log_path.read_text()
+        reply = client.completions.create(model="Hf_Dense", prompt="hello", max_tokens=2, temperature=0)
+        assert reply.usage.completion_tokens == 2
+        log = server.log_path.read_text()
+        assert "fetching Tiny-Q4_K_M.gguf" in log and re.search(r"Tiny-Q4_K_M\.gguf: *100%", log), log
     finally:
         server.stop()
-    hub.stop()
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert hub.tokens == {"Bearer hf_fixture"}
+    assert hub.downloads == {"Tiny-Q4_K_M.gguf": 1}
+    hub.stop()  # the network is gone
     server = Server(f"hf://{REPO}", flags, tmp_path / "second.log")
     try:
         assert server.healthy()
-        assert "using cached Tiny-Q4_K_M.gguf" in server.log_path.read_text()
+        log = server.log_path.read_text()
+        assert "the Hub is unreachable" in log and "using cached Tiny-Q4_K_M.gguf" in log, log
     finally:
         server.stop()
-    assert hub.downloads["Tiny-Q4_K_M.gguf"] == 1
+    assert hub.downloads == {"Tiny-Q4_K_M.gguf": 1}

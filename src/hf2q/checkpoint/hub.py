@@ -85,13 +85,13 @@ def choose_mmproj(names: list[str], gguf: str) -> str | None:
     return beside[0] if beside else None
 
 
-def resolve(ref: HubReference) -> HubModel:
-    """Download (or find in the cache) the GGUF `ref` names and its projector."""
+def resolve(ref: HubReference, projector: bool = True) -> HubModel:
+    """Download (or find in the cache) the GGUF `ref` names and, unless `projector` is false, its projector."""
     from huggingface_hub import hf_hub_download
 
     names, offline = _listing(ref.repo_id)
     gguf = choose_gguf(names, ref.quant, ref.repo_id)
-    mmproj = choose_mmproj(names, gguf)
+    mmproj = choose_mmproj(names, gguf) if projector else None
     paths = []
     for name in (gguf, mmproj):
         if name is None:
@@ -102,14 +102,15 @@ def resolve(ref: HubReference) -> HubModel:
     return HubModel(paths[0], paths[1])
 
 
-def local_model_path(name: str) -> Path:
-    """The local GGUF file a `--model` value names: a path as given, or a Hub model fetched into the cache."""
+def local_model_path(name: str, projector: bool = True) -> Path:
+    """The local GGUF file a `--model` value names: a path as given, or a Hub model fetched into the cache, with
+    the repository's projector beside it unless `projector` is false (text only, or another projector named)."""
     ref = parse_reference(name)
     if ref is None:
         return Path(name)
-    found = resolve(ref)
+    found = resolve(ref, projector)
     if found.mmproj is not None:
-        log.info("fetched the projector %s beside the model (image input does not use it yet)", found.mmproj.name)
+        log.info("fetched the projector %s beside the model", found.mmproj.name)
     return found.gguf
 
 
