@@ -1,8 +1,8 @@
 """Models by name against a local Hub endpoint (tests/support/fake_hub.py) serving a repository built from the
 fixture GGUF: `hf2q serve` downloads it once (progress bar, HF_TOKEN sent) and serves it, and a second start
 serves it from the cache with the endpoint gone; `hf2q info` (which resolves names as serve does, in seconds)
-fetches the projector beside it and finds both in offline mode; a tag that matches nothing lists what the
-repository holds."""
+fetches every part of a split GGUF and the projector beside it, and finds them in offline mode; a tag that
+matches nothing lists what the repository holds."""
 from __future__ import annotations
 
 import os
@@ -15,6 +15,7 @@ import pytest
 
 from tests.e2e.conftest import Server, free_port
 from tests.support.fake_hub import FakeHub
+from tests.support.gguf_variants import write_split_tiny_gguf
 
 REPO = "tiny-org/Tiny-GGUF"
 
@@ -24,7 +25,7 @@ def hub(tmp_path, served_model_path, monkeypatch):
     repo = tmp_path / "hub" / REPO
     repo.mkdir(parents=True)
     shutil.copy(served_model_path, repo / "Tiny-Q4_K_M.gguf")
-    (repo / "Tiny-Q8_0.gguf").write_bytes(b"GGUF not this one")
+    write_split_tiny_gguf(repo / "Tiny-Q8_0.gguf", tensors_per_part=20)  # Tiny-Q8_0-0000k-of-00003.gguf
     (repo / "mmproj-Tiny-F16.gguf").write_bytes(b"GGUF projector")
     (repo / "README.md").write_text("fixture")
     fake = FakeHub(tmp_path / "hub")
@@ -41,22 +42,23 @@ def _hf2q(*argv: str, **env: str) -> subprocess.CompletedProcess:
                           env={**os.environ, **env})
 
 
-def test_info_fetches_the_projector_too_then_offline_mode_uses_the_cache(hub):
-    first = _hf2q("info", f"{REPO}:Q4_K_M")
+def test_info_fetches_a_split_model_and_the_projector_then_offline_mode_uses_the_cache(hub):
+    parts = [f"Tiny-Q8_0-{i:05d}-of-00003.gguf" for i in (1, 2, 3)]
+    first = _hf2q("info", f"{REPO}:Q8_0")
     assert first.returncode == 0, first.stderr
-    assert "Tiny-Q4_K_M.gguf" in first.stdout
-    assert hub.downloads == {"Tiny-Q4_K_M.gguf": 1, "mmproj-Tiny-F16.gguf": 1}  # the projector too, not Q8_0
+    assert parts[0] in first.stdout
+    assert hub.downloads == {**dict.fromkeys(parts, 1), "mmproj-Tiny-F16.gguf": 1}  # every part, not Q4_K_M
     hub.stop()
-    offline = _hf2q("info", f"hf://{REPO}", HF_HUB_OFFLINE="1")
+    offline = _hf2q("info", f"hf://{REPO}:Q8_0", HF_HUB_OFFLINE="1")
     assert offline.returncode == 0, offline.stderr
-    assert "Tiny-Q4_K_M.gguf" in offline.stdout and "unreachable" not in offline.stderr  # never asked the Hub
+    assert parts[0] in offline.stdout and "unreachable" not in offline.stderr  # never asked the Hub
 
 
 def test_a_tag_matching_nothing_lists_the_files(hub):
     run = _hf2q("serve", "--model", f"{REPO}:Q5_K_S", "--port", str(free_port()))
     assert run.returncode != 0
     assert "Q5_K_S matches no GGUF file" in run.stderr
-    assert "Tiny-Q4_K_M.gguf, Tiny-Q8_0.gguf" in run.stderr
+    assert "Tiny-Q4_K_M.gguf, Tiny-Q8_0-00001-of-00003.gguf, Tiny-Q8_0-00002-of-00003.gguf" in run.stderr
     assert "Traceback" not in run.stderr
     assert not hub.downloads
 
