@@ -1,13 +1,13 @@
 """Models by name against a local Hub endpoint (tests/support/fake_hub.py) serving a repository built from the
 fixture GGUF: `hf2q serve` downloads it once (progress bar, HF_TOKEN sent) and serves it, and a second start
 serves it from the cache with the endpoint gone; `hf2q info` (which resolves names as serve does, in seconds)
-fetches every part of a split GGUF and the projector beside it, and finds them in offline mode; a tag that
-matches nothing lists what the repository holds."""
+fetches every part of a split GGUF and the projector beside it, resuming a transfer that broke off, and offline
+mode finds them in the cache; a tag that matches nothing lists what the repository holds."""
 from __future__ import annotations
 
+import filecmp
 import os
 import re
-import shutil
 import subprocess
 import sys
 
@@ -18,15 +18,16 @@ from tests.support.fake_hub import FakeHub
 from tests.support.gguf_variants import write_split_tiny_gguf
 
 REPO = "tiny-org/Tiny-GGUF"
+PROJECTOR_BYTES = 24 << 20  # cut half way, past the first 10 MiB chunk huggingface_hub writes (resumable from)
 
 
 @pytest.fixture()
 def hub(tmp_path, served_model_path, monkeypatch):
     repo = tmp_path / "hub" / REPO
     repo.mkdir(parents=True)
-    shutil.copy(served_model_path, repo / "Tiny-Q4_K_M.gguf")
+    (repo / "Tiny-Q4_K_M.gguf").symlink_to(served_model_path)
     write_split_tiny_gguf(repo / "Tiny-Q8_0.gguf", tensors_per_part=20)  # Tiny-Q8_0-0000k-of-00003.gguf
-    (repo / "mmproj-Tiny-F16.gguf").write_bytes(b"GGUF projector")
+    (repo / "mmproj-Tiny-F16.gguf").write_bytes(b"GGUF projector" + bytes(PROJECTOR_BYTES))  # not read by `info`
     (repo / "README.md").write_text("fixture")
     fake = FakeHub(tmp_path / "hub")
     monkeypatch.setenv("HF_ENDPOINT", fake.url)
@@ -42,16 +43,36 @@ def _hf2q(*argv: str, **env: str) -> subprocess.CompletedProcess:
                           env={**os.environ, **env})
 
 
-def test_info_fetches_a_split_model_and_the_projector_then_offline_mode_uses_the_cache(hub):
+def test_info_fetches_a_split_model_and_the_projector_then_offline_mode_uses_the_cache(hub, caplog):
+    """The projector's transfer breaks off half way, and its download resumes from what had been written."""
     parts = [f"Tiny-Q8_0-{i:05d}-of-00003.gguf" for i in (1, 2, 3)]
+    projector = "mmproj-Tiny-F16.gguf"
+    hub.cut_once.add(projector)
     first = _hf2q("info", f"{REPO}:Q8_0")
     assert first.returncode == 0, first.stderr
     assert parts[0] in first.stdout
-    assert hub.downloads == {**dict.fromkeys(parts, 1), "mmproj-Tiny-F16.gguf": 1}  # every part, not Q4_K_M
+    assert hub.downloads == {**dict.fromkeys(parts, 1), projector: 1}  # every part, not Q4_K_M
+    [(name, start)] = hub.resumed
+    original = hub.root / REPO / projector
+    assert name == projector and 0 < start <= original.stat().st_size // 2
+    assert filecmp.cmp(next((hub.root.parent / "hf-home").rglob(projector)), original, shallow=False)
     hub.stop()
-    offline = _hf2q("info", f"hf://{REPO}:Q8_0", HF_HUB_OFFLINE="1")
-    assert offline.returncode == 0, offline.stderr
-    assert parts[0] in offline.stdout and "unreachable" not in offline.stderr  # never asked the Hub
+    assert offline_path(f"hf://{REPO}:Q8_0", hub.root.parent / "hf-home", caplog).name == parts[0]
+
+
+def offline_path(name: str, hf_home, caplog):
+    """local_model_path(name) in this process with HF_HUB_OFFLINE=1 (huggingface_hub reads the variable at
+    import, so its constants are set as the variable would set them); it must not try the Hub."""
+    import huggingface_hub.constants as constants
+
+    from hf2q.checkpoint.hub import local_model_path
+
+    with pytest.MonkeyPatch.context() as mp, caplog.at_level("INFO", logger="hf2q.hub"):
+        mp.setattr(constants, "HF_HUB_OFFLINE", True)
+        mp.setattr(constants, "HF_HUB_CACHE", str(hf_home / "hub"))
+        found = local_model_path(name)
+    assert "using cached" in caplog.text and "unreachable" not in caplog.text, caplog.text
+    return found
 
 
 def test_a_tag_matching_nothing_lists_the_files(hub):
