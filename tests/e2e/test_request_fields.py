@@ -321,6 +321,56 @@ def test_completion_field(plain_server, field):
         check(send(plain_server, COMPLETIONS, {"prompt": "hi", "max_tokens": 1, **extra, field: value}), refused)
 
 
+def end_of_sequence(server) -> tuple[int, str]:
+    """(id, text) of the token that ends an answer."""
+    text = httpx.get(server.url + "/tokenizer_info", timeout=30).json()["eos_token"]
+    return httpx.post(server.url + "/tokenize", json={"prompt": text}, timeout=30).json()["tokens"][0], text
+
+
+def one_token_left(server, path, field, value, extra):
+    """top_k 1 or min_p 1 keeps only the most likely token: sampling is greedy."""
+    assert tokens(server, path, **SEED, **{field: value}) == baseline(server, path)
+
+
+def holds_off_eos(server, path, field, value, extra):
+    """With the end of sequence made certain, min_tokens holds it off for that many tokens, ignore_eos for all."""
+    eos, eos_text = end_of_sequence(server)
+    certain = {"logit_bias": {str(eos): 100}, "max_tokens": 3, "logprobs": True}
+    assert ask(server, path, **certain).json()["usage"]["completion_tokens"] == 1
+    choice = ask(server, path, **certain, **{field: value}).json()["choices"][0]
+    made = [e["token"] for e in choice["logprobs"]["content"]]
+    if field == "min_tokens":
+        assert choice["finish_reason"] == "stop" and eos_text not in made[:value], made
+    else:
+        assert choice["finish_reason"] == "length" and made == [eos_text] * 3, made
+
+
+def stops_at_the_id(server, path, field, value, extra):
+    reply = ask(server, path, max_tokens=3, ignore_eos=True, logit_bias={COMMA: 100}, **{field: value}).json()
+    assert reply["choices"][0]["finish_reason"] == "stop" and reply["usage"]["completion_tokens"] == 1
+
+
+def thinking_off(server, path, field, value, extra):
+    usage = ask(server, path, max_tokens=3, ignore_eos=True, **{field: value}).json()["usage"]
+    assert usage["completion_tokens_details"]["reasoning_tokens"] == 0 < usage["completion_tokens"]
+
+
+# The documented extensions (vLLM's; README.md lists them) -> (a valid value, its effect). thinking_budget and
+# stream_options.continuous_usage_stats: tests/e2e/test_openai_api.py and test_continuous_usage_stats below.
+EXTENSIONS = {
+    "top_k": (1, one_token_left), "min_p": (1.0, one_token_left), "repetition_penalty": (2.0, fewer_repeats),
+    "min_tokens": (2, holds_off_eos), "ignore_eos": (True, holds_off_eos),
+    "stop_token_ids": ([int(COMMA)], stops_at_the_id),
+    "chat_template_kwargs": ({"enable_thinking": False}, thinking_off),
+}
+
+
+@pytest.mark.parametrize("field", sorted(EXTENSIONS))
+def test_extension_field(plain_server, field):
+    value, effect = EXTENSIONS[field]
+    effect(plain_server, CHAT, field, value, {})
+
+
 def test_null_is_absent(plain_server):
     """Every optional field null at once, as clients that serialise unset fields send them."""
     nulls = {f: None for f in CHAT_FIELDS if f != "messages"}
