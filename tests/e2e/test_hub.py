@@ -1,8 +1,8 @@
-"""Models by name against a local Hub endpoint (tests/support/fake_hub.py) serving a repository built from the
-fixture GGUF: `hf2q serve` downloads it once (progress bar, HF_TOKEN sent) and serves it, and a second start
-serves it from the cache with the endpoint gone; `hf2q info` (which resolves names as serve does, in seconds)
-fetches every part of a split GGUF and the projector beside it, resuming a transfer that broke off, and offline
-mode finds them in the cache; a tag that matches nothing lists what the repository holds."""
+"""Models by name against a local Hub endpoint (tests/support/fake_hub.py) serving a repository of tiny GGUFs
+(tests/support/gguf_variants.py): `hf2q serve` downloads one once (progress bar, HF_TOKEN sent) and serves it,
+and a second start serves it from the cache with the endpoint gone; `hf2q info` (which resolves names as serve
+does, in seconds) fetches every part of a split GGUF and the projector beside it, resuming a transfer that broke
+off, and offline mode finds them in the cache; a tag that matches nothing lists what the repository holds."""
 from __future__ import annotations
 
 import filecmp
@@ -15,17 +15,17 @@ import pytest
 
 from tests.e2e.conftest import Server, free_port
 from tests.support.fake_hub import FakeHub
-from tests.support.gguf_variants import write_split_tiny_gguf
+from tests.support.gguf_variants import write_split_tiny_gguf, write_tiny_gguf
 
 REPO = "tiny-org/Tiny-GGUF"
 PROJECTOR_BYTES = 24 << 20  # cut half way, past the first 10 MiB chunk huggingface_hub writes (resumable from)
 
 
 @pytest.fixture()
-def hub(tmp_path, served_model_path, monkeypatch):
+def hub(tmp_path, monkeypatch):
     repo = tmp_path / "hub" / REPO
     repo.mkdir(parents=True)
-    (repo / "Tiny-Q4_K_M.gguf").symlink_to(served_model_path)
+    write_tiny_gguf(repo / "Tiny-Q4_K_M.gguf")  # the demo model with a 259-token vocabulary: 1 MB, quick to load
     write_split_tiny_gguf(repo / "Tiny-Q8_0.gguf", tensors_per_part=20)  # Tiny-Q8_0-0000k-of-00003.gguf
     (repo / "mmproj-Tiny-F16.gguf").write_bytes(b"GGUF projector" + bytes(PROJECTOR_BYTES))  # not read by `info`
     (repo / "README.md").write_text("fixture")
@@ -96,7 +96,7 @@ def test_serves_a_hub_model_then_from_the_cache_with_the_network_gone(hub, tmp_p
     server = Server(f"{REPO}:Q4_K_M", flags, tmp_path / "first.log")
     try:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-        reply = client.completions.create(model="Hf_Dense", prompt="hello", max_tokens=2, temperature=0)
+        reply = client.completions.create(model="", prompt="hello", max_tokens=2, temperature=0)  # the served one
         assert reply.usage.completion_tokens == 2
         log = server.log_path.read_text()
         assert "fetching Tiny-Q4_K_M.gguf" in log and re.search(r"Tiny-Q4_K_M\.gguf: *100%", log), log
