@@ -43,7 +43,7 @@ CHAT_FIELDS = {
     "safety_identifier": ("user-hash", {}, None),
     "seed": (1, {}, None),
     "service_tier": ("auto", {}, None),
-    "stop": (["\n\n"], {}, None),
+    "stop": (["\n\n"], {}, None),  # the effect check takes its stop string from the greedy answer
     "store": (False, {}, None),
     "stream": (True, {}, None),
     "stream_options": ({"include_usage": True}, STREAM, None),
@@ -84,7 +84,7 @@ COMPLETION_FIELDS = {
     "n": (2, {}, None),
     "presence_penalty": (2.0, {}, None),
     "seed": (1, {}, None),
-    "stop": ("\n", {}, None),
+    "stop": ("\n", {}, None),  # the effect check takes its stop string from the greedy answer
     "stream": (True, {}, None),
     "stream_options": ({"include_usage": True}, STREAM, None),
     "suffix": ("x", {}, "suffix"),
