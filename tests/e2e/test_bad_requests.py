@@ -52,6 +52,14 @@ CASES = [
     ("repetition_penalty beyond float32", {"messages": MSGS, "repetition_penalty": 1e39}, "repetition_penalty"),
     ("temperature above 2", {"messages": MSGS, "temperature": 2.5}, "temperature"),
     ("seed beyond int64", {"messages": MSGS, "seed": 2**63}, "seed"),
+    # the rest of OpenAI's ranges
+    ("negative temperature", {"messages": MSGS, "temperature": -0.1}, "temperature"),
+    ("top_p above 1", {"messages": MSGS, "top_p": 1.5}, "top_p"),
+    ("presence_penalty above 2", {"messages": MSGS, "presence_penalty": 2.5}, "presence_penalty"),
+    ("frequency_penalty below -2", {"messages": MSGS, "frequency_penalty": -3}, "frequency_penalty"),
+    ("top_logprobs above 20", {"messages": MSGS, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("n above 16", {"messages": MSGS, "n": 17}, "n"),
+    ("seed below int64", {"messages": MSGS, "seed": -2**63 - 1}, "seed"),
 ]
 
 

@@ -1,5 +1,6 @@
-"""/v1/embeddings through a real server and the `openai` client: equal to a direct forward of the same model
-(final normed hidden state, last token or mean, L2-normalised), and harmless to a generation running beside."""
+"""/v1/embeddings through a real server and the `openai` client: equal to HF transformers' final normed hidden
+state of the checkpoint the served GGUF was converted from (last token or mean, L2-normalised), and harmless to
+a generation running beside."""
 from __future__ import annotations
 
 import threading
@@ -9,34 +10,39 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import hf2q
-from hf2q.forward import ForwardBatch
-
 MODEL = "tiny"
 TEXTS = ["Hello, world!", "The quick brown fox jumps over the lazy dog."]
+TOLERANCE = 1e-5  # fp32 on both sides (tests/models/test_parity.py holds the logits to 1e-5 relative)
 
 
 @pytest.fixture(scope="module")
-def local(served_model_path):
-    return hf2q.load(served_model_path)
+def reference(served_model_path, gguf_dense_f32, hf_model_dense):
+    """HF transformers' model of the served GGUF (the fixture GGUF is its conversion)."""
+    if served_model_path != gguf_dense_f32:
+        pytest.skip("the server runs the demo model, which has no HF checkpoint")
+    return hf_model_dense
 
 
-def hidden(model, ids) -> torch.Tensor:
+def hidden(hf_model, ids) -> torch.Tensor:
     with torch.inference_mode():
-        return model.net(ForwardBatch.single(ids)).float()
+        return hf_model.model(torch.tensor([ids])).last_hidden_state[0].float()  # after the final norm
 
 
-def test_embeddings_equal_direct_forward(client, local):
+def token_ids(server, text: str) -> list[int]:
+    return httpx.post(server.url + "/tokenize", json={"prompt": text}, timeout=30).json()["tokens"]
+
+
+def test_embeddings_equal_hf_hidden_states(client, plain_server, reference):
     r = client.embeddings.create(model=MODEL, input=TEXTS, encoding_format="float")
-    ids = [local.tokenizer.encode(t) for t in TEXTS]
+    ids = [token_ids(plain_server, t) for t in TEXTS]
     assert [d.index for d in r.data] == [0, 1] and r.model == MODEL
     for d, tokens in zip(r.data, ids):
-        want = F.normalize(hidden(local, tokens)[-1], dim=0)
-        torch.testing.assert_close(torch.tensor(d.embedding), want, atol=1e-5, rtol=0)
+        want = F.normalize(hidden(reference, tokens)[-1], dim=0)
+        torch.testing.assert_close(torch.tensor(d.embedding), want, atol=TOLERANCE, rtol=0)
     assert r.usage.prompt_tokens == r.usage.total_tokens == sum(map(len, ids))
 
 
-def test_base64_token_ids_mean_pooling_and_dimensions(client, local):
+def test_base64_token_ids_mean_pooling_and_dimensions(client, reference):
     ids = [[101, 2000, 3000], [7, 8, 9, 10, 11]]
     # No encoding_format: the SDK asks for base64 and decodes the little-endian float32 itself.
     decoded = client.embeddings.create(model=MODEL, input=ids)
@@ -48,9 +54,9 @@ def test_base64_token_ids_mean_pooling_and_dimensions(client, local):
     mean = client.embeddings.create(model=MODEL, input=ids, dimensions=16, encoding_format="float",
                                     extra_body={"pooling": "mean"})
     for d, tokens in zip(mean.data, ids):
-        want = F.normalize(hidden(local, tokens).mean(0)[:16], dim=0)
+        want = F.normalize(hidden(reference, tokens).mean(0)[:16], dim=0)
         assert len(d.embedding) == 16
-        torch.testing.assert_close(torch.tensor(d.embedding), want, atol=1e-5, rtol=0)
+        torch.testing.assert_close(torch.tensor(d.embedding), want, atol=TOLERANCE, rtol=0)
 
 
 def test_bad_embedding_requests(plain_server):

@@ -50,9 +50,21 @@ def test_disconnect_storm(plain_server):
 GRACE_S = 1.5
 
 
+def refuses_new_connections(server, within_s: float) -> bool:
+    """Whether the server stops taking connections within `within_s` seconds (it stops listening first)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(server.url + "/health", timeout=0.5)
+        except httpx.ConnectError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
 def test_sigterm_with_streams_running(served_model_path, tmp_path):
-    """--shutdown-timeout: after SIGTERM a short stream finishes normally, long ones are ended with an error
-    event and [DONE] once the grace is over; exit 0, no traceback."""
+    """--shutdown-timeout: after SIGTERM the server takes no new connections, a short stream finishes normally,
+    long ones are ended with an error event and [DONE] once the grace is over; exit 0, no traceback."""
     server = Server(served_model_path, [*PLAIN_FLAGS, "--log-level", "info", "--shutdown-timeout", str(GRACE_S)],
                     tmp_path / "server.log")
     tails: dict[int, list[str]] = {}
@@ -80,6 +92,7 @@ def test_sigterm_with_streams_running(served_model_path, tmp_path):
         started.wait(60)
         t0 = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
+        refused = refuses_new_connections(server, within_s=GRACE_S / 2)
         code = server.proc.wait(timeout=GRACE_S + 15)
         stopped = time.monotonic() - t0
         for c in clients:
@@ -89,6 +102,7 @@ def test_sigterm_with_streams_running(served_model_path, tmp_path):
     log = server.log_path.read_text(errors="replace")
     assert code == 0 and stopped < GRACE_S + 5, (code, stopped, log[-3000:])
     assert "Traceback" not in log and "timeout graceful shutdown exceeded" not in log, log[-3000:]
+    assert refused  # while the running streams had their grace
     short = tails.pop(0)
     assert short[-1] == "data: [DONE]" and '"finish_reason":"length"' in short[-2].replace(" ", ""), short[-3:]
     for n, lines in tails.items():

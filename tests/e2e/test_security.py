@@ -74,6 +74,19 @@ def test_api_key_never_logged(guarded):
     assert KEY not in log and "sk-other" not in log
 
 
+def test_request_labels_logged_with_the_request_id(guarded):
+    """`user`, `safety_identifier`, `prompt_cache_key` and `metadata` only label a request: they go to the log
+    beside the id the client got back (README.md's request-field table)."""
+    labels = {"user": "user-7", "safety_identifier": "hash-7", "prompt_cache_key": "conv-7", "metadata": {"team": "qa"}}
+    for path, body in (("/v1/chat/completions", {"messages": HI, **labels}),
+                       ("/v1/completions", {"prompt": "hi", "user": "user-8"})):
+        r = httpx.post(guarded.url + path, timeout=60, headers={"Authorization": f"Bearer {KEY}"},
+                       json={**body, "max_tokens": 1})
+        assert r.status_code == 200, r.text
+        line = next((x for x in guarded.log_path.read_text().splitlines() if r.json()["id"] in x), "")
+        assert all(f"{k}={body[k]!r}" in line for k in labels if k in body), line
+
+
 @pytest.mark.parametrize("name", ["../../etc/passwd", "/etc/passwd", "..%2F..%2Fetc%2Fpasswd", "~/.ssh/id_rsa"])
 def test_model_name_is_not_a_path(plain_server, name):
     r = httpx.post(plain_server.url + "/v1/chat/completions", json={"model": name, "messages": HI}, timeout=30)

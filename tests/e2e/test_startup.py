@@ -1,11 +1,19 @@
-"""`hf2q serve` takes its port before loading: a port in use is a clean error at once, not after the
-model has loaded."""
+"""The `hf2q serve` process's start and stop: it takes its port before loading (a port in use is a clean error
+at once, not after the model has loaded), answers /health only once warmed up, and on Ctrl-C ends the running
+streams cleanly. The last two share one server, which the Ctrl-C test stops."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import Server
 
 
 def test_port_in_use_fails_before_loading(served_model_path):
@@ -21,17 +29,33 @@ def test_port_in_use_fails_before_loading(served_model_path):
     assert "loading" not in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 
+@pytest.fixture(scope="module")
+def own_server(served_model_path, tmp_path_factory):
+    server = Server(served_model_path, ["--log-level", "info"], tmp_path_factory.mktemp("own") / "serve.log")
+    yield server  # returns at the first /health 200
+    server.stop()
 
-def test_health_only_after_warm_up(served_model_path, tmp_path):
+
+def test_health_only_after_warm_up(own_server):
     """/health answers 200 only once the warm-up (prefill compile, decode graphs) has finished: the first
     request never waits for it."""
-    from tests.e2e.conftest import Server
+    text = own_server.log_path.read_text()  # as it was when /health first said 200
+    assert "warming up" in text and "warmed up in" in text, text
+    assert text.index("warmed up in") < text.index("serving "), text
 
-    log_path = tmp_path / "serve.log"
-    server = Server(served_model_path, ["--log-level", "info"], log_path)  # returns at the first /health 200
-    try:
-        text = log_path.read_text()  # as it was when /health first said 200
-        assert "warming up" in text and "warmed up in" in text, text
-        assert text.index("warmed up in") < text.index("serving "), text
-    finally:
-        server.stop()
+
+def test_ctrl_c_ends_a_running_stream_cleanly(own_server):
+    """Ctrl-C (SIGINT, no --shutdown-timeout): the running stream ends with an error event and [DONE] instead of
+    a dropped connection, and the process exits 130 within seconds, without a traceback."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", own_server.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line).startswith("data: {")
+        t0 = time.monotonic()
+        own_server.proc.send_signal(signal.SIGINT)
+        rest = [line for line in lines if line]
+    code = own_server.proc.wait(timeout=15)
+    stopped = time.monotonic() - t0
+    log = own_server.log_path.read_text(errors="replace")
+    assert code == 130 and stopped < 5 and "Traceback" not in log, (code, stopped, log[-3000:])
+    assert rest[-1] == "data: [DONE]" and "shutting down" in rest[-2], rest[-3:]

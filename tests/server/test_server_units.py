@@ -10,6 +10,7 @@ from fastapi.testclient import TestClient
 from hf2q.engine.request import RequestOutput
 from hf2q.server.chat_output import ChatOutput
 from hf2q.server.errors import APIError, install_error_handlers
+from hf2q.server.request_fields import thinking_budget, thinking_kwargs
 from hf2q.server.sampling import build_params
 from hf2q.server.schemas import ChatCompletionRequest, CompletionRequest
 from hf2q.server.state import ServerConfig, ServerState
@@ -131,3 +132,17 @@ def test_state_model_check_and_scripts():
         state.check_model("other")
     assert err.value.status == 404 and err.value.code == "model_not_found"
     assert [state.next_script() for _ in range(3)] == [[1], [2, 3], [1]]
+
+
+@pytest.mark.parametrize("effort,thinking,budget", [
+    ("none", False, None), ("minimal", False, None), ("low", True, 1024), ("medium", True, 4096),
+    ("high", True, None), ("xhigh", True, None), ("max", True, None), (None, None, None),
+])
+def test_reasoning_effort_maps_to_thinking_and_budget(effort, thinking, budget):
+    """README.md's mapping: the template's enable_thinking and the reasoning budget each effort sets;
+    thinking_budget overrides the budget."""
+    req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}],
+                                                "reasoning_effort": effort})
+    assert thinking_kwargs(req) == ({} if thinking is None else {"enable_thinking": thinking})
+    assert thinking_budget(req) == budget
+    assert thinking_budget(req.model_copy(update={"thinking_budget": 7})) == 7

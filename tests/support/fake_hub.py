@@ -1,6 +1,8 @@
 """A local HTTP server speaking as much of the Hugging Face Hub API as `huggingface_hub` needs to list a
 model repository and download its files (`HF_ENDPOINT` pointed at it): `GET /api/models/OWNER/REPO`,
-`HEAD`/`GET /OWNER/REPO/resolve/REV/FILE` with ranges. Downloads are counted per file.
+`HEAD`/`GET /OWNER/REPO/resolve/REV/FILE` with ranges. Downloads (from the first byte) are counted per file,
+resumed ones listed apart, and a file can be cut off half way once, as a dropped connection would, to see the
+client resume it.
 """
 from __future__ import annotations
 
@@ -21,6 +23,9 @@ class FakeHub:
         self.root = root
         self.downloads: Counter[str] = Counter()
         self.tokens: set[str] = set()  # the Authorization headers of listings and downloads
+        self.cut_once: set[str] = set()  # files whose next download stops half way
+        self.resumed: list[tuple[str, int]] = []  # (file, first byte) of each ranged download
+        self._etags: dict[Path, str] = {}
         hub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -65,18 +70,43 @@ class FakeHub:
         path = self.root / repo_id / name
         if not path.is_file():
             return self._send(req, 404, {"X-Error-Code": "EntryNotFound"}, b"{}", body)
-        data = path.read_bytes()
-        headers = {"X-Repo-Commit": COMMIT, "ETag": f'"{hashlib.sha256(data).hexdigest()}"',
-                   "Accept-Ranges": "bytes", "Content-Type": "application/octet-stream"}
+        size = path.stat().st_size
+        headers = {"X-Repo-Commit": COMMIT, "ETag": f'"{self._etag(path)}"', "Accept-Ranges": "bytes",
+                   "Content-Type": "application/octet-stream"}
         status, start = 200, 0
         ranged = req.headers.get("Range", "")
         if ranged.startswith("bytes="):
             start = int(ranged[6:].split("-")[0] or 0)
             status = 206
-            headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
-        if body:
+            headers["Content-Range"] = f"bytes {start}-{size - 1}/{size}"
+        if body and start:
+            self.resumed.append((name, start))
+        elif body:
             self.downloads[name] += 1
-        self._send(req, status, headers, data[start:], body)
+        cut = body and name in self.cut_once
+        if cut:
+            self.cut_once.discard(name)
+        req.send_response(status)
+        for key, value in {**headers, "Content-Length": str(size - start)}.items():
+            req.send_header(key, value)
+        req.end_headers()
+        if body:
+            with open(path, "rb") as f:
+                f.seek(start)
+                left = (size - start) // 2 if cut else size - start  # cut: the length says all, half comes
+                while left > 0:
+                    chunk = f.read(min(left, 1 << 20))
+                    req.wfile.write(chunk)
+                    left -= len(chunk)
+        if cut:
+            req.close_connection = True
+
+    def _etag(self, path: Path) -> str:
+        """The file's sha256, as the Hub's ETag of an LFS file; computed once per file."""
+        if path not in self._etags:
+            with open(path, "rb") as f:
+                self._etags[path] = hashlib.file_digest(f, "sha256").hexdigest()
+        return self._etags[path]
 
     @staticmethod
     def _send(req, status: int, headers: dict, data: bytes, body: bool) -> None:

@@ -37,6 +37,19 @@ def write_tiny_gguf(path: Path) -> None:
         demo.write_demo_gguf(path)
 
 
+def write_split_tiny_gguf(path: Path, tensors_per_part: int = 10) -> list[Path]:
+    """The tiny GGUF split as llama.cpp's converter splits one (the `gguf` package's own writer), beside `path`:
+    NAME-00001-of-0000N.gguf ... for `path` NAME.gguf; the parts in order."""
+    import functools
+
+    import gguf
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFWriter", functools.partial(gguf.GGUFWriter, split_max_tensors=tensors_per_part))
+        write_tiny_gguf(path)
+    return sorted(path.parent.glob(f"{path.stem}-*-of-*.gguf"))
+
+
 @dataclass
 class Layout:
     """Byte offsets of a GGUF file's sections and of each key/value and tensor info in them."""

@@ -1,6 +1,8 @@
 """Opening a GGUF file: validation with clear errors, metadata as plain Python values, tensors as torch.
 
-Block formats are decoded by the `gguf` package's reference dequantization (never re-derived here).
+Block formats are decoded by the `gguf` package's reference dequantization (never re-derived here). A split
+GGUF (`NAME-00001-of-0000N.gguf`, as llama.cpp's `gguf-split` and `convert_hf_to_gguf.py --split-max-*` write
+it) is opened by its first part: the metadata is the first part's, the tensors those of every part.
 """
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ GGUF_MAGIC = b"GGUF"
 
 # Tensor types this server loads; everything else is refused by name.
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
+
+SPLIT_PART = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
 
 
 class _FastReader:
@@ -111,6 +115,40 @@ def _describe(exc: Exception) -> str:
     return str(exc)
 
 
+def split_parts(path: Path) -> list[Path]:
+    """The files of the GGUF `path` names: itself, or every part of a split GGUF named by its first part."""
+    match = SPLIT_PART.search(path.name)
+    if match is None:
+        return [path]
+    count = int(match[2])
+    if int(match[1]) != 1 or count < 1:
+        raise GGUFError(f"{path} is part {int(match[1])} of a split GGUF: name its first part, "
+                        f"{path.name[:match.start()]}-00001-of-{match[2]}.gguf")
+    parts = [path.with_name(f"{path.name[:match.start()]}-{i:05d}-of-{match[2]}.gguf") for i in range(1, count + 1)]
+    missing = [p.name for p in parts if not p.exists()]
+    if missing and path.exists():
+        raise GGUFError(f"Split GGUF {path} is incomplete: {', '.join(missing)} not found beside it")
+    return parts
+
+
+def _check_extent(path: Path, reader) -> None:
+    """Every tensor's data inside the file, aligned, and apart from the others."""
+    size = path.stat().st_size
+    for t in reader.tensors:
+        end = int(t.data_offset) + int(t.n_bytes)
+        if end > size:
+            raise GGUFError(f"Truncated GGUF file {path}: tensor {t.name!r} ends at byte {end} "
+                            f"but the file has {size} bytes")
+    spans = sorted((int(t.data_offset), int(t.data_offset) + int(t.n_bytes), t.name) for t in reader.tensors)
+    for start, _, name in spans:
+        if (start - reader.data_offset) % reader.alignment:
+            raise GGUFError(f"Damaged GGUF file {path}: tensor {name!r} data offset is not a multiple "
+                            f"of the alignment ({reader.alignment})")
+    for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+        if start < end:
+            raise GGUFError(f"Damaged GGUF file {path}: the data of tensors {a!r} and {b!r} overlap")
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     name: str
@@ -124,37 +162,38 @@ class GGUFFile:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        if not self.path.exists():
-            raise GGUFError(f"Model not found: {self.path}")
-        if self.path.is_dir():
-            raise GGUFError(f"Not a GGUF file (a directory): {self.path}")
-        with open(self.path, "rb") as f:
+        readers = [self._open(part) for part in split_parts(self.path)]
+        self._reader = readers[0]  # the metadata's
+        self._tensors = {}
+        for part, reader in zip(split_parts(self.path), readers):
+            for t in reader.tensors:
+                if t.name in self._tensors:
+                    raise GGUFError(f"Damaged split GGUF {self.path}: tensor {t.name!r} is in more than one part")
+                self._tensors[t.name] = t
+        self.metadata: dict[str, Any] = self._read_metadata()
+        for key in ("split.no", "split.count"):
+            self.metadata.pop(key, None)
+        expected = self.metadata.pop("split.tensors.count", None)
+        if expected is not None and expected != len(self._tensors):
+            raise GGUFError(f"Damaged split GGUF {self.path}: its parts hold {len(self._tensors)} tensors, "
+                            f"not the {expected} the first part lists")
+
+    @staticmethod
+    def _open(path: Path):
+        if not path.exists():
+            raise GGUFError(f"Model not found: {path}")
+        if path.is_dir():
+            raise GGUFError(f"Not a GGUF file (a directory): {path}")
+        with open(path, "rb") as f:
             magic = f.read(4)
         if magic != GGUF_MAGIC:
-            raise GGUFError(f"Not a GGUF file (bad magic {magic!r}): {self.path}")
+            raise GGUFError(f"Not a GGUF file (bad magic {magic!r}): {path}")
         try:
-            self._reader = _FastReader.get()(self.path, "r")
+            reader = _FastReader.get()(path, "r")
         except Exception as exc:  # the reader raises many kinds on damaged headers
-            raise GGUFError(f"Damaged or truncated GGUF file {self.path}: {_describe(exc)}") from exc
-        self._tensors = {t.name: t for t in self._reader.tensors}
-        self._check_extent()
-        self.metadata: dict[str, Any] = self._read_metadata()
-
-    def _check_extent(self) -> None:
-        size = self.path.stat().st_size
-        for t in self._reader.tensors:
-            end = int(t.data_offset) + int(t.n_bytes)
-            if end > size:
-                raise GGUFError(f"Truncated GGUF file {self.path}: tensor {t.name!r} ends at byte {end} "
-                                f"but the file has {size} bytes")
-        spans = sorted((int(t.data_offset), int(t.data_offset) + int(t.n_bytes), t.name) for t in self._reader.tensors)
-        for start, _, name in spans:
-            if (start - self._reader.data_offset) % self._reader.alignment:
-                raise GGUFError(f"Damaged GGUF file {self.path}: tensor {name!r} data offset is not a multiple "
-                                f"of the alignment ({self._reader.alignment})")
-        for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
-            if start < end:
-                raise GGUFError(f"Damaged GGUF file {self.path}: the data of tensors {a!r} and {b!r} overlap")
+            raise GGUFError(f"Damaged or truncated GGUF file {path}: {_describe(exc)}") from exc
+        _check_extent(path, reader)
+        return reader
 
     def _read_metadata(self) -> dict[str, Any]:
         meta: dict[str, Any] = {}
@@ -178,7 +217,7 @@ class GGUFFile:
                           int(t.n_bytes))
 
     def check_types(self) -> None:
-        for t in self._reader.tensors:
+        for t in self._tensors.values():
             if t.tensor_type.name not in SUPPORTED_TYPES:
                 raise GGUFError(f"Unsupported tensor type {t.tensor_type.name} for tensor {t.name!r} in "
                                 f"{self.path} (supported: {', '.join(SUPPORTED_TYPES)})")

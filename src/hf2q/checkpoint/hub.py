@@ -1,10 +1,10 @@
 """Models by name: `OWNER/REPO[:QUANT]` or `hf://OWNER/REPO[:QUANT]` resolved to a GGUF file through
 `huggingface_hub`, as llama-server's `-hf` does.
 
-The file is the repository's GGUF whose name carries the quant tag (default Q4_K_M, else the only GGUF),
-downloaded into the standard Hugging Face cache (resumable, with a progress bar, `HF_TOKEN` honoured), with
-an `mmproj*.gguf` beside it when the repository has one. With `HF_HUB_OFFLINE=1`, or when the Hub cannot be
-reached, the cached snapshot is used instead.
+The file is the repository's GGUF whose name carries the quant tag (default Q4_K_M, else the only GGUF; a
+split GGUF counts as one, and all its parts are fetched), downloaded into the standard Hugging Face cache
+(resumable, with a progress bar, `HF_TOKEN` honoured), with an `mmproj*.gguf` beside it when the repository
+has one. With `HF_HUB_OFFLINE=1`, or when the Hub cannot be reached, the cached snapshot is used instead.
 """
 from __future__ import annotations
 
@@ -13,12 +13,13 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from hf2q.checkpoint.gguf_file import SPLIT_PART
+
 log = logging.getLogger("hf2q.hub")
 
 DEFAULT_QUANT = "Q4_K_M"
 _SCHEME = "hf://"
 _REFERENCE = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?::(?P<quant>[\w.-]+))?$")
-_SPLIT_PART = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
 
 
 class HubError(ValueError):
@@ -58,23 +59,36 @@ def model_files(names: list[str]) -> list[str]:
 
 
 def choose_gguf(names: list[str], quant: str | None, repo_id: str) -> str:
-    """The one model GGUF of `names` for the quant tag; HubError listing the GGUFs when none or several match."""
+    """The one model GGUF of `names` for the quant tag (a split GGUF's first part); HubError listing the GGUFs
+    when none or several match."""
     ggufs = model_files(names)
     if not ggufs:
         raise HubError(f"{repo_id} holds no GGUF model file")
-    matches = [n for n in ggufs if _has_tag(n, quant or DEFAULT_QUANT)]
-    if not matches and quant is None and len(ggufs) == 1:
-        matches = ggufs
-    split = [n for n in matches if _SPLIT_PART.search(n)]
-    if split:
-        raise HubError(f"{repo_id}: {split[0]} is one part of a split GGUF, which hf2q cannot load yet; merge "
-                       f"the parts with llama.cpp's `llama-gguf-split --merge` and serve the merged file")
+    models = sorted({_model_of(n) for n in ggufs})
+    matches = [m for m in models if _has_tag(m, quant or DEFAULT_QUANT)]
+    if not matches and quant is None and len(models) == 1:
+        matches = models
     if len(matches) != 1:
         tag = quant or f"{DEFAULT_QUANT} (the default)"
         what = "matches no" if not matches else "matches more than one"
         raise HubError(f"{repo_id}: quant tag {tag} {what} GGUF file; the repository holds: {', '.join(ggufs)} "
                        f"(name one with {repo_id}:TAG)")
-    return matches[0]
+    parts = model_parts(names, matches[0])
+    return parts[0]
+
+
+def model_parts(names: list[str], model: str) -> list[str]:
+    """The files of the model GGUF `model` (a file, or any part of a split GGUF): all its parts, first first;
+    HubError when a split GGUF misses some."""
+    parts = sorted(n for n in model_files(names) if _model_of(n) == _model_of(model))
+    split = SPLIT_PART.search(parts[0]) if parts else None
+    if split is None:
+        return [model]
+    expected = [SPLIT_PART.sub(f"-{i:05d}-of-{split[2]}.gguf", parts[0]) for i in range(1, int(split[2]) + 1)]
+    missing = [n for n in expected if n not in parts]
+    if missing:
+        raise HubError(f"split GGUF {_model_of(model)} is incomplete: {', '.join(missing)} missing")
+    return expected
 
 
 def choose_mmproj(names: list[str], gguf: str) -> str | None:
@@ -85,31 +99,29 @@ def choose_mmproj(names: list[str], gguf: str) -> str | None:
     return beside[0] if beside else None
 
 
-def resolve(ref: HubReference) -> HubModel:
-    """Download (or find in the cache) the GGUF `ref` names and its projector."""
+def resolve(ref: HubReference, projector: bool = True) -> HubModel:
+    """Download (or find in the cache) the GGUF `ref` names and, unless `projector` is false, its projector."""
     from huggingface_hub import hf_hub_download
 
     names, offline = _listing(ref.repo_id)
     gguf = choose_gguf(names, ref.quant, ref.repo_id)
-    mmproj = choose_mmproj(names, gguf)
+    mmproj = choose_mmproj(names, gguf) if projector else None
     paths = []
-    for name in (gguf, mmproj):
-        if name is None:
-            paths.append(None)
-            continue
+    for name in [*model_parts(names, gguf), *([mmproj] if mmproj else [])]:
         log.info("%s %s from %s", "using cached" if offline else "fetching", name, ref.repo_id)
         paths.append(Path(hf_hub_download(ref.repo_id, name, local_files_only=offline)))
-    return HubModel(paths[0], paths[1])
+    return HubModel(paths[0], paths[-1] if mmproj else None)  # the parts of a split GGUF land side by side
 
 
-def local_model_path(name: str) -> Path:
-    """The local GGUF file a `--model` value names: a path as given, or a Hub model fetched into the cache."""
+def local_model_path(name: str, projector: bool = True) -> Path:
+    """The local GGUF file a `--model` value names: a path as given, or a Hub model fetched into the cache, with
+    the repository's projector beside it unless `projector` is false (text only, or another projector named)."""
     ref = parse_reference(name)
     if ref is None:
         return Path(name)
-    found = resolve(ref)
+    found = resolve(ref, projector)
     if found.mmproj is not None:
-        log.info("fetched the projector %s beside the model (image input does not use it yet)", found.mmproj.name)
+        log.info("fetched the projector %s beside the model", found.mmproj.name)
     return found.gguf
 
 
@@ -154,8 +166,13 @@ def _is_mmproj(name: str) -> bool:
     return name.rpartition("/")[2].lower().startswith("mmproj")
 
 
+def _model_of(name: str) -> str:
+    """The model a GGUF file name belongs to: the name itself, or a split GGUF's name without the part."""
+    return SPLIT_PART.sub(".gguf", name)
+
+
 def _has_tag(name: str, tag: str) -> bool:
     """Whether the file name carries the quant tag as a whole word (Q4_K does not match Q4_K_M)."""
-    stem = _SPLIT_PART.sub("", name.rpartition("/")[2])
+    stem = _model_of(name).rpartition("/")[2]
     stem = stem[:-5] if stem.lower().endswith(".gguf") else stem
     return re.search(rf"(?:^|[-._]){re.escape(tag)}(?:$|[-.])", stem, re.IGNORECASE) is not None

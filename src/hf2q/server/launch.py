@@ -165,7 +165,9 @@ def build_state(args):
     else:
         from hf2q.checkpoint.hub import local_model_path
 
-        path = local_model_path(args.model)
+        # the repository's projector only where the one beside the model would be used
+        beside = not (getattr(args, "no_mmproj", False) or getattr(args, "mmproj", None))
+        path = local_model_path(args.model, projector=beside)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     tp = getattr(args, "tensor_parallel_size", 1)
