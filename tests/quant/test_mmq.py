@@ -1,0 +1,72 @@
+"""The int8 tensor-core kernel for batched decode (kernels/quant/mmq_triton) against the dp4a mat-vec, which
+reads the same int8 activation rows, and against gguf's dequantization + an fp64 matmul.
+
+Both int8 kernels compute d·sc·dx·Σ(q - 8)·xq + (8·d·sc - dmin·m)·Σx per 32-value group on the same
+integers; only the order of their fp32 sums differs, so they agree to MMQ_TOL of the largest output (a few
+fp32 roundings of each of K/32 group terms; measured: below 3e-7). Their common distance from the exact
+product is the int8 rounding of the activations (under 1e-2 relative here, as in test_kernels).
+
+Runs on CPU through Triton's interpreter (small shapes), and on a CUDA GPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf2q.quant import dequantize_ref, random_blocks, to_gpu_rows
+from tests.support.triton_targets import TARGETS, interpreter_child, rel, target
+
+triton = pytest.importorskip("triton")
+
+MMQ_TOL = 2e-6
+
+
+@pytest.fixture(scope="module", params=TARGETS)
+def dev(request):
+    return target(request.param)[0]
+
+
+test_kernels_under_the_interpreter = interpreter_child(__file__)
+
+
+def _rows(rows8, m):
+    """The first m activation rows of Int8Rows (a batch of m)."""
+    return type(rows8)(rows8.xq[:m].clone(), rows8.act[:m].clone(), rows8.blocked)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K"])
+def test_mmq_matches_the_int8_matvec_and_ignores_the_batch(dev, qtype):
+    """Weight rows not a multiple of BLOCK_N, K split over programs and not, batches of 5, 16 and 64
+    rows: each row's result is bitwise the same whatever the batch, and within MMQ_TOL of the mat-vec's
+    on the same int8 rows."""
+    from hf2q.kernels.quant.dp4a_triton import matvec
+    from hf2q.kernels.quant.int8_rows import quantize_rows
+    from hf2q.kernels.quant.mmq_triton import quant_mmq
+
+    n, k = 37, 768  # 9B's 4096-wide rows scaled down: three 256-value blocks
+    raw = random_blocks(qtype, n, k, seed=5)
+    kept = to_gpu_rows(raw, qtype).to(dev)
+    want = torch.randn(64, k, generator=torch.Generator().manual_seed(7)).double() @ \
+        dequantize_ref(raw, qtype, (n, k)).double().T
+    x = torch.randn(64, k, generator=torch.Generator().manual_seed(7)).to(dev)
+    rows8 = quantize_rows(x, blocked=True)
+    for cfg in ((64, 4, 1), None):  # one split of K; the default (three)
+        full = quant_mmq(rows8, kept, qtype, n, cfg=cfg)
+        assert full.shape == (64, n) and full.dtype == torch.float32
+        assert rel(full, want) < 1e-2
+    for m in (5, 16):
+        assert torch.equal(quant_mmq(_rows(rows8, m), kept, qtype, n), full[:m]), m
+    dp4a = matvec(_rows(rows8, 2), kept, qtype, n).cpu()
+    assert float((full[:2].cpu() - dp4a).abs().max()) <= MMQ_TOL * float(want.abs().max())
+    assert torch.equal(quant_mmq(x[:5], kept, qtype, n), full[:5])  # float rows are quantized on the way in
+
+
+def test_mmq_refuses_what_it_does_not_read(dev):
+    from hf2q.kernels.quant.int8_rows import quantize_rows
+    from hf2q.kernels.quant.mmq_triton import quant_mmq
+
+    x = torch.randn(5, 256).to(dev)
+    kept = to_gpu_rows(random_blocks("Q4_K", 3, 256), "Q4_K").to(dev)
+    with pytest.raises(ValueError, match="BLOCKED"):
+        quant_mmq(quantize_rows(x), kept, "Q4_K", 3)
+    with pytest.raises(ValueError, match="Q4_0"):
+        quant_mmq(x, random_blocks("Q4_0", 3, 256).to(dev), "Q4_0", 3)
