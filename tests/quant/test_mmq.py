@@ -9,6 +9,8 @@ product is the int8 rounding of the activations (under 1e-2 relative here, as in
 Runs on CPU through Triton's interpreter (small shapes), and on a CUDA GPU."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -70,3 +72,16 @@ def test_mmq_refuses_what_it_does_not_read(dev):
         quant_mmq(quantize_rows(x), kept, "Q4_K", 3)
     with pytest.raises(ValueError, match="Q4_0"):
         quant_mmq(x, random_blocks("Q4_0", 3, 256).to(dev), "Q4_0", 3)
+
+
+def test_mmq_compiles_to_int8_tensor_core_dots():
+    """The kernel compiles for sm_90 (no GPU needed) with its group dots on int8 tensor cores (16 rows:
+    64 take ptxas three times as long)."""
+    from tests.support.triton_targets import compile_for_hopper
+    from hf2q.kernels.quant import mmq_triton as mmq
+
+    sig = {"xq8": "*i8", "act": "*fp32", "w8": "*i8", "w32": "*i32", "out_ptr": "*fp32", "M": "i32", "N": "i32",
+           "K": "i32", "row_stride": "i32", "nblk": "i32", "tiles_per_split": "i32", "n_tiles": "i32"}
+    ptx = compile_for_hopper(mmq._mmq_kernel, sig, dict(CHUNKS=1, BLOCK_N=mmq.config(4096, 4096, 16)[0]), 4,
+                             ("N", "K", "nblk"))
+    assert re.search(r"mma\.sync\.aligned\.m16n8k32\.row\.col\.(satfinite\.)?s32\.s8\.s8\.s32", ptx)

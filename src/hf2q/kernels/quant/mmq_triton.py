@@ -23,100 +23,166 @@ import triton.language as tl
 from hf2q.kernels.quant.dequant_triton import QTYPE_ID, _geometry, check_layout
 from hf2q.kernels.quant.fields_triton import f16_bits
 from hf2q.kernels.quant.int8_rows import Int8Rows, quantize_rows
-from hf2q.kernels.quant.mm_triton import _scale_min, chunks, config, program_block, store_chunks
+from hf2q.kernels.quant import mm_triton
+from hf2q.kernels.quant.mm_triton import chunks, program_block, store_chunks
 
 TYPES = ("Q4_K",)  # the weight types this kernel multiplies; the others stay on mm_triton
 
 
 @triton.jit
-def _x_group(xq8, act, m0, M, K, piece0, nblk):
-    """Int8 activations [16, 32] of rows m0.. (rows past M read the last: their results are never stored)
-    for the 32-value group whose two 16-value pieces sit at BLOCKED positions piece0 and piece0 + nblk,
-    and the group's dx, Σx - dx·Σxq and Σx [16] (kept with its first piece)."""
+def _x_rows(xq8, act, m0, M, K):
+    """Pointers to activation rows m0.. [16] in the int8 values and in the piece table (rows past M
+    point at the last: their results are never stored); per group only a scalar offset is added."""
     m = tl.minimum(m0 + tl.arange(0, 16), M - 1).to(tl.int64)
+    return xq8 + m * K, act + m * (K // 16) * 4
+
+
+@triton.jit
+def _x_group(x_row, act_row, piece0, nblk):
+    """Int8 activations [16, 32] of the 32-value group whose two 16-value pieces sit at BLOCKED positions
+    piece0 and piece0 + nblk, and the group's dx [16] (kept with its first piece)."""
     c = tl.arange(0, 32)
-    x = tl.load(xq8 + m[:, None] * K + ((piece0 + (c // 16) * nblk) * 16 + c % 16)[None, :])
-    stats = act + (m * (K // 16) + piece0) * 4
-    return x, tl.load(stats), tl.load(stats + 2), tl.load(stats + 3)
+    x = tl.load(x_row[:, None] + ((piece0 + (c // 16) * nblk) * 16 + c % 16)[None, :])
+    return x, tl.load(act_row + piece0 * 4)
 
 
 @triton.jit
-def _q4k_words(w32, row_q, t, nblk, g: tl.constexpr):
-    """Nibble words 8g.. [BN, 8] of Q4_K block t (quads 1 + 2g and 2 + 2g): byte l holds value 64g + l in its
-    low nibble and 64g + 32 + l in its high one."""
-    w = tl.arange(0, 8)
-    quad = (1 + 2 * g + w // 4) * nblk + t
-    return tl.load(w32 + (row_q[:, None] + quad[None, :]) * 4 + (w % 4)[None, :])
+def _x_sums(act_row, t, nblk):
+    """Per group G of tile t [16, 16]: Σx in column 2G; for even G (read as raw nibbles) Σx - dx·Σxq in
+    column 2G + 1; zeros in the other four (a dot needs K of 16)."""
+    j = tl.arange(0, 16)
+    G = j // 2
+    off = G * 8 * nblk + 4 * t + 3 - j % 2  # the group's first piece: (dx, dx·Σxq, Σx - dx·Σxq, Σx)
+    return tl.load(act_row[:, None] + off[None, :], mask=((j % 2 == 0) | (G % 2 == 0))[None, :], other=0.0)
 
 
 @triton.jit
-def _as_bytes(words):
-    """int32 words [BN, W] as int8 [BN, 4W] (byte b of word w at 4w + b): a reinterpretation, which the
-    compiler folds back into the words that hold them."""
-    b0 = words.to(tl.int8)
-    b1 = (words >> 8).to(tl.int8)
-    b2 = (words >> 16).to(tl.int8)
-    b3 = (words >> 24).to(tl.int8)
-    both = tl.join(tl.join(b0, b2), tl.join(b1, b3))  # [BN, W, 2, 2]: byte 2p + q at [p, q]
-    return tl.reshape(both, (words.shape[0], 4 * words.shape[1]))
+def _tf32_split(v):
+    """v (fp32) as hi + lo, hi its top 11 significant bits (exact in tf32), lo the rest (tf32 keeps 11 of
+    its bits): products of the parts on tf32 tensor cores carry about 22 bits of v."""
+    hi = (v.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+    return hi, v - hi
 
 
 @triton.jit
-def _centred_nibbles(words, h: tl.constexpr):
-    """Nibble h of every byte of words [BN, 8], centred and in the high half: int8 [BN, 32] of 16·(q - 8)
-    (q ^ 8 is q - 8 as a signed nibble), two bit operations per four values."""
+def _q4k_bytes(w8, row_q, t, nblk, g: tl.constexpr):
+    """Nibble bytes 32g.. [BN, 32] of Q4_K block t (quads 1 + 2g and 2 + 2g) as int8: byte l holds value
+    64g + l in its low nibble and 64g + 32 + l in its high one."""
+    c = tl.arange(0, 32)
+    quad = (1 + 2 * g + c // 16) * nblk + t
+    return tl.load(w8 + (row_q[:, None] + quad[None, :]) * 16 + (c % 16)[None, :])
+
+
+@triton.jit
+def _nibbles(b, h: tl.constexpr):
+    """Nibble h of int8 bytes b as the dot's int8 operand, by one bit operation on the words the bytes
+    sit in (the compiler keeps bitwise byte operations on whole registers; shifts it would split): the
+    low nibble as it is, q; the high one centred where it lies, 16·(q - 8) (q ^ 8 is q - 8 as a signed
+    nibble)."""
     if h == 0:
-        words = words << 4
-    return _as_bytes((words & -0x0F0F0F10) ^ -0x7F7F7F80)  # & 0xF0F0F0F0, ^ 0x80808080
+        return b & 15
+    return (b & -16) ^ -128  # & 0xF0, ^ 0x80
 
 
 @triton.jit
-def _scaled(acc, dot, dx, sx, dsc16, c):
-    """acc + d·sc·dx·Σ(q - 8)·xq + (8·d·sc - dmin·m)·Σx for one group [16, BN] (dot holds 16·Σ(q - 8)·xq,
-    dsc16 = d·sc / 16, c = 8·d·sc - dmin·m)."""
-    t = dot.to(tl.float32) * dx[:, None]
-    return acc + t * dsc16[None, :] + sx[:, None] * c[None, :]
+def _q4k_scales(w32, row_q, t):
+    """Per weight row and sub-block s [BN, 8] of Q4_K block t: what its dot is multiplied by (d·sc; for
+    odd s, read times 16, d·sc / 16), and the [BN, 16] coefficients of _x_sums' columns (Σx: -dmin·m,
+    for odd s 8·d·sc - dmin·m; even s's Σx - dx·Σxq: 8·d·sc). All sub-blocks at once, each (row,
+    sub-block) in one thread: a per-group [BN] vector would be computed again by every thread that holds
+    its columns."""
+    header = w32 + (row_q + t) * 4  # quad 0 of block t: f16 d and dmin, then the 12 scale bytes (ggml's
+    h0 = tl.load(header)[:, None]  # get_scale_min_k4: sub-block s < 4 in bytes s and 4 + s; s >= 4 in
+    s = tl.arange(0, 8)[None, :]  # the nibbles of byte 8 + s - 4, with the top bits of bytes s - 4 and s)
+    shift = 8 * (s % 4)
+    lo = tl.load(header + 1)[:, None] >> shift
+    mid = tl.load(header + 2)[:, None] >> shift
+    hi = tl.load(header + 3)[:, None] >> shift
+    sc = tl.where(s < 4, lo & 63, (hi & 15) | (((lo >> 6) & 3) << 4))
+    mn = tl.where(s < 4, mid & 63, ((hi >> 4) & 15) | (((mid >> 6) & 3) << 4))
+    dsc = f16_bits(h0) * sc.to(tl.float32)
+    dmn = f16_bits(h0 >> 16) * mn.to(tl.float32)
+    odd = s % 2 == 1
+    sums = tl.join(tl.where(odd, 8.0 * dsc - dmn, -dmn), tl.where(odd, 0.0, 8.0 * dsc))
+    return tl.where(odd, dsc * 0.0625, dsc), tl.reshape(sums, (dsc.shape[0], 16))
 
 
 @triton.jit
-def _chunk(acc, xq8, act, m0, M, K, piece0, nblk, wq, dsc16, c):
-    x, dx, _, sx = _x_group(xq8, act, m0, M, K, piece0, nblk)
+def _columns(table):
+    """The eight columns of table [BN, 8], as a tuple of [BN]."""
+    even, odd = tl.split(tl.reshape(table, (table.shape[0], 4, 2)))
+    e0, e1 = tl.split(tl.reshape(even, (table.shape[0], 2, 2)))
+    o0, o1 = tl.split(tl.reshape(odd, (table.shape[0], 2, 2)))
+    c0, c4 = tl.split(e0)
+    c2, c6 = tl.split(e1)
+    c1, c5 = tl.split(o0)
+    c3, c7 = tl.split(o1)
+    return c0, c1, c2, c3, c4, c5, c6, c7
+
+
+@triton.jit
+def _chunk(acc, x_row, act_row, piece0, nblk, wq, scale):
+    """acc + dx·scale·(wq·xq) for one group and 16 activation rows [16, BN]."""
+    x, dx = _x_group(x_row, act_row, piece0, nblk)
     dot = tl.dot(x, wq, out_dtype=tl.int32)
-    return _scaled(acc, dot, dx, sx, dsc16, c)
+    return acc + (dot.to(tl.float32) * dx[:, None]) * scale[None, :]
+
+
+@triton.jit
+def _sums(acc, act_row, t, nblk, c_hi, c_lo):
+    """acc + the tile's terms in Σx and Σx - dx·Σxq (_x_sums times the coefficients of _q4k_scales): one
+    small dot a tile instead of multiply-adds per output and group, in three tf32 dots of split operands
+    (about fp32's precision)."""
+    s_hi, s_lo = _tf32_split(_x_sums(act_row, t, nblk))
+    acc = tl.dot(s_hi, c_lo, acc, input_precision="tf32")
+    acc = tl.dot(s_lo, c_hi, acc, input_precision="tf32")
+    return tl.dot(s_hi, c_hi, acc, input_precision="tf32")
 
 
 @triton.jit(do_not_specialize=["M"])  # one build for every row count: a new count must not compile mid-serve
-def _mmq_kernel(xq8, act, w32, out_ptr, M, N, K, row_stride, nblk, tiles_per_split, n_tiles,
+def _mmq_kernel(xq8, act, w8, w32, out_ptr, M, N, K, row_stride, nblk, tiles_per_split, n_tiles,
                 CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr):
     """A program: BLOCK_N weight rows times CHUNKS x 16 activation rows over one split of K."""
     rows, row_ok, row_q, m0, split, first, last = program_block(N, row_stride, tiles_per_split, n_tiles, CHUNKS,
                                                                  BLOCK_N)
     acc0 = tl.zeros((16, BLOCK_N), dtype=tl.float32)  # one accumulator per 16 activation rows
     acc1, acc2, acc3 = acc0, acc0, acc0
+    x0, a0 = _x_rows(xq8, act, m0, M, K)
+    x1, a1 = _x_rows(xq8, act, m0 + 16, M, K)
+    x2, a2 = _x_rows(xq8, act, m0 + 32, M, K)
+    x3, a3 = _x_rows(xq8, act, m0 + 48, M, K)
     for t in range(first, last):
-        header = w32 + (row_q + t) * 4  # quad 0 of block t: f16 d and dmin, then the 12 scale bytes
-        h0 = tl.load(header)
-        h1 = tl.load(header + 1)
-        h2 = tl.load(header + 2)
-        h3 = tl.load(header + 3)
-        d = f16_bits(h0)
-        dmin = f16_bits(h0 >> 16)
+        dsc, coef = _q4k_scales(w32, row_q, t)
+        c_hi, c_lo = _tf32_split(tl.trans(coef))
+        acc0 = _sums(acc0, a0, t, nblk, c_hi, c_lo)
+        if CHUNKS > 1:
+            acc1 = _sums(acc1, a1, t, nblk, c_hi, c_lo)
+        if CHUNKS > 2:
+            acc2 = _sums(acc2, a2, t, nblk, c_hi, c_lo)
+            acc3 = _sums(acc3, a3, t, nblk, c_hi, c_lo)
+        scales = _columns(dsc)
         for g in tl.static_range(4):
-            words = _q4k_words(w32, row_q, t, nblk, g)
+            b = _q4k_bytes(w8, row_q, t, nblk, g)
             for h in tl.static_range(2):
-                wq = tl.trans(_centred_nibbles(words, h))
-                sc, mn = _scale_min(h1, h2, h3, 2 * g + h)
-                dsc = d * sc
-                dsc16 = dsc * 0.0625
-                c = 8.0 * dsc - dmin * mn
+                wq = tl.trans(_nibbles(b, h))
                 piece0 = 2 * (2 * g + h) * nblk + t
-                acc0 = _chunk(acc0, xq8, act, m0, M, K, piece0, nblk, wq, dsc16, c)
+                sg = scales[2 * g + h]
+                acc0 = _chunk(acc0, x0, a0, piece0, nblk, wq, sg)
                 if CHUNKS > 1:
-                    acc1 = _chunk(acc1, xq8, act, m0 + 16, M, K, piece0, nblk, wq, dsc16, c)
+                    acc1 = _chunk(acc1, x1, a1, piece0, nblk, wq, sg)
                 if CHUNKS > 2:
-                    acc2 = _chunk(acc2, xq8, act, m0 + 32, M, K, piece0, nblk, wq, dsc16, c)
-                    acc3 = _chunk(acc3, xq8, act, m0 + 48, M, K, piece0, nblk, wq, dsc16, c)
+                    acc2 = _chunk(acc2, x2, a2, piece0, nblk, wq, sg)
+                    acc3 = _chunk(acc3, x3, a3, piece0, nblk, wq, sg)
     store_chunks(out_ptr, acc0, acc1, acc2, acc3, split, m0, M, N, rows, row_ok, CHUNKS)
+
+
+def config(n: int, k: int, m: int) -> tuple[int, int, int]:
+    """(BLOCK_N, warps, splits of K) for an [n, k] weight and m activation rows. The split depends on the
+    weight alone (mm_triton's), so every row is summed the same way whatever the batch; BLOCK_N changes
+    which program computes an output, not how. One chunk of rows takes 128 weight rows a program: the
+    activations' loads and scales are shared by twice the weight values (4.0 instructions a weight value
+    on sm_90 against 5.6 at 64); more chunks keep 64, within the registers."""
+    return (128 if m <= 16 else 64), 4, mm_triton.config(n, k)[2]
 
 
 def quant_mmq(x: torch.Tensor | Int8Rows, raw: torch.Tensor, qtype: str, n: int, out_dtype: torch.dtype | None = None,
@@ -136,14 +202,14 @@ def quant_mmq(x: torch.Tensor | Int8Rows, raw: torch.Tensor, qtype: str, n: int,
     m, k = rows8.xq.shape[0], rows8.xq.shape[1] * 4
     check_layout(raw, qtype, k)
     row_stride, nblk, n_tiles = _geometry(qtype, k)
-    block_n, warps, split = cfg or config(n, k)
+    block_n, warps, split = cfg or config(n, k, m)
     per_split = triton.cdiv(n_tiles, split)
     split = triton.cdiv(n_tiles, per_split)  # no split left without tiles
     out = torch.empty((split, m, n), dtype=torch.float32 if split > 1 else out_dtype, device=raw.device)
     flat = raw.view(-1)
     c = chunks(m)
     grid = (triton.cdiv(m, 16 * c), triton.cdiv(n, block_n), split)
-    _mmq_kernel[grid](rows8.xq.view(torch.int8), rows8.act, flat, out, m, n, k, row_stride,
+    _mmq_kernel[grid](rows8.xq.view(torch.int8), rows8.act, flat.view(torch.int8), flat, out, m, n, k, row_stride,
                       nblk, per_split, n_tiles, CHUNKS=c, BLOCK_N=block_n, num_warps=warps)
     if split == 1:
         return out[0]
