@@ -35,9 +35,9 @@ def _rows(rows8, m):
     return type(rows8)(rows8.xq[:m].clone(), rows8.act[:m].clone(), rows8.blocked)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
 def test_mmq_matches_the_int8_matvec_and_ignores_the_batch(dev, qtype):
-    """Weight rows not a multiple of BLOCK_N, K split over programs and not, batches of 5, 16 and 64
+    """Weight rows not a multiple of BLOCK_N, K split over programs (and not), batches of 5, 16 and 64
     rows: each row's result is bitwise the same whatever the batch, and within MMQ_TOL of the mat-vec's
     on the same int8 rows."""
     from hf2q.kernels.quant.dp4a_triton import matvec
@@ -51,7 +51,7 @@ def test_mmq_matches_the_int8_matvec_and_ignores_the_batch(dev, qtype):
         dequantize_ref(raw, qtype, (n, k)).double().T
     x = torch.randn(64, k, generator=torch.Generator().manual_seed(7)).to(dev)
     rows8 = quantize_rows(x, blocked=True)
-    for cfg in ((64, 4, 1), None):  # one split of K; the default (three)
+    for cfg in ((64, 4, 1), None)[qtype != "Q4_K":]:  # (Q4_K) one split of K; the default (three)
         full = quant_mmq(rows8, kept, qtype, n, cfg=cfg)
         assert full.shape == (64, n) and full.dtype == torch.float32
         assert rel(full, want) < 1e-2
@@ -74,14 +74,16 @@ def test_mmq_refuses_what_it_does_not_read(dev):
         quant_mmq(x, random_blocks("Q4_0", 3, 256).to(dev), "Q4_0", 3)
 
 
-def test_mmq_compiles_to_int8_tensor_core_dots():
-    """The kernel compiles for sm_90 (no GPU needed) with its group dots on int8 tensor cores (16 rows:
-    64 take ptxas three times as long)."""
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_mmq_compiles_to_int8_tensor_core_dots(qtype):
+    """The kernel compiles for sm_90 (no GPU needed; Q6_K's bit operations are PTX, which the interpreter
+    does not run) with its group dots on int8 tensor cores (16 rows: 64 take ptxas three times as long)."""
     from tests.support.triton_targets import compile_for_hopper
     from hf2q.kernels.quant import mmq_triton as mmq
 
     sig = {"xq8": "*i8", "act": "*fp32", "w8": "*i8", "w32": "*i32", "out_ptr": "*fp32", "M": "i32", "N": "i32",
            "K": "i32", "row_stride": "i32", "nblk": "i32", "tiles_per_split": "i32", "n_tiles": "i32"}
-    ptx = compile_for_hopper(mmq._mmq_kernel, sig, dict(CHUNKS=1, BLOCK_N=mmq.config(4096, 4096, 16)[0]), 4,
+    ptx = compile_for_hopper(mmq._mmq_kernel, sig, dict(QTYPE=mmq.QTYPE_ID[qtype], CHUNKS=1,
+                             BLOCK_N=mmq.config(4096, 4096, 16)[0], EMULATE=False), 4,
                              ("N", "K", "nblk"))
     assert re.search(r"mma\.sync\.aligned\.m16n8k32\.row\.col\.(satfinite\.)?s32\.s8\.s8\.s32", ptx)

@@ -3,16 +3,16 @@
 The bf16 tile kernel (mm_triton) spends about a dozen instructions per weight value turning quants into
 scaled bf16 operands. Here the activations arrive already rounded to int8 with one scale dx per 32
 values (int8_rows, as the mat-vec reads them), so a weight group's raw quants are the dot's other
-operand as they are: nibbles masked out of the bytes they are stored in, no conversion, no scale. Each
-32-value group is one int8 x int8 -> int32 dot over 16 activation rows, and the scales come after it,
-once per output rather than once per weight value:
+operand almost as they are: bits masked out of the words they are stored in, no conversion, no scale.
+Each 32-value group is an int8 x int8 -> int32 dot over 16 activation rows, and the scales come after
+it, once per output rather than once per weight value. The arithmetic is the dp4a mat-vec's:
 
-    Q4_K:  Σ x·w ≈ d·sc·(dx·Σ q·xq + 8·(Σx - dx·Σxq)) - dmin·m·Σx
+    Q4_K:  Σ x·w ≈ d·sc·(dx·Σ q·xq + 8·(Σx - dx·Σxq)) - dmin·m·Σx    (odd sub-blocks: q - 8 read in place)
+    Q6_K:  Σ x·w ≈ d·Σ_pieces sc·dx·Σ (q - 32)·xq                      (a scale per 16 values)
 
-(the dp4a mat-vec's arithmetic: centring the nibbles on 8 leaves the int8 rounding only the centred
-part, and Σx is exact). As in mm_triton, every 16 activation rows are their own dot with their own
-accumulator and K is split by the weight's shape alone, so a row's result never depends on the other
-rows of the batch.
+(centring the quants leaves the int8 rounding only the centred part; Σx is exact). As in mm_triton,
+every 16 activation rows are their own dot with their own accumulator and K is split by the weight's
+shape alone, so a row's result never depends on the other rows of the batch.
 """
 from __future__ import annotations
 
@@ -23,10 +23,12 @@ import triton.language as tl
 from hf2q.kernels.quant.dequant_triton import QTYPE_ID, _geometry, check_layout
 from hf2q.kernels.quant.fields_triton import f16_bits
 from hf2q.kernels.quant.int8_rows import Int8Rows, quantize_rows
+from hf2q import envs
 from hf2q.kernels.quant import mm_triton
 from hf2q.kernels.quant.mm_triton import chunks, program_block, store_chunks
 
-TYPES = ("Q4_K",)  # the weight types this kernel multiplies; the others stay on mm_triton
+TYPES = ("Q4_K", "Q6_K")  # the weight types this kernel multiplies; the others stay on mm_triton
+EMULATE = envs.triton_interpret()  # the interpreter runs no PTX: bit operations in plain integer ops
 
 
 @triton.jit
@@ -62,15 +64,6 @@ def _tf32_split(v):
     its bits): products of the parts on tf32 tensor cores carry about 22 bits of v."""
     hi = (v.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
     return hi, v - hi
-
-
-@triton.jit
-def _q4k_bytes(w8, row_q, t, nblk, g: tl.constexpr):
-    """Nibble bytes 32g.. [BN, 32] of Q4_K block t (quads 1 + 2g and 2 + 2g) as int8: byte l holds value
-    64g + l in its low nibble and 64g + 32 + l in its high one."""
-    c = tl.arange(0, 32)
-    quad = (1 + 2 * g + c // 16) * nblk + t
-    return tl.load(w8 + (row_q[:, None] + quad[None, :]) * 16 + (c % 16)[None, :])
 
 
 @triton.jit
@@ -139,9 +132,116 @@ def _sums(acc, act_row, t, nblk, c_hi, c_lo):
     return tl.dot(s_hi, c_hi, acc, input_precision="tf32")
 
 
+@triton.jit
+def _q4k_tile(accs, xs, acts, w8, w32, row_q, t, nblk, CHUNKS: tl.constexpr):
+    """The CHUNKS accumulators after Q4_K block t: its sub-blocks' dots, then its Σx terms."""
+    acc0, acc1, acc2, acc3 = accs
+    x0, x1, x2, x3 = xs
+    a0, a1, a2, a3 = acts
+    dsc, coef = _q4k_scales(w32, row_q, t)
+    c_hi, c_lo = _tf32_split(tl.trans(coef))
+    acc0 = _sums(acc0, a0, t, nblk, c_hi, c_lo)
+    if CHUNKS > 1:
+        acc1 = _sums(acc1, a1, t, nblk, c_hi, c_lo)
+    if CHUNKS > 2:
+        acc2 = _sums(acc2, a2, t, nblk, c_hi, c_lo)
+        acc3 = _sums(acc3, a3, t, nblk, c_hi, c_lo)
+    scales = _columns(dsc)
+    for g in tl.static_range(4):
+        b = _quads_bytes(w8, row_q, 1 + 2 * g, t, nblk)  # nibble bytes 32g..: values 64g + l, 64g + 32 + l
+        for h in tl.static_range(2):
+            wq = tl.trans(_nibbles(b, h))
+            piece0 = 2 * (2 * g + h) * nblk + t
+            sg = scales[2 * g + h]
+            acc0 = _chunk(acc0, x0, a0, piece0, nblk, wq, sg)
+            if CHUNKS > 1:
+                acc1 = _chunk(acc1, x1, a1, piece0, nblk, wq, sg)
+            if CHUNKS > 2:
+                acc2 = _chunk(acc2, x2, a2, piece0, nblk, wq, sg)
+                acc3 = _chunk(acc3, x3, a3, piece0, nblk, wq, sg)
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _quads_bytes(w8, row_q, first: tl.constexpr, t, nblk):
+    """Bytes [BN, 32] (int8) of quads first and first + 1 of K-quant block t in interleaved rows."""
+    c = tl.arange(0, 32)
+    quad = (first + c // 16) * nblk + t
+    return tl.load(w8 + (row_q[:, None] + quad[None, :]) * 16 + (c % 16)[None, :])
+
+
+@triton.jit
+def _q6k_operand(ql, qh, J: tl.constexpr, EMULATE: tl.constexpr):
+    """int8 [BN, 32] of 4·(q - 32) for Q6_K values q = (nibble J // 2 of ql) | (bits 2J.. of qh) << 4: q in
+    bits 2-7 with the top bit flipped, made on the words the bytes sit in (five bit operations per four
+    values; the interpreter, which runs no PTX, in plain integer ops)."""
+    if EMULATE:
+        lo = ((ql.to(tl.int32) & 255) >> (4 * (J // 2))) & 15
+        hi = ((qh.to(tl.int32) & 255) >> (2 * J)) & 3
+        return ((lo | (hi << 4)) * 4 - 128).to(tl.int8)
+    if J == 0:  # the low nibble moves up 2 bits, the top bits from 2J up to 6
+        asm: tl.constexpr = "shl.b32 a, $1, 2; shl.b32 b, $2, 6;"
+    elif J == 1:
+        asm: tl.constexpr = "shl.b32 a, $1, 2; shl.b32 b, $2, 4;"
+    elif J == 2:  # the high nibble moves down 2
+        asm: tl.constexpr = "shr.b32 a, $1, 2; shl.b32 b, $2, 2;"
+    else:
+        asm: tl.constexpr = "shr.b32 a, $1, 2; mov.b32 b, $2;"
+    return tl.inline_asm_elementwise("{ .reg .b32 a, b; " + asm + " and.b32 a, a, 0x3C3C3C3C; and.b32 b, b, "
+                                     "0xC0C0C0C0; or.b32 a, a, b; xor.b32 $0, a, 0x80808080; }", "=r,r,r", [ql, qh],
+                                     dtype=tl.int8, is_pure=True, pack=4)
+
+
+@triton.jit
+def _chunk6(acc, x_row, act_row, piece0, nblk, wq, sc_a, sc_b, d4):
+    """acc + d·dx·(sc_a·Σ_a + sc_b·Σ_b) for one group and 16 activation rows [16, BN], Σ over each 16-value
+    piece of 4·(q - 32)·xq: the dots of the two pieces apart (int8 dots take K = 32: the other piece's
+    activations read as zeros), joined in integers (at most 2^27), one conversion."""
+    c = tl.arange(0, 32)
+    cols = (piece0 + (c // 16) * nblk) * 16 + c % 16
+    x_a = tl.load(x_row[:, None] + cols[None, :], mask=(c < 16)[None, :], other=0)
+    x_b = tl.load(x_row[:, None] + cols[None, :], mask=(c >= 16)[None, :], other=0)
+    dx = tl.load(act_row + piece0 * 4)
+    dot = tl.dot(x_a, wq, out_dtype=tl.int32) * sc_a[None, :] + tl.dot(x_b, wq, out_dtype=tl.int32) * sc_b[None, :]
+    return acc + (dot.to(tl.float32) * dx[:, None]) * d4[None, :]
+
+
+@triton.jit
+def _q6k_tile(accs, xs, acts, w8, w32, row_q, t, nblk, CHUNKS: tl.constexpr, EMULATE: tl.constexpr):
+    """The CHUNKS accumulators after Q6_K block t: ql (quads 0-7), qh (8-11), int8 scales per 16 values
+    (quad 12); d in the plane after the quads. Value 128h + 32j + l (group 4h + j) has its low nibble in
+    ql byte 64h + 32(j % 2) + l (nibble j // 2), its top bits in qh byte 32h + l (bits 2j..), its scale at
+    2·(4h + j) + l // 16: no Σx term, the values are centred as they are read."""
+    acc0, acc1, acc2, acc3 = accs
+    x0, x1, x2, x3 = xs
+    a0, a1, a2, a3 = acts
+    d4 = f16_bits(tl.load(w32 + row_q * 4 + 52 * nblk + t // 2) >> (16 * (t % 2))) * 0.25
+    i = tl.arange(0, 16)
+    sc = tl.load(w8 + (row_q[:, None] + 12 * nblk + t) * 16 + i[None, :]).to(tl.int32)  # [BN, 16]
+    first, second = tl.split(tl.reshape(sc, (sc.shape[0], 8, 2)))  # each group's two pieces
+    sa = _columns(first)
+    sb = _columns(second)
+    for h in tl.static_range(2):
+        qh = _quads_bytes(w8, row_q, 8 + 2 * h, t, nblk)
+        for jlo in tl.static_range(2):
+            ql = _quads_bytes(w8, row_q, 4 * h + 2 * jlo, t, nblk)
+            for jhi in tl.static_range(2):
+                wq = tl.trans(_q6k_operand(ql, qh, 2 * jhi + jlo, EMULATE))
+                piece0 = 2 * (4 * h + 2 * jhi + jlo) * nblk + t
+                s_a = sa[4 * h + 2 * jhi + jlo]
+                s_b = sb[4 * h + 2 * jhi + jlo]
+                acc0 = _chunk6(acc0, x0, a0, piece0, nblk, wq, s_a, s_b, d4)
+                if CHUNKS > 1:
+                    acc1 = _chunk6(acc1, x1, a1, piece0, nblk, wq, s_a, s_b, d4)
+                if CHUNKS > 2:
+                    acc2 = _chunk6(acc2, x2, a2, piece0, nblk, wq, s_a, s_b, d4)
+                    acc3 = _chunk6(acc3, x3, a3, piece0, nblk, wq, s_a, s_b, d4)
+    return acc0, acc1, acc2, acc3
+
+
 @triton.jit(do_not_specialize=["M"])  # one build for every row count: a new count must not compile mid-serve
 def _mmq_kernel(xq8, act, w8, w32, out_ptr, M, N, K, row_stride, nblk, tiles_per_split, n_tiles,
-                CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr):
+                QTYPE: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr, EMULATE: tl.constexpr):
     """A program: BLOCK_N weight rows times CHUNKS x 16 activation rows over one split of K."""
     rows, row_ok, row_q, m0, split, first, last = program_block(N, row_stride, tiles_per_split, n_tiles, CHUNKS,
                                                                  BLOCK_N)
@@ -152,27 +252,12 @@ def _mmq_kernel(xq8, act, w8, w32, out_ptr, M, N, K, row_stride, nblk, tiles_per
     x2, a2 = _x_rows(xq8, act, m0 + 32, M, K)
     x3, a3 = _x_rows(xq8, act, m0 + 48, M, K)
     for t in range(first, last):
-        dsc, coef = _q4k_scales(w32, row_q, t)
-        c_hi, c_lo = _tf32_split(tl.trans(coef))
-        acc0 = _sums(acc0, a0, t, nblk, c_hi, c_lo)
-        if CHUNKS > 1:
-            acc1 = _sums(acc1, a1, t, nblk, c_hi, c_lo)
-        if CHUNKS > 2:
-            acc2 = _sums(acc2, a2, t, nblk, c_hi, c_lo)
-            acc3 = _sums(acc3, a3, t, nblk, c_hi, c_lo)
-        scales = _columns(dsc)
-        for g in tl.static_range(4):
-            b = _q4k_bytes(w8, row_q, t, nblk, g)
-            for h in tl.static_range(2):
-                wq = tl.trans(_nibbles(b, h))
-                piece0 = 2 * (2 * g + h) * nblk + t
-                sg = scales[2 * g + h]
-                acc0 = _chunk(acc0, x0, a0, piece0, nblk, wq, sg)
-                if CHUNKS > 1:
-                    acc1 = _chunk(acc1, x1, a1, piece0, nblk, wq, sg)
-                if CHUNKS > 2:
-                    acc2 = _chunk(acc2, x2, a2, piece0, nblk, wq, sg)
-                    acc3 = _chunk(acc3, x3, a3, piece0, nblk, wq, sg)
+        if QTYPE == 2:
+            acc0, acc1, acc2, acc3 = _q4k_tile((acc0, acc1, acc2, acc3), (x0, x1, x2, x3), (a0, a1, a2, a3), w8, w32,
+                                               row_q, t, nblk, CHUNKS)
+        else:
+            acc0, acc1, acc2, acc3 = _q6k_tile((acc0, acc1, acc2, acc3), (x0, x1, x2, x3), (a0, a1, a2, a3), w8, w32,
+                                               row_q, t, nblk, CHUNKS, EMULATE)
     store_chunks(out_ptr, acc0, acc1, acc2, acc3, split, m0, M, N, rows, row_ok, CHUNKS)
 
 
@@ -210,7 +295,8 @@ def quant_mmq(x: torch.Tensor | Int8Rows, raw: torch.Tensor, qtype: str, n: int,
     c = chunks(m)
     grid = (triton.cdiv(m, 16 * c), triton.cdiv(n, block_n), split)
     _mmq_kernel[grid](rows8.xq.view(torch.int8), rows8.act, flat.view(torch.int8), flat, out, m, n, k, row_stride,
-                      nblk, per_split, n_tiles, CHUNKS=c, BLOCK_N=block_n, num_warps=warps)
+                      nblk, per_split, n_tiles, QTYPE=QTYPE_ID[qtype], CHUNKS=c, BLOCK_N=block_n, EMULATE=EMULATE,
+                      num_warps=warps)
     if split == 1:
         return out[0]
     return out.sum(0).to(out_dtype)
