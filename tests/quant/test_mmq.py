@@ -62,6 +62,29 @@ def test_mmq_matches_the_int8_matvec_and_ignores_the_batch(dev, qtype):
     assert torch.equal(quant_mmq(x[:5], kept, qtype, n), full[:5])  # float rows are quantized on the way in
 
 
+def test_quant_linear_takes_mmq_behind_its_switch(dev, monkeypatch):
+    """HF2Q_QUANT_MM=mmq sends 5-64 rows of Q4_K/Q6_K weights to mmq_triton and leaves other types on the
+    tile kernel; the default (tile) leaves them all there."""
+    from hf2q import envs
+    from hf2q.kernels.quant import ops
+    from hf2q.kernels.quant.mm_triton import quant_mm
+    from hf2q.kernels.quant.mmq_triton import quant_mmq
+
+    assert ops.QUANT_MM == "tile" and envs.QUANT_MM.default == "tile"
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(1)).to(dev)
+    kept = {q: to_gpu_rows(random_blocks(q, 3, 256), q).to(dev) for q in ("Q4_K", "Q6_K")}
+    kept["Q8_0"] = random_blocks("Q8_0", 3, 256).to(dev)
+    for mode in ("tile", "mmq"):
+        monkeypatch.setattr(ops, "QUANT_MM", mode)
+        for qtype, raw in kept.items():
+            mmq = mode == "mmq" and qtype != "Q8_0"
+            want = quant_mmq(x, raw, qtype, 3) if mmq else quant_mm(x, raw, qtype, 3)
+            assert torch.equal(ops.quant_linear(x, raw, qtype, 3), want), (mode, qtype)
+    monkeypatch.setenv("HF2Q_QUANT_MM", "int8")
+    with pytest.raises(ValueError, match="HF2Q_QUANT_MM must be tile or mmq"):
+        envs.quant_mm()
+
+
 def test_mmq_refuses_what_it_does_not_read(dev):
     from hf2q.kernels.quant.int8_rows import quantize_rows
     from hf2q.kernels.quant.mmq_triton import quant_mmq

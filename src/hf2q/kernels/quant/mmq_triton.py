@@ -271,9 +271,9 @@ def config(n: int, k: int, m: int) -> tuple[int, int, int]:
 
 
 def quant_mmq(x: torch.Tensor | Int8Rows, raw: torch.Tensor, qtype: str, n: int, out_dtype: torch.dtype | None = None,
-              cfg: tuple[int, int, int] | None = None) -> torch.Tensor:
+              cfg: tuple[int, int, int] | None = None, key: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (or its BLOCKED Int8Rows) times quantized rows raw [N, row_words] (interleaved K-quant rows)
-    -> [M, N] in x's dtype (out_dtype for Int8Rows), fp32 accumulation."""
+    -> [M, N] in x's dtype (out_dtype for Int8Rows), fp32 accumulation (`key`: see quantize_rows)."""
     if qtype not in TYPES:
         raise ValueError(f"the int8 tensor-core kernel multiplies {', '.join(TYPES)}, not {qtype}")
     if isinstance(x, Int8Rows):
@@ -281,7 +281,7 @@ def quant_mmq(x: torch.Tensor | Int8Rows, raw: torch.Tensor, qtype: str, n: int,
         out_dtype = out_dtype or torch.float32
     else:
         out_dtype = out_dtype or x.dtype
-        rows8 = quantize_rows(x, blocked=True)
+        rows8 = quantize_rows(x, key, blocked=True)
     if not rows8.blocked:
         raise ValueError("K-quant weights read BLOCKED int8 rows (quantize_rows(..., blocked=True))")
     m, k = rows8.xq.shape[0], rows8.xq.shape[1] * 4
