@@ -17,7 +17,7 @@ import re
 import pytest
 import torch
 
-from hf2q.quant import dequantize_ref, random_blocks, to_gpu_rows
+from hf2q.quant import KQUANTS, dequantize_ref, random_blocks, to_gpu_rows
 from tests.support.triton_targets import TARGETS, interpreter_child, rel, target
 
 triton = pytest.importorskip("triton")
@@ -40,28 +40,34 @@ def dev(target_of):
 test_kernels_under_the_interpreter = interpreter_child(__file__)
 
 
+def kernel_blocks(raw, qtype):
+    """Blocks as the kernels read them: K-quants in interleaved rows, Q8_0 as ggml's bytes."""
+    return to_gpu_rows(raw, qtype) if qtype in KQUANTS else raw
+
+
 def _rows(rows8, m):
     """The first m activation rows of Int8Rows (a batch of m)."""
     return type(rows8)(rows8.xq[:m].clone(), rows8.act[:m].clone(), rows8.blocked)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "Q6_K"])
 def test_mmq_matches_the_int8_matvec_and_ignores_the_batch(target_of, qtype):
     """Weight rows not a multiple of BLOCK_N, K split over programs (and not), batches of 5, 16 and 64
     rows: each row's result is bitwise the same whatever the batch, and within MMQ_TOL of the mat-vec's
     on the same int8 rows."""
     from hf2q.kernels.quant.dp4a_triton import matvec
-    from hf2q.kernels.quant.int8_rows import quantize_rows
+    from hf2q.kernels.quant.int8_rows import blocked_for, quantize_rows
     from hf2q.kernels.quant.mmq_triton import quant_mmq
 
     dev, real = target_of
     n, k = (1029, 4096) if real else (37, 768)  # 9B's 4096-wide rows, or scaled down to three blocks
+    k += 32 if qtype == "Q8_0" else 0  # and a partial last tile of 32-value blocks
     raw = random_blocks(qtype, n, k, seed=5)
-    kept = to_gpu_rows(raw, qtype).to(dev)
+    kept = kernel_blocks(raw, qtype).to(dev)
     want = torch.randn(64, k, generator=torch.Generator().manual_seed(7)).double() @ \
         dequantize_ref(raw, qtype, (n, k)).double().T
     x = torch.randn(64, k, generator=torch.Generator().manual_seed(7)).to(dev)
-    rows8 = quantize_rows(x, blocked=True)
+    rows8 = quantize_rows(x, blocked=blocked_for(qtype))
     for cfg in ((64, 4, 1), None)[qtype != "Q4_K":]:  # (Q4_K) one split of K; the default (three)
         full = quant_mmq(rows8, kept, qtype, n, cfg=cfg)
         assert full.shape == (64, n) and full.dtype == torch.float32
@@ -74,8 +80,8 @@ def test_mmq_matches_the_int8_matvec_and_ignores_the_batch(target_of, qtype):
 
 
 def test_quant_linear_takes_mmq_behind_its_switch(dev, monkeypatch):
-    """HF2Q_QUANT_MM=mmq sends 5-64 rows of Q4_K/Q6_K weights to mmq_triton and leaves other types on the
-    tile kernel; the default (tile) leaves them all there."""
+    """HF2Q_QUANT_MM=mmq sends 5-64 rows of the weight types mmq_triton reads to it and leaves the others
+    (Q4_0, Q5_K) on the tile kernel; the default (tile) leaves them all there."""
     from hf2q import envs
     from hf2q.kernels.quant import ops
     from hf2q.kernels.quant.mm_triton import quant_mm
@@ -83,12 +89,11 @@ def test_quant_linear_takes_mmq_behind_its_switch(dev, monkeypatch):
 
     assert ops.QUANT_MM == "tile" and envs.QUANT_MM.default == "tile"
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(1)).to(dev)
-    kept = {q: to_gpu_rows(random_blocks(q, 3, 256), q).to(dev) for q in ("Q4_K", "Q6_K")}
-    kept["Q8_0"] = random_blocks("Q8_0", 3, 256).to(dev)
+    kept = {q: kernel_blocks(random_blocks(q, 3, 256), q).to(dev) for q in ("Q8_0", "Q4_K", "Q6_K", "Q4_0")}
     for mode in ("tile", "mmq"):
         monkeypatch.setattr(ops, "QUANT_MM", mode)
         for qtype, raw in kept.items():
-            mmq = mode == "mmq" and qtype != "Q8_0"
+            mmq = mode == "mmq" and qtype != "Q4_0"
             want = quant_mmq(x, raw, qtype, 3) if mmq else quant_mm(x, raw, qtype, 3)
             assert torch.equal(ops.quant_linear(x, raw, qtype, 3), want), (mode, qtype)
     monkeypatch.setenv("HF2Q_QUANT_MM", "int8")
@@ -106,6 +111,8 @@ def test_mmq_refuses_what_it_does_not_read(dev):
         quant_mmq(quantize_rows(x), kept, "Q4_K", 3)
     with pytest.raises(ValueError, match="Q4_0"):
         quant_mmq(x, random_blocks("Q4_0", 3, 256).to(dev), "Q4_0", 3)
+    with pytest.raises(ValueError, match="in order"):
+        quant_mmq(quantize_rows(x, blocked=True), random_blocks("Q8_0", 3, 256).to(dev), "Q8_0", 3)
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])

@@ -1,4 +1,5 @@
-"""GGUF K-quant weights times 5-64 int8-quantized activation rows on int8 tensor cores (llama.cpp's MMQ).
+"""GGUF weights (Q8_0, Q4_K, Q6_K) times 5-64 int8-quantized activation rows on int8 tensor cores
+(llama.cpp's MMQ).
 
 The bf16 tile kernel (mm_triton) spends about a dozen instructions per weight value turning quants into
 scaled bf16 operands. Here the activations arrive already rounded to int8 with one scale dx per 32
@@ -7,7 +8,8 @@ operand almost as they are: bits masked out of the words they are stored in, no 
 Each 32-value group is an int8 x int8 -> int32 dot over 16 activation rows, and the scales come after
 it, once per output rather than once per weight value. The arithmetic is the dp4a mat-vec's:
 
-    Q4_K:  Σ x·w ≈ d·sc·(dx·Σ q·xq + 8·(Σx - dx·Σxq)) - dmin·m·Σx    (odd sub-blocks: q - 8 read in place)
+    Q8_0:  Σ x·w ≈ d·dx·Σ q·xq
+    Q4_K:  Σ x·w ≈ d·sc·(dx·Σ q·xq + 8·(Σx - dx·Σxq)) - dmin·m·Σx   (odd sub-blocks: q - 8 read in place)
     Q6_K:  Σ x·w ≈ d·Σ_pieces sc·dx·Σ (q - 32)·xq                      (a scale per 16 values)
 
 (centring the quants leaves the int8 rounding only the centred part; Σx is exact). As in mm_triton,
@@ -22,12 +24,12 @@ import triton.language as tl
 
 from hf2q.kernels.quant.dequant_triton import QTYPE_ID, _geometry, check_layout
 from hf2q.kernels.quant.fields_triton import f16_bits
-from hf2q.kernels.quant.int8_rows import Int8Rows, quantize_rows
+from hf2q.kernels.quant.int8_rows import Int8Rows, blocked_for, quantize_rows
 from hf2q import envs
 from hf2q.kernels.quant import mm_triton
 from hf2q.kernels.quant.mm_triton import chunks, program_block, store_chunks
 
-TYPES = ("Q4_K", "Q6_K")  # the weight types this kernel multiplies; the others stay on mm_triton
+TYPES = ("Q8_0", "Q4_K", "Q6_K")  # the weight types this kernel multiplies; the others stay on mm_triton
 EMULATE = envs.triton_interpret()  # the interpreter runs no PTX: bit operations in plain integer ops
 
 
@@ -40,11 +42,12 @@ def _x_rows(xq8, act, m0, M, K):
 
 
 @triton.jit
-def _x_group(x_row, act_row, piece0, nblk):
-    """Int8 activations [16, 32] of the 32-value group whose two 16-value pieces sit at BLOCKED positions
-    piece0 and piece0 + nblk, and the group's dx [16] (kept with its first piece)."""
+def _x_group(x_row, act_row, piece0, step):
+    """Int8 activations [16, 32] of the 32-value group whose two 16-value pieces sit at positions piece0 and
+    piece0 + step (BLOCKED rows: step = blocks a row; rows in order: 1), and the group's dx [16] (kept
+    with its first piece)."""
     c = tl.arange(0, 32)
-    x = tl.load(x_row[:, None] + ((piece0 + (c // 16) * nblk) * 16 + c % 16)[None, :])
+    x = tl.load(x_row[:, None] + ((piece0 + (c // 16) * step) * 16 + c % 16)[None, :])
     return x, tl.load(act_row + piece0 * 4)
 
 
@@ -114,9 +117,9 @@ def _columns(table):
 
 
 @triton.jit
-def _chunk(acc, x_row, act_row, piece0, nblk, wq, scale):
+def _chunk(acc, x_row, act_row, piece0, step, wq, scale):
     """acc + dx·scale·(wq·xq) for one group and 16 activation rows [16, BN]."""
-    x, dx = _x_group(x_row, act_row, piece0, nblk)
+    x, dx = _x_group(x_row, act_row, piece0, step)
     dot = tl.dot(x, wq, out_dtype=tl.int32)
     return acc + (dot.to(tl.float32) * dx[:, None]) * scale[None, :]
 
@@ -239,6 +242,32 @@ def _q6k_tile(accs, xs, acts, w8, w32, row_q, t, nblk, CHUNKS: tl.constexpr, EMU
     return acc0, acc1, acc2, acc3
 
 
+@triton.jit
+def _q8_tile(accs, xs, acts, w8, w16, row_base, t, nblk, CHUNKS: tl.constexpr):
+    """The CHUNKS accumulators after Q8_0 blocks 8t.. (ggml's structs: f16 d, 32 int8 quants, 2-byte
+    aligned; rows of nblk blocks, the last tile maybe partial): the quants are the dot's operand as they
+    are stored, against activations in the row's order (as Q8_0 weights read them). Groups past the row's
+    last block (a partial last tile) read that block's activations against zero weights."""
+    acc0, acc1, acc2, acc3 = accs
+    x0, x1, x2, x3 = xs
+    a0, a1, a2, a3 = acts
+    c = tl.arange(0, 32)
+    for g in tl.static_range(8):
+        b = t * 8 + g
+        ok = row_base * 0 + b < nblk  # a [BN] mask (a scalar comparison would not broadcast as one)
+        base = row_base + b * 34
+        d = tl.load(w16 + base // 2, mask=ok, other=0).to(tl.float32)
+        wq = tl.trans(tl.load(w8 + base[:, None] + 2 + c[None, :], mask=ok[:, None], other=0))
+        piece0 = tl.minimum(b, nblk - 1) * 2
+        acc0 = _chunk(acc0, x0, a0, piece0, 1, wq, d)
+        if CHUNKS > 1:
+            acc1 = _chunk(acc1, x1, a1, piece0, 1, wq, d)
+        if CHUNKS > 2:
+            acc2 = _chunk(acc2, x2, a2, piece0, 1, wq, d)
+            acc3 = _chunk(acc3, x3, a3, piece0, 1, wq, d)
+    return acc0, acc1, acc2, acc3
+
+
 @triton.jit(do_not_specialize=["M"])  # one build for every row count: a new count must not compile mid-serve
 def _mmq_kernel(xq8, act, w8, w32, out_ptr, M, N, K, row_stride, nblk, tiles_per_split, n_tiles,
                 QTYPE: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr, EMULATE: tl.constexpr):
@@ -252,7 +281,10 @@ def _mmq_kernel(xq8, act, w8, w32, out_ptr, M, N, K, row_stride, nblk, tiles_per
     x2, a2 = _x_rows(xq8, act, m0 + 32, M, K)
     x3, a3 = _x_rows(xq8, act, m0 + 48, M, K)
     for t in range(first, last):
-        if QTYPE == 2:
+        if QTYPE == 0:  # w32 is the blocks' float16 view here, for their d
+            acc0, acc1, acc2, acc3 = _q8_tile((acc0, acc1, acc2, acc3), (x0, x1, x2, x3), (a0, a1, a2, a3), w8, w32,
+                                              row_q, t, nblk, CHUNKS)
+        elif QTYPE == 2:
             acc0, acc1, acc2, acc3 = _q4k_tile((acc0, acc1, acc2, acc3), (x0, x1, x2, x3), (a0, a1, a2, a3), w8, w32,
                                                row_q, t, nblk, CHUNKS)
         else:
@@ -272,8 +304,9 @@ def config(n: int, k: int, m: int) -> tuple[int, int, int]:
 
 def quant_mmq(x: torch.Tensor | Int8Rows, raw: torch.Tensor, qtype: str, n: int, out_dtype: torch.dtype | None = None,
               cfg: tuple[int, int, int] | None = None, key: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] (or its BLOCKED Int8Rows) times quantized rows raw [N, row_words] (interleaved K-quant rows)
-    -> [M, N] in x's dtype (out_dtype for Int8Rows), fp32 accumulation (`key`: see quantize_rows)."""
+    """x [M, K] (or its Int8Rows: BLOCKED for K-quants) times quantized rows raw [N, row_words] (interleaved
+    K-quant rows; Q8_0: ggml's bytes) -> [M, N] in x's dtype (out_dtype for Int8Rows), fp32 accumulation
+    (`key`: see quantize_rows)."""
     if qtype not in TYPES:
         raise ValueError(f"the int8 tensor-core kernel multiplies {', '.join(TYPES)}, not {qtype}")
     if isinstance(x, Int8Rows):
@@ -281,9 +314,10 @@ def quant_mmq(x: torch.Tensor | Int8Rows, raw: torch.Tensor, qtype: str, n: int,
         out_dtype = out_dtype or torch.float32
     else:
         out_dtype = out_dtype or x.dtype
-        rows8 = quantize_rows(x, key, blocked=True)
-    if not rows8.blocked:
-        raise ValueError("K-quant weights read BLOCKED int8 rows (quantize_rows(..., blocked=True))")
+        rows8 = quantize_rows(x, key, blocked=blocked_for(qtype))
+    if rows8.blocked != blocked_for(qtype):
+        order = "BLOCKED int8 rows (quantize_rows(..., blocked=True))" if blocked_for(qtype) else "int8 rows in order"
+        raise ValueError(f"{qtype} weights read {order}")
     m, k = rows8.xq.shape[0], rows8.xq.shape[1] * 4
     check_layout(raw, qtype, k)
     row_stride, nblk, n_tiles = _geometry(qtype, k)
@@ -294,7 +328,8 @@ def quant_mmq(x: torch.Tensor | Int8Rows, raw: torch.Tensor, qtype: str, n: int,
     flat = raw.view(-1)
     c = chunks(m)
     grid = (triton.cdiv(m, 16 * c), triton.cdiv(n, block_n), split)
-    _mmq_kernel[grid](rows8.xq.view(torch.int8), rows8.act, flat.view(torch.int8), flat, out, m, n, k, row_stride,
+    w32 = flat if raw.dtype == torch.int32 else flat.view(torch.float16)  # Q8_0: its d through float16
+    _mmq_kernel[grid](rows8.xq.view(torch.int8), rows8.act, flat.view(torch.int8), w32, out, m, n, k, row_stride,
                       nblk, per_split, n_tiles, QTYPE=QTYPE_ID[qtype], CHUNKS=c, BLOCK_N=block_n, EMULATE=EMULATE,
                       num_warps=warps)
     if split == 1:
