@@ -219,10 +219,10 @@ def chunks(m: int) -> int:
     return 1 if m <= 16 else 2 if m <= 32 else 4
 
 
-def config(n: int, k: int) -> tuple[int, int, int]:
+def config(n: int, k: int, block_n: int = 64) -> tuple[int, int, int]:
     """(BLOCK_N, warps, splits of K) for an [n, k] weight; it depends on the weight alone, so every row of
-    a batch is computed the same way whatever the batch."""
-    block_n = 64
+    a batch is computed the same way whatever the batch. Splits bring the grid to about PROGRAMS
+    programs of block_n weight rows."""
     n_tiles = triton.cdiv(k, 256)
     blocks = triton.cdiv(n, block_n)
     split = max(1, min(n_tiles, PROGRAMS // blocks, 16))

@@ -295,11 +295,12 @@ def _mmq_kernel(xq8, act, w8, w32, out_ptr, M, N, K, row_stride, nblk, tiles_per
 
 def config(n: int, k: int, m: int) -> tuple[int, int, int]:
     """(BLOCK_N, warps, splits of K) for an [n, k] weight and m activation rows. The split depends on the
-    weight alone (mm_triton's), so every row is summed the same way whatever the batch; BLOCK_N changes
-    which program computes an output, not how. One chunk of rows takes 128 weight rows a program: the
-    activations' loads and scales are shared by twice the weight values (4.0 instructions a weight value
-    on sm_90 against 5.6 at 64); more chunks keep 64, within the registers."""
-    return (128 if m <= 16 else 64), 4, mm_triton.config(n, k)[2]
+    weight alone (enough for about PROGRAMS programs of 128 weight rows), so every row is summed the same
+    way whatever the batch; BLOCK_N changes which program computes an output, not how. Up to 32 rows
+    take 128 weight rows a program: the activations' loads and scales are shared by twice the weight
+    values (sm_90 machine code, tools/quant_sass.py: Q4_K 4.0 instructions a weight value at 16 rows
+    against 5.6 with 64, 6.2 against 8.1 at 32); 64 rows keep 64, within the registers."""
+    return (128 if m <= 32 else 64), 4, mm_triton.config(n, k, 128)[2]
 
 
 def quant_mmq(x: torch.Tensor | Int8Rows, raw: torch.Tensor, qtype: str, n: int, out_dtype: torch.dtype | None = None,
