@@ -80,8 +80,9 @@ def test_mmq_matches_the_int8_matvec_and_ignores_the_batch(target_of, qtype):
 
 
 def test_quant_linear_takes_mmq_behind_its_switch(dev, monkeypatch):
-    """HF2Q_QUANT_MM=mmq sends 5-64 rows of the weight types mmq_triton reads to it and leaves the others
-    (Q4_0, Q5_K) on the tile kernel; the default (tile) leaves them all there."""
+    """HF2Q_QUANT_MM=mmq sends 5-64 rows of the weight types mmq_triton reads to it (and has the kernels
+    that produce its inputs write their int8 rows) and leaves the others (Q4_0, Q5_K) on the tile kernel;
+    the default (tile) leaves them all there."""
     from hf2q import envs
     from hf2q.kernels.quant import ops
     from hf2q.kernels.quant.mm_triton import quant_mm
@@ -96,6 +97,11 @@ def test_quant_linear_takes_mmq_behind_its_switch(dev, monkeypatch):
             mmq = mode == "mmq" and qtype != "Q4_0"
             want = quant_mmq(x, raw, qtype, 3) if mmq else quant_mm(x, raw, qtype, 3)
             assert torch.equal(ops.quant_linear(x, raw, qtype, 3), want), (mode, qtype)
+    rows40 = torch.zeros(40, 256).to(dev)  # producers write int8 rows for mmq's types, not the tile kernel's
+    assert [ops.int8_reader(rows40, q) for q in ("Q4_K", "Q5_K")] == ["Q4_K", None]
+    assert ops.int8_reader(torch.zeros(65, 256).to(dev), "Q4_K") is None
+    monkeypatch.setattr(ops, "QUANT_MM", "tile")
+    assert ops.int8_reader(rows40, "Q4_K") is None and ops.int8_reader(rows40[:4], "Q5_K") == "Q5_K"
     monkeypatch.setenv("HF2Q_QUANT_MM", "int8")
     with pytest.raises(ValueError, match="HF2Q_QUANT_MM must be tile or mmq"):
         envs.quant_mm()

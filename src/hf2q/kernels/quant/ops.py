@@ -34,12 +34,21 @@ _SCRATCH: dict[tuple, torch.Tensor] = {}
 
 
 def int8_reader(x: torch.Tensor, qtype: str | None) -> str | None:
-    """`qtype` if a projection of x quantized as `qtype` (None: not quantized) reads x through the int8
-    mat-vec, so that the kernel producing x can write its int8 rows as well, in the order that type
-    reads; else None."""
-    if qtype is not None and triton_runs(x) and x.numel() // max(x.shape[-1], 1) <= MATVEC_ROWS:
+    """`qtype` if a projection of x quantized as `qtype` (None: not quantized) reads x as int8 rows (the
+    int8 mat-vec; with HF2Q_QUANT_MM=mmq, mmq_triton's types up to MM_ROWS rows), so that the kernel
+    producing x can write its int8 rows as well, in the order that type reads; else None."""
+    if qtype is None or not triton_runs(x):
+        return None
+    rows = x.numel() // max(x.shape[-1], 1)
+    if rows <= MATVEC_ROWS or (rows <= MM_ROWS and QUANT_MM == "mmq" and qtype in _mmq_types()):
         return qtype
     return None
+
+
+def _mmq_types() -> tuple[str, ...]:
+    from hf2q.kernels.quant.mmq_triton import TYPES
+
+    return TYPES
 
 
 def check_raw(raw: torch.Tensor, qtype: str, shape: tuple[int, ...]) -> None:
@@ -103,11 +112,10 @@ def quant_linear(x: torch.Tensor, raw: torch.Tensor, qtype: str, out_features: i
 def _batched(x2: torch.Tensor, raw: torch.Tensor, qtype: str, n: int, key: torch.Tensor) -> torch.Tensor:
     """Up to MM_ROWS rows x2 [M, K] @ W.T: mmq_triton's int8 dots where HF2Q_QUANT_MM=mmq and it reads the
     type, else mm_triton's bf16 tiles."""
-    if QUANT_MM == "mmq":
-        from hf2q.kernels.quant import mmq_triton
+    if QUANT_MM == "mmq" and qtype in _mmq_types():
+        from hf2q.kernels.quant.mmq_triton import quant_mmq
 
-        if qtype in mmq_triton.TYPES:
-            return mmq_triton.quant_mmq(x2, raw, qtype, n, key=key)
+        return quant_mmq(x2, raw, qtype, n, key=key)
     from hf2q.kernels.quant.mm_triton import quant_mm
 
     return quant_mm(x2, raw, qtype, n)
