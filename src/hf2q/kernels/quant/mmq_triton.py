@@ -22,11 +22,11 @@ import torch
 import triton
 import triton.language as tl
 
+from hf2q import envs
+from hf2q.kernels.quant import mm_triton
 from hf2q.kernels.quant.dequant_triton import QTYPE_ID, _geometry, check_layout
 from hf2q.kernels.quant.fields_triton import f16_bits
 from hf2q.kernels.quant.int8_rows import Int8Rows, blocked_for, quantize_rows
-from hf2q import envs
-from hf2q.kernels.quant import mm_triton
 from hf2q.kernels.quant.mm_triton import chunks, program_block, store_chunks
 
 TYPES = ("Q8_0", "Q4_K", "Q6_K")  # the weight types this kernel multiplies; the others stay on mm_triton
@@ -137,7 +137,7 @@ def _sums(acc, act_row, t, nblk, c_hi, c_lo):
 
 @triton.jit
 def _q4k_tile(accs, xs, acts, w8, w32, row_q, t, nblk, CHUNKS: tl.constexpr):
-    """The CHUNKS accumulators after Q4_K block t: its sub-blocks' dots, then its Σx terms."""
+    """The CHUNKS accumulators after Q4_K block t: its Σx terms, then its sub-blocks' dots."""
     acc0, acc1, acc2, acc3 = accs
     x0, x1, x2, x3 = xs
     a0, a1, a2, a3 = acts
