@@ -1,5 +1,5 @@
 """Batched decode on Q4_K_M weights: the tensor-core kernel (mm_triton) in several configurations
-against the int8 tensor-core kernel (mmq_triton, HF2Q_QUANT_MM=mmq; Q8_0, Q4_K and Q6_K), the int8
+against the int8 tensor-core kernel (mmq_triton, HF2Q_QUANT_MM=mmq; Q8_0 and K-quants), the int8
 mat-vec and dequantize + cuBLAS, per 9B projection and row count (CUDA only).
 
     python tools/quant_mm_sweep.py [--rows 8 16 32 64]

@@ -2,8 +2,9 @@
 reads the same int8 activation rows, and against gguf's dequantization + an fp64 matmul.
 
 Both int8 kernels compute the same integer dots of the same int8 activations and scale them the same way
-(Q4_K: d·sc·dx·Σ(q - 8)·xq + (8·d·sc - dmin·m)·Σx per 32-value group; Q6_K: d·sc·dx·Σ(q - 32)·xq per
-16-value piece); only the order of their fp32 sums differs, and mmq takes the Q4_K Σx terms through tf32
+(Q4_K: d·sc·dx·Σ(q - 8)·xq + (8·d·sc - dmin·m)·Σx per 32-value group, Q5_K likewise around 16; Q6_K:
+d·sc·dx·Σ(q - 32)·xq per 16-value piece); only the order of their fp32 sums differs, and mmq takes the Σx
+terms through tf32
 dots of split operands (22 significant bits a product). So they agree to MMQ_TOL of the largest output:
 a few roundings at 2^-22 of each of the K/32 group terms, which are a few times the output (measured
 under the interpreter: below 3e-7). Their common distance from the exact product is the int8 rounding of
@@ -50,7 +51,7 @@ def _rows(rows8, m):
     return type(rows8)(rows8.xq[:m].clone(), rows8.act[:m].clone(), rows8.blocked)
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_mmq_matches_the_int8_matvec_and_ignores_the_batch(target_of, qtype):
     """Weight rows not a multiple of BLOCK_N, K split over programs (and not), batches of 5, 16 and 64
     rows: each row's result is bitwise the same whatever the batch, and within MMQ_TOL of the mat-vec's
@@ -81,7 +82,7 @@ def test_mmq_matches_the_int8_matvec_and_ignores_the_batch(target_of, qtype):
 
 def test_quant_linear_takes_mmq_behind_its_switch(dev, monkeypatch):
     """HF2Q_QUANT_MM=mmq sends 5-64 rows of the weight types mmq_triton reads to it (and has the kernels
-    that produce its inputs write their int8 rows) and leaves the others (Q4_0, Q5_K) on the tile kernel;
+    that produce its inputs write their int8 rows) and leaves the others (Q4_0) on the tile kernel;
     the default (tile) leaves them all there."""
     from hf2q import envs
     from hf2q.kernels.quant import ops
@@ -90,7 +91,7 @@ def test_quant_linear_takes_mmq_behind_its_switch(dev, monkeypatch):
 
     assert ops.QUANT_MM == "tile" and envs.QUANT_MM.default == "tile"
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(1)).to(dev)
-    kept = {q: kernel_blocks(random_blocks(q, 3, 256), q).to(dev) for q in ("Q8_0", "Q4_K", "Q6_K", "Q4_0")}
+    kept = {q: kernel_blocks(random_blocks(q, 3, 256), q).to(dev) for q in ("Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q4_0")}
     for mode in ("tile", "mmq"):
         monkeypatch.setattr(ops, "QUANT_MM", mode)
         for qtype, raw in kept.items():
@@ -98,7 +99,7 @@ def test_quant_linear_takes_mmq_behind_its_switch(dev, monkeypatch):
             want = quant_mmq(x, raw, qtype, 3) if mmq else quant_mm(x, raw, qtype, 3)
             assert torch.equal(ops.quant_linear(x, raw, qtype, 3), want), (mode, qtype)
     rows40 = torch.zeros(40, 256).to(dev)  # producers write int8 rows for mmq's types, not the tile kernel's
-    assert [ops.int8_reader(rows40, q) for q in ("Q4_K", "Q5_K")] == ["Q4_K", None]
+    assert [ops.int8_reader(rows40, q) for q in ("Q4_K", "Q4_0")] == ["Q4_K", None]
     assert ops.int8_reader(torch.zeros(65, 256).to(dev), "Q4_K") is None
     monkeypatch.setattr(ops, "QUANT_MM", "tile")
     assert ops.int8_reader(rows40, "Q4_K") is None and ops.int8_reader(rows40[:4], "Q5_K") == "Q5_K"
@@ -121,10 +122,10 @@ def test_mmq_refuses_what_it_does_not_read(dev):
         quant_mmq(quantize_rows(x, blocked=True), random_blocks("Q8_0", 3, 256).to(dev), "Q8_0", 3)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q5_K", "Q6_K"])
 def test_mmq_compiles_to_int8_tensor_core_dots(qtype):
-    """The kernel compiles for sm_90 (no GPU needed; Q6_K's bit operations are PTX, which the interpreter
-    does not run) with its group dots on int8 tensor cores (16 rows: 64 take ptxas three times as long)."""
+    """The kernel compiles for sm_90 (no GPU needed; Q5_K's and Q6_K's bit operations are PTX, which the
+    interpreter does not run) with its group dots on int8 tensor cores (16 rows: 64 take ptxas three times as long)."""
     from tests.support.triton_targets import compile_for_hopper
     from hf2q.kernels.quant import mmq_triton as mmq
 

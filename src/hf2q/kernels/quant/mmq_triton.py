@@ -1,4 +1,4 @@
-"""GGUF weights (Q8_0, Q4_K, Q6_K) times 5-64 int8-quantized activation rows on int8 tensor cores
+"""GGUF weights (Q8_0, Q4_K, Q5_K, Q6_K) times 5-64 int8-quantized activation rows on int8 tensor cores
 (llama.cpp's MMQ).
 
 The bf16 tile kernel (mm_triton) spends about a dozen instructions per weight value turning quants into
@@ -10,6 +10,7 @@ it, once per output rather than once per weight value. The arithmetic is the dp4
 
     Q8_0:  Σ x·w ≈ d·dx·Σ q·xq
     Q4_K:  Σ x·w ≈ d·sc·(dx·Σ q·xq + 8·(Σx - dx·Σxq)) - dmin·m·Σx   (odd sub-blocks: q - 8 read in place)
+    Q5_K:  Σ x·w ≈ d·sc·dx·Σ (q - 16)·xq + (16·d·sc - dmin·m)·Σx
     Q6_K:  Σ x·w ≈ d·Σ_pieces sc·dx·Σ (q - 32)·xq                      (a scale per 16 values)
 
 (centring the quants leaves the int8 rounding only the centred part; Σx is exact). As in mm_triton,
@@ -29,7 +30,7 @@ from hf2q.kernels.quant.fields_triton import f16_bits
 from hf2q.kernels.quant.int8_rows import Int8Rows, blocked_for, quantize_rows
 from hf2q.kernels.quant.mm_triton import chunks, program_block, store_chunks
 
-TYPES = ("Q8_0", "Q4_K", "Q6_K")  # the weight types this kernel multiplies; the others stay on mm_triton
+TYPES = ("Q8_0", "Q4_K", "Q5_K", "Q6_K")  # the weight types this kernel multiplies; the others stay on mm_triton
 EMULATE = envs.triton_interpret()  # the interpreter runs no PTX: bit operations in plain integer ops
 
 
@@ -52,13 +53,14 @@ def _x_group(x_row, act_row, piece0, step):
 
 
 @triton.jit
-def _x_sums(act_row, t, nblk):
-    """Per group G of tile t [16, 16]: Σx in column 2G; for even G (read as raw nibbles) Σx - dx·Σxq in
-    column 2G + 1; zeros in the other four (a dot needs K of 16)."""
+def _x_sums(act_row, t, nblk, FIX: tl.constexpr):
+    """Per group G of tile t [16, 16]: Σx in column 2G; with FIX (Q4_K), for even G (read as raw nibbles)
+    Σx - dx·Σxq in column 2G + 1; zeros in the others (a dot needs K of 16)."""
     j = tl.arange(0, 16)
     G = j // 2
     off = G * 8 * nblk + 4 * t + 3 - j % 2  # the group's first piece: (dx, dx·Σxq, Σx - dx·Σxq, Σx)
-    return tl.load(act_row[:, None] + off[None, :], mask=((j % 2 == 0) | (G % 2 == 0))[None, :], other=0.0)
+    return tl.load(act_row[:, None] + off[None, :], mask=((j % 2 == 0) | ((G % 2 == 0) & FIX))[None, :],
+                   other=0.0)
 
 
 @triton.jit
@@ -81,12 +83,30 @@ def _nibbles(b, h: tl.constexpr):
 
 
 @triton.jit
-def _q4k_scales(w32, row_q, t):
-    """Per weight row and sub-block s [BN, 8] of Q4_K block t: what its dot is multiplied by (d·sc; for
-    odd s, read times 16, d·sc / 16), and the [BN, 16] coefficients of _x_sums' columns (Σx: -dmin·m,
-    for odd s 8·d·sc - dmin·m; even s's Σx - dx·Σxq: 8·d·sc). All sub-blocks at once, each (row,
-    sub-block) in one thread: a per-group [BN] vector would be computed again by every thread that holds
-    its columns."""
+def _q5k_operand(b, qh, h: tl.constexpr, G: tl.constexpr, EMULATE: tl.constexpr):
+    """int8 [BN, 32] of 8·(q - 16) for Q5_K values q = (nibble h of bytes b) | (bit G of bytes qh) << 4: q in
+    bits 3-7 with the top bit flipped, made on the words the bytes sit in (PTX; the interpreter, which runs
+    none, in plain integer ops)."""
+    if EMULATE:
+        q = (((b.to(tl.int32) & 255) >> (4 * h)) & 15) | ((((qh.to(tl.int32) & 255) >> G) & 1) << 4)
+        return (q * 8 - 128).to(tl.int8)
+    if h == 0:  # the nibble up 3 bits (or down 1), the fifth bit from G up to 7 (7 - G in every byte of $3)
+        asm: tl.constexpr = "shl.b32 a, $1, 3;"
+    else:
+        asm: tl.constexpr = "shr.b32 a, $1, 1;"
+    return tl.inline_asm_elementwise("{ .reg .b32 a, c, s; " + asm + " and.b32 s, $3, 7; shl.b32 c, $2, s; and.b32 "
+                                     "a, a, 0x78787878; and.b32 c, c, 0x80808080; or.b32 a, a, c; xor.b32 $0, a, "
+                                     "0x80808080; }", "=r,r,r,r", [b, qh, tl.full(b.shape, 7 - G, tl.int8)],
+                                     dtype=tl.int8, is_pure=True, pack=4)
+
+
+@triton.jit
+def _kquant_scales(w32, row_q, t, QTYPE: tl.constexpr):
+    """Per weight row and sub-block s [BN, 8] of Q4_K/Q5_K block t: what its dot is multiplied by, and
+    the [BN, 16] coefficients of _x_sums' columns. Q4_K: d·sc (odd s, read as 16·(q - 8): d·sc / 16); Σx
+    times -dmin·m (odd s: 8·d·sc - dmin·m), even s's Σx - dx·Σxq times 8·d·sc. Q5_K (read as 8·(q - 16)):
+    d·sc / 8; Σx times 16·d·sc - dmin·m. All sub-blocks at once, each (row, sub-block) in one thread: a
+    per-group [BN] vector would be computed again by every thread that holds its columns."""
     header = w32 + (row_q + t) * 4  # quad 0 of block t: f16 d and dmin, then the 12 scale bytes (ggml's
     h0 = tl.load(header)[:, None]  # get_scale_min_k4: sub-block s < 4 in bytes s and 4 + s; s >= 4 in
     s = tl.arange(0, 8)[None, :]  # the nibbles of byte 8 + s - 4, with the top bits of bytes s - 4 and s)
@@ -98,6 +118,8 @@ def _q4k_scales(w32, row_q, t):
     mn = tl.where(s < 4, mid & 63, ((hi >> 4) & 15) | (((mid >> 6) & 3) << 4))
     dsc = f16_bits(h0) * sc.to(tl.float32)
     dmn = f16_bits(h0 >> 16) * mn.to(tl.float32)
+    if QTYPE == 3:
+        return dsc * 0.125, tl.reshape(tl.join(16.0 * dsc - dmn, tl.zeros_like(dsc)), (dsc.shape[0], 16))
     odd = s % 2 == 1
     sums = tl.join(tl.where(odd, 8.0 * dsc - dmn, -dmn), tl.where(odd, 0.0, 8.0 * dsc))
     return tl.where(odd, dsc * 0.0625, dsc), tl.reshape(sums, (dsc.shape[0], 16))
@@ -125,35 +147,43 @@ def _chunk(acc, x_row, act_row, piece0, step, wq, scale):
 
 
 @triton.jit
-def _sums(acc, act_row, t, nblk, c_hi, c_lo):
-    """acc + the tile's terms in Σx and Σx - dx·Σxq (_x_sums times the coefficients of _q4k_scales): one
+def _sums(acc, act_row, t, nblk, c_hi, c_lo, FIX: tl.constexpr):
+    """acc + the tile's terms in Σx and Σx - dx·Σxq (_x_sums times the coefficients of _kquant_scales): one
     small dot a tile instead of multiply-adds per output and group, in three tf32 dots of split operands
     (about fp32's precision)."""
-    s_hi, s_lo = _tf32_split(_x_sums(act_row, t, nblk))
+    s_hi, s_lo = _tf32_split(_x_sums(act_row, t, nblk, FIX))
     acc = tl.dot(s_hi, c_lo, acc, input_precision="tf32")
     acc = tl.dot(s_lo, c_hi, acc, input_precision="tf32")
     return tl.dot(s_hi, c_hi, acc, input_precision="tf32")
 
 
 @triton.jit
-def _q4k_tile(accs, xs, acts, w8, w32, row_q, t, nblk, CHUNKS: tl.constexpr):
-    """The CHUNKS accumulators after Q4_K block t: its Σx terms, then its sub-blocks' dots."""
+def _q45k_tile(accs, xs, acts, w8, w32, row_q, t, nblk, QTYPE: tl.constexpr, CHUNKS: tl.constexpr,
+               EMULATE: tl.constexpr):
+    """The CHUNKS accumulators after Q4_K/Q5_K block t: its Σx terms, then its sub-blocks' dots. Quads:
+    header, (Q5_K) two of fifth bits (bit s of byte l for sub-block s), eight of nibbles."""
     acc0, acc1, acc2, acc3 = accs
     x0, x1, x2, x3 = xs
     a0, a1, a2, a3 = acts
-    dsc, coef = _q4k_scales(w32, row_q, t)
+    FIX: tl.constexpr = QTYPE == 2
+    dsc, coef = _kquant_scales(w32, row_q, t, QTYPE)
     c_hi, c_lo = _tf32_split(tl.trans(coef))
-    acc0 = _sums(acc0, a0, t, nblk, c_hi, c_lo)
+    acc0 = _sums(acc0, a0, t, nblk, c_hi, c_lo, FIX)
     if CHUNKS > 1:
-        acc1 = _sums(acc1, a1, t, nblk, c_hi, c_lo)
+        acc1 = _sums(acc1, a1, t, nblk, c_hi, c_lo, FIX)
     if CHUNKS > 2:
-        acc2 = _sums(acc2, a2, t, nblk, c_hi, c_lo)
-        acc3 = _sums(acc3, a3, t, nblk, c_hi, c_lo)
+        acc2 = _sums(acc2, a2, t, nblk, c_hi, c_lo, FIX)
+        acc3 = _sums(acc3, a3, t, nblk, c_hi, c_lo, FIX)
     scales = _columns(dsc)
+    if QTYPE == 3:
+        qh = _quads_bytes(w8, row_q, 1, t, nblk)
     for g in tl.static_range(4):
-        b = _quads_bytes(w8, row_q, 1 + 2 * g, t, nblk)  # nibble bytes 32g..: values 64g + l, 64g + 32 + l
-        for h in tl.static_range(2):
-            wq = tl.trans(_nibbles(b, h))
+        b = _quads_bytes(w8, row_q, 1 + 2 * g + 2 * (QTYPE == 3), t, nblk)  # nibble bytes 32g..: values
+        for h in tl.static_range(2):  # 64g + l (low nibbles) and 64g + 32 + l (high)
+            if QTYPE == 3:
+                wq = tl.trans(_q5k_operand(b, qh, h, 2 * g + h, EMULATE))
+            else:
+                wq = tl.trans(_nibbles(b, h))
             piece0 = 2 * (2 * g + h) * nblk + t
             sg = scales[2 * g + h]
             acc0 = _chunk(acc0, x0, a0, piece0, nblk, wq, sg)
@@ -284,9 +314,9 @@ def _mmq_kernel(xq8, act, w8, w32, out_ptr, M, N, K, row_stride, nblk, tiles_per
         if QTYPE == 0:  # w32 is the blocks' float16 view here, for their d
             acc0, acc1, acc2, acc3 = _q8_tile((acc0, acc1, acc2, acc3), (x0, x1, x2, x3), (a0, a1, a2, a3), w8, w32,
                                               row_q, t, nblk, CHUNKS)
-        elif QTYPE == 2:
-            acc0, acc1, acc2, acc3 = _q4k_tile((acc0, acc1, acc2, acc3), (x0, x1, x2, x3), (a0, a1, a2, a3), w8, w32,
-                                               row_q, t, nblk, CHUNKS)
+        elif QTYPE == 2 or QTYPE == 3:
+            acc0, acc1, acc2, acc3 = _q45k_tile((acc0, acc1, acc2, acc3), (x0, x1, x2, x3), (a0, a1, a2, a3), w8,
+                                                w32, row_q, t, nblk, QTYPE, CHUNKS, EMULATE)
         else:
             acc0, acc1, acc2, acc3 = _q6k_tile((acc0, acc1, acc2, acc3), (x0, x1, x2, x3), (a0, a1, a2, a3), w8, w32,
                                                row_q, t, nblk, CHUNKS, EMULATE)

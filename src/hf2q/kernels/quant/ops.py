@@ -6,8 +6,8 @@ int8-quantized activations (dp4a_triton): it reads the weight once per row. Up t
 through mm_triton, which dequantizes 32-value groups in registers and multiplies them on tensor cores,
 reading the blocks once for all rows (on the H200, a 9B Q4_K_M step's projections: 6.6 ms at 16 rows
 and 11.0 ms at 64, against 13.7 ms for dequantize + cuBLAS; BENCHMARKS.md); with HF2Q_QUANT_MM=mmq,
-Q8_0, Q4_K and Q6_K rows go instead through mmq_triton's int8 tensor-core dots on int8-quantized activations
-(the mat-vec's numerics; off by default until measured). More rows (prefill)
+Q8_0 and K-quant rows go instead through mmq_triton's int8 tensor-core dots on int8-quantized
+activations (the mat-vec's numerics; off by default until measured). More rows (prefill)
 dequantize the weight into a reused bf16 scratch buffer and multiply with cuBLAS: one pass over the
 weight, then tensor cores at full rate. Off CUDA (and without Triton's interpreter) the reference
 dequantizes with gguf and multiplies in fp32.
@@ -28,7 +28,7 @@ from hf2q.quant import KQUANTS, dequantize_ref, is_interleaved, kept_row
 # 25 ms at 8, against 13.5 ms for dequantize + cuBLAS at any of them (tools/quant_mm_sweep.py --matvec).
 MATVEC_ROWS = 4
 MM_ROWS = 64  # at most this many rows go through mm_triton (one pass over the blocks for all rows)
-QUANT_MM = envs.quant_mm()  # "mmq": Q8_0, Q4_K and Q6_K rows up to MM_ROWS on int8 tensor cores (mmq_triton)
+QUANT_MM = envs.quant_mm()  # "mmq": Q8_0 and K-quant rows up to MM_ROWS on int8 tensor cores (mmq_triton)
 MOE_PAIRS = 1024  # token-expert pairs below which reading chosen experts beats dequantizing every expert
 _SCRATCH: dict[tuple, torch.Tensor] = {}
 
