@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from hf2q.quant import KQUANTS, dequantize_ref, random_blocks, to_gpu_rows
-from tests.support.triton_targets import TARGETS, interpreter_child, rel, target
+from tests.support.triton_targets import INTERPRET, TARGETS, interpreter_child, rel, target
 
 triton = pytest.importorskip("triton")
 
@@ -56,7 +56,7 @@ def test_mmq_matches_the_int8_matvec_and_ignores_the_batch(target_of, qtype):
     """Weight rows not a multiple of BLOCK_N, K split over programs (and not), batches of 5, 16 and 64
     rows: each row's result is bitwise the same whatever the batch, and within MMQ_TOL of the mat-vec's
     on the same int8 rows."""
-    from hf2q.kernels.quant.dp4a_triton import matvec
+    from hf2q.kernels.quant.dp4a_triton import candidates, matvec
     from hf2q.kernels.quant.int8_rows import blocked_for, quantize_rows
     from hf2q.kernels.quant.mmq_triton import quant_mmq
 
@@ -75,7 +75,8 @@ def test_mmq_matches_the_int8_matvec_and_ignores_the_batch(target_of, qtype):
         assert rel(full, want) < 1e-2
     for m in (5, 16):
         assert torch.equal(quant_mmq(_rows(rows8, m), kept, qtype, n), full[:m]), m
-    dp4a = matvec(_rows(rows8, 2), kept, qtype, n).cpu()
+    cfg = None if INTERPRET else candidates(qtype, 2)[0]  # the device's default: no timing of candidates
+    dp4a = matvec(_rows(rows8, 2), kept, qtype, n, config=cfg).cpu()
     assert float((full[:2].cpu() - dp4a).abs().max()) <= MMQ_TOL * float(want.abs().max())
     assert torch.equal(quant_mmq(x[:5], kept, qtype, n), full[:5])  # float rows are quantized on the way in
 
