@@ -64,6 +64,28 @@ def _x_sums(act_row, t, nblk, FIX: tl.constexpr):
 
 
 @triton.jit
+def _x_scales(act_row, t, nblk):
+    """dx of the eight groups of tile t [16, 8] (BLOCKED rows)."""
+    G = tl.arange(0, 8)
+    return tl.load(act_row[:, None] + (G * 8 * nblk + 4 * t)[None, :])
+
+
+@triton.jit
+def _tile_dx(acts, t, nblk, CHUNKS: tl.constexpr):
+    """Per chunk of rows, each group's dx [16] of tile t (a tuple of eight), read once a tile rather than
+    once a group."""
+    a0, a1, a2, a3 = acts
+    dx0 = _columns(_x_scales(a0, t, nblk))
+    dx1, dx2, dx3 = dx0, dx0, dx0
+    if CHUNKS > 1:
+        dx1 = _columns(_x_scales(a1, t, nblk))
+    if CHUNKS > 2:
+        dx2 = _columns(_x_scales(a2, t, nblk))
+        dx3 = _columns(_x_scales(a3, t, nblk))
+    return dx0, dx1, dx2, dx3
+
+
+@triton.jit
 def _tf32_split(v):
     """v (fp32) as hi + lo, hi its top 11 significant bits (exact in tf32), lo the rest (tf32 keeps 11 of
     its bits): products of the parts on tf32 tensor cores carry about 22 bits of v."""
@@ -139,9 +161,12 @@ def _columns(table):
 
 
 @triton.jit
-def _chunk(acc, x_row, act_row, piece0, step, wq, scale):
-    """acc + dx·scale·(wq·xq) for one group and 16 activation rows [16, BN]."""
-    x, dx = _x_group(x_row, act_row, piece0, step)
+def _chunk(acc, x_row, act_row, piece0, step, wq, scale, dx):
+    """acc + dx·scale·(wq·xq) for one group and 16 activation rows [16, BN] (dx: the group's [16], or None
+    to read it)."""
+    x, dx_read = _x_group(x_row, act_row, piece0, step)
+    if dx is None:
+        dx = dx_read
     dot = tl.dot(x, wq, out_dtype=tl.int32)
     return acc + (dot.to(tl.float32) * dx[:, None]) * scale[None, :]
 
@@ -175,6 +200,7 @@ def _q45k_tile(accs, xs, acts, w8, w32, row_q, t, nblk, QTYPE: tl.constexpr, CHU
         acc2 = _sums(acc2, a2, t, nblk, c_hi, c_lo, FIX)
         acc3 = _sums(acc3, a3, t, nblk, c_hi, c_lo, FIX)
     scales = _columns(dsc)
+    dx0, dx1, dx2, dx3 = _tile_dx(acts, t, nblk, CHUNKS)
     if QTYPE == 3:
         qh = _quads_bytes(w8, row_q, 1, t, nblk)
     for g in tl.static_range(4):
@@ -186,12 +212,12 @@ def _q45k_tile(accs, xs, acts, w8, w32, row_q, t, nblk, QTYPE: tl.constexpr, CHU
                 wq = tl.trans(_nibbles(b, h))
             piece0 = 2 * (2 * g + h) * nblk + t
             sg = scales[2 * g + h]
-            acc0 = _chunk(acc0, x0, a0, piece0, nblk, wq, sg)
+            acc0 = _chunk(acc0, x0, a0, piece0, nblk, wq, sg, dx0[2 * g + h])
             if CHUNKS > 1:
-                acc1 = _chunk(acc1, x1, a1, piece0, nblk, wq, sg)
+                acc1 = _chunk(acc1, x1, a1, piece0, nblk, wq, sg, dx1[2 * g + h])
             if CHUNKS > 2:
-                acc2 = _chunk(acc2, x2, a2, piece0, nblk, wq, sg)
-                acc3 = _chunk(acc3, x3, a3, piece0, nblk, wq, sg)
+                acc2 = _chunk(acc2, x2, a2, piece0, nblk, wq, sg, dx2[2 * g + h])
+                acc3 = _chunk(acc3, x3, a3, piece0, nblk, wq, sg, dx3[2 * g + h])
     return acc0, acc1, acc2, acc3
 
 
@@ -234,7 +260,7 @@ def _chunk6(acc, x_row, act_row, piece0, nblk, wq, sc_a, sc_b, d4):
     cols = (piece0 + (c // 16) * nblk) * 16 + c % 16
     x_a = tl.load(x_row[:, None] + cols[None, :], mask=(c < 16)[None, :], other=0)
     x_b = tl.load(x_row[:, None] + cols[None, :], mask=(c >= 16)[None, :], other=0)
-    dx = tl.load(act_row + piece0 * 4)
+    dx = tl.load(act_row + piece0 * 4)  # read here, not once a tile as Q4_K's: that spills registers at 64 rows
     dot = tl.dot(x_a, wq, out_dtype=tl.int32) * sc_a[None, :] + tl.dot(x_b, wq, out_dtype=tl.int32) * sc_b[None, :]
     return acc + (dot.to(tl.float32) * dx[:, None]) * d4[None, :]
 
@@ -289,12 +315,12 @@ def _q8_tile(accs, xs, acts, w8, w16, row_base, t, nblk, CHUNKS: tl.constexpr):
         d = tl.load(w16 + base // 2, mask=ok, other=0).to(tl.float32)
         wq = tl.trans(tl.load(w8 + base[:, None] + 2 + c[None, :], mask=ok[:, None], other=0))
         piece0 = tl.minimum(b, nblk - 1) * 2
-        acc0 = _chunk(acc0, x0, a0, piece0, 1, wq, d)
+        acc0 = _chunk(acc0, x0, a0, piece0, 1, wq, d, None)
         if CHUNKS > 1:
-            acc1 = _chunk(acc1, x1, a1, piece0, 1, wq, d)
+            acc1 = _chunk(acc1, x1, a1, piece0, 1, wq, d, None)
         if CHUNKS > 2:
-            acc2 = _chunk(acc2, x2, a2, piece0, 1, wq, d)
-            acc3 = _chunk(acc3, x3, a3, piece0, 1, wq, d)
+            acc2 = _chunk(acc2, x2, a2, piece0, 1, wq, d, None)
+            acc3 = _chunk(acc3, x3, a3, piece0, 1, wq, d, None)
     return acc0, acc1, acc2, acc3
 
 
@@ -328,8 +354,8 @@ def config(n: int, k: int, m: int) -> tuple[int, int, int]:
     weight alone (enough for about PROGRAMS programs of 128 weight rows), so every row is summed the same
     way whatever the batch; BLOCK_N changes which program computes an output, not how. Up to 32 rows
     take 128 weight rows a program: the activations' loads and scales are shared by twice the weight
-    values (sm_90 machine code, tools/quant_sass.py: Q4_K 4.0 instructions a weight value at 16 rows
-    against 5.6 with 64, 6.2 against 8.1 at 32); 64 rows keep 64, within the registers."""
+    values (sm_90 machine code, tools/quant_sass.py: Q4_K 3.9 instructions a weight value at 16 rows
+    against 5.2 with 64, 6.0 against 7.7 at 32); 64 rows keep 64, within the registers."""
     return (128 if m <= 32 else 64), 4, mm_triton.config(n, k, 128)[2]
 
 
