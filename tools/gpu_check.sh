@@ -11,10 +11,11 @@
 # gemv: the bf16 GEMV sweep against cuBLAS at 9B and 2B shapes; sweeps: the configurations of the decode
 # step's other kernels at batch 1 (paged attention, the DeltaNet step, the MoE expert kernels); ncu: Nsight Compute's view (bandwidth,
 # occupancy, stall reasons) of the int8 mat-vec on a small and a large 9B projection, at the default
-# configuration; mm: the batched-decode kernel's tests on the device and its configurations against the int8
-# mat-vec and dequantize + cuBLAS (tools/quant_mm_sweep.py); serve: a random 9B GGUF (MIX=q4_k_m or bf16,
+# configuration; mm: the batched-decode kernels' tests on the device, the tile kernel against the int8
+# tensor-core kernel (HF2Q_QUANT_MM=mmq) and dequantize + cuBLAS (tools/quant_mm_sweep.py); serve: a random 9B GGUF (MIX=q4_k_m or bf16,
 # tools/random_gguf.py) served by hf2q serve and measured by hf2q bench serve at 1, 4, 16 and 64 clients (64-token
-# prompts, 256 new tokens), then 16 clients with 2048-token prompts, then a second start (warm caches) and 1 client; ttft: one served request's chunk timeline and the engine's
+# prompts, 256 new tokens), then 16 clients with 2048-token prompts, then a second start (warm caches) and 1 client
+# (HF2Q_QUANT_MM=mmq in the environment serves 5-64 rows on the int8 tensor-core kernel); ttft: one served request's chunk timeline and the engine's
 # step times and profile for a 64-token prompt (tools/ttft_trace.py); kv: the compressed K/V kernels' tests and
 # model-level GPU tests, the paged decode configurations over fp8 and tq8 rows, and bench.kv's formats at the 9B
 # shape; mtp: train the small Qwen3.5 with its MTP head for 5 minutes (tools/train_mtp.py; carry the test
@@ -91,8 +92,10 @@ case "$stage" in
   ncu)   HF2Q_GEMV_TUNE=0 ncu --clock-control none --kernel-name regex:_gemv_dp4a --launch-count 2 --section SpeedOfLight \
            --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis --section LaunchStats \
            python -m hf2q.bench.quant --no-prefill --only gdn.out ffn.gate+up ;;
-  mm)    python -m pytest -q -p no:cacheprovider tests/quant/test_kernels.py -k "quant_mm or quant_linear"
-         timeout 200 python tools/quant_mm_sweep.py --rows 16 64 | tee "$out/quant_mm_sweep.txt" ;;
+  mm)    python -m pytest -q -p no:cacheprovider tests/quant/test_kernels.py tests/quant/test_mmq.py \
+           -k "quant_mm or quant_linear or mmq"
+         timeout 400 python tools/quant_mm_sweep.py --rows 16 32 64 --configs 64,4 --no-split-variants \
+           | tee "$out/quant_mm_sweep.txt" ;;
   serve) mix=${MIX:-q4_k_m}; model=${MODEL_DIR:-/tmp}/hf2q-9b-$mix.gguf; port=8090
          [ -f "$model" ] || python tools/random_gguf.py --shape 9b --mix "$mix" -o "$model"
          start() {  # start hf2q serve, wait for /health 200, print how long that took and the load/warm-up lines

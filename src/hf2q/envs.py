@@ -35,6 +35,9 @@ PAGED_DECODE = Variable("HF2Q_PAGED_DECODE", None, "S,N,W (powers of two, N >= 1
                         "attention kernel's splits, keys a step and warps at every batch size and K/V format; "
                         "unset: 16,32,4 for one sequence, 8,64,4 for more (16,32,8 and 8,32,8 over a compressed "
                         "pool) (read at import)")
+QUANT_MM = Variable("HF2Q_QUANT_MM", "tile", "tile or mmq", "which kernel multiplies 5-64 rows by Q8_0, "
+                    "Q4_K, Q5_K and Q6_K weights: the bf16 tile kernel, or int8 tensor-core dots on int8-quantized "
+                    "activations (llama.cpp's MMQ; the int8 mat-vec's numerics) (read at import)")
 TUNE_CACHE = Variable("HF2Q_TUNE_CACHE", None, "a file path, or empty", "where the timed mat-vec choices are kept "
                       "across starts; unset: hf2q/matvec_configs.json under the cache directory; empty: nowhere")
 XDG_CACHE_HOME = Variable("XDG_CACHE_HOME", None, "a directory", "the cache directory (unset: ~/.cache) for the "
@@ -46,8 +49,8 @@ NCCL_NVLS_ENABLE = Variable("NCCL_NVLS_ENABLE", None, "set to 0 by hf2q", "NVLin
 TRITON_CACHE_AUTOTUNING = Variable("TRITON_CACHE_AUTOTUNING", None, "0 or 1 (unset: 1 in hf2q serve)",
                                    "Triton keeps autotuning results in its cache directory, so a second start does not "
                                    "time fla's kernel configurations again")
-VARIABLES = (PDL, GEMV_TUNE, GEMV, PAGED_DECODE, TUNE_CACHE, XDG_CACHE_HOME, TRITON_INTERPRET, NCCL_NVLS_ENABLE,
-             TRITON_CACHE_AUTOTUNING)
+VARIABLES = (PDL, GEMV_TUNE, GEMV, QUANT_MM, PAGED_DECODE, TUNE_CACHE, XDG_CACHE_HOME, TRITON_INTERPRET,
+             NCCL_NVLS_ENABLE, TRITON_CACHE_AUTOTUNING)
 
 
 def _switch(var: Variable) -> bool:
@@ -75,6 +78,14 @@ def gemv_rows() -> str | int:
     if setting not in ("0", "1", "2", "3", "4"):
         raise ValueError(f"HF2Q_GEMV must be measured or a row count 0..4, not {setting!r}")
     return int(setting)
+
+
+def quant_mm() -> str:
+    """HF2Q_QUANT_MM: "tile" or "mmq", the kernel for 5-64 rows of Q8_0, Q4_K, Q5_K and Q6_K weights."""
+    setting = QUANT_MM.raw() or QUANT_MM.default
+    if setting not in ("tile", "mmq"):
+        raise ValueError(f"HF2Q_QUANT_MM must be tile or mmq, not {setting!r}")
+    return setting
 
 
 def paged_decode() -> tuple[int, int, int] | None:

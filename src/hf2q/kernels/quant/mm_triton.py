@@ -164,6 +164,29 @@ def _store(out_ptr, acc, split, m0, M, N, rows, row_ok):
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(m < M)[:, None] & row_ok[None, :])
 
 
+@triton.jit
+def store_chunks(out_ptr, acc0, acc1, acc2, acc3, split, m0, M, N, rows, row_ok, CHUNKS: tl.constexpr):
+    """Write the CHUNKS accumulators [16, BLOCK_N] of activation rows m0.. into split `split` of out."""
+    _store(out_ptr, acc0, split, m0, M, N, rows, row_ok)
+    if CHUNKS > 1:
+        _store(out_ptr, acc1, split, m0 + 16, M, N, rows, row_ok)
+    if CHUNKS > 2:
+        _store(out_ptr, acc2, split, m0 + 32, M, N, rows, row_ok)
+        _store(out_ptr, acc3, split, m0 + 48, M, N, rows, row_ok)
+
+
+@triton.jit
+def program_block(N, row_stride, tiles_per_split, n_tiles, CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A program's part of the grid (activation-row chunks, weight rows, split of K): its weight rows
+    [BLOCK_N], their mask and offsets (rows past N read the last: the store drops them), its first
+    activation row, its split and its 256-value tiles first..last."""
+    pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_base = tl.minimum(rows, N - 1).to(tl.int64) * row_stride
+    first = split * tiles_per_split
+    return rows, rows < N, row_base, pid_m * CHUNKS * 16, split, first, tl.minimum(first + tiles_per_split, n_tiles)
+
+
 @triton.jit(do_not_specialize=["M"])  # one build for every row count: a new count must not compile mid-serve
 def _quant_mm_kernel(x_ptr, w8, w16, w32, out_ptr, M, N, K, x_stride, row_stride, nblk, tiles_per_split,
                      n_tiles, QTYPE: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
@@ -171,17 +194,12 @@ def _quant_mm_kernel(x_ptr, w8, w16, w32, out_ptr, M, N, K, x_stride, row_stride
     """A program: BLOCK_N weight rows times CHUNKS x 16 activation rows over one split of K. Each chunk of 16
     rows is its own dot with its own accumulator, so a row's sums never depend on how many rows a program
     takes."""
-    pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-    row_base = tl.minimum(rows, N - 1).to(tl.int64) * row_stride  # rows past N read the last: the store drops them
-    m0 = pid_m * CHUNKS * 16
+    rows, row_ok, row_base, m0, split, first, last = program_block(N, row_stride, tiles_per_split, n_tiles, CHUNKS,
+                                                                    BLOCK_N)
     acc0 = tl.zeros((16, BLOCK_N), dtype=tl.float32)
     acc1 = tl.zeros((16, BLOCK_N), dtype=tl.float32)
     acc2 = tl.zeros((16, BLOCK_N), dtype=tl.float32)
     acc3 = tl.zeros((16, BLOCK_N), dtype=tl.float32)
-    first = split * tiles_per_split
-    last = tl.minimum(first + tiles_per_split, n_tiles)
     for t in range(first, last):
         for g in tl.static_range(8):
             w = tl.trans(_group(w8, w16, w32, row_base, t, nblk, g, QTYPE))  # [32, BLOCK_N]
@@ -192,12 +210,7 @@ def _quant_mm_kernel(x_ptr, w8, w16, w32, out_ptr, M, N, K, x_stride, row_stride
             if CHUNKS > 2:
                 acc2 = _dot(_x_cols(x_ptr, m0 + 32, M, x_stride, k, K, EVEN_K), w, acc2, IEEE)
                 acc3 = _dot(_x_cols(x_ptr, m0 + 48, M, x_stride, k, K, EVEN_K), w, acc3, IEEE)
-    _store(out_ptr, acc0, split, m0, M, N, rows, row_ok)
-    if CHUNKS > 1:
-        _store(out_ptr, acc1, split, m0 + 16, M, N, rows, row_ok)
-    if CHUNKS > 2:
-        _store(out_ptr, acc2, split, m0 + 32, M, N, rows, row_ok)
-        _store(out_ptr, acc3, split, m0 + 48, M, N, rows, row_ok)
+    store_chunks(out_ptr, acc0, acc1, acc2, acc3, split, m0, M, N, rows, row_ok, CHUNKS)
 
 
 def chunks(m: int) -> int:
@@ -206,10 +219,10 @@ def chunks(m: int) -> int:
     return 1 if m <= 16 else 2 if m <= 32 else 4
 
 
-def config(n: int, k: int) -> tuple[int, int, int]:
+def config(n: int, k: int, block_n: int = 64) -> tuple[int, int, int]:
     """(BLOCK_N, warps, splits of K) for an [n, k] weight; it depends on the weight alone, so every row of
-    a batch is computed the same way whatever the batch."""
-    block_n = 64
+    a batch is computed the same way whatever the batch. Splits bring the grid to about PROGRAMS
+    programs of block_n weight rows."""
     n_tiles = triton.cdiv(k, 256)
     blocks = triton.cdiv(n, block_n)
     split = max(1, min(n_tiles, PROGRAMS // blocks, 16))

@@ -5,7 +5,9 @@ the mat-vec kernel that streams the blocks and multiplies them on 8-bit integer 
 int8-quantized activations (dp4a_triton): it reads the weight once per row. Up to MM_ROWS rows go
 through mm_triton, which dequantizes 32-value groups in registers and multiplies them on tensor cores,
 reading the blocks once for all rows (on the H200, a 9B Q4_K_M step's projections: 6.6 ms at 16 rows
-and 11.0 ms at 64, against 13.7 ms for dequantize + cuBLAS; BENCHMARKS.md). More rows (prefill)
+and 11.0 ms at 64, against 13.7 ms for dequantize + cuBLAS; BENCHMARKS.md); with HF2Q_QUANT_MM=mmq,
+Q8_0 and K-quant rows go instead through mmq_triton's int8 tensor-core dots on int8-quantized
+activations (the mat-vec's numerics; off by default until measured). More rows (prefill)
 dequantize the weight into a reused bf16 scratch buffer and multiply with cuBLAS: one pass over the
 weight, then tensor cores at full rate. Off CUDA (and without Triton's interpreter) the reference
 dequantizes with gguf and multiplies in fp32.
@@ -17,6 +19,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from hf2q import envs
 from hf2q.kernels.choose import triton_runs
 from hf2q.quant import KQUANTS, dequantize_ref, is_interleaved, kept_row
 
@@ -25,17 +28,27 @@ from hf2q.quant import KQUANTS, dequantize_ref, is_interleaved, kept_row
 # 25 ms at 8, against 13.5 ms for dequantize + cuBLAS at any of them (tools/quant_mm_sweep.py --matvec).
 MATVEC_ROWS = 4
 MM_ROWS = 64  # at most this many rows go through mm_triton (one pass over the blocks for all rows)
+QUANT_MM = envs.quant_mm()  # "mmq": Q8_0 and K-quant rows up to MM_ROWS on int8 tensor cores (mmq_triton)
 MOE_PAIRS = 1024  # token-expert pairs below which reading chosen experts beats dequantizing every expert
 _SCRATCH: dict[tuple, torch.Tensor] = {}
 
 
 def int8_reader(x: torch.Tensor, qtype: str | None) -> str | None:
-    """`qtype` if a projection of x quantized as `qtype` (None: not quantized) reads x through the int8
-    mat-vec, so that the kernel producing x can write its int8 rows as well, in the order that type
-    reads; else None."""
-    if qtype is not None and triton_runs(x) and x.numel() // max(x.shape[-1], 1) <= MATVEC_ROWS:
+    """`qtype` if a projection of x quantized as `qtype` (None: not quantized) reads x as int8 rows (the
+    int8 mat-vec; with HF2Q_QUANT_MM=mmq, mmq_triton's types up to MM_ROWS rows), so that the kernel
+    producing x can write its int8 rows as well, in the order that type reads; else None."""
+    if qtype is None or not triton_runs(x):
+        return None
+    rows = x.numel() // max(x.shape[-1], 1)
+    if rows <= MATVEC_ROWS or (rows <= MM_ROWS and QUANT_MM == "mmq" and qtype in _mmq_types()):
         return qtype
     return None
+
+
+def _mmq_types() -> tuple[str, ...]:
+    from hf2q.kernels.quant.mmq_triton import TYPES
+
+    return TYPES
 
 
 def check_raw(raw: torch.Tensor, qtype: str, shape: tuple[int, ...]) -> None:
@@ -88,14 +101,24 @@ def quant_linear(x: torch.Tensor, raw: torch.Tensor, qtype: str, out_features: i
 
         y = gemv(x2, raw, qtype, out_features, key=x)
     elif x2.shape[0] <= MM_ROWS:
-        from hf2q.kernels.quant.mm_triton import quant_mm
-
-        y = quant_mm(x2, raw, qtype, out_features)
+        y = _batched(x2, raw, qtype, out_features, key=x)
     else:
         w = dequantize(raw, qtype, (out_features, k), x.dtype,
                        out=scratch("linear", out_features * k, x.dtype, x.device))
         y = F.linear(x2, w)
     return y.reshape(*x.shape[:-1], out_features)
+
+
+def _batched(x2: torch.Tensor, raw: torch.Tensor, qtype: str, n: int, key: torch.Tensor) -> torch.Tensor:
+    """Up to MM_ROWS rows x2 [M, K] @ W.T: mmq_triton's int8 dots where HF2Q_QUANT_MM=mmq and it reads the
+    type, else mm_triton's bf16 tiles."""
+    if QUANT_MM == "mmq" and qtype in _mmq_types():
+        from hf2q.kernels.quant.mmq_triton import quant_mmq
+
+        return quant_mmq(x2, raw, qtype, n, key=key)
+    from hf2q.kernels.quant.mm_triton import quant_mm
+
+    return quant_mm(x2, raw, qtype, n)
 
 
 def quant_linear_pair(x: torch.Tensor, first: tuple, second: tuple) -> torch.Tensor | None:
