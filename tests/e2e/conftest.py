@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import signal
 import subprocess
 import sys
 import time
@@ -38,7 +39,10 @@ class Server:
                    "--log-level", "warning", *extra]
             self._log = open(log_path, "w")
             env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-            self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+            # Ctrl-C as a terminal delivers it: a suite run as a background job starts with SIGINT ignored,
+            # which the server would inherit (its exit code after SIGINT is then 0, not 130).
+            self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
             try:
                 self._wait_ready()
                 return
