@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks behind BENCHMARKS.md, in stages that each fit a few minutes:
-#   tools/gpu_check.sh tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu|mm|serve|ttft|kv [OUT_DIR]
+#   tools/gpu_check.sh tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu|mm|serve|ttft|kv|mtp|prefix|soak [OUT_DIR]
 # tests: every GPU-marked test (the quantized greedy-token test first) and the Triton kernel tests on the device;
 # quant: 9B Q4_K_M end to end and per projection; bf16: 9B and 2B; moe: 35B-A3B bf16 and Q4_K_M;
 # decode (bf16: 35B-A3B, 2B, 9B), decode-q (9B Q4_K_M) and decode-q-moe (35B-A3B Q4_K_M): batch-1
@@ -23,10 +23,11 @@
 # fla refuses its gated Triton backward (Hopper with Triton < 3.7.1), train.json's "gdn" says which ran; steps per
 # minute on that path are not measured yet), its acceptance and speed-up on held-out code and prose
 # (tools/spec_eval.py), and the forced-acceptance verify-cost curves; prefix: a follow-up turn over an
-# 8,000-token shared history, served with the prefix cache and without. Figures also go to OUT_DIR/*.json.
+# 8,000-token shared history, served with the prefix cache and without; soak: 64 streaming clients against a served
+# 9B Q4_K_M for SOAK_S seconds, RSS and GPU memory sampled (tools/soak.py). Figures also go to OUT_DIR/*.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?stage: tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu|mm|serve|ttft|kv|mtp|prefix}
+stage=${1:?stage: tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu|mm|serve|ttft|kv|mtp|prefix|soak}
 out=${2:-.}
 mkdir -p "$out"
 bench() { python -m hf2q.bench --hf-new 0 "$@"; }
@@ -123,5 +124,16 @@ case "$stage" in
          python tools/ttft_trace.py --url "http://127.0.0.1:$port" --prompt-tokens 64 --max-tokens 64
          kill $pid; wait $pid
          python tools/ttft_trace.py --model "$model" --max-num-seqs 4 --profile ;;
+  soak)  # issue 26: 64 streaming clients against a 9B Q4_K_M served on the GPU (SOAK_S seconds, 540 by default to fit
+         # one device call with the first start); RSS and GPU memory sampled every 10 s
+         model=${MODEL_DIR:-/tmp}/hf2q-9b-q4_k_m.gguf; port=8090
+         [ -f "$model" ] || python tools/random_gguf.py --shape 9b --mix q4_k_m -o "$model"
+         python -m hf2q.cli serve --model "$model" --port $port --max-num-seqs 64 > "$out/serve_soak.log" 2>&1 &
+         pid=$!
+         until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do
+           kill -0 $pid 2> /dev/null || { tail -30 "$out/serve_soak.log"; exit 1; }; sleep 0.5; done
+         python tools/soak.py --url "http://127.0.0.1:$port" --pid $pid --clients 64 --duration "${SOAK_S:-540}" \
+           --prompt-tokens 64 --max-tokens 256 --json "$out/soak.json"
+         kill -INT $pid; wait $pid ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

@@ -1,4 +1,5 @@
-"""Soak: N streaming clients for a fixed time against `hf2q serve`, with the server's RSS sampled throughout.
+"""Soak: N streaming clients for a fixed time against `hf2q serve`, with the server's RSS (and, where nvidia-smi
+runs, its GPU memory) sampled throughout.
 
 Answers what a benchmark of a few hundred requests cannot: whether every admitted request still completes
 after thousands, whether rejections are 429s and nothing else, whether the server's memory stays flat and
@@ -16,6 +17,8 @@ import argparse
 import asyncio
 import json
 import random
+import shutil
+import subprocess
 import sys
 import time
 from typing import Optional
@@ -32,6 +35,16 @@ def rss_kib(pid: int) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1])
     raise ValueError(f"no VmRSS for pid {pid}")
+
+
+def gpu_mib(pid: int) -> Optional[int]:
+    """The process's GPU memory in MiB as nvidia-smi reports it (all devices), or None without nvidia-smi."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, timeout=30).stdout
+    rows = [[field.strip() for field in line.split(",")] for line in out.splitlines()]
+    return sum(int(mib) for p, mib in (r for r in rows if len(r) == 2) if p == str(pid) and mib.isdigit())
 
 
 def gauges(url: str) -> dict:
@@ -75,6 +88,7 @@ async def soak(url: str, pid: int, clients: int, duration: float, prompt_tokens:
     rng = random.Random(seed)
     done: list[tuple[float, object]] = []
     rss: list[tuple[float, int]] = [(0.0, rss_kib(pid))]
+    gpu: list[tuple[float, Optional[int]]] = [(0.0, gpu_mib(pid))]
     start = time.monotonic()
     deadline = start + duration
 
@@ -88,6 +102,7 @@ async def soak(url: str, pid: int, clients: int, duration: float, prompt_tokens:
         while time.monotonic() < deadline:
             await asyncio.sleep(min(sample_s, max(0.0, deadline - time.monotonic())))
             rss.append((time.monotonic() - start, rss_kib(pid)))
+            gpu.append((time.monotonic() - start, gpu_mib(pid)))
 
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=httpx.Timeout(300, connect=30)) as c:
@@ -95,6 +110,7 @@ async def soak(url: str, pid: int, clients: int, duration: float, prompt_tokens:
     wall = time.monotonic() - start
     await asyncio.sleep(1.0)  # let the engine retire the last requests before reading the gauges
     rss.append((time.monotonic() - start, rss_kib(pid)))
+    gpu.append((time.monotonic() - start, gpu_mib(pid)))
     errors = [r for _, r in done if r.error is not None]
     rejected = [r for r in errors if r.error.startswith("HTTP 429")]
     values = [v for _, v in rss]
@@ -107,6 +123,7 @@ async def soak(url: str, pid: int, clients: int, duration: float, prompt_tokens:
         "short_completions": sum(1 for _, r in done if r.error is None and r.completion_tokens != max_tokens),
         "rss_kib": {"start": values[0], "min": min(values), "max": max(values), "end": values[-1]},
         "rss_samples": [{"t_s": round(t, 1), "kib": v} for t, v in rss],
+        "gpu_mib_samples": [{"t_s": round(t, 1), "mib": v} for t, v in gpu if v is not None],
         "health": httpx.get(url + "/health", timeout=10).status_code,
         "gauges_after": gauges(url),
         "minutes": summarize_minutes(done, bucket_s),
@@ -120,6 +137,8 @@ def format_report(r: dict) -> str:
              f"{r['short_completions']} completions short of {r['max_tokens']} tokens",
              f"RSS MiB start {m['start'] / 1024:.1f}, min {m['min'] / 1024:.1f}, max {m['max'] / 1024:.1f}, "
              f"end {m['end'] / 1024:.1f}; /health {r['health']}; gauges after {r['gauges_after']}",
+             *([f"GPU MiB start {g[0]['mib']}, min {min(x['mib'] for x in g)}, max {max(x['mib'] for x in g)}, "
+                f"end {g[-1]['mib']}"] if (g := r.get("gpu_mib_samples")) else []),
              "| minute | completed | errors | 429 | ITL p50 ms | ITL p99 ms | chunk gap p99 ms |",
              "|---|---|---|---|---|---|---|"]
     for row in r["minutes"]:
