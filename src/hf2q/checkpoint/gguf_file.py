@@ -115,16 +115,24 @@ def _describe(exc: Exception) -> str:
     return str(exc)
 
 
+def split_part_names(name: str) -> list[str]:
+    """The names of every part, first first, of the split GGUF one of whose parts is `name` (a file name or a
+    path in a repository); [name] for a single file."""
+    match = SPLIT_PART.search(name)
+    if match is None:
+        return [name]
+    return [SPLIT_PART.sub(f"-{i:05d}-of-{match[2]}.gguf", name) for i in range(1, int(match[2]) + 1)]
+
+
 def split_parts(path: Path) -> list[Path]:
     """The files of the GGUF `path` names: itself, or every part of a split GGUF named by its first part."""
     match = SPLIT_PART.search(path.name)
     if match is None:
         return [path]
-    count = int(match[2])
-    if int(match[1]) != 1 or count < 1:
+    if int(match[1]) != 1 or int(match[2]) < 1:
         raise GGUFError(f"{path} is part {int(match[1])} of a split GGUF: name its first part, "
                         f"{path.name[:match.start()]}-00001-of-{match[2]}.gguf")
-    parts = [path.with_name(f"{path.name[:match.start()]}-{i:05d}-of-{match[2]}.gguf") for i in range(1, count + 1)]
+    parts = [path.with_name(name) for name in split_part_names(path.name)]
     missing = [p.name for p in parts if not p.exists()]
     if missing and path.exists():
         raise GGUFError(f"Split GGUF {path} is incomplete: {', '.join(missing)} not found beside it")
@@ -165,7 +173,7 @@ class GGUFFile:
         readers = [self._open(part) for part in split_parts(self.path)]
         self._reader = readers[0]  # the metadata's
         self._tensors = {}
-        for part, reader in zip(split_parts(self.path), readers):
+        for reader in readers:
             for t in reader.tensors:
                 if t.name in self._tensors:
                     raise GGUFError(f"Damaged split GGUF {self.path}: tensor {t.name!r} is in more than one part")

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from hf2q.checkpoint.gguf_file import SPLIT_PART
+from hf2q.checkpoint.gguf_file import SPLIT_PART, split_part_names
 
 log = logging.getLogger("hf2q.hub")
 
@@ -81,10 +81,9 @@ def model_parts(names: list[str], model: str) -> list[str]:
     """The files of the model GGUF `model` (a file, or any part of a split GGUF): all its parts, first first;
     HubError when a split GGUF misses some."""
     parts = sorted(n for n in model_files(names) if _model_of(n) == _model_of(model))
-    split = SPLIT_PART.search(parts[0]) if parts else None
-    if split is None:
+    if not parts or SPLIT_PART.search(parts[0]) is None:
         return [model]
-    expected = [SPLIT_PART.sub(f"-{i:05d}-of-{split[2]}.gguf", parts[0]) for i in range(1, int(split[2]) + 1)]
+    expected = split_part_names(parts[0])
     missing = [n for n in expected if n not in parts]
     if missing:
         raise HubError(f"split GGUF {_model_of(model)} is incomplete: {', '.join(missing)} missing")
