@@ -229,6 +229,21 @@ def config(n: int, k: int, block_n: int = 64) -> tuple[int, int, int]:
     return block_n, 4, split
 
 
+def split_launch(m: int, n: int, n_tiles: int, split: int, block_n: int, out_dtype: torch.dtype, device):
+    """(out [splits, m, n], 256-value tiles per split, grid) of a launch of this kernel family (mmq_triton's
+    too): no split is left without tiles; with one split the kernel writes out_dtype directly, else fp32
+    partial sums for sum_splits."""
+    per_split = triton.cdiv(n_tiles, split)
+    split = triton.cdiv(n_tiles, per_split)
+    out = torch.empty((split, m, n), dtype=torch.float32 if split > 1 else out_dtype, device=device)
+    return out, per_split, (triton.cdiv(m, 16 * chunks(m)), triton.cdiv(n, block_n), split)
+
+
+def sum_splits(out: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """The [m, n] result of split_launch's `out` once the kernel has written it."""
+    return out[0] if out.shape[0] == 1 else out.sum(0).to(out_dtype)
+
+
 def quant_mm(x: torch.Tensor, raw: torch.Tensor, qtype: str, n: int, cfg: tuple[int, int, int] | None = None,
              ) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32) times quantized rows raw [N, row_bytes] (K-quants: interleaved int32 rows)
@@ -238,16 +253,10 @@ def quant_mm(x: torch.Tensor, raw: torch.Tensor, qtype: str, n: int, cfg: tuple[
     x = x.contiguous()
     row_stride, nblk, n_tiles = _geometry(qtype, k)
     block_n, warps, split = cfg or config(n, k)
-    per_split = triton.cdiv(n_tiles, split)
-    split = triton.cdiv(n_tiles, per_split)  # no split left without tiles
-    out = torch.empty((split, m, n), dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
+    out, per_split, grid = split_launch(m, n, n_tiles, split, block_n, x.dtype, x.device)
     flat = raw.view(-1)
     w8, w16 = flat.view(torch.uint8), flat.view(torch.float16)
-    c = chunks(m)
-    grid = (triton.cdiv(m, 16 * c), triton.cdiv(n, block_n), split)
     _quant_mm_kernel[grid](x, w8, w16, flat if raw.dtype == torch.int32 else w16, out, m, n, k, x.stride(0),
-                           row_stride, nblk, per_split, n_tiles, QTYPE=QTYPE_ID[qtype], CHUNKS=c,
+                           row_stride, nblk, per_split, n_tiles, QTYPE=QTYPE_ID[qtype], CHUNKS=chunks(m),
                            BLOCK_N=block_n, IEEE=x.dtype == torch.float32, EVEN_K=k % 256 == 0, num_warps=warps)
-    if split == 1:
-        return out[0]
-    return out.sum(0).to(x.dtype)
+    return sum_splits(out, x.dtype)

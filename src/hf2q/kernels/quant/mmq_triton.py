@@ -28,7 +28,7 @@ from hf2q.kernels.quant import mm_triton
 from hf2q.kernels.quant.dequant_triton import QTYPE_ID, _geometry, check_layout
 from hf2q.kernels.quant.fields_triton import f16_bits
 from hf2q.kernels.quant.int8_rows import Int8Rows, blocked_for, quantize_rows
-from hf2q.kernels.quant.mm_triton import chunks, program_block, store_chunks
+from hf2q.kernels.quant.mm_triton import chunks, program_block, split_launch, store_chunks, sum_splits
 
 TYPES = ("Q8_0", "Q4_K", "Q5_K", "Q6_K")  # the weight types this kernel multiplies; the others stay on mm_triton
 EMULATE = envs.triton_interpret()  # the interpreter runs no PTX: bit operations in plain integer ops
@@ -379,16 +379,10 @@ def quant_mmq(x: torch.Tensor | Int8Rows, raw: torch.Tensor, qtype: str, n: int,
     check_layout(raw, qtype, k)
     row_stride, nblk, n_tiles = _geometry(qtype, k)
     block_n, warps, split = cfg or config(n, k, m)
-    per_split = triton.cdiv(n_tiles, split)
-    split = triton.cdiv(n_tiles, per_split)  # no split left without tiles
-    out = torch.empty((split, m, n), dtype=torch.float32 if split > 1 else out_dtype, device=raw.device)
+    out, per_split, grid = split_launch(m, n, n_tiles, split, block_n, out_dtype, raw.device)
     flat = raw.view(-1)
-    c = chunks(m)
-    grid = (triton.cdiv(m, 16 * c), triton.cdiv(n, block_n), split)
     w32 = flat if raw.dtype == torch.int32 else flat.view(torch.float16)  # Q8_0: its d through float16
     _mmq_kernel[grid](rows8.xq.view(torch.int8), rows8.act, flat.view(torch.int8), w32, out, m, n, k, row_stride,
-                      nblk, per_split, n_tiles, QTYPE=QTYPE_ID[qtype], CHUNKS=c, BLOCK_N=block_n, EMULATE=EMULATE,
-                      num_warps=warps)
-    if split == 1:
-        return out[0]
-    return out.sum(0).to(out_dtype)
+                      nblk, per_split, n_tiles, QTYPE=QTYPE_ID[qtype], CHUNKS=chunks(m), BLOCK_N=block_n,
+                      EMULATE=EMULATE, num_warps=warps)
+    return sum_splits(out, out_dtype)
