@@ -42,15 +42,15 @@ def detokenize(state: ServerState, req: DetokenizeRequest) -> dict:
 def tokenizer_info(state: ServerState) -> dict:
     """The special tokens as text, the chat template and the context limit: what a client needs to tokenize
     through /tokenize as the server does (vLLM's field names; a token the GGUF does not name is null)."""
-    tokenizer, meta = state.model.tokenizer, state.model.metadata
+    tokenizer = state.model.tokenizer
 
-    def token(key: str) -> str | None:
-        token_id = meta.get(f"tokenizer.ggml.{key}")
+    def text(token_id: int | None) -> str | None:
         return None if token_id is None else tokenizer.id_to_token(int(token_id))
 
     named_eos = [name for name in EOS_TOKEN_NAMES if tokenizer.token_to_id(name) is not None]
-    eos = token("eos_token_id") or next(iter(named_eos), None)  # a GGUF without an eos id: the turn end by name
-    return {"tokenizer_class": "GGUF byte-level BPE", "eos_token": eos, "bos_token": token("bos_token_id"),
-            "pad_token": token("padding_token_id"), "add_bos_token": tokenizer.add_bos_token,
+    # the GGUF's eos id (the tokenizer keeps only the set of ids that end a turn); without one, the turn end by name
+    eos = text(state.model.metadata.get("tokenizer.ggml.eos_token_id")) or next(iter(named_eos), None)
+    return {"tokenizer_class": "GGUF byte-level BPE", "eos_token": eos, "bos_token": text(tokenizer.bos_token_id),
+            "pad_token": text(tokenizer.pad_token_id), "add_bos_token": tokenizer.add_bos_token,
             "chat_template": state.model.chat_template.source, "model_max_length": state.config.max_model_len,
             "vocab_size": tokenizer.vocab_size}
