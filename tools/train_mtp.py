@@ -40,6 +40,7 @@ from hf2q.forward import ForwardBatch
 from hf2q.kernels.gdn import ops as gdn_ops
 from hf2q.kernels.gdn.chunked_naive import chunk_gdn_naive, fla_backward_refused
 from hf2q.kernels.choose import fast_path
+from hf2q.kernels.norm import reference as norm_ref
 from hf2q.models.qwen35 import DecoderLayer, Qwen35Model
 from hf2q.models.qwen35_mtp import MTPHead
 
@@ -200,10 +201,7 @@ def deltanet_forward(m, x: torch.Tensor, seqs: int, seq_len: int, delta_rule=gdn
     state = x.new_zeros(seqs, m.nv, m.dk, m.dv, dtype=torch.float32)
     o, _ = delta_rule(q.reshape(t, m.nk, m.dk), k.reshape(t, m.nk, m.dk), v.reshape(t, m.nv, m.dv), g,
                         torch.sigmoid(m.beta(x).float()), state, cu, [seq_len] * seqs, m.dk ** -0.5, m.eps)
-    of = o.float()
-    of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + m.eps) * m.norm.float()
-    of = of * F.silu(m.z(x).float().view(t, m.nv, m.dv))
-    return m.out(of.to(x.dtype).reshape(t, -1))
+    return m.out(norm_ref.gated_rms_norm(o, m.z(x), m.norm, m.eps, x.dtype))
 
 
 def batch_of(ids: torch.Tensor, start: int = 0) -> ForwardBatch:
