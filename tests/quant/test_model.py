@@ -2,6 +2,7 @@
 greedy tokens as its dequantized twin (CPU: exact reference; CUDA: the Triton kernels, bf16)."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 
@@ -10,6 +11,7 @@ import torch
 
 from hf2q.bench_shapes import random_model, tiny_config
 from hf2q.kernels.choose import fast_path
+from hf2q.kernels.moe import ops as moe_ops
 from hf2q.layers.linear import Linear
 from hf2q.quant import KQUANTS, dequantize_ref, keep_blocks, random_blocks, to_gpu_rows
 from tests.support.triton_targets import INTERPRET, target, torch_only
@@ -65,6 +67,66 @@ def assert_divergence_explained(want: torch.Tensor, got: torch.Tensor, where) ->
     top = want.topk(2).values
     margin, err = float(top[0] - top[1]), float((got - want).abs().max())
     assert err <= MODEL_ERROR * scale and margin <= 2 * err, dict(where=where, margin=margin, error=err, scale=scale)
+
+
+@contextlib.contextmanager
+def routing(record: list | None = None, replay: list | None = None):
+    """Record every MoE routing call's (router logits, chosen experts) in order, or replay recorded choices in
+    the same order (each token's weights renormalised from the current router logits over the replayed
+    experts): the kept model's logits under the dequantized model's expert choices."""
+    real, calls = moe_ops.moe_route, iter(replay or ())
+
+    def route(logits, top_k, dtype):
+        if replay is not None:
+            experts = next(calls)[1].to(logits.device)
+            weights = torch.softmax(logits.float(), dim=-1).gather(-1, experts)
+            return (weights / weights.sum(-1, keepdim=True)).to(dtype), experts
+        weights, experts = real(logits, top_k, dtype)
+        record.append((logits.float().cpu(), experts.cpu()))
+        return weights, experts
+
+    moe_ops.moe_route = route
+    try:
+        yield
+    finally:
+        moe_ops.moe_route = real
+
+
+def assert_routed_divergence_explained(dense, kept, ids: list[int], where, dense_mode: str = "off",
+                                       tie_share: float | None = None) -> None:
+    """assert_divergence_explained for models that may route: a token whose chosen experts differ between
+    the two paths is a near-tie only if, in the dequantized model's router, the k-th and (k+1)-th logits are
+    closer than twice the two paths' router difference on that token; then the kept model, replaying the
+    dequantized model's expert choices, must be within the kernels' error (the choice flip, not the kernels,
+    moved the logits). Without a flip this is assert_divergence_explained, or with `tie_share` the stricter
+    rule that the dequantized model's top two logits are closer than that share of its largest."""
+    want_routes, got_routes = [], []
+    with fast_path(dense_mode), routing(record=want_routes):
+        want = dense.logits(ids)[-1]
+    with routing(record=got_routes):
+        got = kept.logits(ids)[-1]
+    flips = 0
+    for (want_logits, want_experts), (got_logits, got_experts) in zip(want_routes, got_routes, strict=True):
+        k = want_experts.shape[-1]
+        for t in range(want_experts.shape[0]):
+            if set(want_experts[t].tolist()) == set(got_experts[t].tolist()):
+                continue
+            flips += 1
+            edge = want_logits[t].topk(k + 1).values
+            gap, drift = float(edge[k - 1] - edge[k]), float((got_logits[t] - want_logits[t]).abs().max())
+            assert gap <= 2 * drift, dict(where=where, token=t, router_gap=gap, router_drift=drift)
+    if flips:
+        with routing(replay=want_routes):
+            got = kept.logits(ids)[-1]
+        want, got = want.float().cpu(), got.float().cpu()
+        err, scale = float((got - want).abs().max()), float(want.abs().max())
+        assert err <= MODEL_ERROR * scale, dict(where=where, flips=flips, error=err, scale=scale)
+    elif tie_share is not None:
+        want = want.float().cpu()
+        top = want.topk(2).values
+        assert float(top[0] - top[1]) < tie_share * float(want.abs().max()), where
+    else:
+        assert_divergence_explained(want, got, where)
 
 
 def greedy(net, n: int):
