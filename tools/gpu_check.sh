@@ -75,17 +75,26 @@ case "$stage" in
            --max-tokens 128 -- --max-num-seqs 4 > "$out/spec_q8.json"
          bench --shape 9b --batch 1 4 16 --spec-accept 0 1 2 3 --spec-k 3
          bench --shape 9b --quant q4_k_m --batch 1 4 16 --spec-accept 0 1 2 3 --spec-k 3 ;;
-  prefix) model=${MODEL_DIR:-/tmp}/hf2q-9b-q4_k_m.gguf; port=8090
-         [ -f "$model" ] || python tools/random_gguf.py --shape 9b --mix q4_k_m -o "$model"
-         for cache in "" --no-prefix-cache; do  # a follow-up turn over an 8,000-token shared history: hit, then cold
-           python -m hf2q.cli serve --model "$model" --port $port --max-model-len 16384 $cache \
-             > "$out/serve_prefix$cache.log" 2>&1 &
-           pid=$!
-           until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do
-             kill -0 $pid 2> /dev/null || { tail -30 "$out/serve_prefix$cache.log"; exit 1; }; sleep 0.5; done
-           python -m hf2q.cli bench serve --url "http://127.0.0.1:$port" --no-progress --endpoint chat --multi-turn 2 \
-             --shared-prefix-tokens 8000 --prompt-tokens 32 --max-tokens 16 --clients 1
-           kill -INT $pid; wait $pid
+  prefix) port=8090
+         for mix in ${MIXES:-q4_k_m bf16}; do
+           model=${MODEL_DIR:-/tmp}/hf2q-9b-$mix.gguf
+           [ -f "$model" ] || python tools/random_gguf.py --shape 9b --mix "$mix" -o "$model"
+           for cache in "" --no-prefix-cache; do  # with the prefix cache, then cold
+             python -m hf2q.cli serve --model "$model" --port $port --max-model-len 16384 --max-num-seqs 16 $cache \
+               > "$out/serve_prefix_$mix$cache.log" 2>&1 &
+             pid=$!
+             until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do
+               kill -0 $pid 2> /dev/null || { tail -30 "$out/serve_prefix_$mix$cache.log"; exit 1; }; sleep 0.5; done
+             echo "## $mix ${cache:-with the prefix cache}"
+             # a follow-up turn over an 8,000-token shared history (its TTFT: hit against cold)
+             python -m hf2q.cli bench serve --url "http://127.0.0.1:$port" --no-progress --endpoint chat --multi-turn 2 \
+               --shared-prefix-tokens 8000 --prompt-tokens 32 --max-tokens 16 --clients 1 \
+               --json "$out/prefix_8k_$mix$cache.json"
+             # the served load with multi-turn conversations: hit rate and throughput
+             python -m hf2q.cli bench serve --url "http://127.0.0.1:$port" --no-progress --endpoint chat --multi-turn 4 \
+               --prompt-tokens 256 --max-tokens 64 --clients 16 --json "$out/prefix_multiturn_$mix$cache.json"
+             kill -INT $pid; wait $pid
+           done
          done ;;
   sweeps) python -m hf2q.bench.attention --shape 35b-a3b 9b 2b --context 512 4096
          python -m hf2q.bench.gdn --shape 9b 35b-a3b --int8-for Q4_K
