@@ -9,6 +9,7 @@ from hf2q.bench_shapes import random_model, tiny_config
 from hf2q.cache.hybrid import HybridCache
 from hf2q.config import CacheConfig
 from hf2q.forward import ForwardBatch
+from hf2q.kernels.gdn import ops as gdn_ops
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -32,18 +33,17 @@ def cache_for(cfg, slots=4):
                        device="cuda")
 
 
-@torch.inference_mode()
-def test_bf16_gpu_logits_match_fp32_cpu(pair):
-    cpu, gpu = pair
-    ids = torch.randint(0, cpu.config.vocab_size, (40,), generator=torch.Generator().manual_seed(0)).tolist()
-    ref = cpu.logits(ids)
-    # bf16 weights move this small random model's logits a lot: the bound is the exact CPU path run
-    # with the same bf16 weights (same rounding of weights, fp32 activations would be kinder)
-    bf16_cpu = gpu.to("cpu").logits(ids)
-    gpu.to("cuda")
-    tol = 1.5 * rel(bf16_cpu, ref) + 1e-3
-    assert rel(gpu.logits(ids).cpu(), ref) <= tol
-    cache = cache_for(gpu.config)
+# fla's chunked delta rule keeps its intermediates (normalised q and k, beta, the WY factors, the chunk states)
+# in the inputs' bf16 where the reference keeps fp32. The whole path with it, on the H200 (fourteenth session):
+# dense 0.128 from fp32 against the bound's 0.077 (1.66x), MoE 0.200 against 0.185; every other kernel is
+# held to the bound itself (the delta rule then on its reference), here and, rounding as a GPU, under Triton's
+# interpreter (tests/kernels/test_fused_kernels.py).
+FLA_BF16_ALLOWANCE = 2.0
+
+
+def gpu_errors(gpu, ids, ref, cache) -> tuple[float, float]:
+    """Relative errors from the fp32 logits of (a 40-token prefill, a 30-token prefill then 10 decode steps)."""
+    prefill = rel(gpu.logits(ids).cpu(), ref)
     slot = cache.acquire()
     cache.reserve(slot, 30)
     rows = [gpu.compute_logits(gpu(ForwardBatch.single(ids[:30], slot=slot, cache=cache, device="cuda")))[-1]]
@@ -53,7 +53,27 @@ def test_bf16_gpu_logits_match_fp32_cpu(pair):
         batch = ForwardBatch.single(ids[p:p + 1], start=p, slot=slot, cache=cache, device="cuda")
         rows.append(gpu.compute_logits(gpu(batch))[0])
         cache.commit(slot, p + 1)
-    assert rel(torch.stack(rows).cpu(), ref[29:40]) <= tol
+    cache.release(slot)
+    return prefill, rel(torch.stack(rows).cpu(), ref[29:40])
+
+
+@torch.inference_mode()
+def test_bf16_gpu_logits_match_fp32_cpu(pair, monkeypatch):
+    cpu, gpu = pair
+    ids = torch.randint(0, cpu.config.vocab_size, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    ref = cpu.logits(ids)
+    # bf16 weights move this small random model's logits a lot: the bound is the exact CPU path run
+    # with the same bf16 weights (same rounding of weights, fp32 activations would be kinder)
+    bf16_cpu = gpu.to("cpu").logits(ids)
+    gpu.to("cuda")
+    tol = 1.5 * rel(bf16_cpu, ref) + 1e-3
+    cache = cache_for(gpu.config)
+    with monkeypatch.context() as m:
+        m.setattr(gdn_ops, "chunk_gdn", gdn_ops.chunk_gdn_reference)
+        ours = gpu_errors(gpu, ids, ref, cache)
+    with_fla = gpu_errors(gpu, ids, ref, cache)
+    assert max(ours) <= tol, dict(ours=ours, with_fla=with_fla, bound=tol)
+    assert max(with_fla) <= FLA_BF16_ALLOWANCE * tol, dict(ours=ours, with_fla=with_fla, bound=tol)
 
 
 @torch.inference_mode()

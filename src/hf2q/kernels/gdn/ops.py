@@ -54,6 +54,11 @@ def chunk_gdn(q, k, v, g, beta, initial_state, cu_seqlens, seq_lens: list[int], 
     if q.is_cuda:
         from hf2q.kernels.gdn.chunked_fla import chunk_gdn as kernel
         return kernel(q, k, v, g, beta, initial_state, cu_seqlens, scale)
+    return chunk_gdn_reference(q, k, v, g, beta, initial_state, cu_seqlens, seq_lens, scale, eps)
+
+
+def chunk_gdn_reference(q, k, v, g, beta, initial_state, cu_seqlens, seq_lens: list[int], scale: float, eps: float):
+    """`chunk_gdn` by the reference recurrence, one sequence at a time, on any device (fp32 inside)."""
     rep = v.shape[1] // q.shape[1]
     qf = l2_normalize(q.float(), eps) * scale
     kf = l2_normalize(k.float(), eps)
