@@ -1,4 +1,5 @@
-"""Load on loopback: 64 streaming clients against one real server, in bounded rounds.
+"""Load on loopback: 64 streaming clients against one real server, in bounded rounds, with async scheduling
+(decode steps queued ahead of the host's reading; the engine tests show its tokens equal plain stepping's).
 
 Every admitted request streams its full output, requests past the queue limit get a clean 429 in the
 OpenAI envelope, the server stays healthy, and its resident memory does not grow across rounds.
@@ -14,7 +15,7 @@ CLIENTS = 64
 ROUNDS = 3
 MAX_TOKENS = 6
 LOAD_FLAGS = ("--max-model-len", "256", "--max-num-seqs", "8", "--max-waiting", "16",
-              "--max-num-batched-tokens", "256", "--served-model-name", "tiny")
+              "--max-num-batched-tokens", "256", "--served-model-name", "tiny", "--async-scheduling")
 
 
 def rss_kib(pid: int) -> int:

@@ -156,6 +156,7 @@ class TPEngine(Engine):
         super().__init__(model, config)
         self.runner = TPRunner(model.net, self.cache, group)
         self.group = group
+        self.async_scheduling = False  # the other ranks replay steps whose input ids the host knows
 
     def add_request(self, prompt_ids, params, **kwargs):
         # The vocab-parallel head is a collective the other ranks would have to join for every prompt row.

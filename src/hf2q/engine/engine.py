@@ -14,6 +14,7 @@ from hf2q.cache.prefix_store import PrefixStore, fingerprint
 from hf2q.config import CacheConfig
 from hf2q.engine.prompt_outputs import POOLINGS, pool, prompt_logprobs
 from hf2q.engine.request import Request, RequestOutput, merge_outputs
+from hf2q.engine.overlap import LaunchedStep
 from hf2q.engine.runner import ModelRunner
 from hf2q.engine.sampler import RowState, SampleResult, Sampler
 from hf2q.engine.sampling_params import SamplingParams
@@ -40,6 +41,8 @@ class EngineConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     cache: CacheConfig = CacheConfig()
     spec: SpecConfig = SpecConfig()
+    # Queue each decode step before the host has read the previous step's tokens (hf2q.engine.overlap)
+    async_scheduling: bool = False
 
 
 def _disk_store(model: Model, cc: CacheConfig) -> Optional[PrefixStore]:
@@ -69,6 +72,9 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.last_batch = (0, 0)  # (sequences, tokens) of the latest step, for metrics
+        self.async_scheduling = config.async_scheduling and self.spec is None
+        self._launched: Optional[LaunchedStep] = None  # a decode step whose tokens the host has not read
+        self._finishing: dict[str, bool] = {}  # request id -> retain?: finished while fed into the launched step
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: Optional[str] = None,
@@ -187,7 +193,7 @@ class Engine:
             self.scheduler.prefix = prefix
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._launched is not None
 
     # ---- the loop ------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -196,12 +202,18 @@ class Engine:
         fails only that request, with an "error" output; a failure of the forward pass raises."""
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)
+        if self._launched is not None:
+            return self._step_launched()
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
         self.last_batch = (len(scheduled), sum(n for _, n in scheduled))
         sampling, logits = self.runner.run(scheduled)
         self.scheduler.retain_prefixes(scheduled)
+        if sampling and len(sampling) == len(scheduled) and self._overlappable(sampling):
+            states = [req.extras["out"] for req in sampling]
+            self._launched = LaunchedStep.queue(sampling, self.sampler.draw(logits, [s.row for s in states]))
+            return self._step_launched()
         outputs = []
         for req, _ in scheduled:
             if req.prefill_only and req.num_computed == req.num_tokens:
@@ -242,6 +254,83 @@ class Engine:
             if self.spec is not None:
                 self.spec.observe_step(sampling)
         self.scheduler.fork_siblings()
+        return outputs
+
+    # ---- async scheduling (hf2q.engine.overlap) ------------------------------------------------------
+    def _overlappable(self, reqs: list[Request]) -> bool:
+        """Whether a decode step of `reqs` may be queued before the host reads their previous tokens: async
+        scheduling on, every running request among them (nothing else would be scheduled), and each a plain
+        decode row whose draw needs nothing from the host."""
+        if not self.async_scheduling or self.scheduler.waiting or self.scheduler.background:
+            return False
+        if len(reqs) != len(self.scheduler.running):
+            return False
+        for req in reqs:
+            state = req.extras["out"]
+            if (req.prefill_only or req.keeps_hidden or req.mrope is not None or req.siblings
+                    or req.num_computed != req.num_tokens or state.constraint is not None
+                    or state.script is not None or state.budget is not None
+                    or not self.sampler.draws_without_host(state.row)):
+                return False
+        return True
+
+    def _step_launched(self) -> list[RequestOutput]:
+        """Queue the next decode step of the requests that go on (fed the launched step's tokens, still on
+        the device), then read the launched step's tokens and turn them into outputs."""
+        launched, self._launched = self._launched, None
+        going_on = [req for req in launched.requests if self._goes_on(req)]
+        in_launched = {req.request_id for req in launched.requests}
+        if going_on and all(req.request_id in in_launched for req in self.scheduler.running) \
+                and self._overlappable_next(going_on):
+            logits = self.runner.run_decode(going_on, launched.rows_of(going_on))
+            states = [req.extras["out"] for req in going_on]
+            self._launched = LaunchedStep.queue(going_on, self.sampler.draw(logits, [s.row for s in states]))
+            self.last_batch = (len(going_on), len(going_on))
+        outputs = self._read(launched)
+        self.scheduler.fork_siblings()
+        return outputs
+
+    def _goes_on(self, req: Request) -> bool:
+        """Still running after the launched step's token whatever that token is: not finished or aborted, and
+        that token not its last by max_tokens."""
+        state = req.extras["out"]
+        return (not req.finished and req.request_id not in self._finishing and self.requests.get(req.request_id) is req
+                and len(req.output_ids) + 1 < state.max_tokens)
+
+    def _overlappable_next(self, reqs: list[Request]) -> bool:
+        """`_overlappable` for requests whose newest token is still on the device (one past num_tokens)."""
+        if not self.async_scheduling or self.scheduler.waiting or self.scheduler.background:
+            return False
+        return all(req.num_computed == req.num_tokens and self.sampler.draws_without_host(req.extras["out"].row)
+                   for req in reqs)
+
+    def _read(self, launched: LaunchedStep) -> list[RequestOutput]:
+        """The launched step's outputs. A request that finishes here but was already fed into the step now
+        launched keeps its slot until that step is read; one that finished before this step drops its token."""
+        token_ids = launched.token_ids()
+        result = SampleResult(token_ids, [None] * len(token_ids), [None] * len(token_ids))
+        fed_on = {req.request_id for req in self._launched.requests} if self._launched is not None else set()
+        outputs = []
+        for i, req in enumerate(launched.requests):
+            if req.request_id in self._finishing:  # its token after the last one: dropped, the slot given up now
+                self.scheduler.finish(req, retain=self._finishing.pop(req.request_id))
+                continue
+            if req.finished or self.requests.get(req.request_id) is not req:  # aborted meanwhile
+                continue
+            state = req.extras["out"]
+            try:
+                out = state.append(token_ids[i], result, i)
+            except Exception as exc:
+                log.error("request %s failed: %r", req.request_id, exc, exc_info=exc)
+                out = state.failed(f"{type(exc).__name__}: {exc}")
+            if out.finished:
+                retain = out.finish_reason in ("stop", "length")
+                self.requests.pop(req.request_id, None)
+                if req.request_id in fed_on:
+                    self._finishing[req.request_id] = retain
+                else:
+                    self.scheduler.finish(req, retain=retain)
+            outputs.append(out)
         return outputs
 
     def _prefill_done(self, req: Request) -> RequestOutput:

@@ -108,6 +108,28 @@ class ModelRunner:
                 req.extras["verify"] = verify
         return sampling, logits[:len(rows)]
 
+    @torch.inference_mode()
+    def run_decode(self, reqs: list[Request], ids: torch.Tensor) -> torch.Tensor:
+        """One decode row per request whose newest token the host has not read yet: `ids` [n] on the device,
+        each fed at the request's next position (`num_computed`, which then counts it). Logits [n, vocab]
+        (graph-replayed where a graph serves the batch, a view valid until the next step)."""
+        positions = [req.num_computed for req in reqs]
+        slots = [req.slot for req in reqs]
+        for req, p in zip(reqs, positions):
+            self.cache.reserve(req.slot, p + 1)
+        graphs = self._decode_graphs() if self.use_graphs else None
+        if graphs is not None and len(reqs) <= graphs.buckets[-1] \
+                and all(len(self.cache.block_table(s)) <= graphs.width for s in slots):
+            logits = graphs.step(ids, positions, slots)
+        else:
+            batch = ForwardBatch(input_ids=ids, positions=torch.tensor(positions, dtype=torch.long, device=self.device),
+                                 seq_lens=[1] * len(reqs), start_lens=positions, slots=slots, cache=self.cache)
+            logits = self.net.compute_logits(self.net(batch))
+        for req in reqs:
+            req.num_computed += 1
+            self.cache.commit(req.slot, req.num_computed)
+        return logits
+
     def _image_embeds(self, batch: ForwardBatch, scheduled: list[tuple[Request, int]]) -> Optional[torch.Tensor]:
         """Input embeddings with image soft tokens when a scheduled chunk holds image pad rows, else None."""
         if not any(req.key_tokens is not None and req.num_computed < len(req.prompt_ids) for req, _ in scheduled):

@@ -139,8 +139,12 @@ class Sampler:
         assert logits.dim() == 2 and logits.shape[0] == len(rows), "one row of logits per RowState"
         assert logits.is_contiguous(), "logits are edited through a flat view"
         raw = self._raw_logprobs(logits, rows)
-        self.apply_processors(logits, rows)
+        return self._result(self.draw(logits, rows), raw, rows)
 
+    def draw(self, logits: torch.Tensor, rows: Sequence[RowState]) -> torch.Tensor:
+        """The tokens [B] on the logits' device, no logprobs. For rows that `draws_without_host(r)`, nothing
+        here waits for the device, so the next step can be queued before the host reads these tokens."""
+        self.apply_processors(logits, rows)
         tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         greedy = [i for i, r in enumerate(rows) if r.params.greedy]
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
@@ -148,7 +152,17 @@ class Sampler:
             tokens[greedy] = _take(logits, greedy).argmax(-1)
         if sampled:
             tokens[sampled] = _sample_rows(_take(logits, sampled), [rows[i] for i in sampled])
-        return self._result(tokens, raw, rows)
+        return tokens
+
+    @staticmethod
+    def draws_without_host(row: RowState) -> bool:
+        """Whether a row's next draw needs nothing the host learns from its previous token and never waits
+        for the device: no penalties (they count the tokens), no min_tokens (it counts them), no logprobs (read
+        back), no top-k / top-p / min-p (their candidate windows are checked on the host)."""
+        p = row.params
+        return (p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
+                and (p.min_tokens == 0 or not row.stop_token_ids) and not p.logprobs
+                and (p.greedy or not _truncates(p, 2 ** 62)))
 
     def apply_processors(self, logits: torch.Tensor, rows: Sequence[RowState]) -> torch.Tensor:
         """logit_bias, penalties and min_tokens, in place: the logits greedy rows take the argmax of."""

@@ -67,6 +67,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="prompt tokens of one sequence prefilled per step (default: %(default)s)")
     p.add_argument("--max-waiting", type=int, default=d.max_waiting,
                    help="queued requests before 429 (default: %(default)s)")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="queue each decode step before reading the previous step's tokens, so the host's work "
+                        "(stop checks, detokenizing, streaming) overlaps the GPU's; for rows without penalties, "
+                        "logprobs, grammars, top-k/top-p/min-p or speculation (others step as usual); same tokens")
     p.add_argument("--default-chat-template-kwargs", type=json.loads, default={},
                    help="JSON object merged under each request's chat_template_kwargs, "
                         "e.g. '{\"enable_thinking\": false}' (default: none)")
@@ -237,7 +241,8 @@ def sized_engine_config(args, model, device, dtype, spec):
     cache = with_prefix_cache(limits.cache, args, model, prefix_bytes)
     sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                             prefill_chunk=args.prefill_chunk, max_waiting=args.max_waiting)
-    return EngineConfig(max_model_len=limits.max_model_len, scheduler=sched, cache=cache, spec=spec)
+    return EngineConfig(max_model_len=limits.max_model_len, scheduler=sched, cache=cache, spec=spec,
+                        async_scheduling=getattr(args, "async_scheduling", False))
 
 
 def prefix_budget(args, device) -> int:

@@ -1,0 +1,100 @@
+"""Async scheduling (hf2q.engine.overlap) gives the tokens of plain stepping: requests that finish while
+already fed into the next step (by a stop token, so their retained prefix holds one token more), arrivals and
+an abort in the middle, a penalised row that turns the overlap off while it runs, and a follow-up prompt that
+resumes from a request retained that way."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf2q
+from hf2q.config import CacheConfig
+from hf2q.engine.engine import Engine, EngineConfig
+from hf2q.engine.sampling_params import SamplingParams
+from hf2q.engine.scheduler import SchedulerConfig
+
+
+DEVICES = ["cpu"] + ["cuda"] * torch.cuda.is_available()
+MODELS = [pytest.param((kind, dev), id=f"{kind}-{dev}", marks=[pytest.mark.gpu] if dev == "cuda" else [])
+          for dev in DEVICES for kind in ("dense", "moe")]
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def model(request):
+    """On CUDA the decode steps replay graphs and the tokens come back through pinned copies and events."""
+    kind, device = request.param
+    return hf2q.load(request.getfixturevalue(f"gguf_{kind}_f32"), device=device)
+
+
+def make_engine(model, overlap: bool) -> Engine:
+    return Engine(model, EngineConfig(
+        max_model_len=256, async_scheduling=overlap,
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, prefill_chunk=16),
+        cache=CacheConfig(num_slots=8, num_blocks=256, block_size=8, prefix_cache_bytes=1 << 26)))
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return [(seed * 7919 + 31 * i) % 150000 + 1000 for i in range(n)]
+
+
+def greedy(**kw) -> SamplingParams:
+    return SamplingParams(temperature=0, **kw)
+
+
+def run(model, overlap: bool, stop_id: int):
+    """Outputs (tokens, finish reason, cached tokens) by request id, and how many steps were queued ahead."""
+    engine = make_engine(model, overlap)
+    queued = []
+    run_decode = engine.runner.run_decode
+
+    def counting(reqs, ids):
+        queued.append(len(reqs))
+        return run_decode(reqs, ids)
+
+    engine.runner.run_decode = counting
+    first = {"g0": (prompt(1, 20), greedy(max_tokens=12, ignore_eos=True)),
+             "g1": (prompt(2, 5), greedy(max_tokens=1, ignore_eos=True)),
+             "g2": (prompt(3, 9), greedy(max_tokens=2, ignore_eos=True)),
+             "s0": (prompt(4, 30), SamplingParams(temperature=0.8, seed=5, max_tokens=9, ignore_eos=True)),
+             "st": (prompt(5, 12), greedy(max_tokens=12, ignore_eos=True, stop_token_ids=[stop_id]))}
+    later = {7: ("late", prompt(6, 7), greedy(max_tokens=6, ignore_eos=True)),
+             10: ("pen", prompt(7, 4), greedy(max_tokens=4, ignore_eos=True, repetition_penalty=1.3))}
+    out: dict[str, list] = {}
+    aborted_in_flight = False
+    for rid, (p, params) in first.items():
+        engine.add_request(p, params, request_id=rid)
+    step = 0
+    while engine.has_work():
+        step += 1
+        for o in engine.step():
+            tokens, _, _ = out.setdefault(o.request_id, ([], None, None))
+            out[o.request_id] = (tokens + o.new_token_ids, o.finish_reason, o.num_cached_tokens)
+        if step in later:
+            rid, p, params = later[step]
+            engine.add_request(p, params, request_id=rid)
+        if step == 6:  # in the async run, while a step holding g0 is queued
+            queued_now = engine._launched.requests if engine._launched is not None else []
+            aborted_in_flight = "g0" in [r.request_id for r in queued_now]
+            assert engine.abort("g0").finish_reason == "abort"
+    # the next turn of "st": its prompt and output, then more
+    st_tokens = first["st"][0] + out["st"][0]
+    follow = list(engine.generate(st_tokens + prompt(8, 3), greedy(max_tokens=5, ignore_eos=True)))
+    out["follow"] = ([t for o in follow for t in o.new_token_ids], follow[-1].finish_reason,
+                     follow[-1].num_cached_tokens)
+    assert not engine.scheduler.running and not engine._finishing and engine._launched is None
+    return out, queued, len(st_tokens), aborted_in_flight
+
+
+def test_async_scheduling_gives_the_tokens_of_plain_stepping(model):
+    engine = make_engine(model, False)
+    alone = [t for o in engine.generate(prompt(5, 12), greedy(max_tokens=12, ignore_eos=True)) for t in o.new_token_ids]
+    stop_id = alone[3]  # "st" ends at its fourth token (or earlier, where that token comes first)
+    plain, none_queued, _, _ = run(model, False, stop_id)
+    overlapped, queued, st_len, aborted_in_flight = run(model, True, stop_id)
+    assert not none_queued and queued and aborted_in_flight, "only the async run queued steps ahead (g0's among them)"
+    assert {rid: o[:2] for rid, o in overlapped.items()} == {rid: o[:2] for rid, o in plain.items()}
+    assert plain["st"][1] == "stop" and len(plain["st"][0]) <= 4
+    assert len(plain["g0"][0]) < 12 and plain["g0"][1] is None  # aborted on the way
+    # The follow-up resumed from "st"'s retained state: plain keeps all but the last sampled token, async the
+    # last one too (it was fed into the step queued behind it).
+    assert (plain["follow"][2], overlapped["follow"][2]) == (st_len - 1, st_len)
