@@ -56,6 +56,8 @@ def run(model, overlap: bool, stop_id: int):
              "g1": (prompt(2, 5), greedy(max_tokens=1, ignore_eos=True)),
              "g2": (prompt(3, 9), greedy(max_tokens=2, ignore_eos=True)),
              "s0": (prompt(4, 30), SamplingParams(temperature=0.8, seed=5, max_tokens=9, ignore_eos=True)),
+             "tk": (prompt(9, 6), SamplingParams(temperature=0.7, top_k=20, top_p=0.8, seed=9, max_tokens=8,
+                                                 ignore_eos=True)),
              "st": (prompt(5, 12), greedy(max_tokens=12, ignore_eos=True, stop_token_ids=[stop_id]))}
     later = {7: ("late", prompt(6, 7), greedy(max_tokens=6, ignore_eos=True)),
              10: ("pen", prompt(7, 4), greedy(max_tokens=4, ignore_eos=True, repetition_penalty=1.3))}

@@ -158,11 +158,12 @@ class Sampler:
     def draws_without_host(row: RowState) -> bool:
         """Whether a row's next draw needs nothing the host learns from its previous token and never waits
         for the device: no penalties (they count the tokens), no min_tokens (it counts them), no logprobs (read
-        back), no top-k / top-p / min-p (their candidate windows are checked on the host)."""
+        back), and no top-p / min-p without a top-k that the first candidate window holds (whether a window
+        held a row's kept tokens is read back)."""
         p = row.params
         return (p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
                 and (p.min_tokens == 0 or not row.stop_token_ids) and not p.logprobs
-                and (p.greedy or not _truncates(p, 2 ** 62)))
+                and (p.greedy or not _truncates(p, 2 ** 62) or _fits_top_k(p, CANDIDATE_WINDOWS[0])))
 
     def apply_processors(self, logits: torch.Tensor, rows: Sequence[RowState]) -> torch.Tensor:
         """logit_bias, penalties and min_tokens, in place: the logits greedy rows take the argmax of."""
@@ -270,12 +271,20 @@ def _sample_rows(logits: torch.Tensor, rows: Sequence[RowState]) -> torch.Tensor
             break
         sub = [rows[i] for i in pending]
         got, done = _sample_candidates(_take(logits, pending), sub, noise[pending], min(window, v))
+        if all(_fits_top_k(r.params, window) for r in sub):  # done by construction: no need to read `done`
+            tokens[pending] = got
+            break
         finished = [i for i, ok in zip(pending, done.tolist()) if ok]
         tokens[finished] = got[done]
         pending = [i for i, ok in zip(pending, done.tolist()) if not ok]
     if dense:
         tokens[dense] = _exponential_race(torch.softmax(_take(logits, dense), dim=-1), None, noise[dense])
     return tokens
+
+
+def _fits_top_k(p: SamplingParams, window: int) -> bool:
+    """A top_k that a candidate window holds: the row is sampled among its window's tokens whatever they are."""
+    return 0 < p.top_k <= window
 
 
 def _truncates(p: SamplingParams, vocab: int) -> bool:
