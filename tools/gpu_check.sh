@@ -15,7 +15,8 @@
 # tensor-core kernel (HF2Q_QUANT_MM=mmq) and dequantize + cuBLAS (tools/quant_mm_sweep.py); serve: a random 9B GGUF (MIX=q4_k_m or bf16,
 # tools/random_gguf.py) served by hf2q serve and measured by hf2q bench serve at 1, 4, 16 and 64 clients (64-token
 # prompts, 256 new tokens), then 16 clients with 2048-token prompts, then a second start (warm caches) and 1 client
-# (HF2Q_QUANT_MM=mmq in the environment serves 5-64 rows on the int8 tensor-core kernel); ttft: one served request's chunk timeline and the engine's
+# (HF2Q_QUANT_MM=mmq in the environment serves 5-64 rows on the int8 tensor-core kernel; SERVE_FLAGS adds
+# flags, e.g. SERVE_FLAGS=--async-scheduling); ttft: one served request's chunk timeline and the engine's
 # step times and profile for a 64-token prompt (tools/ttft_trace.py); kv: the compressed K/V kernels' tests and
 # model-level GPU tests, the paged decode configurations over fp8 and tq8 rows, and bench.kv's formats at the 9B
 # shape; mtp: train the small Qwen3.5 with its MTP head for 5 minutes (tools/train_mtp.py; carry the test
@@ -110,7 +111,8 @@ case "$stage" in
          [ -f "$model" ] || python tools/random_gguf.py --shape 9b --mix "$mix" -o "$model"
          start() {  # start hf2q serve, wait for /health 200, print how long that took and the load/warm-up lines
            t0=$(date +%s%N)
-           python -m hf2q.cli serve --model "$model" --port $port --max-num-seqs 64 --log-level info > "$1" 2>&1 &
+           python -m hf2q.cli serve --model "$model" --port $port --max-num-seqs 64 --log-level info ${SERVE_FLAGS:-} \
+             > "$1" 2>&1 &
            pid=$!
            until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do
              kill -0 $pid 2> /dev/null || { tail -30 "$1"; exit 1; }; sleep 0.2; done
