@@ -9,6 +9,7 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from tests.e2e.conftest import PLAIN_FLAGS, Server
 
@@ -31,20 +32,24 @@ async def leave_after_first_chunk(client: httpx.AsyncClient) -> int:
         return r.status_code
 
 
-def test_disconnect_storm(plain_server):
-    """50 streams that leave after their first chunk: every one aborted, the gauges back to 0."""
+@pytest.mark.parametrize("flags", [PLAIN_FLAGS, (*PLAIN_FLAGS, "--async-scheduling")], ids=["plain", "async-scheduling"])
+def test_disconnect_storm(server_factory, flags):
+    """50 streams that leave after their first chunk: every one aborted (with async scheduling, also while
+    a decode step holding it is queued), the gauges back to 0."""
+    server = server_factory(*flags)
+
     async def storm() -> list[int]:
-        async with httpx.AsyncClient(base_url=plain_server.url, timeout=120,
+        async with httpx.AsyncClient(base_url=server.url, timeout=120,
                                      limits=httpx.Limits(max_connections=50)) as client:
             return await asyncio.gather(*(leave_after_first_chunk(client) for _ in range(50)))
 
     statuses = asyncio.run(storm())
     assert set(statuses) <= {200, 429} and statuses.count(200) >= 4, statuses
     deadline = time.monotonic() + 10
-    while any(gauges(plain_server).values()) and time.monotonic() < deadline:
+    while any(gauges(server).values()) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert gauges(plain_server) == {"hf2q_num_requests_running": 0, "hf2q_num_requests_waiting": 0}
-    assert plain_server.healthy()
+    assert gauges(server) == {"hf2q_num_requests_running": 0, "hf2q_num_requests_waiting": 0}
+    assert server.healthy()
 
 
 GRACE_S = 1.5
