@@ -32,7 +32,8 @@ async def leave_after_first_chunk(client: httpx.AsyncClient) -> int:
         return r.status_code
 
 
-@pytest.mark.parametrize("flags", [PLAIN_FLAGS, (*PLAIN_FLAGS, "--async-scheduling")], ids=["plain", "async-scheduling"])
+@pytest.mark.parametrize("flags", [PLAIN_FLAGS, (*PLAIN_FLAGS, "--async-scheduling")],
+                         ids=["plain", "async-scheduling"])
 def test_disconnect_storm(server_factory, flags):
     """50 streams that leave after their first chunk: every one aborted (with async scheduling, also while
     a decode step holding it is queued), the gauges back to 0."""
