@@ -100,3 +100,28 @@ def test_async_scheduling_gives_the_tokens_of_plain_stepping(model):
     # The follow-up resumed from "st"'s retained state: plain keeps all but the last sampled token, async the
     # last one too (it was fed into the step queued behind it).
     assert (plain["follow"][2], overlapped["follow"][2]) == (st_len - 1, st_len)
+
+
+def test_a_failed_queued_step_leaves_no_request_behind(model):
+    """The forward of a queued step raises (the server then fails every running request): the request that
+    stopped in the step before it, already fed on, still gives its slot up."""
+    engine = make_engine(model, True)
+    alone = [t for o in engine.generate(prompt(5, 12), greedy(max_tokens=12, ignore_eos=True)) for t in o.new_token_ids]
+    engine.add_request(prompt(5, 12), greedy(max_tokens=12, ignore_eos=True, stop_token_ids=[alone[2]]),
+                       request_id="st")
+    engine.add_request(prompt(1, 20), greedy(max_tokens=12, ignore_eos=True), request_id="g0")
+    run_decode, calls = engine.runner.run_decode, []
+
+    def failing(reqs, ids):
+        calls.append([r.request_id for r in reqs])
+        if "st" not in calls[-1]:  # the step after "st" stopped (it was fed into the one before)
+            raise RuntimeError("device fault")
+        return run_decode(reqs, ids)
+
+    engine.runner.run_decode = failing
+    with pytest.raises(RuntimeError, match="device fault"):
+        while engine.has_work():
+            engine.step()
+    engine.abort("g0")  # what the server does with every request still running
+    assert not engine.scheduler.running and not engine._finishing and not engine.has_work()
+    assert engine.cache.num_free_slots == 8

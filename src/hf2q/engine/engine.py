@@ -282,9 +282,14 @@ class Engine:
         in_launched = {req.request_id for req in launched.requests}
         if going_on and all(req.request_id in in_launched for req in self.scheduler.running) \
                 and self._overlappable_next(going_on):
-            logits = self.runner.run_decode(going_on, launched.rows_of(going_on))
-            states = [req.extras["out"] for req in going_on]
-            self._launched = LaunchedStep.queue(going_on, self.sampler.draw(logits, [s.row for s in states]))
+            try:
+                logits = self.runner.run_decode(going_on, launched.rows_of(going_on))
+                states = [req.extras["out"] for req in going_on]
+                self._launched = LaunchedStep.queue(going_on, self.sampler.draw(logits, [s.row for s in states]))
+            except BaseException:  # the caller fails the running requests; those stopping here finish first
+                self._launched = None
+                self._read(launched)
+                raise
             self.last_batch = (len(going_on), len(going_on))
         outputs = self._read(launched)
         self.scheduler.fork_siblings()
