@@ -10,6 +10,7 @@ import hf2q
 from hf2q.config import CacheConfig
 from hf2q.engine.async_engine import AsyncEngine
 from hf2q.engine.engine import Engine, EngineConfig
+from hf2q.engine.request import RequestOptions
 from hf2q.engine.sampling_params import SamplingParams
 from hf2q.engine.scheduler import QueueFull, SchedulerConfig
 
@@ -125,7 +126,7 @@ def test_choices_of_one_request_fork_the_prompt(model):
 def run_all_group(engine, prompt, params) -> dict[str, list[int]]:
     out = {}
     for i, p in enumerate(params):
-        engine.add_request(prompt, p, request_id=f"c{i}", group="g")
+        engine.add_request(prompt, p, request_id=f"c{i}", options=RequestOptions(group="g"))
         out[f"c{i}"] = []
     while engine.has_work():
         for o in engine.step():

@@ -9,6 +9,7 @@ import pytest
 import hf2q
 from hf2q.config import CacheConfig
 from hf2q.engine.engine import Engine, EngineConfig
+from hf2q.engine.request import RequestOptions
 from hf2q.engine.sampling_params import SamplingParams
 from hf2q.engine.scheduler import SchedulerConfig
 from hf2q.server.schemas import Message
@@ -36,7 +37,7 @@ def run(engine, requests: dict) -> dict:
     """requests: id -> (prompt, params, anchor). Returns id -> (tokens, cached tokens)."""
     out = {}
     for rid, (prompt, params, anchor) in requests.items():
-        engine.add_request(prompt, params, request_id=rid, anchor=anchor)
+        engine.add_request(prompt, params, request_id=rid, options=RequestOptions(anchor=anchor))
         out[rid] = ([], 0)
     while engine.has_work():
         for o in engine.step():
@@ -183,7 +184,7 @@ def test_n_choices_fork_from_a_resumed_prompt(model):
         engine = make_engine(model, prefix_bytes=prefix_bytes)
         run(engine, {"a": (prompt, GREEDY, 40)})
         for i in range(3):
-            engine.add_request(follow, SEEDED.for_choice(i), request_id=f"c{i}", group="g")
+            engine.add_request(follow, SEEDED.for_choice(i), request_id=f"c{i}", options=RequestOptions(group="g"))
         out = {f"c{i}": [] for i in range(3)}
         cached = set()
         while engine.has_work():

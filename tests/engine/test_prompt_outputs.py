@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import hf2q
 from hf2q.config import CacheConfig
 from hf2q.engine.engine import Engine, EngineConfig
+from hf2q.engine.request import RequestOptions
 from hf2q.engine.sampling_params import SamplingParams
 from hf2q.engine.scheduler import SchedulerConfig
 from hf2q.forward import ForwardBatch
@@ -48,8 +49,9 @@ def test_prompt_logprobs_equal_full_forward(model, chunk):
     engine = make_engine(model, chunk)
     greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     for i, ids in enumerate(PROMPTS):
-        engine.add_request(ids, greedy, request_id=f"gen{i}", prompt_logprobs=2)
-        engine.add_request(ids, greedy, request_id=f"only{i}", prefill_only=True, prompt_logprobs=0)
+        engine.add_request(ids, greedy, request_id=f"gen{i}", options=RequestOptions(prompt_logprobs=2))
+        engine.add_request(ids, greedy, request_id=f"only{i}",
+                           options=RequestOptions(prefill_only=True, prompt_logprobs=0))
     engine.add_request(PROMPTS[2], greedy, request_id="plain")
     outs = run(engine)
     for i, ids in enumerate(PROMPTS):
@@ -78,8 +80,8 @@ def test_embeddings_equal_full_forward_and_leave_generation_alone(model, chunk):
     alone = [t for o in solo.generate(PROMPTS[2], greedy) for t in o.new_token_ids]
     engine.add_request(PROMPTS[2], greedy, request_id="gen")
     for i, ids in enumerate(PROMPTS):
-        engine.add_request(ids, SamplingParams(), request_id=f"last{i}", pooling="last")
-        engine.add_request(ids, SamplingParams(), request_id=f"mean{i}", pooling="mean")
+        engine.add_request(ids, SamplingParams(), request_id=f"last{i}", options=RequestOptions(pooling="last"))
+        engine.add_request(ids, SamplingParams(), request_id=f"mean{i}", options=RequestOptions(pooling="mean"))
     outs = run(engine)
     assert [t for o in outs["gen"] for t in o.new_token_ids] == alone
     for i, ids in enumerate(PROMPTS):
@@ -94,8 +96,9 @@ def test_embeddings_equal_full_forward_and_leave_generation_alone(model, chunk):
 def test_embedding_request_checks(model):
     engine = make_engine(model, 16)
     with pytest.raises(ValueError, match="pooling"):
-        engine.add_request([1, 2], SamplingParams(), pooling="max")
-    engine.add_request(list(range(100, 228)), SamplingParams(), pooling="last")  # the whole context, no output room
+        engine.add_request([1, 2], SamplingParams(), options=RequestOptions(pooling="max"))
+    # the whole context, no output room
+    engine.add_request(list(range(100, 228)), SamplingParams(), options=RequestOptions(pooling="last"))
 
 
 @pytest.mark.gpu
@@ -140,7 +143,7 @@ def test_prompt_logprobs_never_resume_from_a_retained_prefix(model):
     engine.add_request(PROMPTS[2][:24], greedy, request_id="first")
     run(engine)
     assert engine.prefix.lookup(PROMPTS[2]) is not None  # the second prompt could resume from the first
-    engine.add_request(PROMPTS[2], greedy, request_id="lp", prompt_logprobs=0)
+    engine.add_request(PROMPTS[2], greedy, request_id="lp", options=RequestOptions(prompt_logprobs=0))
     lps = run(engine)["lp"][0].prompt_logprobs
     ref = torch.log_softmax(model.logits(PROMPTS[2]).float(), dim=-1)
     assert len(lps) == len(PROMPTS[2])

@@ -6,6 +6,7 @@ import pytest
 import hf2q
 from hf2q.config import CacheConfig
 from hf2q.engine.engine import Engine, EngineConfig, PromptTooLong
+from hf2q.engine.request import RequestOptions
 from hf2q.engine.sampling_params import SamplingParams
 from hf2q.engine.scheduler import SchedulerConfig
 
@@ -24,7 +25,7 @@ def scripted(model, text: str, **params) -> tuple[str, list, str]:
     """Force `text` as the model's reply (then EOS); return (streamed text, deltas, finish reason)."""
     ids = model.tokenizer.encode(text)
     engine = engine_for(model)
-    outs = list(engine.generate([1, 2, 3], SamplingParams(temperature=0, **params), scripted_ids=ids))
+    outs = list(engine.generate([1, 2, 3], SamplingParams(temperature=0, **params), RequestOptions(scripted_ids=ids)))
     return "".join(o.new_text for o in outs), outs, outs[-1].finish_reason
 
 

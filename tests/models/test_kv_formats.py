@@ -13,7 +13,7 @@ import hf2q
 from hf2q.cache.hybrid import HybridCache
 from hf2q.config import CacheConfig
 from hf2q.engine.engine import Engine, EngineConfig
-from hf2q.engine.request import Request
+from hf2q.engine.request import Request, RequestOptions
 from hf2q.engine.runner import ModelRunner
 from hf2q.engine.sampling_params import SamplingParams
 from hf2q.engine.scheduler import SchedulerConfig
@@ -101,7 +101,7 @@ def run_engine(engine, requests) -> tuple[dict, dict]:
     """requests: id -> (prompt, group), run together; returns id -> tokens, id -> cached tokens."""
     tokens, cached = {}, {}
     for rid, (prompt, group) in requests.items():
-        engine.add_request(prompt, GREEDY, request_id=rid, group=group)
+        engine.add_request(prompt, GREEDY, request_id=rid, options=RequestOptions(group=group))
         tokens[rid], cached[rid] = [], 0
     while engine.has_work():
         for o in engine.step():

@@ -58,7 +58,7 @@ class _Engine:
     def __init__(self, outs):
         self.outs = outs
 
-    async def generate(self, request_id, prompt_ids, params, **kwargs):
+    async def generate(self, request_id, prompt_ids, params, options):
         for out in self.outs:
             yield out
 

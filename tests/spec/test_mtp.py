@@ -12,6 +12,7 @@ import pytest
 import hf2q
 from hf2q.config import CacheConfig
 from hf2q.engine.engine import Engine, EngineConfig
+from hf2q.engine.request import RequestOptions
 from hf2q.engine.sampling_params import SamplingParams
 from hf2q.engine.scheduler import SchedulerConfig
 from hf2q.spec import SpecConfig
@@ -39,7 +40,8 @@ def run(engine, sampled=True):
     outs = {}
     for i, (prompt, p) in enumerate(zip(PROMPTS, params)):
         for c in range(p.n):
-            engine.add_request(prompt, p, request_id=f"r{i}.{c}", group="g" if p.n > 1 else None)
+            engine.add_request(prompt, p, request_id=f"r{i}.{c}",
+                               options=RequestOptions(group="g" if p.n > 1 else None))
             outs[f"r{i}.{c}"] = ([], None)
     while engine.has_work():
         for o in engine.step():

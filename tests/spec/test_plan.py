@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 import hf2q
+from hf2q.engine.request import RequestOptions
 from hf2q.engine.sampling_params import SamplingParams
 from hf2q.spec import SpecConfig
 from tests.spec.test_verify import make_engine
@@ -28,7 +29,8 @@ class Fixed:
 def second_step(model, script, drafts):
     engine = make_engine(model, SpecConfig(method="ngram", num_tokens=3, cost_window=0))
     engine.spec.new_proposer = lambda: Fixed(drafts)
-    engine.add_request(PROMPT, SamplingParams(temperature=0, max_tokens=16), scripted_ids=script)
+    engine.add_request(PROMPT, SamplingParams(temperature=0, max_tokens=16),
+                       options=RequestOptions(scripted_ids=script))
     engine.step()  # prefill: decides 5
     (out,) = engine.step()
     return out, engine.spec.stats
@@ -54,7 +56,8 @@ def test_ngram_proposer_end_to_end(model):
     outs = {}
     for spec in (SpecConfig(), SpecConfig(method="ngram", num_tokens=3, ngram_min=2, ngram_max=4)):
         engine = make_engine(model, spec)
-        deltas = list(engine.generate(prompt, SamplingParams(temperature=0, max_tokens=16), scripted_ids=script))
+        deltas = list(engine.generate(prompt, SamplingParams(temperature=0, max_tokens=16),
+                                      RequestOptions(scripted_ids=script)))
         outs[spec.method] = ([t for o in deltas for t in o.new_token_ids], len(deltas), engine.spec)
     (plain, plain_steps, _), (spec, spec_steps, speculator) = outs["off"], outs["ngram"]
     assert spec == plain == script + [min(model.eos_token_ids)]

@@ -14,6 +14,7 @@ import torch
 import hf2q
 from hf2q.config import CacheConfig
 from hf2q.engine.engine import Engine, EngineConfig
+from hf2q.engine.request import RequestOptions
 from hf2q.engine.sampling_params import SamplingParams
 from hf2q.engine.scheduler import SchedulerConfig
 from hf2q.kernels import choose
@@ -90,7 +91,7 @@ def run(engine, work):
         kw = dict(kw, grammar=CountingMask()) if kw.get("grammar") else kw
         for c in range(params.n):
             rid = f"r{i}.{c}"
-            engine.add_request(prompt, params, request_id=rid, **kw)
+            engine.add_request(prompt, params, request_id=rid, options=RequestOptions(**kw))
             outs[rid] = {"ids": [], "text": "", "logprobs": [], "finish": None}
     while engine.has_work():
         for o in engine.step():

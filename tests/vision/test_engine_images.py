@@ -10,6 +10,7 @@ import torch
 import hf2q
 from hf2q.config import CacheConfig
 from hf2q.engine.engine import Engine, EngineConfig
+from hf2q.engine.request import RequestOptions
 from hf2q.engine.sampling_params import SamplingParams
 from hf2q.engine.scheduler import SchedulerConfig
 from tests.support.fixtures import hf_vl_checkpoint, our_vl_ggufs
@@ -33,7 +34,8 @@ def _engine(model, prefix_bytes=0, chunk=16):
 
 
 def _run(engine, ids, images, max_tokens=32, **kw):
-    outs = list(engine.generate(ids, SamplingParams(temperature=0, max_tokens=max_tokens), images=images, **kw))
+    outs = list(engine.generate(ids, SamplingParams(temperature=0, max_tokens=max_tokens),
+                                RequestOptions(images=tuple(images), **kw)))
     return [t for o in outs for t in o.new_token_ids], outs[-1]
 
 
@@ -76,10 +78,10 @@ def test_queued_request_waits_only_for_a_checkpoint_of_its_own_image(dense_vl):
     a, b = random_image((1, 6, 6), 5), random_image((1, 6, 6), 6)
     ids = _prompt([a], [4, 3])
     params = SamplingParams(temperature=0, max_tokens=2)
-    engine.add_request(ids, params, images=[a])
+    engine.add_request(ids, params, options=RequestOptions(images=(a,)))
     engine.step()  # the first 8 prompt tokens; the image's pad rows are still ahead
-    same = engine.add_request(ids, params, images=[a], request_id="same")
-    other = engine.add_request(ids, params, images=[b], request_id="other")
+    same = engine.add_request(ids, params, "same", RequestOptions(images=(a,)))
+    other = engine.add_request(ids, params, "other", RequestOptions(images=(b,)))
     assert engine.scheduler._awaits_checkpoint(same)
     assert not engine.scheduler._awaits_checkpoint(other)
 
@@ -88,7 +90,8 @@ def test_bad_image_requests_are_refused(dense_vl):
     engine = _engine(dense_vl)
     image = random_image((1, 4, 4), 7)
     with pytest.raises(ValueError, match="needs 4 consecutive image pad tokens"):
-        engine.add_request([1, 248056, 2], SamplingParams(), images=[image])
+        engine.add_request([1, 248056, 2], SamplingParams(), options=RequestOptions(images=(image,)))
     text_only = dataclasses.replace(dense_vl, vision=None)
     with pytest.raises(ValueError, match="no vision tower"):
-        _engine(text_only).add_request(_prompt([image], [1, 1]), SamplingParams(), images=[image])
+        _engine(text_only).add_request(_prompt([image], [1, 1]), SamplingParams(),
+                                       options=RequestOptions(images=(image,)))

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from hf2q.cache.hybrid import HybridCache
 from hf2q.config import CacheConfig, ModelConfig
 from hf2q.engine.engine import Engine, EngineConfig
-from hf2q.engine.request import Request
+from hf2q.engine.request import Request, RequestOptions
 from hf2q.engine.runner import ModelRunner
 from hf2q.forward import ForwardBatch
 from hf2q.model import Model
@@ -158,13 +158,13 @@ class TPEngine(Engine):
         self.group = group
         self.async_scheduling = False  # the other ranks replay steps whose input ids the host knows
 
-    def add_request(self, prompt_ids, params, **kwargs):
+    def add_request(self, prompt_ids, params, request_id=None, options: RequestOptions = RequestOptions()):
         # The vocab-parallel head is a collective the other ranks would have to join for every prompt row.
-        if kwargs.get("prompt_logprobs") is not None:
+        if options.prompt_logprobs is not None:
             raise ValueError("prompt logprobs (echo with logprobs) are not supported with tensor parallelism")
-        if kwargs.get("images"):
+        if options.images:
             raise ValueError("images are not supported with tensor parallelism")
-        return super().add_request(prompt_ids, params, **kwargs)
+        return super().add_request(prompt_ids, params, request_id, options)
 
     def close(self) -> None:
         broadcast(None, self.group)

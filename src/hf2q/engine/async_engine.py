@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Optional
 
 from hf2q.engine.engine import Engine
-from hf2q.engine.request import RequestOutput
+from hf2q.engine.request import RequestOptions, RequestOutput
 from hf2q.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ class _Submit:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    kwargs: dict
+    options: RequestOptions
     sink: _Sink
     accepted: "queue.Queue[Optional[BaseException]]"
 
@@ -83,13 +83,13 @@ class AsyncEngine:
             prefix.disk.flush()
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                       **kwargs) -> AsyncIterator[RequestOutput]:
+                       options: RequestOptions = RequestOptions()) -> AsyncIterator[RequestOutput]:
         """Deltas of one request. Validation errors raise before the first yield; leaving early aborts."""
         loop = asyncio.get_running_loop()
         deltas: asyncio.Queue = asyncio.Queue()
         accepted: "queue.Queue[Optional[BaseException]]" = queue.Queue()
 
-        self._commands.put(_Submit(request_id, prompt_ids, params, kwargs, _Sink(loop, deltas), accepted))
+        self._commands.put(_Submit(request_id, prompt_ids, params, options, _Sink(loop, deltas), accepted))
         error = await loop.run_in_executor(None, accepted.get)
         if error is not None:
             raise error
@@ -164,7 +164,7 @@ class AsyncEngine:
                 cmd.accepted.put(ShuttingDown(self._refusal))
                 return
             try:
-                self.engine.add_request(cmd.prompt_ids, cmd.params, request_id=cmd.request_id, **cmd.kwargs)
+                self.engine.add_request(cmd.prompt_ids, cmd.params, request_id=cmd.request_id, options=cmd.options)
             except Exception as exc:
                 cmd.accepted.put(exc)
                 return

@@ -4,7 +4,7 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator, Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -12,9 +12,9 @@ from hf2q.cache.hybrid import HybridCache
 from hf2q.cache.prefix_cache import PrefixCache
 from hf2q.cache.prefix_store import PrefixStore, fingerprint
 from hf2q.config import CacheConfig
-from hf2q.engine.prompt_outputs import POOLINGS, pool, prompt_logprobs
-from hf2q.engine.request import Request, RequestOutput, merge_outputs
 from hf2q.engine.overlap import LaunchedStep
+from hf2q.engine.prompt_outputs import POOLINGS, pool, prompt_logprobs
+from hf2q.engine.request import Request, RequestOptions, RequestOutput, merge_outputs
 from hf2q.engine.runner import ModelRunner
 from hf2q.engine.sampler import RowState, SampleResult, Sampler
 from hf2q.engine.sampling_params import SamplingParams
@@ -23,10 +23,6 @@ from hf2q.engine.sequence_output import SequenceOutput
 from hf2q.model import Model
 from hf2q.spec.proposer import SpecConfig
 from hf2q.spec.speculator import Speculator, Verify
-
-if TYPE_CHECKING:  # xgrammar is imported only by requests that use a grammar
-    from hf2q.engine.grammar import Grammar
-
 
 log = logging.getLogger(__name__)
 
@@ -78,28 +74,22 @@ class Engine:
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: Optional[str] = None,
-                    thinking_budget: Optional[int] = None, starts_in_reasoning: bool = False,
-                    scripted_ids: Optional[list[int]] = None, group: Optional[str] = None,
-                    grammar: Optional[Grammar] = None, prefill_only: bool = False,
-                    prompt_logprobs: Optional[int] = None, pooling: Optional[str] = None,
-                    anchor: Optional[int] = None, images: Optional[list] = None) -> Request:
-        """Queue a request. `grammar` (from `hf2q.engine.grammar`) constrains its output: each sampled
-        row is masked to what the grammar allows next, and the request ends when the grammar is complete.
-
-        `prompt_logprobs` (top entries per token) makes the first output carry the prompt tokens' logprobs;
-        `prefill_only` ends the request after its prompt, without sampling; `pooling` ("last" or "mean")
-        makes it an embedding request: prefill only, its one output carries the embedding.
-        `anchor`: the prompt length the next turn of a conversation will extend (a checkpoint is kept there).
-        `images` (`hf2q.vision.ImageInput`, in prompt order): each fills one run of `num_tokens` image pad tokens
-        of the prompt; the tower runs at prefill and the prefix cache keys on the images' content hashes."""
+                    options: RequestOptions = RequestOptions()) -> Request:
+        """Queue a request (`RequestOptions` says what it asks besides sampling). A grammar masks each sampled
+        row to what it allows next and ends the request when complete; prompt logprobs come with the first
+        output; a prefill-only request ends after its prompt, an embedding request (pooling "last" or "mean")
+        with its one output carrying the embedding; an anchor keeps a checkpoint where the next turn will
+        resume; images each fill one run of `num_tokens` image pad tokens of the prompt (the tower runs at
+        prefill and the prefix cache keys on their content hashes)."""
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
         if not prompt_ids:
             raise ValueError("the prompt is empty")
+        pooling, anchor = options.pooling, options.anchor
         if pooling is not None and pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
-        prefill_only = prefill_only or pooling is not None
+        prefill_only = options.prefill_only or pooling is not None
         n = len(prompt_ids)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
         max_tokens = 0 if prefill_only else max_tokens
@@ -110,13 +100,15 @@ class Engine:
         bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})")
-        req = Request(request_id, list(prompt_ids), params, max_total_len=n + max_tokens, group=group,
-                      prefill_only=prefill_only, prompt_logprobs=prompt_logprobs, pooling=pooling,
+        req = Request(request_id, list(prompt_ids), params, max_total_len=n + max_tokens, group=options.group,
+                      prefill_only=prefill_only, prompt_logprobs=options.prompt_logprobs, pooling=pooling,
                       anchor=anchor if anchor is not None and 0 < anchor < n else None)
-        if images:
-            self._attach_images(req, images)
-        req.extras["out"] = SequenceOutput(self.model, req, max_tokens, thinking_budget, starts_in_reasoning,
-                                           scripted_ids, grammar.constraint() if grammar is not None else None)
+        if options.images:
+            self._attach_images(req, list(options.images))
+        grammar = options.grammar
+        req.extras["out"] = SequenceOutput(self.model, req, max_tokens, options.thinking_budget,
+                                           options.starts_in_reasoning, options.scripted_ids,
+                                           grammar.constraint() if grammar is not None else None)
         self.scheduler.add(req)
         self.requests[request_id] = req
         return req
@@ -427,9 +419,10 @@ class Engine:
             top += one.top_logprobs
         return SampleResult(tokens, logprobs, top)
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams, **kwargs) -> Iterator[RequestOutput]:
+    def generate(self, prompt_ids: list[int], params: SamplingParams,
+                 options: RequestOptions = RequestOptions()) -> Iterator[RequestOutput]:
         """Run one request to completion (other queued requests advance too), yielding its deltas."""
-        req = self.add_request(prompt_ids, params, **kwargs)
+        req = self.add_request(prompt_ids, params, options=options)
         while not req.finished:
             for out in self.step():
                 if out.request_id == req.request_id:

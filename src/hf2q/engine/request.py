@@ -57,6 +57,22 @@ def merge_outputs(outs: list[RequestOutput]) -> RequestOutput:
                          prompt_logprobs=first.prompt_logprobs, embedding=last.embedding)
 
 
+@dataclass(frozen=True)
+class RequestOptions:
+    """What a request asks of the engine besides its prompt and sampling parameters (`Engine.add_request`)."""
+    thinking_budget: Optional[int] = None  # reasoning tokens before "</think>" is forced (with starts_in_reasoning)
+    starts_in_reasoning: bool = False  # the prompt ends inside a reasoning block
+    group: Optional[str] = None  # choices of one API request (n > 1): later ones fork the first one's prompt
+    grammar: Any = None  # hf2q.engine.grammar.Grammar: each sampled row is masked to what it allows next
+    prefill_only: bool = False  # compute the prompt and finish without sampling
+    prompt_logprobs: Optional[int] = None  # the first output carries the prompt tokens' logprobs (top entries)
+    pooling: Optional[str] = None  # "last" | "mean": an embedding request (prefill only)
+    anchor: Optional[int] = None  # the prompt length the next turn of a conversation will extend
+    images: tuple = ()  # hf2q.vision.ImageInput, in prompt order: each fills one run of image pad tokens
+    # The one test aid in the product path (`hf2q serve --scripted-replies`): tokens forced instead of sampled.
+    scripted_ids: Optional[tuple[int, ...]] = None
+
+
 @dataclass
 class Request:
     request_id: str

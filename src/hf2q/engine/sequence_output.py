@@ -4,7 +4,7 @@ Turns each sampled token into a `RequestOutput` delta and decides when the reque
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from hf2q.engine.request import Request, RequestOutput, TokenLogprob
 from hf2q.engine.sampler import RowState
@@ -22,7 +22,7 @@ TOOL_CALL_OPEN_TEXT = "<tool_call>"
 
 class SequenceOutput:
     def __init__(self, model, req: Request, max_tokens: int, thinking_budget: Optional[int],
-                 starts_in_reasoning: bool, scripted_ids: Optional[list[int]] = None,
+                 starts_in_reasoning: bool, scripted_ids: Optional[Sequence[int]] = None,
                  constraint: Optional[Constraint] = None):
         self.req = req
         self.params = req.params

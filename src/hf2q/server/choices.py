@@ -8,6 +8,7 @@ which frees the cache slots.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -15,7 +16,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import AsyncIterator, Optional
 
-from hf2q.engine.request import RequestOutput
+from hf2q.engine.request import RequestOptions, RequestOutput
 from hf2q.engine.sampling_params import SamplingParams
 from hf2q.server.errors import APIError
 from hf2q.server.metrics import RequestTimer
@@ -38,13 +39,13 @@ class Generation:
 
 class Choices:
     def __init__(self, state: ServerState, prompts: list[list[int]], params: SamplingParams, prompt_param: str,
-                 **engine_kwargs):
-        """engine_kwargs go to every engine request (`Engine.add_request`: thinking_budget, pooling, ...)."""
+                 options: RequestOptions = RequestOptions()):
+        """`options` go to every engine request (each choice adds its fork group and scripted reply)."""
         self.state = state
         self.prompts = prompts
         self.params = params
         self.prompt_param = prompt_param
-        self.kwargs = engine_kwargs
+        self.options = options
         self.arrival = time.monotonic()
         self.gens: list[Generation] = []
         self._iters: list[AsyncIterator[RequestOutput]] = []
@@ -58,12 +59,11 @@ class Choices:
         """
         base, n = uuid.uuid4().hex, self.params.n
         # Prompt logprobs need every prompt row of every choice, which a forked choice does not compute.
-        fork = n > 1 and self.kwargs.get("prompt_logprobs") is None
+        fork = n > 1 and self.options.prompt_logprobs is None
         which = [(p, j) for p in range(len(self.prompts)) for j in range(n)]
         rids = [f"{base}-{p * n + j}" for p, j in which]
-        self._iters = [self.state.engine.generate(rid, self.prompts[p], self.params.for_choice(j),
-                                                  group=f"{base}-p{p}" if fork else None,
-                                                  scripted_ids=self.state.next_script(), **self.kwargs)
+        self._iters = [self.state.engine.generate(rid, self.prompts[p], self.params.for_choice(j), self._options(
+                           group=f"{base}-p{p}" if fork else None, script=self.state.next_script()))
                        for rid, (p, j) in zip(rids, which)]
         firsts = await asyncio.gather(*(it.__anext__() for it in self._iters), return_exceptions=True)
         failure = next((f for f in firsts if isinstance(f, BaseException)), None)
@@ -76,6 +76,10 @@ class Choices:
         self._firsts = list(firsts)
         self.gens = [Generation(i, p, rid, RequestTimer(self.state.metrics, self.arrival))
                      for i, (rid, (p, _)) in enumerate(zip(rids, which))]
+
+    def _options(self, group: Optional[str], script: Optional[list[int]]) -> RequestOptions:
+        return dataclasses.replace(self.options, group=group,
+                                   scripted_ids=tuple(script) if script is not None else None)
 
     async def stream(self) -> AsyncIterator[tuple[Generation, RequestOutput]]:
         """(choice, delta) pairs in arrival order, until every choice finished."""

@@ -12,6 +12,7 @@ from typing import AsyncIterator, Optional, Sequence
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from hf2q.engine.request import RequestOptions
 from hf2q.server.chat_output import ChatOutput, add_delta
 from hf2q.server.choices import Choices, by_choice, logprob_entries
 from hf2q.server.errors import APIError, bad_request
@@ -229,14 +230,13 @@ class ChatServing:
         params = build_params(req, self.state.model.config.vocab_size, max_tokens, req.logprobs,
                               req.top_logprobs or 0)
         starts = prompt_opens_reasoning(prompt_text)
-        choices = Choices(self.state, [prompt_ids], params, "messages", thinking_budget=thinking_budget(req),
-                          starts_in_reasoning=starts)
+        anchor = None
         if self.state.config.prefix_cache:  # one more render and tokenization: off the event loop too
-            choices.kwargs["anchor"] = await asyncio.to_thread(self.anchor, req, tools, prompt_ids, images)
-        if images:
-            choices.kwargs["images"] = images
-        if _constrained(req):
-            choices.kwargs["grammar"] = await self.grammar(req, tools, starts)
+            anchor = await asyncio.to_thread(self.anchor, req, tools, prompt_ids, images)
+        grammar = await self.grammar(req, tools, starts) if _constrained(req) else None
+        options = RequestOptions(thinking_budget=thinking_budget(req), starts_in_reasoning=starts, anchor=anchor,
+                                 images=tuple(images or ()), grammar=grammar)
+        choices = Choices(self.state, [prompt_ids], params, "messages", options)
         await choices.start()
         outputs = [ChatOutput(starts, tools, _tool_choice(req), req.parallel_tool_calls is not False)
                    for _ in range(params.n)]

@@ -14,7 +14,7 @@ from typing import AsyncIterator, Optional
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from hf2q.engine.request import merge_outputs
+from hf2q.engine.request import RequestOptions, merge_outputs
 from hf2q.engine.sampling_params import MAX_TOP_LOGPROBS
 from hf2q.server.choices import Choices, by_choice
 from hf2q.server.errors import APIError, bad_request
@@ -99,8 +99,8 @@ class CompletionServing:
         max_tokens = 16 if req.max_tokens is None else 1 if prefill_only else req.max_tokens
         params = build_params(req, self.state.model.config.vocab_size, max_tokens, want_lp, req.logprobs or 0)
         prompt_logprobs = req.logprobs if req.echo and want_lp else None
-        choices = Choices(self.state, prompts, params, "prompt", prefill_only=prefill_only,
-                          prompt_logprobs=prompt_logprobs)
+        choices = Choices(self.state, prompts, params, "prompt",
+                          RequestOptions(prefill_only=prefill_only, prompt_logprobs=prompt_logprobs))
         await choices.start()
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": self.state.config.model_name}

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from hf2q.engine.request import RequestOptions
 from hf2q.engine.sampling_params import SamplingParams
 from hf2q.server.choices import Choices
 from hf2q.server.errors import bad_request
@@ -44,7 +45,7 @@ class EmbeddingServing:
             raise bad_request(f"dimensions must be an integer in [1, {hidden}], got {req.dimensions}",
                               param="dimensions")
         prompts = encode_items(self.state.model.tokenizer, prompt_items(req.input, "input"))
-        choices = Choices(self.state, prompts, SamplingParams(), "input", pooling=req.pooling)
+        choices = Choices(self.state, prompts, SamplingParams(), "input", RequestOptions(pooling=req.pooling))
         await choices.start()
         log_labels("embedding", f"embd-{uuid.uuid4().hex}", req)
         body = await unless_disconnected(raw, self._collect(choices, req))
