@@ -143,7 +143,7 @@ def test_a_failing_row_fails_only_its_request(model):
     engine = make_engine(model, seqs=4)
     engine.add_request(good_prompt, good, request_id="good")
     engine.add_request(p1, bad_sampler, request_id="bad-sampler")
-    bad_output = engine.add_request(p2, good, request_id="bad-output").extras["out"]
+    bad_output = engine.add_request(p2, good, request_id="bad-output").output
 
     def broken_push(token):
         raise UnicodeError("detokenizer broke")

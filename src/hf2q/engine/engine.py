@@ -106,7 +106,7 @@ class Engine:
         if options.images:
             self._attach_images(req, list(options.images))
         grammar = options.grammar
-        req.extras["out"] = SequenceOutput(self.model, req, max_tokens, options.thinking_budget,
+        req.output = SequenceOutput(self.model, req, max_tokens, options.thinking_budget,
                                            options.starts_in_reasoning, options.scripted_ids,
                                            grammar.constraint() if grammar is not None else None)
         self.scheduler.add(req)
@@ -149,7 +149,7 @@ class Engine:
         if req is None or req.finished:
             return None
         self.scheduler.finish(req)
-        return req.extras["out"].aborted()
+        return req.output.aborted()
 
     def warm_up(self) -> None:
         """Compile, tune and capture everything a first request would wait for (see ModelRunner.warm_up);
@@ -203,7 +203,7 @@ class Engine:
         sampling, logits = self.runner.run(scheduled)
         self.scheduler.retain_prefixes(scheduled)
         if sampling and len(sampling) == len(scheduled) and self._overlappable(sampling):
-            states = [req.extras["out"] for req in sampling]
+            states = [req.output for req in sampling]
             self._launched = LaunchedStep.queue(sampling, self.sampler.draw(logits, [s.row for s in states]))
             return self._step_launched()
         outputs = []
@@ -214,7 +214,7 @@ class Engine:
                 else:
                     outputs.append(self._prefill_done(req))
         if sampling:
-            states = [req.extras["out"] for req in sampling]
+            states = [req.output for req in sampling]
             failed: dict[int, Exception] = {}
             forced = self._forced(states, failed)
             self._mask(logits, states, forced, failed)
@@ -258,7 +258,7 @@ class Engine:
         if len(reqs) != len(self.scheduler.running):
             return False
         for req in reqs:
-            state = req.extras["out"]
+            state = req.output
             if (req.prefill_only or req.keeps_hidden or req.mrope is not None or req.siblings
                     or req.num_computed != req.num_tokens or state.constraint is not None
                     or state.script is not None or state.budget is not None
@@ -276,7 +276,7 @@ class Engine:
                 and self._overlappable_next(going_on):
             try:
                 logits = self.runner.run_decode(going_on, launched.rows_of(going_on))
-                states = [req.extras["out"] for req in going_on]
+                states = [req.output for req in going_on]
                 self._launched = LaunchedStep.queue(going_on, self.sampler.draw(logits, [s.row for s in states]))
             except BaseException:  # the caller fails the running requests; those stopping here finish first
                 self._launched = None
@@ -290,7 +290,7 @@ class Engine:
     def _goes_on(self, req: Request) -> bool:
         """Still running after the launched step's token whatever that token is: not finished or aborted, and
         that token not its last by max_tokens."""
-        state = req.extras["out"]
+        state = req.output
         return (not req.finished and req.request_id not in self._finishing and self.requests.get(req.request_id) is req
                 and len(req.output_ids) + 1 < state.max_tokens)
 
@@ -298,7 +298,7 @@ class Engine:
         """`_overlappable` for requests whose newest token is still on the device (one past num_tokens)."""
         if not self.async_scheduling or self.scheduler.waiting or self.scheduler.background:
             return False
-        return all(req.num_computed == req.num_tokens and self.sampler.draws_without_host(req.extras["out"].row)
+        return all(req.num_computed == req.num_tokens and self.sampler.draws_without_host(req.output.row)
                    for req in reqs)
 
     def _read(self, launched: LaunchedStep) -> list[RequestOutput]:
@@ -314,7 +314,7 @@ class Engine:
                 continue
             if req.finished or self.requests.get(req.request_id) is not req:  # aborted meanwhile
                 continue
-            state = req.extras["out"]
+            state = req.output
             try:
                 out = state.append(token_ids[i], result, i)
             except Exception as exc:
@@ -332,7 +332,7 @@ class Engine:
 
     def _prefill_done(self, req: Request) -> RequestOutput:
         """The one output of a prefill-only request: its prompt logprobs or its embedding."""
-        state = req.extras["out"]
+        state = req.output
         try:
             embedding = pool(torch.cat(req.hidden), req.pooling) if req.pooling is not None else None
             logprobs = self._prompt_logprobs(req) if req.prompt_logprobs is not None else None

@@ -92,6 +92,8 @@ class Request:
     draft_ids: list[int] = field(default_factory=list)  # this step's proposed tokens, fed after the known ones
     arrival: float = field(default_factory=time.monotonic)
     extras: dict[str, Any] = field(default_factory=dict)
+    # Its engine/sequence_output.SequenceOutput: sampler row, detokenizer, stop rules, thinking budget, grammar.
+    output: Any = field(default=None, repr=False, compare=False)
     prefill_only: bool = False  # computes its prompt and finishes without sampling (max_tokens 0, embeddings)
     prompt_logprobs: Optional[int] = None  # top entries per prompt token's logprobs, when they are wanted
     pooling: Optional[str] = None  # "last" | "mean": an embedding request
