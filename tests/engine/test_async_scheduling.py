@@ -125,3 +125,31 @@ def test_a_failed_queued_step_leaves_no_request_behind(model):
     engine.abort("g0")  # what the server does with every request still running
     assert not engine.scheduler.running and not engine._finishing and not engine.has_work()
     assert engine.cache.num_free_slots == 8
+
+
+def test_requests_waiting_for_a_slot_and_queued_rerenders_do_not_stop_the_overlap(model):
+    """Two slots, five requests: while three wait for a slot (and a background prefill waits for an idle
+    engine), the running two still step ahead; every request gets plain stepping's tokens."""
+    outs, while_waiting = {}, []
+    for overlap in (False, True):
+        engine = Engine(model, EngineConfig(
+            max_model_len=256, async_scheduling=overlap,
+            scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, prefill_chunk=16),
+            cache=CacheConfig(num_slots=2, num_blocks=256, block_size=8, prefix_cache_bytes=1 << 26)))
+        run_decode = engine.runner.run_decode
+
+        def counting(reqs, ids, engine=engine):
+            while_waiting.append(bool(engine.scheduler.waiting) and bool(engine.scheduler.background))
+            return run_decode(reqs, ids)
+
+        engine.runner.run_decode = counting
+        assert engine.prefill_in_background(prompt(10, 40)) is not None
+        for i in range(5):
+            engine.add_request(prompt(20 + i, 6 + i), greedy(max_tokens=4 + 2 * i, ignore_eos=True), request_id=f"w{i}")
+        got: dict[str, list[int]] = {}
+        while engine.has_work():
+            for o in engine.step():
+                got.setdefault(o.request_id, []).extend(o.new_token_ids)
+        assert engine.prefix.stats.rerenders == 1  # the background prefill ran once the requests were done
+        outs[overlap] = got
+    assert outs[True] == outs[False] and any(while_waiting)

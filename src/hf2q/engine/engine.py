@@ -251,9 +251,9 @@ class Engine:
     # ---- async scheduling (hf2q.engine.overlap) ------------------------------------------------------
     def _overlappable(self, reqs: list[Request]) -> bool:
         """Whether a decode step of `reqs` may be queued before the host reads their previous tokens: async
-        scheduling on, every running request among them (nothing else would be scheduled), and each a plain
-        decode row whose draw needs nothing from the host."""
-        if not self.async_scheduling or self.scheduler.waiting or self.scheduler.background:
+        scheduling on, no waiting request to admit, every running request among them (nothing else would be
+        scheduled), and each a plain decode row whose draw needs nothing from the host."""
+        if not self.async_scheduling or self.scheduler.admits_waiting():
             return False
         if len(reqs) != len(self.scheduler.running):
             return False
@@ -296,7 +296,7 @@ class Engine:
 
     def _overlappable_next(self, reqs: list[Request]) -> bool:
         """`_overlappable` for requests whose newest token is still on the device (one past num_tokens)."""
-        if not self.async_scheduling or self.scheduler.waiting or self.scheduler.background:
+        if not self.async_scheduling or self.scheduler.admits_waiting():
             return False
         return all(req.num_computed == req.num_tokens and self.sampler.draws_without_host(req.output.row)
                    for req in reqs)

@@ -304,5 +304,10 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    def admits_waiting(self) -> bool:
+        """Whether the next `schedule()` may admit a waiting user request: one waits and a slot is free. (Queued
+        background prefills run only when no user request runs or waits, or when a waiting one needs them.)"""
+        return bool(self.waiting) and len(self.running) < self.config.max_num_seqs
+
     def has_work(self) -> bool:
         return bool(self.running or self.waiting or self.background)
