@@ -17,6 +17,15 @@ import torch
 from hf2q.engine.request import Request
 
 
+def upload(t: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on `device` without waiting for the device. A blocking copy to a GPU first waits for all
+    work queued on the stream, so one anywhere between queuing a step and reading the step before it would
+    end the overlap: what a queued step's inputs and draws need goes through pinned memory instead."""
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class LaunchedStep:
     """A decode step queued on the device whose tokens the host has not read yet."""
@@ -47,4 +56,5 @@ class LaunchedStep:
         if len(requests) == len(self.requests):
             return self.tokens
         index = {id(req): i for i, req in enumerate(self.requests)}
-        return self.tokens[torch.tensor([index[id(req)] for req in requests], device=self.tokens.device)]
+        rows = torch.tensor([index[id(req)] for req in requests], dtype=torch.long)
+        return self.tokens.index_select(0, upload(rows, self.tokens.device))

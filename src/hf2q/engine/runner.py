@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 from hf2q.cache.hybrid import CacheError, HybridCache
+from hf2q.engine.overlap import upload
 from hf2q.engine.request import Request
 from hf2q.forward import ForwardBatch
 from hf2q.models.qwen35 import Qwen35Model
@@ -122,8 +123,9 @@ class ModelRunner:
                 and all(len(self.cache.block_table(s)) <= graphs.width for s in slots):
             logits = graphs.step(ids, positions, slots)
         else:
-            batch = ForwardBatch(input_ids=ids, positions=torch.tensor(positions, dtype=torch.long, device=self.device),
-                                 seq_lens=[1] * len(reqs), start_lens=positions, slots=slots, cache=self.cache)
+            where = upload(torch.tensor(positions, dtype=torch.long), self.device)
+            batch = ForwardBatch(input_ids=ids, positions=where, seq_lens=[1] * len(reqs), start_lens=positions,
+                                 slots=slots, cache=self.cache)
             logits = self.net.compute_logits(self.net(batch))
         for req in reqs:
             req.num_computed += 1

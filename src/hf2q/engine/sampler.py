@@ -16,6 +16,7 @@ from typing import Iterable, Sequence
 import torch
 import torch.nn.functional as F
 
+from hf2q.engine.overlap import upload as _upload
 from hf2q.engine.sampling_params import SamplingParams
 
 # Truncating rows look for their kept tokens among this many most likely ones, widening the window for
@@ -149,9 +150,9 @@ class Sampler:
         greedy = [i for i, r in enumerate(rows) if r.params.greedy]
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
         if greedy:
-            tokens[greedy] = _take(logits, greedy).argmax(-1)
+            _put(tokens, greedy, _take(logits, greedy).argmax(-1))
         if sampled:
-            tokens[sampled] = _sample_rows(_take(logits, sampled), [rows[i] for i in sampled])
+            _put(tokens, sampled, _sample_rows(_take(logits, sampled), [rows[i] for i in sampled]))
         return tokens
 
     @staticmethod
@@ -185,7 +186,7 @@ class Sampler:
         if not which:
             return
         flat = _flat_index([rows[i].bias_ids for i in which], which, logits.shape[1], logits.device)
-        values = torch.cat([rows[i].bias_values for i in which]).to(logits.device)
+        values = _upload(torch.cat([rows[i].bias_values for i in which]), logits.device)
         logits.view(-1).index_add_(0, flat, values)
 
     @staticmethod
@@ -236,20 +237,32 @@ class Sampler:
         return SampleResult(token_ids, logprobs, top)
 
 
+def _index(index: list[int], device) -> torch.Tensor:
+    return _upload(torch.tensor(index, dtype=torch.long), device)
+
+
 def _take(logits: torch.Tensor, index: list[int]) -> torch.Tensor:
     """The given rows; the tensor itself (no copy) when that is every row in order."""
     if index == list(range(logits.shape[0])):
         return logits
-    return logits[index]
+    return logits.index_select(0, _index(index, logits.device))
+
+
+def _put(out: torch.Tensor, index: list[int], values: torch.Tensor) -> None:
+    """out[index] = values (rows), through a device-side index."""
+    if index == list(range(out.shape[0])):
+        out.copy_(values)
+    else:
+        out.index_copy_(0, _index(index, out.device), values)
 
 
 def _flat_index(ids: list[torch.Tensor], rows: list[int], vocab: int, device) -> torch.Tensor:
     """Indices into the flattened [B * V] logits of each listed row's tokens (1-D indexing is the fast one)."""
-    return torch.cat([t + row * vocab for t, row in zip(ids, rows)]).to(device)
+    return _upload(torch.cat([t + row * vocab for t, row in zip(ids, rows)]), device)
 
 
 def _per_row(rows: Sequence[RowState], get, device, dtype=torch.float32) -> torch.Tensor:
-    return torch.tensor([get(r.params) for r in rows], dtype=dtype, device=device)
+    return _upload(torch.tensor([get(r.params) for r in rows], dtype=dtype), device)
 
 
 def _sample_rows(logits: torch.Tensor, rows: Sequence[RowState]) -> torch.Tensor:
@@ -270,15 +283,15 @@ def _sample_rows(logits: torch.Tensor, rows: Sequence[RowState]) -> torch.Tensor
         if not pending:
             break
         sub = [rows[i] for i in pending]
-        got, done = _sample_candidates(_take(logits, pending), sub, noise[pending], min(window, v))
+        got, done = _sample_candidates(_take(logits, pending), sub, _take(noise, pending), min(window, v))
         if all(_fits_top_k(r.params, window) for r in sub):  # done by construction: no need to read `done`
-            tokens[pending] = got
+            _put(tokens, pending, got)
             break
         finished = [i for i, ok in zip(pending, done.tolist()) if ok]
         tokens[finished] = got[done]
         pending = [i for i, ok in zip(pending, done.tolist()) if not ok]
     if dense:
-        tokens[dense] = _exponential_race(torch.softmax(_take(logits, dense), dim=-1), None, noise[dense])
+        _put(tokens, dense, _exponential_race(torch.softmax(_take(logits, dense), dim=-1), None, _take(noise, dense)))
     return tokens
 
 
@@ -304,7 +317,7 @@ def _sample_candidates(logits: torch.Tensor, rows: Sequence[RowState], noise: to
     ks = torch.tensor([r.params.top_k if f else window for r, f in zip(rows, fits_k)])
     vals, ids = logits.topk(int(ks.max()), dim=-1)  # [R, k_max], most likely first
     outside = torch.arange(vals.shape[1]).unsqueeze(0) >= ks.unsqueeze(1)
-    vals.masked_fill_(outside.to(device), float("-inf"))
+    vals.masked_fill_(_upload(outside, device), float("-inf"))
     # top_k renormalises over its k tokens; top_p alone needs the whole row's normaliser; min_p needs none.
     norm = vals.logsumexp(-1, keepdim=True)
     full = [j for j, r in enumerate(rows) if not has_k[j] and r.params.top_p < 1.0]
@@ -316,8 +329,8 @@ def _sample_candidates(logits: torch.Tensor, rows: Sequence[RowState], noise: to
     min_p = _per_row(rows, lambda p: p.min_p, device).unsqueeze(1)
     keep = (probs.cumsum(-1) - probs < top_p) & (probs >= min_p * probs[:, :1])
     # Done when top_k fits, or, with no top_k, when the kept set ends inside the window.
-    ends_inside = ~keep[:, -1] & ~torch.tensor(has_k, device=device)
-    done = torch.tensor(fits_k, device=device) | (vals.shape[1] == v) | ends_inside
+    ends_inside = ~keep[:, -1] & ~_upload(torch.tensor(has_k), device)
+    done = _upload(torch.tensor(fits_k), device) | (vals.shape[1] == v) | ends_inside
     return _exponential_race(probs * keep, ids, noise), done
 
 
@@ -325,7 +338,7 @@ def _race_noise(rows: Sequence[RowState], vocab: int, device) -> torch.Tensor:
     """[S, blocks + RACE_BLOCK] Exp(1) draws, each row from its own generator, a count fixed by the vocab."""
     nb = -(-vocab // RACE_BLOCK)
     noise = torch.stack([torch.empty(nb + RACE_BLOCK).exponential_(generator=r.generator) for r in rows])
-    return noise.clamp_(min=torch.finfo(torch.float32).tiny).to(device)  # q = 0 would make 0/0
+    return _upload(noise.clamp_(min=torch.finfo(torch.float32).tiny), device)  # q = 0 would make 0/0
 
 
 def _exponential_race(probs: torch.Tensor, ids: torch.Tensor | None, noise: torch.Tensor) -> torch.Tensor:
