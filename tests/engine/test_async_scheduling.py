@@ -4,6 +4,8 @@ an abort in the middle, a penalised row that turns the overlap off while it runs
 resumes from a request retained that way."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -26,6 +28,20 @@ def model(request):
     return hf2q.load(request.getfixturevalue(f"gguf_{kind}_f32"), device=device)
 
 
+@contextlib.contextmanager
+def no_device_sync(active):
+    """On CUDA, while a step is queued ahead (`active`): any operation that waits for the GPU raises (a blocking
+    copy or a read of a device value would end the overlap)."""
+    if not (active and torch.cuda.is_available()):
+        yield
+        return
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def make_engine(model, overlap: bool) -> Engine:
     return Engine(model, EngineConfig(
         max_model_len=256, async_scheduling=overlap,
@@ -45,13 +61,22 @@ def run(model, overlap: bool, stop_id: int):
     """Outputs (tokens, finish reason, cached tokens) by request id, and how many steps were queued ahead."""
     engine = make_engine(model, overlap)
     queued = []
-    run_decode = engine.runner.run_decode
+    run_decode, draw = engine.runner.run_decode, engine.sampler.draw
+    if engine.runner.device.type == "cuda":
+        engine.warm_up()  # graphs captured and kernels compiled before any step is queued ahead
 
-    def counting(reqs, ids):
+    def counting(reqs, ids):  # queues a step ahead of reading the one before, then its draw
         queued.append(len(reqs))
-        return run_decode(reqs, ids)
+        with no_device_sync(True):
+            return run_decode(reqs, ids)
 
-    engine.runner.run_decode = counting
+    def drawing(logits, rows):
+        with no_device_sync(len(queued) > drawn[0]):
+            drawn[0] = len(queued)
+            return draw(logits, rows)
+
+    drawn = [0]
+    engine.runner.run_decode, engine.sampler.draw = counting, drawing
     first = {"g0": (prompt(1, 20), greedy(max_tokens=12, ignore_eos=True)),
              "g1": (prompt(2, 5), greedy(max_tokens=1, ignore_eos=True)),
              "g2": (prompt(3, 9), greedy(max_tokens=2, ignore_eos=True)),
