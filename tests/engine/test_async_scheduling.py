@@ -1,7 +1,7 @@
 """Async scheduling (hf2q.engine.overlap) gives the tokens of plain stepping: requests that finish while
 already fed into the next step (by a stop token, so their retained prefix holds one token more), arrivals and
-an abort in the middle, a penalised row that turns the overlap off while it runs, and a follow-up prompt that
-resumes from a request retained that way."""
+an abort in the middle, a penalised row that turns the overlap off while it runs, seeded and top-k sampling,
+n = 2 choices forking one prompt, and a follow-up prompt that resumes from a request retained that way."""
 from __future__ import annotations
 
 import contextlib
@@ -12,6 +12,7 @@ import torch
 import hf2q
 from hf2q.config import CacheConfig
 from hf2q.engine.engine import Engine, EngineConfig
+from hf2q.engine.request import RequestOptions
 from hf2q.engine.sampling_params import SamplingParams
 from hf2q.engine.scheduler import SchedulerConfig
 
@@ -90,6 +91,9 @@ def run(model, overlap: bool, stop_id: int):
     aborted_in_flight = False
     for rid, (p, params) in first.items():
         engine.add_request(p, params, request_id=rid)
+    two = SamplingParams(temperature=0.9, top_k=20, seed=11, n=2, max_tokens=7, ignore_eos=True)
+    for c in range(2):  # n = 2: the second choice forks the first's prompt
+        engine.add_request(prompt(11, 10), two.for_choice(c), request_id=f"n{c}", options=RequestOptions(group="n"))
     step = 0
     while engine.has_work():
         step += 1
