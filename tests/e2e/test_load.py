@@ -7,8 +7,10 @@ OpenAI envelope, the server stays healthy, and its resident memory does not grow
 from __future__ import annotations
 
 import asyncio
+import re
 from pathlib import Path
 
+import httpx
 import pytest
 
 CLIENTS = 64
@@ -68,5 +70,8 @@ def test_64_streaming_clients(server_factory):
         rejected += kinds.count("429")
         memory.append(rss_kib(server.proc.pid))
     assert rejected > 0, "the queue limit was never reached: the test did not exercise rejection"
+    metrics = httpx.get(server.url + "/metrics", timeout=10).text
+    queued = re.search(r"^hf2q_decode_steps_queued_ahead_total (\S+)$", metrics, re.M)
+    assert queued and float(queued.group(1)) > 0, "no decode step was queued ahead: async scheduling never ran"
     # After the first round has warmed every allocation, later rounds must not grow memory.
     assert memory[-1] - memory[0] < 64 * 1024, memory

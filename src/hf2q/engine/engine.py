@@ -71,6 +71,7 @@ class Engine:
         self.async_scheduling = config.async_scheduling and self.spec is None
         self._launched: Optional[LaunchedStep] = None  # a decode step whose tokens the host has not read
         self._finishing: dict[str, bool] = {}  # request id -> retain?: finished while fed into the launched step
+        self.steps_queued_ahead = 0  # for metrics
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: Optional[str] = None,
@@ -283,6 +284,7 @@ class Engine:
                 self._read(launched)
                 raise
             self.last_batch = (len(going_on), len(going_on))
+            self.steps_queued_ahead += 1
         outputs = self._read(launched)
         self.scheduler.fork_siblings()
         return outputs

@@ -35,6 +35,10 @@ class Metrics:
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
         self.batch_tokens = Histogram("hf2q_batch_size_tokens", "Tokens in one engine step",
                                       buckets=(1, 4, 16, 64, 256, 1024, 4096, 16384), registry=r)
+        self.queued_ahead = Counter("hf2q_decode_steps_queued_ahead",
+                                    "Decode steps queued before the host read the step before (--async-scheduling)",
+                                    registry=r)
+        self._queued_ahead_seen = 0
         self.running = Gauge("hf2q_num_requests_running", "Requests holding a cache slot", registry=r)
         self.waiting = Gauge("hf2q_num_requests_waiting", "Requests queued for a slot", registry=r)
         self.kv_usage = Gauge("hf2q_kv_cache_usage_ratio", "Fraction of K/V cache blocks in use", registry=r)
@@ -71,6 +75,10 @@ class Metrics:
         if seqs:
             self.batch_seqs.observe(seqs)
             self.batch_tokens.observe(tokens)
+        queued = getattr(engine, "steps_queued_ahead", 0)
+        if queued > self._queued_ahead_seen:
+            self.queued_ahead.inc(queued - self._queued_ahead_seen)
+            self._queued_ahead_seen = queued
         spec = getattr(engine, "spec", None)
         if spec is not None:
             self.spec.observe(spec.stats)
