@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.conftest import Server
+from tests.e2e.conftest import Server, free_port
 
 
 def test_port_in_use_fails_before_loading(served_model_path):
@@ -26,6 +26,16 @@ def test_port_in_use_fails_before_loading(served_model_path):
                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert done.returncode == 1, done.stderr
     assert f"error: port {port} on 127.0.0.1 is in use" in done.stderr, done.stderr
+    assert "loading" not in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_async_scheduling_with_speculation_is_a_clean_startup_error(served_model_path):
+    """A flag combination the engine cannot honour is refused by name before loading, never silently dropped."""
+    cmd = [sys.executable, "-m", "hf2q.cli", "serve", "--model", str(served_model_path), "--port", str(free_port()),
+           "--async-scheduling", "--speculative", "ngram"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert done.returncode == 1, done.stderr
+    assert "--async-scheduling does not work with --speculative" in done.stderr, done.stderr
     assert "loading" not in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 

@@ -179,6 +179,11 @@ def build_state(args):
     spec = spec_config(args)
     if tp != 1 and spec.enabled:  # the other ranks replay plain steps only
         raise ValueError("--speculative does not work with --tensor-parallel-size yet")
+    if getattr(args, "async_scheduling", False):  # speculation and the other ranks need each step's ids on the host
+        if spec.enabled:
+            raise ValueError("--async-scheduling does not work with --speculative yet")
+        if tp != 1:
+            raise ValueError("--async-scheduling does not work with --tensor-parallel-size yet")
     if tp != 1 and getattr(args, "prefix_cache_dir", None):  # a rank's checkpoint holds only its shard
         raise ValueError("--prefix-cache-dir does not work with --tensor-parallel-size yet")
     mmproj = _mmproj_path(args, path, is_demo)
