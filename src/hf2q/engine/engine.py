@@ -107,9 +107,8 @@ class Engine:
         if options.images:
             self._attach_images(req, list(options.images))
         grammar = options.grammar
-        req.output = SequenceOutput(self.model, req, max_tokens, options.thinking_budget,
-                                           options.starts_in_reasoning, options.scripted_ids,
-                                           grammar.constraint() if grammar is not None else None)
+        req.output = SequenceOutput(self.model, req, max_tokens, options.thinking_budget, options.starts_in_reasoning,
+                                    options.scripted_ids, grammar.constraint() if grammar is not None else None)
         self.scheduler.add(req)
         self.requests[request_id] = req
         return req
@@ -204,8 +203,7 @@ class Engine:
         sampling, logits = self.runner.run(scheduled)
         self.scheduler.retain_prefixes(scheduled)
         if sampling and len(sampling) == len(scheduled) and self._overlappable(sampling):
-            states = [req.output for req in sampling]
-            self._launched = LaunchedStep.queue(sampling, self.sampler.draw(logits, [s.row for s in states]))
+            self._launched = self._draw_on_device(sampling, logits)
             return self._step_launched()
         outputs = []
         for req, _ in scheduled:
@@ -251,21 +249,29 @@ class Engine:
 
     # ---- async scheduling (hf2q.engine.overlap) ------------------------------------------------------
     def _overlappable(self, reqs: list[Request]) -> bool:
-        """Whether a decode step of `reqs` may be queued before the host reads their previous tokens: async
-        scheduling on, no waiting request to admit, every running request among them (nothing else would be
-        scheduled), and each a plain decode row whose draw needs nothing from the host."""
-        if not self.async_scheduling or self.scheduler.admits_waiting():
-            return False
+        """Whether the step that just sampled `reqs` may start async scheduling: every running request among
+        them (nothing else would be scheduled), each a plain decode row (no prefill-only or hidden rows, images,
+        siblings to fork, grammar, script or thinking budget), and `_may_queue_ahead`."""
         if len(reqs) != len(self.scheduler.running):
             return False
         for req in reqs:
             state = req.output
             if (req.prefill_only or req.keeps_hidden or req.mrope is not None or req.siblings
-                    or req.num_computed != req.num_tokens or state.constraint is not None
-                    or state.script is not None or state.budget is not None
-                    or not self.sampler.draws_without_host(state.row)):
+                    or state.constraint is not None or state.script is not None or state.budget is not None):
                 return False
-        return True
+        return self._may_queue_ahead(reqs)
+
+    def _may_queue_ahead(self, reqs: list[Request]) -> bool:
+        """Whether the next decode step of `reqs` may be queued before the host reads their newest tokens:
+        async scheduling on, no waiting request to admit, each having computed all the tokens it knows and
+        drawing without the host."""
+        if not self.async_scheduling or self.scheduler.admits_waiting():
+            return False
+        return all(req.num_computed == req.num_tokens and self.sampler.draws_without_host(req.output.row)
+                   for req in reqs)
+
+    def _draw_on_device(self, reqs: list[Request], logits: torch.Tensor) -> LaunchedStep:
+        return LaunchedStep.queue(reqs, self.sampler.draw(logits, [req.output.row for req in reqs]))
 
     def _step_launched(self) -> list[RequestOutput]:
         """Queue the next decode step of the requests that go on (fed the launched step's tokens, still on
@@ -274,11 +280,10 @@ class Engine:
         going_on = [req for req in launched.requests if self._goes_on(req)]
         in_launched = {req.request_id for req in launched.requests}
         if going_on and all(req.request_id in in_launched for req in self.scheduler.running) \
-                and self._overlappable_next(going_on):
+                and self._may_queue_ahead(going_on):
             try:
                 logits = self.runner.run_decode(going_on, launched.rows_of(going_on))
-                states = [req.output for req in going_on]
-                self._launched = LaunchedStep.queue(going_on, self.sampler.draw(logits, [s.row for s in states]))
+                self._launched = self._draw_on_device(going_on, logits)
             except BaseException:  # the caller fails the running requests; those stopping here finish first
                 self._launched = None
                 self._read(launched)
@@ -295,13 +300,6 @@ class Engine:
         state = req.output
         return (not req.finished and req.request_id not in self._finishing and self.requests.get(req.request_id) is req
                 and len(req.output_ids) + 1 < state.max_tokens)
-
-    def _overlappable_next(self, reqs: list[Request]) -> bool:
-        """`_overlappable` for requests whose newest token is still on the device (one past num_tokens)."""
-        if not self.async_scheduling or self.scheduler.admits_waiting():
-            return False
-        return all(req.num_computed == req.num_tokens and self.sampler.draws_without_host(req.output.row)
-                   for req in reqs)
 
     def _read(self, launched: LaunchedStep) -> list[RequestOutput]:
         """The launched step's outputs. A request that finishes here but was already fed into the step now

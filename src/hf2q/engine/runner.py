@@ -118,9 +118,8 @@ class ModelRunner:
         slots = [req.slot for req in reqs]
         for req, p in zip(reqs, positions):
             self.cache.reserve(req.slot, p + 1)
-        graphs = self._decode_graphs() if self.use_graphs else None
-        if graphs is not None and len(reqs) <= graphs.buckets[-1] \
-                and all(len(self.cache.block_table(s)) <= graphs.width for s in slots):
+        graphs = self._graphs_serving(slots)
+        if graphs is not None:
             logits = graphs.step(ids, positions, slots)
         else:
             where = upload(torch.tensor(positions, dtype=torch.long), self.device)
@@ -151,15 +150,22 @@ class ModelRunner:
         if not self.use_graphs or any(n != 1 or req.num_computed + 1 != req.num_tokens or req.prefill_only
                                       or req.keeps_hidden or req.mrope is not None for req, n in scheduled):
             return None
-        graphs = self._decode_graphs()
-        if graphs is None or len(scheduled) > graphs.buckets[-1]:
-            return None
         slots = [req.slot for req, _ in scheduled]
-        if any(len(self.cache.block_table(s)) > graphs.width for s in slots):
+        graphs = self._graphs_serving(slots)
+        if graphs is None:
             return None
         positions = [req.num_computed for req, _ in scheduled]
         ids = [req.token_at(p) for (req, _), p in zip(scheduled, positions)]
         return graphs.step(ids, positions, slots)
+
+    def _graphs_serving(self, slots: list[int]):
+        """The decode graphs, where one of their buckets takes a step of these sequences (no more than the
+        largest bucket, each block table within the graphs' width), else None."""
+        graphs = self._decode_graphs() if self.use_graphs else None
+        if graphs is None or len(slots) > graphs.buckets[-1] \
+                or any(len(self.cache.block_table(s)) > graphs.width for s in slots):
+            return None
+        return graphs
 
     @torch.inference_mode()
     def warm_up(self, max_batch: int, prefill_tokens: int) -> None:

@@ -162,9 +162,10 @@ class Sampler:
         back), and no top-p / min-p without a top-k that the first candidate window holds (whether a window
         held a row's kept tokens is read back)."""
         p = row.params
+        truncates = p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0
         return (p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
                 and (p.min_tokens == 0 or not row.stop_token_ids) and not p.logprobs
-                and (p.greedy or not _truncates(p, 2 ** 62) or _fits_top_k(p, CANDIDATE_WINDOWS[0])))
+                and (p.greedy or not truncates or _fits_top_k(p, CANDIDATE_WINDOWS[0])))
 
     def apply_processors(self, logits: torch.Tensor, rows: Sequence[RowState]) -> torch.Tensor:
         """logit_bias, penalties and min_tokens, in place: the logits greedy rows take the argmax of."""
