@@ -70,8 +70,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--async-scheduling", action="store_true",
                    help="queue each decode step before reading the previous step's tokens, so the host's work "
                         "(stop checks, detokenizing, streaming) overlaps the GPU's; for rows without penalties, "
-                        "logprobs, grammars, speculation, or top-p/min-p without a top-k <= 256 (others step as "
-                        "usual); same tokens")
+                        "logprobs, grammars, or top-p/min-p without a top-k <= 256 (others step as usual); same "
+                        "tokens; refused with --speculative or --tensor-parallel-size")
     p.add_argument("--default-chat-template-kwargs", type=json.loads, default={},
                    help="JSON object merged under each request's chat_template_kwargs, "
                         "e.g. '{\"enable_thinking\": false}' (default: none)")
