@@ -58,7 +58,7 @@ def random_model(cfg: ModelConfig, tie: bool = False, device="cpu", dtype=torch.
     finally:
         torch.set_default_dtype(old)
     _fill_random(net, torch.Generator(device=device).manual_seed(seed), std)
-    return net.eval()
+    return net.pack_weights().eval()
 
 
 def _fill_random(net, gen: torch.Generator, std: float) -> None:
@@ -172,7 +172,7 @@ def random_quant_model(cfg: ModelConfig, mix: str, tie: bool = False, device="cu
         # memory and read as such, and a 20 GB model builds in seconds instead of minutes.
         pick = (torch.arange(rows, device=device) * 7 + 131 * i) % POOL_ROWS
         raw.view(rows, -1).copy_(pool[pick])
-    return net.eval()
+    return net.pack_weights().eval()
 
 
 POOL_ROWS = 8192  # random rows made per (type, width) by random_quant_model

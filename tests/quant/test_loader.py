@@ -40,6 +40,35 @@ def test_cpu_kept_blocks_match_dequantized_logits(fixture, request):
     assert float((a - b).abs().max()) <= 1e-4 * float(a.abs().max())
 
 
+def storages(net) -> dict[str, int]:
+    """Where each weight (dense or kept blocks) lives: a pack made during a forward would move some."""
+    tensors = list(net.named_parameters()) + [(n, t) for n, t in net.named_buffers() if n.endswith("qweight")]
+    return {name: t.untyped_storage().data_ptr() for name, t in tensors}
+
+
+@pytest.mark.parametrize("fixture,keep", [("gguf_dense_q4_k_m", True), ("gguf_moe_q4_k_m", True),
+                                          ("gguf_moe_q4_k_m", False)])
+def test_projections_are_packed_at_load_not_on_first_forward(fixture, keep, request):
+    """Each block's projections of one input share one pack per weight type as soon as the model is
+    loaded (a Q4_K_M DeltaNet: its Q5_K/Q6_K and Q4_K parts apart), and the forward packs nothing."""
+    net = load(request.getfixturevalue(fixture), keep)
+    multi = 0
+    for layer in net.layers:
+        for group in layer.mixer.packs + layer.ffn.packs:
+            by_type: dict = {}
+            for lin in group:
+                w = lin.qweight if lin.quantized else lin.weight
+                by_type.setdefault(lin.qtype if lin.quantized else None, set()).add(w.untyped_storage().data_ptr())
+            assert all(len(ptrs) == 1 for ptrs in by_type.values()), by_type
+            multi += sum(len(group) > 1 for _ in by_type)
+    assert multi >= 2 * len(net.layers)
+    before = storages(net)
+    with fast_path("force"):
+        net.logits(PROMPT)
+    net.logits(PROMPT)
+    assert storages(net) == before
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("fixture", ["gguf_dense_q8_0", "gguf_dense_q4_k_m", "gguf_moe_q4_k_m"])

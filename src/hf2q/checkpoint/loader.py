@@ -37,7 +37,7 @@ def build_model(gguf: GGUFFile, cfg: ModelConfig, device="cpu", dtype=torch.floa
         if with_mtp and cfg.num_mtp_layers:
             model.mtp = _make_mtp(cfg, names)
     _fill(model, gguf, cfg, device, dtype, with_mtp, keep_quantized)
-    return model.eval()
+    return model.pack_weights().eval()
 
 
 def _make_mtp(cfg: ModelConfig, names: set[str]) -> MTPHead:

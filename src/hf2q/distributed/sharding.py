@@ -58,7 +58,7 @@ def shard_net(full: Qwen35Model, plan: RankPlan, group=None) -> Qwen35Model:
             setattr(net.mtp, name, child)
         net.mtp.embed = full.mtp.embed
         net.mtp.layer = shard_layer(full.mtp.layer, plan, group)
-    return net
+    return net.pack_weights()
 
 
 def shard_vocab(full: Qwen35Model, plan: RankPlan) -> Linear:

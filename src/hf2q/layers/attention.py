@@ -28,6 +28,11 @@ class GatedAttention(nn.Module):
         self.k_norm = nn.Parameter(torch.ones(self.hd), requires_grad=False)
         self.rotary = rotary
 
+    @property
+    def packs(self) -> tuple[tuple[Linear, ...], ...]:
+        """The projections the vectorised path multiplies as one pack (linear_ops.pack)."""
+        return ((self.q, self.k, self.v),)
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Projections, q/k norm + RoPE (the new K/V written into the pool), attention of every sequence over
         its prefix, output gate, o. Each step's chooser picks the kernels or the exact torch path."""

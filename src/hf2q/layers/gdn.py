@@ -39,6 +39,11 @@ class GatedDeltaNet(nn.Module):
         self.norm = nn.Parameter(torch.ones(self.dv), requires_grad=False)  # shared by all heads
         self.out = Linear(self.nv * self.dv, cfg.hidden_size)
 
+    @property
+    def packs(self) -> tuple[tuple[Linear, ...], ...]:
+        """The projections forward multiplies as one pack (linear_ops.pack)."""
+        return ((self.qkv, self.z, self.alpha, self.beta),)
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Every sequence at once: the fused decode step (conv, delta rule and gated norm) for decode, else
         the varlen conv, the chunked delta rule and the gated norm; each operation's chooser runs the

@@ -16,6 +16,11 @@ class MLP(nn.Module):
         self.up = Linear(hidden, intermediate)
         self.down = Linear(intermediate, hidden)
 
+    @property
+    def packs(self) -> tuple[tuple[Linear, ...], ...]:
+        """The projections forward multiplies as one pack (linear_ops.pack)."""
+        return ((self.gate, self.up),)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Gate and up as one GEMM, then the SwiGLU (linear_ops.packed_swiglu: at one row the GEMV's epilogue,
         with int8 rows written for a quantized down projection), then down."""

@@ -75,6 +75,14 @@ class MoE(nn.Module):
 
         return moe_expert_pairs_quant(x, experts, *(self.quant_stack(n) for n in EXPERT_STACKS))
 
+    @property
+    def packs(self) -> tuple[tuple[Linear, ...], ...]:
+        """The projections forward multiplies as one pack (linear_ops.pack): the router, with a shared
+        expert its gate and the shared SwiGLU's gate and up (the shared MLP's own pack is not used)."""
+        if self.shared is None:
+            return ((self.router,),)
+        return ((self.router, self.shared_gate, self.shared.gate, self.shared.up),)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Router, shared-expert gate and shared gate+up in one packed GEMM, then routing, every token-expert
         pair's expert (straight from quantized blocks, through the expert GEMV for few pairs, grouped GEMMs

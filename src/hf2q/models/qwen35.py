@@ -64,10 +64,18 @@ class DecoderLayer(nn.Module):
         x, h = norm_ops.add_rms_norm(x, m, norm.weight, norm.eps, int8_reader(x, int8_ffn))
         return x, self.ffn(h)
 
+    def pack_weights(self) -> None:
+        """Pack the mixer's and the FFN's projections of one input (linear_ops.pack) and note the types
+        their inputs are read through: once, after load, so that the first forward does neither."""
+        for group in self.mixer.packs + self.ffn.packs:
+            linear_ops.pack(group)
+        self._int8 = None
+        self._int8_inputs()
+
     def _int8_inputs(self) -> tuple[str | None, str | None]:
         """The quantized type through which the mixer and the FFN read their input (then each norm also
         writes the int8 rows that type's mat-vec reads; a projection of another type quantizes the input
-        itself), or None. Worked out on first use, after loading."""
+        itself), or None. Noted by pack_weights (here for a layer built by hand)."""
         if getattr(self, "_int8", None) is None:
             def first_qtype(module):
                 for m in module.modules():
@@ -91,6 +99,13 @@ class Qwen35Model(nn.Module):
         self.tie_embeddings = tie_embeddings
         self.lm_head = None if tie_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
         self.mtp = None  # set by the loader when the file carries an MTP layer
+
+    def pack_weights(self) -> "Qwen35Model":
+        """Pack every block's projections (DecoderLayer.pack_weights), the MTP block's too: call once the
+        weights are loaded on their final device."""
+        for layer in list(self.layers) + ([self.mtp.layer] if self.mtp is not None else []):
+            layer.pack_weights()
+        return self
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.embed)

@@ -54,8 +54,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None 
 
 
 def packed_linear(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
-    """Several projections of the same input as one GEMM. On first use their weights are concatenated
-    once and each Linear's weight becomes a view of the packed matrix (no second copy). Quantized
+    """Several projections of the same input as one GEMM. Their weights are concatenated once (`pack`,
+    after load) and each Linear's weight is a view of the packed matrix (no second copy). Quantized
     projections of one type pack their blocks the same way (rows are whole blocks); a pack mixing
     types packs each type's projections together (llama.cpp's Q4_K_M gives the DeltaNet qkv Q5_K and
     its z, alpha and beta Q4_K), and its dense projections together (a MoE's router and shared-expert
@@ -64,7 +64,7 @@ def packed_linear(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
         return _packed_by_type(x, linears)
     if _trainable(linears):
         return tuple(linear(x, lin.weight) for lin in linears)
-    out = linear(x, _pack(x, linears))
+    out = linear(x, _dense_pack(linears))
     return torch.split(out, [lin.weight.shape[0] for lin in linears], dim=-1)
 
 
@@ -85,7 +85,7 @@ def packed_swiglu(x: torch.Tensor, linears, int8_for: str | None = None) -> tupl
     gate, up = linears[-2], linears[-1]
     if (int8_for is None and not any(lin.quantized for lin in linears) and x.numel() == x.shape[-1]
             and gate.weight.shape == up.weight.shape and not _trainable(linears)):
-        packed = _pack(x, linears)
+        packed = _dense_pack(linears)
         if gemv_serves(x, packed):
             from hf2q.kernels.linear.gemv_triton import gemv_glu
             sizes = [lin.weight.shape[0] for lin in linears[:-1]]
@@ -97,15 +97,42 @@ def packed_swiglu(x: torch.Tensor, linears, int8_for: str | None = None) -> tupl
 def _trainable(linears) -> bool:
     """Whether a projection's weight is being trained (tools/train_mtp.py): such weights are never packed, as
     the pack is a copy outside autograd and would replace the Parameters an optimizer holds."""
-    return any(lin.weight.requires_grad for lin in linears)
+    return any(lin.weight is not None and lin.weight.requires_grad for lin in linears)
 
 
-def _pack(x: torch.Tensor, linears) -> torch.Tensor:
-    """The dense projections' weights concatenated (made on first use; each weight then a view of it)."""
+def pack(linears) -> None:
+    """Concatenate projections of one input as packed_linear multiplies them: the dense ones together and
+    each quantized type's blocks together, each Linear's weight (or blocks) then a view of its pack. Run
+    once after load, on the final device (Qwen35Model.pack_weights), so that no forward pays for it; the
+    forward makes a pack itself only for a net built by hand or moved since. Trained weights stay apart."""
+    if _trainable(linears):
+        return
+    for qtype, idx in _type_groups(linears).items():
+        part = [linears[i] for i in idx]
+        if qtype is None:
+            _dense_pack(part)
+        else:
+            _packed_raw(part)
+
+
+def _type_groups(linears) -> dict[str | None, list[int]]:
+    """Indices of `linears` by weight type (None: dense), in order: the parts a mixed pack multiplies apart."""
+    groups: dict[str | None, list[int]] = {}
+    for i, lin in enumerate(linears):
+        groups.setdefault(lin.qtype if lin.quantized else None, []).append(i)
+    return groups
+
+
+def _dense_pack(linears) -> torch.Tensor:
+    """The dense projections' weights concatenated (made by `pack`; each weight a view of it); a lone
+    projection's own weight."""
     first = linears[0]
+    if len(linears) == 1:
+        return first.weight
     packed = getattr(first, "_packed", None)
-    if packed is None or packed.device != x.device or not _views_of(packed, [lin.weight for lin in linears]):
-        packed = torch.cat([lin.weight.data for lin in linears])
+    weights = [lin.weight for lin in linears]
+    if packed is None or packed.device != weights[0].device or not _views_of(packed, weights):
+        packed = torch.cat([w.data for w in weights])
         row = 0
         for lin in linears:
             n = lin.weight.shape[0]
@@ -129,9 +156,7 @@ def _views_of(packed: torch.Tensor, parts) -> bool:
 
 
 def _packed_by_type(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
-    groups: dict[str | None, list[int]] = {}
-    for i, lin in enumerate(linears):
-        groups.setdefault(lin.qtype if lin.quantized else None, []).append(i)
+    groups = _type_groups(linears)
     if len(groups) == 1:
         return _packed_quant_linear(x, linears)
     out: list = [None] * len(linears)
@@ -169,7 +194,7 @@ def _packed_quant_linear(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
 
 
 def _packed_raw(linears) -> torch.Tensor:
-    """The block rows of projections quantized as one type, concatenated once (made on first use; each
+    """The block rows of projections quantized as one type, concatenated once (made by `pack`; each
     Linear's qweight then a view of the packed blocks); a lone projection's own blocks."""
     first = linears[0]
     if len(linears) == 1:
