@@ -77,3 +77,10 @@ def test_pack_of_device_ids_writes_zero_ids():
                                              width=3)
     assert fields == [0, 0, 5, 0, 0, 9, 3 * 4 + 1, 4 * 4, 6, 1]
     assert (cells, values) == ([0, 1, 3], [2, 3, 4])
+
+
+def test_rotary_positions_apart_from_the_cache_positions():
+    """A request with images rotates its token by index + delta but stores it at its index."""
+    fields, _, _ = pack_decode_rows(2, [7], [5], [0], [[2, 3]], pad_slot=9, pad_block=4, block_size=4, width=3,
+                                    rope_positions=[2])
+    assert fields == [7, 0, 2, 0, 0, 9, 3 * 4 + 1, 4 * 4, 6, 1]

@@ -25,9 +25,9 @@ def dense_vl():
     return hf2q.load(text, mmproj=mmproj)
 
 
-def _engine(model, prefix_bytes=0, chunk=16):
+def _engine(model, prefix_bytes=0, chunk=16, async_scheduling=False):
     return Engine(model, EngineConfig(
-        max_model_len=256,
+        max_model_len=256, async_scheduling=async_scheduling,
         scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, prefill_chunk=chunk),
         cache=CacheConfig(num_slots=4, num_blocks=256, block_size=8, prefix_cache_bytes=prefix_bytes,
                           prefix_checkpoint_stride=0)))
@@ -52,6 +52,9 @@ def test_engine_greedy_with_images_equals_hf(dense_vl):
     got, _ = _run(engine, ids, images)
     assert got == ref
     assert text_ids != ref
+    queued = _engine(dense_vl, async_scheduling=True)  # decode steps queued ahead rotate by index + delta too
+    got, _ = _run(queued, ids, images)
+    assert got == ref and queued.steps_queued_ahead >= 16
 
 
 def test_prefix_cache_keys_on_the_image(dense_vl):

@@ -44,3 +44,22 @@ def test_mismatched_placeholders_are_refused(pads, n_images, message):
     images = [random_image((1, 4, 4), 1)] * n_images
     with pytest.raises(ValueError, match=message):
         multimodal_positions([1] + [PAD] * pads + [2], PAD, images)
+
+
+def test_one_rotary_position_per_text_token():
+    """What a decode graph rotates a token by: the shared position of a text row (index + delta after the
+    prompt), none for an image row."""
+    from types import SimpleNamespace
+
+    from hf2q.vision.request_inputs import attach_images, text_rope_position
+
+    images = [random_image((1, 4, 4), 1)]
+    req = SimpleNamespace(prompt_ids=_prompt(images, [3, 2]))
+    attach_images(req, PAD, images)
+    positions, delta = req.mrope
+    assert delta < 0
+    n = len(req.prompt_ids)
+    assert [text_rope_position(req, p) for p in (0, n - 1, n, n + 5)] == [0, n - 1 + delta, n + delta, n + 5 + delta]
+    first_pad = req.prompt_ids.index(PAD)
+    assert text_rope_position(req, first_pad) == int(positions[0, first_pad])  # the grid's corner: t = h = w
+    assert text_rope_position(req, first_pad + 1) is None

@@ -4,7 +4,8 @@ A decode step launches hundreds of small kernels; replaying a captured graph rem
 Each bucket's graph reads static buffers (token ids, positions, slots, K/V rows, block tables,
 lengths), so one step is: fill the buffers from the host in one copy, replay, read the logits rows.
 A batch smaller than its bucket is padded with a private scratch slot, so padding never touches a real
-sequence's state.
+sequence's state. Off CUDA a "graph" runs its step again on replay (the same buffers, padding and metadata:
+how the CPU tests check them).
 """
 from __future__ import annotations
 
@@ -25,16 +26,20 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
 def pack_decode_rows(b: int, ids, positions: list[int], slots: list[int], tables: list[list[int]], pad_slot: int,
-                     pad_block: int, block_size: int, width: int) -> tuple[list[int], list[int], list[int]]:
+                     pad_block: int, block_size: int, width: int,
+                     rope_positions: list[int] | None = None) -> tuple[list[int], list[int], list[int]]:
     """The host pack of one decode step of `len(positions)` sequences padded to `b` rows, as plain lists.
 
-    Returns (fields, cells, values): fields is ids, positions, slots, slot mapping and context lengths, b
-    each; the block tables ([b, width], zero elsewhere) hold `values` at the flat indices `cells`.
-    ids None (the ids come from a device tensor) packs zeros.
+    Returns (fields, cells, values): fields is ids, rotary positions, slots, slot mapping and context
+    lengths, b each; the block tables ([b, width], zero elsewhere) hold `values` at the flat indices `cells`.
+    ids None (the ids come from a device tensor) packs zeros. `positions` place each new token in its
+    sequence (slot mapping, context length); `rope_positions` rotate it where they differ (a request with
+    images: index + delta), by default the same.
     """
     n = len(positions)
     pad = b - n
     pos = list(positions) + [0] * pad
+    rope = (list(positions) if rope_positions is None else list(rope_positions)) + [0] * pad
     rows = list(slots) + [pad_slot] * pad
     tabs = list(tables) + [[pad_block]] * pad
     cells: list[int] = []
@@ -47,7 +52,7 @@ def pack_decode_rows(b: int, ids, positions: list[int], slots: list[int], tables
         cells.extend(range(i * width, i * width + len(table)))
         values.extend(table)
     id_row = (list(ids) if ids is not None else [0] * n) + [0] * pad
-    return id_row + pos + rows + mapping + [p + 1 for p in pos], cells, values
+    return id_row + rope + rows + mapping + [p + 1 for p in pos], cells, values
 
 
 class DecodeGraphs:
@@ -74,7 +79,8 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self._pool = None
-        self._copied = torch.cuda.Event() if dev.type == "cuda" else None  # host pack free to rewrite
+        self.on_cuda = dev.type == "cuda"
+        self._copied = torch.cuda.Event() if self.on_cuda else None  # host pack free to rewrite
         self._written = None  # block-table cells of the host pack the last step wrote
 
     def _views(self, pack: torch.Tensor, b: int):
@@ -83,7 +89,8 @@ class DecodeGraphs:
         tables = pack[5 * n:].view(n, self.width)[:b]
         return ids, pos, slots, mapping, lens, tables
 
-    def _fill_host(self, b: int, ids, positions: list[int], slots: list[int]) -> None:
+    def _fill_host(self, b: int, ids, positions: list[int], slots: list[int],
+                   rope_positions: list[int] | None = None) -> None:
         """Pack the step's rows into the pinned buffer through a numpy view: per-row tensor writes (and even
         a few tensor operations a step) cost more host time than the replay itself at large batches. The
         block tables stay zero but for the cells the previous step wrote, which are cleared first."""
@@ -92,7 +99,8 @@ class DecodeGraphs:
         n = self.buckets[-1]
         tables = [self.cache.block_table(s) for s in slots]
         fields, cells, values = pack_decode_rows(b, None if torch.is_tensor(ids) else ids, positions, slots, tables,
-                                                 self.pad_slot, self.pad_block, self.block_size, self.width)
+                                                 self.pad_slot, self.pad_block, self.block_size, self.width,
+                                                 rope_positions)
         host = self._host.numpy()
         host[:5 * n].reshape(5, n)[:, :b] = np.asarray(fields, dtype=np.int64).reshape(5, b)
         tab = host[5 * n:]
@@ -116,11 +124,15 @@ class DecodeGraphs:
     def capture(self, buckets=None) -> None:
         """Warm each bucket up (compiles Triton kernels) and capture its graph, largest first; all buckets
         by default. Graphs share one memory pool and never run concurrently."""
-        stream = torch.cuda.Stream()
+        stream = torch.cuda.Stream() if self.on_cuda else None
         for b in sorted(self.buckets if buckets is None else buckets, reverse=True):
             t0 = time.monotonic()
             self._fill_host(b, [0] * b, [0] * b, [self.pad_slot] * b)
             self._dev.copy_(self._host)
+            if stream is None:
+                self.graphs[b] = _StepAgain(self, b)
+                self.logits[b] = self.graphs[b].replay()
+                continue
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):
@@ -141,20 +153,37 @@ class DecodeGraphs:
         raise ValueError(f"batch of {n} exceeds the largest graph bucket {self.buckets[-1]}")
 
     @torch.inference_mode()
-    def step(self, ids, positions: list[int], slots: list[int]) -> torch.Tensor:
+    def step(self, ids, positions: list[int], slots: list[int], rope_positions: list[int] | None = None) -> torch.Tensor:
         """One decode token for each sequence: ids (host list or device tensor [n]), positions (of the new
-        token), slots. The cache must already be reserved past each position. A bucket not yet captured is
-        captured first. Returns logits [n, vocab]
-        (a view into the graph's output, valid until the next step)."""
+        token), slots, and the tokens' rotary positions where they differ from `positions` (requests with
+        images). The cache must already be reserved past each position. A bucket not yet captured is
+        captured first. Returns logits [n, vocab] (a view into the graph's output, valid until the next step)."""
         n = len(positions)
         b = self.bucket(n)
         if b not in self.graphs:
             self.capture([b])
-        self._fill_host(b, ids, positions, slots)
+        self._fill_host(b, ids, positions, slots, rope_positions)
         used = 5 * self.buckets[-1] + b * self.width  # the bucket's rows of the block tables, not all of them
         self._dev[:used].copy_(self._host[:used], non_blocking=True)
-        self._copied.record()
+        if self._copied is not None:
+            self._copied.record()
         if torch.is_tensor(ids):
             self._views(self._dev, b)[0][:n].copy_(ids)
         self.graphs[b].replay()
         return self.logits[b][:n]
+
+
+class _StepAgain:
+    """Off CUDA, a decode graph's stand-in: replay runs the bucket's step again over the same buffers,
+    writing its logits into the tensor the first run returned (as a graph's replay does)."""
+
+    def __init__(self, graphs: DecodeGraphs, b: int):
+        self.graphs, self.b, self.out = graphs, b, None
+
+    def replay(self) -> torch.Tensor:
+        logits = self.graphs._step(self.b)
+        if self.out is None:
+            self.out = logits
+        else:
+            self.out.copy_(logits)
+        return self.out

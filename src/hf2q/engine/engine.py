@@ -250,13 +250,13 @@ class Engine:
     # ---- async scheduling (hf2q.engine.overlap) ------------------------------------------------------
     def _overlappable(self, reqs: list[Request]) -> bool:
         """Whether the step that just sampled `reqs` may start async scheduling: every running request among
-        them (nothing else would be scheduled), each a plain decode row (no prefill-only or hidden rows, images,
+        them (nothing else would be scheduled), each a plain decode row (no prefill-only or hidden rows,
         siblings to fork, grammar, script or thinking budget), and `_may_queue_ahead`."""
         if len(reqs) != len(self.scheduler.running):
             return False
         for req in reqs:
             state = req.output
-            if (req.prefill_only or req.keeps_hidden or req.mrope is not None or req.siblings
+            if (req.prefill_only or req.keeps_hidden or req.siblings
                     or state.constraint is not None or state.script is not None or state.budget is not None):
                 return False
         return self._may_queue_ahead(reqs)

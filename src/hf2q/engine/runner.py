@@ -1,8 +1,8 @@
 """Runs one scheduled batch through the model: builds the ForwardBatch, keeps the cache lengths.
 
-On CUDA a batch of pure decode rows (one new token per request, each then sampled) replays a captured
-CUDA graph of its batch-size bucket (captured on first use); every other batch, and every batch on CPU,
-runs eagerly.
+On CUDA a batch of pure decode rows (one new token per request, each then sampled; a request with images
+too, its token rotated by index + delta) replays a captured CUDA graph of its batch-size bucket (captured on
+first use); every other batch, and every batch on CPU, runs eagerly.
 A speculating request (drafts after its known tokens, see hf2q.spec) runs eagerly too; its draft rows'
 logits and the DeltaNet state after each of its positions go to its `Verify`, and its cache and
 `num_computed` are settled by the engine once it has decided.
@@ -118,11 +118,16 @@ class ModelRunner:
         slots = [req.slot for req in reqs]
         for req, p in zip(reqs, positions):
             self.cache.reserve(req.slot, p + 1)
-        graphs = self._graphs_serving(slots)
+        rope = self._decode_rope(reqs, positions)
+        graphs = self._graphs_serving(slots) if rope is not None else None
         if graphs is not None:
-            logits = graphs.step(ids, positions, slots)
+            logits = graphs.step(ids, positions, slots, rope)
         else:
-            where = upload(torch.tensor(positions, dtype=torch.long), self.device)
+            if rope is not None:
+                where = upload(torch.tensor(rope, dtype=torch.long), self.device)
+            else:
+                from hf2q.vision.request_inputs import rows_positions
+                where = torch.cat([rows_positions(req, p, 1) for req, p in zip(reqs, positions)], dim=1).to(self.device)
             batch = ForwardBatch(input_ids=ids, positions=where, seq_lens=[1] * len(reqs), start_lens=positions,
                                  slots=slots, cache=self.cache)
             logits = self.net.compute_logits(self.net(batch))
@@ -146,17 +151,31 @@ class ModelRunner:
 
     def _run_graph(self, scheduled: list[tuple[Request, int]]) -> Optional[torch.Tensor]:
         """Logits of a decode batch by graph replay (a view valid until the next step), or None to run eagerly
-        (requests with images among others: their positions after the prompt are shifted by a delta)."""
+        (no graph serves the batch, or a row is not a plain decode row)."""
         if not self.use_graphs or any(n != 1 or req.num_computed + 1 != req.num_tokens or req.prefill_only
-                                      or req.keeps_hidden or req.mrope is not None for req, n in scheduled):
+                                      or req.keeps_hidden for req, n in scheduled):
             return None
-        slots = [req.slot for req, _ in scheduled]
-        graphs = self._graphs_serving(slots)
+        reqs = [req for req, _ in scheduled]
+        positions = [req.num_computed for req in reqs]
+        rope = self._decode_rope(reqs, positions)
+        slots = [req.slot for req in reqs]
+        graphs = self._graphs_serving(slots) if rope is not None else None
         if graphs is None:
             return None
-        positions = [req.num_computed for req, _ in scheduled]
-        ids = [req.token_at(p) for (req, _), p in zip(scheduled, positions)]
-        return graphs.step(ids, positions, slots)
+        ids = [req.token_at(p) for req, p in zip(reqs, positions)]
+        return graphs.step(ids, positions, slots, rope)
+
+    @staticmethod
+    def _decode_rope(reqs: list[Request], positions: list[int]) -> Optional[list[int]]:
+        """The rotary position of each request's token at `positions`, one number as the graphs take it: the
+        position itself, or after a request's images index + delta (vision.request_inputs); None where a
+        token's multimodal axes differ (an image row: the batch runs eagerly)."""
+        if all(req.mrope is None for req in reqs):
+            return positions
+        from hf2q.vision.request_inputs import text_rope_position
+
+        rope = [text_rope_position(req, p) for req, p in zip(reqs, positions)]
+        return None if None in rope else rope
 
     def _graphs_serving(self, slots: list[int]):
         """The decode graphs, where one of their buckets takes a step of these sequences (no more than the

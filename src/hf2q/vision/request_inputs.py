@@ -2,8 +2,8 @@
 
 The tower runs once per request, at the first prefill chunk that holds image pad rows; its soft tokens replace
 those rows' embeddings. Positions of the prompt are the multimodal ones; tokens after the prompt take
-index + delta on every axis. Requests with images decode eagerly: the decode graphs address the cache by
-position, which the delta would move.
+index + delta on every axis, so their decode steps rotate by one number per token, as the decode graphs
+take it (`text_rope_position`), and address the cache by index.
 """
 from __future__ import annotations
 
@@ -48,6 +48,18 @@ def rows_positions(req, start: int, n: int) -> torch.Tensor:
     head = positions[:, start:min(start + n, prompt)]
     tail = torch.arange(max(start, prompt), max(start + n, prompt)) + delta
     return torch.cat([head, tail.expand(3, -1)], dim=1)
+
+
+def text_rope_position(req, p: int) -> int | None:
+    """The one rotary position of token p when every axis holds the same (text; after the prompt index +
+    delta), else None (an image row)."""
+    if req.mrope is None:
+        return p
+    positions, delta = req.mrope
+    if p >= len(req.prompt_ids):
+        return p + delta
+    t, h, w = (int(v) for v in positions[:, p])
+    return t if t == h == w else None
 
 
 def rows_embeddings(tower, req, start: int, n: int, embeds: torch.Tensor) -> None:

@@ -1,0 +1,99 @@
+"""The runner's graph-replayed decode gives the eager runner's greedy tokens, with requests joining and leaving
+(buckets captured on first use, padded rows) and a request with images among them (its tokens rotated by
+index + delta, stored by index). On a CUDA GPU through captured graphs; on the CPU through the graphs'
+stand-in (each replay runs the step again over the same buffers), which checks the buffers, the padding and
+the metadata the graphs are built from."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf2q.bench_shapes import random_model, tiny_config
+from hf2q.cache.hybrid import HybridCache
+from hf2q.config import CacheConfig
+from hf2q.engine.request import Request
+from hf2q.engine.runner import ModelRunner
+from hf2q.engine.sampling_params import SamplingParams
+from hf2q.kernels.choose import fast_path
+
+IMAGE_DELTA = -4  # the positions an image's rows save: text after it is rotated by index + delta
+
+
+def image_like_positions(n: int) -> torch.Tensor:
+    """[3, n] multimodal positions of a prompt with an image's 3 x 3 grid at rows 2..10, as Qwen3.5's M-RoPE
+    lays them out (the grid's rows share t, vary h and w; text after it continues from the grid's end)."""
+    pos = torch.arange(n).expand(3, -1).clone()
+    for i in range(9):
+        pos[:, 2 + i] = torch.tensor([2, 2 + i // 3, 2 + i % 3])
+    pos[:, 11:] = torch.arange(11, n) + IMAGE_DELTA
+    return pos
+
+
+def greedy(runner: ModelRunner, prompts: list[list[int]], steps: int, logits: list | None = None,
+           image_request: int | None = None) -> list[list[int]]:
+    """Prefill all prompts, decode `steps` tokens; the last request joins after two decode steps. Request
+    `image_request` has image-like positions. Each step's logits, on the CPU in fp32, are appended to
+    `logits` if given."""
+    reqs = []
+    for i, p in enumerate(prompts):
+        req = Request(f"r{i}", list(p), SamplingParams())
+        req.slot = runner.cache.acquire()
+        if i == image_request:
+            req.mrope = (image_like_positions(len(p)), IMAGE_DELTA)
+        reqs.append(req)
+    active = reqs[:-1]
+    scheduled = [(r, len(r.prompt_ids)) for r in active]
+    for step in range(steps):
+        sampling, step_logits = runner.run(scheduled)
+        if logits is not None:
+            logits.append(step_logits.to("cpu", torch.float32, copy=True))  # a graph's output is overwritten
+        for req, token in zip(sampling, step_logits.argmax(-1).tolist()):
+            req.output_ids.append(token)
+        if step == 2:
+            active.append(reqs[-1])
+        scheduled = [(r, r.num_tokens - r.num_computed) for r in active]
+    return [r.output_ids for r in reqs]
+
+
+def compare(device: str, dtype: torch.dtype, prompts, image_request=None):
+    """(eager, graphed) greedy tokens and logits of the same requests."""
+    net = random_model(tiny_config(False), device=device, dtype=dtype, std=0.08, seed=7)
+    tokens, logits = [], []
+    for graphs in (False, True):
+        cache = HybridCache(net.config, CacheConfig(num_slots=6, num_blocks=64, block_size=16, kv_dtype=str(dtype)[6:]),
+                            device=device)
+        runner = ModelRunner(net, cache, cuda_graphs=graphs)
+        runner.use_graphs = graphs  # on the CPU: the graphs' stand-in
+        logits.append([])
+        tokens.append(greedy(runner, prompts, 10, logits[-1], image_request))
+        assert (runner.graphs is not None) == graphs
+        if graphs:
+            assert sorted(runner.graphs.graphs) == [4]  # 3 then 4 rows: both in the 4-bucket
+    return tokens, logits
+
+
+def prompts_of(vocab: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(0, vocab, (5 + 3 * i + (9 if i == 1 else 0),), generator=gen).tolist() for i in range(4)]
+
+
+@torch.inference_mode()
+def test_graph_stand_in_matches_eager_on_the_cpu():
+    prompts = prompts_of(tiny_config(False).vocab_size)
+    with fast_path("force"):  # the graphs' metadata is the vectorised path's
+        (eager, graphed), (a, b) = compare("cpu", torch.float32, prompts, image_request=1)
+        (_, text), (_, c) = compare("cpu", torch.float32, prompts)
+    assert graphed == eager
+    for x, y in zip(a[3:], b[3:]):  # decode steps (the first three are prefill and the join)
+        torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-4)  # fp32 GEMMs of 4 rows and of 3
+    # the image request's decode rows do rotate by index + delta: without it its logits are others
+    assert max(float((x[1] - y[1]).abs().max()) for x, y in zip(b[3:], c[3:])) > 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@torch.inference_mode()
+def test_graph_runner_matches_eager():
+    prompts = prompts_of(tiny_config(False).vocab_size)
+    (eager, graphed), _ = compare("cuda", torch.bfloat16, prompts, image_request=1)
+    assert graphed == eager
