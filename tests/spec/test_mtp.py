@@ -5,6 +5,7 @@ caught up after each one. Both fixtures carry one MTP layer.
 """
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -80,3 +81,39 @@ def test_first_draft_is_the_mtp_heads_argmax(model):
 def test_mtp_needs_an_mtp_head():
     with pytest.raises(ValueError, match="MTP head"):
         MTPProposer(SimpleNamespace(mtp=None), cache=None)
+
+
+def test_head_catches_up_on_graph_replays_in_one_forward(model):
+    """While `max_batch` or more requests decode nobody drafts and the steps replay the decode graphs (on the
+    CPU their stand-in, on the vectorised path that their metadata is for); the head still sees every row,
+    in one forward a step for all requests, so the drafts once the batch is small again are the head's argmax
+    over the whole history, and the tokens are plain decoding's."""
+    from hf2q.kernels.choose import fast_path
+
+    prompts = PROMPTS + [list(range(40, 52))]
+    lengths = [3, 5, 20, 20]
+
+    def tokens(engine):
+        for i, (prompt, n) in enumerate(zip(prompts, lengths)):
+            engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), request_id=str(i))
+        out = {str(i): [] for i in range(len(prompts))}
+        while engine.has_work():
+            for o in engine.step():
+                out[o.request_id] += o.new_token_ids
+        return out
+
+    with fast_path("force"):
+        plain = tokens(make_engine(model))
+        engine = make_engine(model, "mtp", k=2)
+        engine.spec.config = dataclasses.replace(engine.spec.config, max_batch=3)
+        engine.runner.use_graphs = True
+        heads, seen = [], []
+        catch_up, propose = engine.spec.mtp.catch_up, engine.spec.propose
+        engine.spec.mtp.catch_up = lambda reqs: (heads.append(len(reqs)), catch_up(reqs))
+        engine.spec.propose = lambda running: (propose(running), seen.extend(
+            (req.prompt_ids + req.output_ids, req.draft_ids[0]) for req in running if req.draft_ids))
+        assert tokens(engine) == plain
+    assert engine.runner.graphs is not None and engine.runner.graphs.graphs  # some steps replayed
+    assert max(heads) == 4 and len(seen) > 10
+    for history, draft in seen:
+        assert draft == int(model.net.mtp_logits(history)[-1].argmax()), len(history)

@@ -78,6 +78,7 @@ class DecodeGraphs:
         self._dev = torch.zeros(self._fields, dtype=torch.long, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
+        self.hidden: dict[int, torch.Tensor] = {}  # the final norm's rows (what the MTP head reads)
         self._pool = None
         self.on_cuda = dev.type == "cuda"
         self._copied = torch.cuda.Event() if self.on_cuda else None  # host pack free to rewrite
@@ -118,7 +119,13 @@ class DecodeGraphs:
                             extras={"fast_meta": meta})
 
     def _step(self, b: int) -> torch.Tensor:
-        return self.net.compute_logits(self.net(self._batch(b)))
+        self.hidden[b] = self.net(self._batch(b))
+        return self.net.compute_logits(self.hidden[b])
+
+    def hidden_rows(self, n: int) -> torch.Tensor:
+        """A copy of the last step's hidden rows of its n sequences [n, hidden] (the graph's own rows are
+        overwritten by the next replay)."""
+        return self.hidden[self.bucket(n)][:n].clone()
 
     @torch.inference_mode()
     def capture(self, buckets=None) -> None:

@@ -6,8 +6,8 @@ first use); every other batch, and every batch on CPU, runs eagerly.
 A speculating request (drafts after its known tokens, see hf2q.spec) runs eagerly too; its draft rows'
 logits and the DeltaNet state after each of its positions go to its `Verify`, and its cache and
 `num_computed` are settled by the engine once it has decided.
-With the MTP proposer every batch runs eagerly, and each request keeps its rows of the forward's hidden
-states (`extras["mtp_rows"]`) for the MTP head to catch up on (hf2q.spec.mtp).
+With the MTP proposer each request keeps its rows of the forward's hidden states (`extras["mtp_rows"]`, a
+graph replay's too) for the MTP head to catch up on (hf2q.spec.mtp).
 """
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ class ModelRunner:
         self.vision = vision  # the vision tower, for requests with images (hf2q.vision.request_inputs)
         self.cache = cache
         self.device = net.embed.device
-        self.mtp_rows = mtp_rows  # the graphs keep no hidden rows: with the MTP proposer all runs eagerly
-        self.use_graphs = cuda_graphs and self.device.type == "cuda" and not mtp_rows
+        self.mtp_rows = mtp_rows  # hand each request its hidden rows for the MTP head
+        self.use_graphs = cuda_graphs and self.device.type == "cuda"
         self.graphs = None  # DecodeGraphs, made on the first decode batch (it holds one padding slot)
 
     def build_batch(self, scheduled: list[tuple[Request, int]]) -> ForwardBatch:
@@ -67,7 +67,10 @@ class ModelRunner:
             self.cache.reserve(req.slot, req.num_computed + n)
         logits = self._run_graph(scheduled)
         if logits is not None:
-            for req, _ in scheduled:
+            hidden = self.graphs.hidden_rows(len(scheduled)) if self.mtp_rows else None
+            for i, (req, _) in enumerate(scheduled):
+                if hidden is not None:
+                    req.extras["mtp_rows"] = (req.num_computed, hidden[i:i + 1])
                 req.num_computed += 1
                 self.cache.commit(req.slot, req.num_computed)
             return [req for req, _ in scheduled], logits

@@ -2,10 +2,11 @@
 
 MTP row p reads the target's hidden at position p and token p + 1 and predicts token p + 2; its K/V
 lives at position p of the request's slot, in the MTP layer of the hybrid cache. The runner hands each
-forward's hidden rows to the request (`extras["mtp_rows"]`); before the next step those rows, as far as
-their tokens turned out right, are run through the head, which keeps its K/V equal to what a full
-forward over the verified history would write. The last such row predicts the token after the
-request's last one: draft 1. Draft i + 1 runs the head again on draft i and the head's own output, at
+forward's hidden rows to the request (`extras["mtp_rows"]`, from graph replays too); before the next step
+those rows, as far as their tokens turned out right, are run through the head, every request's in one
+forward (`catch_up`: a step of 64 decoding requests is one head forward, not 64), which keeps its K/V equal
+to what a full forward over the verified history would write. The last such row predicts the token after
+the request's last one: draft 1. Draft i + 1 runs the head again on draft i and the head's own output, at
 the next position; those K/V rows are provisional and are written over by the next catch-up, which
 always starts at the first position the target recomputes.
 
@@ -31,17 +32,41 @@ class MTPProposer:
                              "was loaded without it)")
         self.net, self.cache = net, cache
 
-    def propose(self, req: Request, k: int) -> list[int]:
-        """Catch the head up on the request's last forward, then up to k greedy drafts (k may be 0)."""
-        rows = req.extras.pop("mtp_rows", None)
-        n = req.num_tokens
-        if rows is not None:
+    def catch_up(self, reqs: list[Request]) -> None:
+        """Run the head once over every request's rows of its last forward whose tokens turned out right,
+        writing their K/V; each request keeps the head's output at its last row (what draft 1 reads)."""
+        pending = []
+        for req in reqs:
+            rows = req.extras.pop("mtp_rows", None)
+            if rows is None:
+                continue
             start, hidden = rows
-            end = min(start + hidden.shape[0], n - 1)  # rows past the first wrong draft saw a wrong history
-            if end > start:
-                out = self._run(req.slot, req.tokens(start + 1, end + 1), start, hidden[:end - start])
-                if out is not None:
-                    req.extras["mtp_last"] = (end + 1, out[-1:])
+            end = min(start + hidden.shape[0], req.num_tokens - 1)  # rows past a wrong draft saw a wrong history
+            if end <= start:
+                continue
+            try:
+                self.cache.reserve(req.slot, end)
+            except CacheFull:
+                continue
+            pending.append((req, start, end, hidden[:end - start]))
+        if not pending:
+            return
+        device = pending[0][3].device
+        ids = [t for req, start, end, _ in pending for t in req.tokens(start + 1, end + 1)]
+        positions = [p for _, start, end, _ in pending for p in range(start, end)]
+        batch = ForwardBatch(torch.tensor(ids, dtype=torch.long, device=device),
+                             torch.tensor(positions, dtype=torch.long, device=device),
+                             [end - start for _, start, end, _ in pending], [start for _, start, _, _ in pending],
+                             [req.slot for req, *_ in pending], self.cache)
+        out = self.net.mtp(batch, torch.cat([hidden for *_, hidden in pending]), self.net)
+        row = 0
+        for req, start, end, _ in pending:
+            row += end - start
+            req.extras["mtp_last"] = (end + 1, out[row - 1:row])
+
+    def propose(self, req: Request, k: int) -> list[int]:
+        """Up to k greedy drafts (k may be 0), from the head's output after `catch_up`."""
+        n = req.num_tokens
         last = req.extras.get("mtp_last")
         if k <= 0 or last is None or last[0] != n:  # the head has not seen the row before the last token
             return []

@@ -80,13 +80,16 @@ class Speculator:
         self._step_start, self._rounds = self.clock(), {}
         self._decoding = {id(r) for r in running if r.output_ids and not r.finished}
         small = len(self._decoding) < self.config.max_batch
+        live = [req for req in running if not req.finished]
         for req in running:
             req.draft_ids = []
-            if req.finished:
-                continue
-            costs = req.extras.get("cost")
-            if costs is None:  # built once per request, not every step
-                costs = req.extras["cost"] = {name: CostController(self.config.cost_window) for name in PROPOSERS}
+        for req in live:
+            if "cost" not in req.extras:  # built once per request, not every step
+                req.extras["cost"] = {name: CostController(self.config.cost_window) for name in PROPOSERS}
+        if self.mtp is not None:
+            self.mtp.catch_up([req for req in live if req.extras["cost"]["mtp"].enabled])
+        for req in live:
+            costs = req.extras["cost"]
             k = max(0, min(self.config.num_tokens, req.max_total_len - req.num_tokens - 1)) if req.output_ids else 0
             k = k if small else 0
             drafts = self._ngram(req, k) if self.ngram and k and costs["ngram"].may_speculate() else []
