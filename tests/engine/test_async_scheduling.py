@@ -58,9 +58,11 @@ def greedy(**kw) -> SamplingParams:
     return SamplingParams(temperature=0, **kw)
 
 
-def run(model, overlap: bool, stop_id: int):
-    """Outputs (tokens, finish reason, cached tokens) by request id, and how many steps were queued ahead."""
+def run(model, overlap: bool, stop_id: int, graphs: bool = False):
+    """Outputs (tokens, finish reason, cached tokens) by request id, and how many steps were queued ahead.
+    graphs: decode steps through the graphs' stand-in off CUDA (hf2q.engine.cuda_graphs)."""
     engine = make_engine(model, overlap)
+    engine.runner.use_graphs |= graphs
     queued = []
     run_decode, draw = engine.runner.run_decode, engine.sampler.draw
     if engine.runner.device.type == "cuda":
@@ -113,6 +115,7 @@ def run(model, overlap: bool, stop_id: int):
     out["follow"] = ([t for o in follow for t in o.new_token_ids], follow[-1].finish_reason,
                      follow[-1].num_cached_tokens)
     assert not engine.scheduler.running and not engine._finishing and engine._launched is None
+    assert not graphs or engine.runner.graphs.graphs
     return out, queued, len(st_tokens), aborted_in_flight
 
 
@@ -129,6 +132,21 @@ def test_async_scheduling_gives_the_tokens_of_plain_stepping(model):
     # The follow-up resumed from "st"'s retained state: plain keeps all but the last sampled token, async the
     # last one too (it was fed into the step queued behind it).
     assert (plain["follow"][2], overlapped["follow"][2]) == (st_len - 1, st_len)
+
+
+def test_queued_steps_through_the_decode_graphs(model):
+    """Off CUDA through the graphs' stand-in (on the vectorised path, which the graphs' metadata is for): the
+    queued steps' ids come from the device tensor of the step before, as on a GPU."""
+    from hf2q.kernels.choose import fast_path
+
+    if model.device.type == "cuda":
+        pytest.skip("the CUDA runs replay real graphs in every test here")
+    with fast_path("force"):
+        engine = make_engine(model, False)
+        alone = [t for o in engine.generate(prompt(5, 12), greedy(max_tokens=12, ignore_eos=True)) for t in o.new_token_ids]
+        plain, _, _, _ = run(model, False, alone[3])
+        overlapped, queued, _, _ = run(model, True, alone[3], graphs=True)
+    assert queued and {rid: o[:2] for rid, o in overlapped.items()} == {rid: o[:2] for rid, o in plain.items()}
 
 
 def test_a_failed_queued_step_leaves_no_request_behind(model):
