@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
@@ -82,6 +83,23 @@ def test_build_params_maps_and_names_the_field():
     with pytest.raises(APIError) as err:
         build_params(CompletionRequest.model_validate({"prompt": "x", "logit_bias": {"100": 1}}), 100, 5, False, 0)
     assert err.value.param == "logit_bias"
+
+
+def test_model_recommended_sampling_fills_only_what_a_request_leaves_out(caplog):
+    from hf2q.server.sampling import recommended_sampling
+
+    meta = {"general.sampling.temp": np.float32(0.6).item(), "general.sampling.top_k": 20,
+            "general.sampling.top_p": np.float32(0.95).item(), "general.sampling.min_p": 0.0,
+            "general.sampling.penalty_repeat": 0.0, "general.name": "x"}  # a repeat penalty of 0: refused
+    defaults = recommended_sampling(meta)
+    assert defaults == {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "min_p": 0.0}
+    assert "general.sampling.penalty_repeat" in caplog.text
+    p = build_params(CompletionRequest.model_validate({"prompt": "x", "temperature": None}), 100, 4, False, 0, defaults)
+    assert (p.temperature, p.top_k, p.top_p, p.repetition_penalty) == (0.6, 20, 0.95, 1.0)
+    p = build_params(CompletionRequest.model_validate({"prompt": "x", "temperature": 1, "top_k": -1}), 100, 4, False,
+                     0, defaults)
+    assert (p.temperature, p.top_k, p.top_p) == (1, -1, 0.95)  # the request's own values win (-1: no top-k)
+    assert recommended_sampling({"general.name": "x"}) == {}
 
 
 def _deltas(text: str, size: int) -> list[RequestOutput]:

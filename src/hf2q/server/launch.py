@@ -22,6 +22,7 @@ from hf2q.server.sizing import CPU_MAX_MODEL_LEN, CPU_MAX_NUM_SEQS, CUDA_MAX_NUM
 
 from hf2q.server.body_limit import DEFAULT_MAX_REQUEST_BYTES
 from hf2q.server.media import add_media_args, media_policy
+from hf2q.server.sampling import recommended_sampling
 from hf2q.vision.preprocess import image_processing
 from hf2q.spec.proposer import add_spec_args, spec_config
 
@@ -72,6 +73,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "(stop checks, detokenizing, streaming) overlaps the GPU's; for rows without penalties, "
                         "logprobs, grammars, or top-p/min-p without a top-k <= 256 (others step as usual); same "
                         "tokens; refused with --speculative or --tensor-parallel-size")
+    p.add_argument("--sampling-defaults", choices=("model", "openai"), default="model",
+                   help="what a request that leaves out temperature, top_p, top_k, min_p or repetition_penalty "
+                        "gets: model, the model file's recommended values (general.sampling.*, from its "
+                        "generation_config.json), where it has them, else OpenAI's; openai, always OpenAI's "
+                        "(temperature 1, no truncation, no penalty). Default: %(default)s")
     p.add_argument("--default-chat-template-kwargs", type=json.loads, default={},
                    help="JSON object merged under each request's chat_template_kwargs, "
                         "e.g. '{\"enable_thinking\": false}' (default: none)")
@@ -112,6 +118,21 @@ def _model_name(args, model, is_demo: bool) -> str:
     if is_demo:
         return "hf2q-demo"
     return model.config.name or model.path.stem
+
+
+def _sampling_defaults(args, model) -> dict:
+    """The model file's recommended sampling unless --sampling-defaults openai (logged either way when the
+    file has any, since it changes what a request without those fields gets)."""
+    recommended = recommended_sampling(model.metadata)
+    if not recommended:
+        return {}
+    shown = ", ".join(f"{k} {v}" for k, v in recommended.items())
+    if getattr(args, "sampling_defaults", "model") == "openai":
+        log.info("not using the model file's recommended sampling (%s): --sampling-defaults openai", shown)
+        return {}
+    log.info("requests that leave them out get the model file's recommended sampling: %s "
+             "(--sampling-defaults openai for OpenAI's defaults)", shown)
+    return recommended
 
 
 def _mmproj_path(args, model_path: Path, is_demo: bool) -> Path | None:
@@ -225,7 +246,8 @@ def build_state(args):
                           max_request_bytes=getattr(args, "max_request_bytes", DEFAULT_MAX_REQUEST_BYTES),
                           prefix_cache=cache.prefix_cache_bytes > 0, media=media,
                           prefix_rerender=cache.prefix_cache_bytes > 0
-                          and not getattr(args, "no_prefix_rerender", False))
+                          and not getattr(args, "no_prefix_rerender", False),
+                          sampling_defaults=_sampling_defaults(args, model))
     vision = image_processing(model.vision.cfg) if model.vision is not None else None
     state = ServerState(model, aengine, config, scripted_replies=_scripted(args.scripted_replies, model.tokenizer),
                         vision=vision)

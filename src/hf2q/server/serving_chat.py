@@ -228,7 +228,7 @@ class ChatServing:
         prompt_ids = self.with_image_tokens(prompt_ids, images)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = build_params(req, self.state.model.config.vocab_size, max_tokens, req.logprobs,
-                              req.top_logprobs or 0)
+                              req.top_logprobs or 0, self.state.config.sampling_defaults)
         starts = prompt_opens_reasoning(prompt_text)
         anchor = None
         if self.state.config.prefix_cache:  # one more render and tokenization: off the event loop too

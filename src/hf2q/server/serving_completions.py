@@ -97,7 +97,8 @@ class CompletionServing:
         # max_tokens 0 (with echo: the prompt's logprobs only) computes the prompt and samples nothing.
         prefill_only = req.max_tokens == 0
         max_tokens = 16 if req.max_tokens is None else 1 if prefill_only else req.max_tokens
-        params = build_params(req, self.state.model.config.vocab_size, max_tokens, want_lp, req.logprobs or 0)
+        params = build_params(req, self.state.model.config.vocab_size, max_tokens, want_lp, req.logprobs or 0,
+                              self.state.config.sampling_defaults)
         prompt_logprobs = req.logprobs if req.echo and want_lp else None
         choices = Choices(self.state, prompts, params, "prompt",
                           RequestOptions(prefill_only=prefill_only, prompt_logprobs=prompt_logprobs))

@@ -26,6 +26,8 @@ class ServerConfig:
     prefix_cache: bool = True  # the engine retains prefixes: chat requests then find their turn anchor
     prefix_rerender: bool = True  # and, after an answer, prefill the history as the next user turn renders it
     media: MediaPolicy = MediaPolicy()  # where image_url parts may come from, and how large they may be
+    # what a request that leaves a sampling field out gets (server/sampling.py: the model's recommended values)
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
