@@ -9,6 +9,7 @@ import dataclasses
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 import hf2q
 from hf2q.config import CacheConfig
@@ -74,8 +75,8 @@ def test_first_draft_is_the_mtp_heads_argmax(model):
     engine.spec.propose = recording
     run(engine, sampled=False)
     assert len(seen) > 10
-    for history, draft in seen:
-        assert draft == int(model.net.mtp_logits(history)[-1].argmax()), len(history)
+    same = [draft == int(model.net.mtp_logits(history)[-1].argmax()) for history, draft in seen]
+    assert sum(same) >= agree * len(same), same
 
 
 def test_mtp_needs_an_mtp_head():
@@ -90,6 +91,20 @@ def test_head_catches_up_on_graph_replays_in_one_forward(model):
     over the whole history, and the tokens are plain decoding's."""
     from hf2q.kernels.choose import fast_path
 
+    with fast_path("force"):
+        check_catch_up_through_graphs(model)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_head_catches_up_on_cuda_graph_replays(kind, request):
+    """On a GPU the drafts may part from a cache-free forward's argmax at a near-tie (other kernels); rows handed
+    over wrongly would part from it nearly always."""
+    check_catch_up_through_graphs(hf2q.load(request.getfixturevalue(f"gguf_{kind}_f32"), device="cuda"), agree=0.9)
+
+
+def check_catch_up_through_graphs(model, agree: float = 1.0):
     prompts = PROMPTS + [list(range(40, 52))]
     lengths = [3, 5, 20, 20]
 
@@ -102,18 +117,17 @@ def test_head_catches_up_on_graph_replays_in_one_forward(model):
                 out[o.request_id] += o.new_token_ids
         return out
 
-    with fast_path("force"):
-        plain = tokens(make_engine(model))
-        engine = make_engine(model, "mtp", k=2)
-        engine.spec.config = dataclasses.replace(engine.spec.config, max_batch=3)
-        engine.runner.use_graphs = True
-        heads, seen = [], []
-        catch_up, propose = engine.spec.mtp.catch_up, engine.spec.propose
-        engine.spec.mtp.catch_up = lambda reqs: (heads.append(len(reqs)), catch_up(reqs))
-        engine.spec.propose = lambda running: (propose(running), seen.extend(
-            (req.prompt_ids + req.output_ids, req.draft_ids[0]) for req in running if req.draft_ids))
-        assert tokens(engine) == plain
+    plain = tokens(make_engine(model))
+    engine = make_engine(model, "mtp", k=2)
+    engine.spec.config = dataclasses.replace(engine.spec.config, max_batch=3)
+    engine.runner.use_graphs = True
+    heads, seen = [], []
+    catch_up, propose = engine.spec.mtp.catch_up, engine.spec.propose
+    engine.spec.mtp.catch_up = lambda reqs: (heads.append(len(reqs)), catch_up(reqs))
+    engine.spec.propose = lambda running: (propose(running), seen.extend(
+        (req.prompt_ids + req.output_ids, req.draft_ids[0]) for req in running if req.draft_ids))
+    assert tokens(engine) == plain
     assert engine.runner.graphs is not None and engine.runner.graphs.graphs  # some steps replayed
     assert max(heads) == 4 and len(seen) > 10
-    for history, draft in seen:
-        assert draft == int(model.net.mtp_logits(history)[-1].argmax()), len(history)
+    same = [draft == int(model.net.mtp_logits(history)[-1].argmax()) for history, draft in seen]
+    assert sum(same) >= agree * len(same), same
