@@ -75,8 +75,8 @@ def test_first_draft_is_the_mtp_heads_argmax(model):
     engine.spec.propose = recording
     run(engine, sampled=False)
     assert len(seen) > 10
-    same = [draft == int(model.net.mtp_logits(history)[-1].argmax()) for history, draft in seen]
-    assert sum(same) >= agree * len(same), same
+    for history, draft in seen:
+        assert draft == int(model.net.mtp_logits(history)[-1].argmax()), len(history)
 
 
 def test_mtp_needs_an_mtp_head():

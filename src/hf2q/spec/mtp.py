@@ -7,15 +7,13 @@ those rows, as far as their tokens turned out right, are run through the head, e
 forward (`catch_up`: a step of 64 decoding requests is one head forward, not 64), which keeps its K/V equal
 to what a full forward over the verified history would write. The last such row predicts the token after
 the request's last one: draft 1. Draft i + 1 runs the head again on draft i and the head's own output, at
-the next position; those K/V rows are provisional and are written over by the next catch-up, which
-always starts at the first position the target recomputes.
+the next position (every drafting request's in one forward); those K/V rows are provisional and are written
+over by the next catch-up, which always starts at the first position the target recomputes.
 
 Only drafts come out of here: the engine verifies them against the target, so a stale or missing K/V
 row (a prefix resumed from the prefix cache, a slot that had no room) costs acceptance, never output.
 """
 from __future__ import annotations
-
-from typing import Optional
 
 import torch
 
@@ -42,11 +40,7 @@ class MTPProposer:
                 continue
             start, hidden = rows
             end = min(start + hidden.shape[0], req.num_tokens - 1)  # rows past a wrong draft saw a wrong history
-            if end <= start:
-                continue
-            try:
-                self.cache.reserve(req.slot, end)
-            except CacheFull:
+            if end <= start or not self._room(req.slot, end):
                 continue
             pending.append((req, start, end, hidden[:end - start]))
         if not pending:
@@ -64,26 +58,39 @@ class MTPProposer:
             row += end - start
             req.extras["mtp_last"] = (end + 1, out[row - 1:row])
 
-    def propose(self, req: Request, k: int) -> list[int]:
-        """Up to k greedy drafts (k may be 0), from the head's output after `catch_up`."""
-        n = req.num_tokens
-        last = req.extras.get("mtp_last")
-        if k <= 0 or last is None or last[0] != n:  # the head has not seen the row before the last token
-            return []
-        h, drafts = last[1], []
-        for i in range(k):
-            drafts.append(int(self.net.compute_logits(h).argmax(dim=-1)[0]))
-            if i + 1 < k:
-                h = self._run(req.slot, drafts[-1:], n - 1 + i, h)
-                if h is None:
-                    break
+    def draft(self, wanted: list[tuple[Request, int]]) -> dict[str, list[int]]:
+        """Up to k greedy drafts for each (request, k) by request id, from the head's output after `catch_up`:
+        draft i + 1 of every request from one LM-head product, and the head's next step one forward for all."""
+        drafts: dict[str, list[int]] = {req.request_id: [] for req, _ in wanted}
+        active = []
+        for req, k in wanted:
+            last = req.extras.get("mtp_last")
+            if k > 0 and last is not None and last[0] == req.num_tokens:  # the head saw the row before the last token
+                active.append((req, k, last[1]))
+        if not active:
+            return drafts
+        h = torch.cat([row for *_, row in active])
+        for i in range(max(k for _, k, _ in active)):
+            tokens = self.net.compute_logits(h).argmax(dim=-1).tolist()
+            going = []
+            for j, ((req, k, _), token) in enumerate(zip(active, tokens)):
+                drafts[req.request_id].append(token)
+                if i + 1 < k and self._room(req.slot, req.num_tokens + i):
+                    going.append(j)
+            if not going:
+                break
+            active = [active[j] for j in going]
+            batch = ForwardBatch(torch.tensor([tokens[j] for j in going], dtype=torch.long, device=h.device),
+                                 torch.tensor([req.num_tokens - 1 + i for req, *_ in active], device=h.device),
+                                 [1] * len(active), [req.num_tokens - 1 + i for req, *_ in active],
+                                 [req.slot for req, *_ in active], self.cache)
+            h = self.net.mtp(batch, h[going], self.net)
         return drafts
 
-    def _run(self, slot: int, tokens: list[int], start: int, hidden: torch.Tensor) -> Optional[torch.Tensor]:
-        """The head over rows [start, start + len(tokens)) of a slot, writing their K/V; None if no room."""
+    def _room(self, slot: int, end: int) -> bool:
+        """Reserve the slot's cache up to `end` tokens for a head step; False if no block is free."""
         try:
-            self.cache.reserve(slot, start + len(tokens))
+            self.cache.reserve(slot, end)
         except CacheFull:
-            return None
-        batch = ForwardBatch.single(tokens, start=start, slot=slot, cache=self.cache, device=hidden.device)
-        return self.net.mtp(batch, hidden, self.net)
+            return False
+        return True

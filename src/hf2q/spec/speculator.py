@@ -88,17 +88,22 @@ class Speculator:
                 req.extras["cost"] = {name: CostController(self.config.cost_window) for name in PROPOSERS}
         if self.mtp is not None:
             self.mtp.catch_up([req for req in live if req.extras["cost"]["mtp"].enabled])
+        by_mtp = []  # (request, k) the head drafts for, all at once
         for req in live:
             costs = req.extras["cost"]
             k = max(0, min(self.config.num_tokens, req.max_total_len - req.num_tokens - 1)) if req.output_ids else 0
             k = k if small else 0
             drafts = self._ngram(req, k) if self.ngram and k and costs["ngram"].may_speculate() else []
             req.extras["drafted_by"] = "ngram"
-            if self.mtp is not None and costs["mtp"].enabled:
-                mtp_drafts = self.mtp.propose(req, 0 if drafts or not costs["mtp"].may_speculate() else k)
-                if not drafts:
-                    drafts, req.extras["drafted_by"] = mtp_drafts, "mtp"
+            if self.mtp is not None and costs["mtp"].enabled and not drafts:
+                req.extras["drafted_by"] = "mtp"
+                if k and costs["mtp"].may_speculate():
+                    by_mtp.append((req, k))
             req.draft_ids = drafts[:k]
+        if by_mtp:
+            drafted = self.mtp.draft(by_mtp)
+            for req, k in by_mtp:
+                req.draft_ids = drafted[req.request_id][:k]
 
     def observe_step(self, sampled: list[Request]) -> None:
         """Feed the step's time (taken once the device is done) to the cost controllers of the requests that
