@@ -16,7 +16,8 @@
 # tools/random_gguf.py) served by hf2q serve and measured by hf2q bench serve at 1, 4, 16 and 64 clients (64-token
 # prompts, 256 new tokens), then 16 clients with 2048-token prompts, then a second start (warm caches) and 1 client
 # (HF2Q_QUANT_MM=mmq in the environment serves 5-64 rows on the int8 tensor-core kernel; SERVE_FLAGS adds
-# flags, e.g. SERVE_FLAGS=--async-scheduling); ttft: one served request's chunk timeline and the engine's
+# flags, e.g. SERVE_FLAGS=--async-scheduling; MTP=1 serves a file with the MTP layer, for SERVE_FLAGS="--speculative
+# mtp" against the same file without the flag); ttft: one served request's chunk timeline and the engine's
 # step times and profile for a 64-token prompt (tools/ttft_trace.py); kv: the compressed K/V kernels' tests and
 # model-level GPU tests, the paged decode configurations over fp8 and tq8 rows, and bench.kv's formats at the 9B
 # shape; mtp: train the small Qwen3.5 with its MTP head for 5 minutes (tools/train_mtp.py; carry the test
@@ -107,8 +108,8 @@ case "$stage" in
            -k "quant_mm or quant_linear or mmq"
          timeout 400 python tools/quant_mm_sweep.py --rows 16 32 64 --configs 64,4 --no-split-variants \
            | tee "$out/quant_mm_sweep.txt" ;;
-  serve) mix=${MIX:-q4_k_m}; model=${MODEL_DIR:-/tmp}/hf2q-9b-$mix.gguf; port=8090
-         [ -f "$model" ] || python tools/random_gguf.py --shape 9b --mix "$mix" -o "$model"
+  serve) mix=${MIX:-q4_k_m}; mtp=${MTP:+-mtp}; model=${MODEL_DIR:-/tmp}/hf2q-9b-$mix$mtp.gguf; port=8090
+         [ -f "$model" ] || python tools/random_gguf.py --shape 9b --mix "$mix" ${MTP:+--mtp} -o "$model"
          start() {  # start hf2q serve, wait for /health 200, print how long that took and the load/warm-up lines
            t0=$(date +%s%N)
            python -m hf2q.cli serve --model "$model" --port $port --max-num-seqs 64 --log-level info ${SERVE_FLAGS:-} \

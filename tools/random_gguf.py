@@ -1,12 +1,13 @@
 """Write a random-weight GGUF of a real model shape (`hf2q bench`'s shapes), for measuring `hf2q serve`
 on a machine that cannot download a model.
 
-    python tools/random_gguf.py --shape 9b --mix q4_k_m -o 9b-q4_k_m.gguf
+    python tools/random_gguf.py --shape 9b --mix q4_k_m [--mtp] -o 9b-q4_k_m.gguf
 
 The file has the real Qwen3.5 vocabulary and the demo's chat template, llama.cpp's tensor names and
 layout, and random values: bf16 everywhere (`--mix bf16`), or llama.cpp's Q4_K_M types (Q4_K; Q6_K for
 the head and the `use_more_bits` layers' attn_v / ffn_down; Q5_K for the DeltaNet attn_qkv; Q4_K
-for the token embedding) as valid random blocks. Quantized rows are drawn from a pool of random rows per
+for the token embedding) as valid random blocks. `--mtp` adds the MTP layer (block N, llama.cpp's `nextn`
+tensors), as the converter writes it by default, for measuring `--speculative mtp`. Quantized rows are drawn from a pool of random rows per
 type and width, as `hf2q bench` does, so a 9B file is written in about a minute.
 """
 from __future__ import annotations
@@ -20,8 +21,9 @@ import torch
 
 from hf2q import demo
 from hf2q.bench_shapes import SHAPES, quant_plan
-from hf2q.checkpoint.names import BLOCK, GLOBAL
-from hf2q.models.qwen35 import Qwen35Model
+from hf2q.checkpoint.names import BLOCK, GLOBAL, NEXTN
+from hf2q.models.qwen35 import DecoderLayer, Qwen35Model
+from hf2q.models.qwen35_mtp import MTPHead
 from hf2q.quant import random_blocks
 
 POOL_ROWS = 4096
@@ -31,10 +33,16 @@ STD = 0.02
 def gguf_names(net: Qwen35Model) -> dict[str, str]:
     """Parameter path -> GGUF tensor name, by the loader's own table read backwards."""
     to_gguf = {param: name for name, param in GLOBAL.items()}
+    n = net.config.num_layers
+    to_gguf |= {param: f"blk.{n}.{name}" for name, param in NEXTN.items()}
     names = {}
     for path, _ in net.named_parameters():
         if path in to_gguf:
             names[path] = to_gguf[path]
+            continue
+        if path.startswith("mtp.layer."):
+            rest = path.removeprefix("mtp.layer.")
+            names[path] = f"blk.{n}." + next(g for g, p in BLOCK.items() if p == rest)
             continue
         _, layer, rest = path.split(".", 2)
         suffix = next(g for g, p in BLOCK.items() if p == rest)
@@ -67,14 +75,18 @@ def dense_values(gguf_name: str, shape: tuple[int, ...], gen: torch.Generator) -
     return value.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
 
 
-def write(shape: str, mix: str, out: Path, seed: int = 0) -> None:
+def write(shape: str, mix: str, out: Path, seed: int = 0, mtp: bool = False) -> None:
     cfg, tie = SHAPES[shape]
     with torch.device("meta"):
         net = Qwen35Model(cfg, tie_embeddings=tie)
+        if mtp:
+            net.mtp = MTPHead(cfg, DecoderLayer(cfg, cfg.num_layers, rotary=None))
     names, types = gguf_names(net), quant_types(net, mix)
     w = gguf.GGUFWriter(str(out), demo.ARCH)
-    w.add_name(f"hf2q random {shape} {mix}")
-    w.add_block_count(cfg.num_layers)
+    w.add_name(f"hf2q random {shape} {mix}" + (" mtp" if mtp else ""))
+    w.add_block_count(cfg.num_layers + mtp)
+    if mtp:
+        w.add_uint32(f"{demo.ARCH}.nextn_predict_layers", 1)
     w.add_context_length(cfg.context_length)
     w.add_embedding_length(cfg.hidden_size)
     if cfg.is_moe:
@@ -127,9 +139,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="9b")
     p.add_argument("--mix", choices=("bf16", "q4_k_m"), default="q4_k_m")
+    p.add_argument("--mtp", action="store_true", help="with the MTP layer (block N, nextn tensors)")
     p.add_argument("-o", "--out", type=Path, required=True)
     args = p.parse_args()
-    write(args.shape, args.mix, args.out)
+    write(args.shape, args.mix, args.out, mtp=args.mtp)
 
 
 if __name__ == "__main__":
