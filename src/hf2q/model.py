@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from hf2q.checkpoint.footprint import check_fits
 from hf2q.checkpoint.gguf_file import GGUFError, GGUFFile
 from hf2q.config import ModelConfig
 from hf2q.models.qwen35 import Qwen35Model
@@ -66,6 +67,7 @@ def load(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtyp
     cfg = ModelConfig.from_gguf_metadata(gguf.metadata)
     if keep_quantized is None:
         keep_quantized = torch.device(device).type == "cuda"
+    check_fits(gguf, cfg.num_layers, torch.device(device), dtype, keep_quantized, with_mtp)
     # Building a 248k-token BPE takes seconds; it runs beside the weight copies, which mostly wait on I/O.
     with ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as pool:
         tokenizer_built = pool.submit(Tokenizer.from_gguf_metadata, gguf.metadata)
