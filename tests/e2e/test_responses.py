@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import openai
 import pytest
 
@@ -126,3 +127,58 @@ def test_refused(client, kw, param):
     with pytest.raises(openai.BadRequestError) as err:
         client.responses.create(**{"model": "tiny", "input": "x", **kw})
     assert err.value.body["param"] == param
+
+
+# Each field of the installed SDK's responses.create, by what this server does with it: a value it honours
+# (accepted), or one it refuses (a 400 naming the field). Fields tested elsewhere in this module: None.
+RESPONSES_FIELDS = {
+    "input": None, "model": None, "instructions": None, "metadata": None, "previous_response_id": None,
+    "tools": None, "tool_choice": None, "parallel_tool_calls": None, "max_output_tokens": None,
+    "temperature": None, "top_p": None, "reasoning": None, "text": None, "stream": None, "store": None,
+    "user": None, "safety_identifier": None, "prompt_cache_key": None, "service_tier": None,
+    "truncation": None, "background": None, "include": None,
+    "max_tool_calls": ({"max_tool_calls": 2}, None),  # no built-in tools run here: the limit is never reached
+    "prompt_cache_options": ({"prompt_cache_options": {"mode": "explicit", "ttl": "1h"}}, None),
+    "prompt_cache_retention": ({"prompt_cache_retention": "24h"}, None),
+    "top_logprobs": ({"top_logprobs": 3}, "top_logprobs"),
+    "stream_options": ({"stream_options": {"include_obfuscation": False}}, "stream_options"),  # without stream
+    "conversation": ({"conversation": "conv_1"}, "conversation"),
+    "prompt": ({"prompt": {"id": "pmpt_1"}}, "prompt"),
+    "moderation": ({"moderation": {"mode": "auto"}}, "moderation"),
+    "context_management": ({"context_management": [{"type": "compaction"}]}, "context_management"),
+    "access_programs": ({"access_programs": {}}, "access_programs"),
+    "background_options": ({"background_options": {}}, "background_options"),
+    "image": ({"image": {}}, "image"),
+}
+
+
+def test_responses_table_covers_the_sdk():
+    """A field the installed openai SDK can send to responses.create and this table does not know of fails here."""
+    from openai.types.responses import response_create_params as params
+
+    fields = params.ResponseCreateParamsStreaming
+    assert set(fields.__required_keys__) | set(fields.__optional_keys__) <= set(RESPONSES_FIELDS)
+
+
+@pytest.mark.parametrize("field", [f for f, case in RESPONSES_FIELDS.items() if case is not None])
+def test_responses_field(plain_server, field):
+    """Each field: its value accepted or refused by name, and null accepted as absent."""
+    body, refused = RESPONSES_FIELDS[field]
+    base = {"model": "tiny", "input": "x", "max_output_tokens": 2}
+    r = httpx.post(plain_server.url + "/v1/responses", json={**base, **body}, timeout=60)
+    if refused is None:
+        assert r.status_code == 200, r.text
+    else:
+        assert r.status_code == 400 and r.json()["error"]["param"] == refused, r.text
+    assert httpx.post(plain_server.url + "/v1/responses", json={**base, field: None}, timeout=60).status_code == 200
+
+
+def test_responses_stream_options(plain_server):
+    base = {"model": "tiny", "input": "x", "max_output_tokens": 2, "stream": True}
+    with httpx.stream("POST", plain_server.url + "/v1/responses", timeout=60,
+                      json={**base, "stream_options": {"include_obfuscation": False}}) as r:
+        text = r.read().decode()
+        assert r.status_code == 200 and "response.incomplete" in text  # cut at max_output_tokens
+    r = httpx.post(plain_server.url + "/v1/responses", timeout=60,
+                   json={**base, "stream_options": {"include_obfuscation": True}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options.include_obfuscation"

@@ -29,8 +29,9 @@ _CANNOT = {
 }
 
 
-def check_stream_options(req: Union[ChatCompletionRequest, CompletionRequest]) -> None:
-    """As OpenAI: stream_options only with stream true; obfuscation padding is not offered."""
+def check_stream_options(req) -> None:
+    """As OpenAI: stream_options only with stream true; obfuscation padding is not offered (chat,
+    completions and responses requests alike)."""
     opts = req.stream_options
     if opts is None:
         return

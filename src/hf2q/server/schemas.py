@@ -339,6 +339,10 @@ class ResponsesReasoning(_Strict):
     generate_summary: Optional[Literal["auto", "concise", "detailed"]] = None
 
 
+class ResponsesStreamOptions(_Strict):
+    include_obfuscation: Optional[StrictBool] = None
+
+
 class ResponsesRequest(_Unicode):
     model: Optional[StrictStr] = None
     input: Union[StrictStr, list[InputItem]]
@@ -360,6 +364,19 @@ class ResponsesRequest(_Unicode):
     prompt_cache_key: Optional[StrictStr] = None
     service_tier: Optional[Literal["auto", "default", "flex", "scale", "priority", "fast"]] = None
     truncation: Optional[Literal["auto", "disabled"]] = None
+    stream_options: Optional[ResponsesStreamOptions] = None
+    max_tool_calls: Optional[StrictInt] = None
+    top_logprobs: Optional[StrictInt] = None
+    prompt_cache_options: Optional[CacheOptions] = None
+    prompt_cache_retention: Optional[Literal["in_memory", "24h"]] = None
     # Accepted in any shape, then refused unless null (or empty): hf2q has no background jobs, no includes.
     background: Optional[StrictBool] = None
     include: Optional[list[StrictStr]] = None
+    # Accepted in any shape, then refused unless null: honouring them would need what hf2q does not have.
+    conversation: Anything = None
+    prompt: Anything = None
+    moderation: Anything = None
+    context_management: Anything = None
+    access_programs: Anything = None
+    background_options: Anything = None
+    image: Anything = None
