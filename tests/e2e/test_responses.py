@@ -173,6 +173,18 @@ def test_responses_field(plain_server, field):
     assert httpx.post(plain_server.url + "/v1/responses", json={**base, field: None}, timeout=60).status_code == 200
 
 
+def test_responses_null_is_absent(plain_server):
+    """Every field but `input` (this server has no stored conversation or prompt to answer instead) may be null."""
+    base = {"model": "tiny", "input": "x", "max_output_tokens": 2}
+    for field in RESPONSES_FIELDS:
+        if field in ("input", "max_output_tokens"):
+            continue
+        r = httpx.post(plain_server.url + "/v1/responses", json={**base, field: None}, timeout=60)
+        assert r.status_code == 200, (field, r.text)
+    r = httpx.post(plain_server.url + "/v1/responses", json={**base, "input": None}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
+
+
 def test_responses_stream_options(plain_server):
     base = {"model": "tiny", "input": "x", "max_output_tokens": 2, "stream": True}
     with httpx.stream("POST", plain_server.url + "/v1/responses", timeout=60,
