@@ -37,7 +37,10 @@ def build_model(gguf: GGUFFile, cfg: ModelConfig, device="cpu", dtype=torch.floa
         if with_mtp and cfg.num_mtp_layers:
             model.mtp = _make_mtp(cfg, names)
     _fill(model, gguf, cfg, device, dtype, with_mtp, keep_quantized)
-    return model.pack_weights().eval()
+    model.pack_weights()
+    if torch.device(device).type == "cuda":  # decoding temporaries and the unpacked weights stay cached otherwise,
+        torch.cuda.empty_cache()  # and the K/V pool is sized from the memory the driver reports free
+    return model.eval()
 
 
 def _make_mtp(cfg: ModelConfig, names: set[str]) -> MTPHead:
@@ -74,8 +77,6 @@ def _fill(model: Qwen35Model, gguf: GGUFFile, cfg: ModelConfig, device, dtype, w
             value = gguf.tensor(name, dtype=torch.float32)
         _assign(model, target, params[target], value, name, gguf, device, dtype)
         filled.add(target)
-    if copier is not None:  # the decoding temporaries stay cached otherwise, and the K/V pool is sized
-        torch.cuda.empty_cache()  # from the memory the driver reports free
     missing = sorted(set(params) - filled)
     if missing:
         raise GGUFError(f"{gguf.path}: missing tensors for {', '.join(missing[:8])}"
