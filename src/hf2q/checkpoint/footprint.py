@@ -43,9 +43,9 @@ def loaded_bytes(gguf: GGUFFile, num_layers: int, dtype: torch.dtype, keep_quant
 
 def free_bytes(device: torch.device) -> Optional[int]:
     """Memory free for the weights: the GPU's free memory, or on the CPU what Linux reports available
-    (None where that is unknown: no check)."""
+    (None where that is unknown: no check; without a usable GPU, loading onto one fails on its own)."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        return torch.cuda.mem_get_info(device)[0] if torch.cuda.is_available() else None
     try:
         meminfo = Path("/proc/meminfo").read_text()
     except OSError:
