@@ -7,8 +7,8 @@ The file has the real Qwen3.5 vocabulary and the demo's chat template, llama.cpp
 layout, and random values: bf16 everywhere (`--mix bf16`), or llama.cpp's Q4_K_M types (Q4_K; Q6_K for
 the head and the `use_more_bits` layers' attn_v / ffn_down; Q5_K for the DeltaNet attn_qkv; Q4_K
 for the token embedding) as valid random blocks. `--mtp` adds the MTP layer (block N, llama.cpp's `nextn`
-tensors), as the converter writes it by default, for measuring `--speculative mtp`. Quantized rows are drawn from a pool of random rows per
-type and width, as `hf2q bench` does, so a 9B file is written in about a minute.
+tensors), as the converter writes it by default, for measuring `--speculative mtp`. Quantized rows are drawn
+from a pool of random rows per type and width, as `hf2q bench` does, so a 9B file is written in about a minute.
 """
 from __future__ import annotations
 

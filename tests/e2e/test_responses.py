@@ -153,7 +153,8 @@ RESPONSES_FIELDS = {
 
 
 def test_responses_table_covers_the_sdk():
-    """A field the installed openai SDK can send to responses.create and this table does not know of fails here."""
+    """A field the installed openai SDK can send to responses.create and this table does not know of fails
+    here."""
     from openai.types.responses import response_create_params as params
 
     fields = params.ResponseCreateParamsStreaming

@@ -30,8 +30,9 @@ def recommending_gguf(hf_dense_dir, tmp_path_factory):
 
 
 def sample(client, **fields) -> str:
+    extension = {k: v for k, v in fields.items() if k == "top_k"}  # not in the SDK's signature
     out = client.completions.create(model="m", prompt="The weather", max_tokens=12, seed=7,
-                                    extra_body={"ignore_eos": True, **{k: v for k, v in fields.items() if k == "top_k"}},
+                                    extra_body={"ignore_eos": True, **extension},
                                     **{k: v for k, v in fields.items() if k != "top_k"})
     return out.choices[0].text
 

@@ -143,7 +143,8 @@ def test_queued_steps_through_the_decode_graphs(model):
         pytest.skip("the CUDA runs replay real graphs in every test here")
     with fast_path("force"):
         engine = make_engine(model, False)
-        alone = [t for o in engine.generate(prompt(5, 12), greedy(max_tokens=12, ignore_eos=True)) for t in o.new_token_ids]
+        alone = [t for o in engine.generate(prompt(5, 12), greedy(max_tokens=12, ignore_eos=True))
+                 for t in o.new_token_ids]
         plain, _, _, _ = run(model, False, alone[3])
         overlapped, queued, _, _ = run(model, True, alone[3], graphs=True)
     assert queued and {rid: o[:2] for rid, o in overlapped.items()} == {rid: o[:2] for rid, o in plain.items()}

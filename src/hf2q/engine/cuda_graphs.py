@@ -160,7 +160,8 @@ class DecodeGraphs:
         raise ValueError(f"batch of {n} exceeds the largest graph bucket {self.buckets[-1]}")
 
     @torch.inference_mode()
-    def step(self, ids, positions: list[int], slots: list[int], rope_positions: list[int] | None = None) -> torch.Tensor:
+    def step(self, ids, positions: list[int], slots: list[int],
+             rope_positions: list[int] | None = None) -> torch.Tensor:
         """One decode token for each sequence: ids (host list or device tensor [n]), positions (of the new
         token), slots, and the tokens' rotary positions where they differ from `positions` (requests with
         images). The cache must already be reserved past each position. A bucket not yet captured is
