@@ -121,16 +121,12 @@ class ModelRunner:
         slots = [req.slot for req in reqs]
         for req, p in zip(reqs, positions):
             self.cache.reserve(req.slot, p + 1)
-        rope = self._decode_rope(reqs, positions)
-        graphs = self._graphs_serving(slots) if rope is not None else None
+        rope = self._decode_rope(reqs, positions)  # output tokens: every axis agrees, never None
+        graphs = self._graphs_serving(slots)
         if graphs is not None:
             logits = graphs.step(ids, positions, slots, rope)
         else:
-            if rope is not None:
-                where = upload(torch.tensor(rope, dtype=torch.long), self.device)
-            else:
-                from hf2q.vision.request_inputs import rows_positions
-                where = torch.cat([rows_positions(req, p, 1) for req, p in zip(reqs, positions)], dim=1).to(self.device)
+            where = upload(torch.tensor(rope, dtype=torch.long), self.device)
             batch = ForwardBatch(input_ids=ids, positions=where, seq_lens=[1] * len(reqs), start_lens=positions,
                                  slots=slots, cache=self.cache)
             logits = self.net.compute_logits(self.net(batch))

@@ -18,8 +18,8 @@ log = logging.getLogger("hf2q.requests")
 THINKING_OFF = ("none", "minimal")
 REASONING_BUDGETS = {"low": 1024, "medium": 4096}  # "high", "xhigh", "max": no budget
 
-# Fields refused unless null, and why.
-_CANNOT = {
+# Chat fields refused unless null, and why.
+CANNOT = {
     "audio": "audio output is not supported: this server generates text only",
     "prediction": "predicted outputs are not supported",
     "web_search_options": "web search is not supported: this server has no search tool",
@@ -42,12 +42,17 @@ def check_stream_options(req) -> None:
                           param="stream_options.include_obfuscation")
 
 
+def refuse_unless_null(req, reasons: dict[str, str]) -> None:
+    """A 400 naming the first of `reasons`' fields that the request sets, with its reason."""
+    for name, why in reasons.items():
+        if getattr(req, name) is not None:
+            raise bad_request(why, param=name)
+
+
 def check_chat_fields(req: ChatCompletionRequest) -> None:
     """A 400 naming the first field whose value this server cannot honour."""
     check_stream_options(req)
-    for name, why in _CANNOT.items():
-        if getattr(req, name) is not None:
-            raise bad_request(why, param=name)
+    refuse_unless_null(req, CANNOT)
     if req.store:
         raise bad_request("store true is not supported: this server keeps no completions; send false or "
                           "leave it out", param="store")

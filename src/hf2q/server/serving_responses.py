@@ -23,7 +23,7 @@ from hf2q.server.chat_output import ChatOutput
 from hf2q.server.choices import Choices
 from hf2q.server.errors import APIError, bad_request, validation_error
 from hf2q.server.prompt_images import NO_VISION
-from hf2q.server.request_fields import check_stream_options, log_labels
+from hf2q.server.request_fields import CANNOT, check_stream_options, log_labels, refuse_unless_null
 from hf2q.server.response_store import ResponseStore, input_items
 from hf2q.server.schemas import (ChatCompletionRequest, FunctionCallItem, FunctionCallOutputItem, InputMessage,
                                  ReasoningItem, ResponsesRequest)
@@ -106,7 +106,7 @@ def input_messages(items, vision: bool = False) -> list[dict]:
 _CANNOT = {
     "conversation": "conversations are not stored here: send the history as input, or use previous_response_id",
     "prompt": "stored prompt templates are not served here: send instructions and input",
-    "moderation": "moderation is not supported: this server runs no moderation model",
+    "moderation": CANNOT["moderation"],
     "context_management": "context management is not supported: a conversation longer than the context is "
                           "refused",
     "access_programs": "access programs are not offered by this server",
@@ -117,9 +117,7 @@ _CANNOT = {
 
 def _check(req: ResponsesRequest) -> None:
     check_stream_options(req)
-    for name, why in _CANNOT.items():
-        if getattr(req, name) is not None:
-            raise bad_request(why, param=name)
+    refuse_unless_null(req, _CANNOT)
     if req.max_tool_calls is not None and req.max_tool_calls < 0:  # no built-in tools run here: never reached
         raise bad_request(f"max_tool_calls must be an integer >= 0, got {req.max_tool_calls}", param="max_tool_calls")
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:

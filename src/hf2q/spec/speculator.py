@@ -83,8 +83,7 @@ class Speculator:
         live = [req for req in running if not req.finished]
         for req in running:
             req.draft_ids = []
-        for req in live:
-            if "cost" not in req.extras:  # built once per request, not every step
+            if not req.finished and "cost" not in req.extras:  # built once per request, not every step
                 req.extras["cost"] = {name: CostController(self.config.cost_window) for name in PROPOSERS}
         if self.mtp is not None:
             self.mtp.catch_up([req for req in live if req.extras["cost"]["mtp"].enabled])
