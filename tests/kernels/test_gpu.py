@@ -118,20 +118,18 @@ def test_triton_kernels_match_torch_versions():
 
 
 @torch.inference_mode()
-def test_fla_prefill_matches_reference():
-    from hf2q.kernels import choose
-    from hf2q.kernels.attention import ops as attention_ops
-    from hf2q.kernels.conv import ops as conv_ops
+@pytest.mark.parametrize("lens", [[37, 1, 100], [37, 1, 20]], ids=["chunked", "short-recurrent"])
+def test_fla_prefill_matches_reference(lens):
     from hf2q.kernels.gdn import ops as gdn_ops
     torch.manual_seed(1)
-    lens, nk, nv, d = [37, 1, 100], 2, 4, 128
+    nk, nv, d = 2, 4, 128
     t = sum(lens)
     q, k = torch.randn(t, nk, d, device="cuda", dtype=torch.bfloat16), torch.randn(t, nk, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(t, nv, d, device="cuda", dtype=torch.bfloat16)
     g = -torch.rand(t, nv, device="cuda") * 0.5
     beta = torch.rand(t, nv, device="cuda")
     h0 = torch.randn(len(lens), nv, d, d, device="cuda") * 0.05
-    cu = torch.tensor([0, 37, 38, 138], device="cuda")
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda")
     o, final = gdn_ops.chunk_gdn(q, k, v, g, beta, h0, cu, lens, d ** -0.5, 1e-6)
     o_ref, f_ref = gdn_ops.chunk_gdn(*(x.cpu().float() for x in (q, k, v, g, beta, h0)), cu.cpu(), lens, d ** -0.5,
                                      1e-6)

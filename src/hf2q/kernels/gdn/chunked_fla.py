@@ -1,28 +1,40 @@
-"""Gated DeltaNet over many tokens (prefill, chunked prefill) through fla's chunked Triton kernel.
+"""Gated DeltaNet over many tokens (prefill, chunked prefill) through fla's Triton kernels.
 
 Sequences are laid end to end and separated by `cu_seqlens`; each starts from its slot's state and its
 final state is returned for the caller to scatter back. fla groups value heads as h // (n_v / n_k);
 GGUF files tile them (h % n_k), so q and k are expanded to n_v heads in tiled order first.
+
+Short batches (every sequence at most `RECURRENT_MAX_LEN` tokens: a follow-up turn after a prefix-cache hit,
+a speculative verify) take fla's fused recurrent kernel: one launch and no host synchronisation, where the
+chunked form launches about ten kernels and reads the sequence lengths back to the host, which costs more
+than the arithmetic at that length.
 """
 from __future__ import annotations
 
 import torch
 
+RECURRENT_MAX_LEN = 64
+
 
 def chunk_gdn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-              initial_state: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+              initial_state: torch.Tensor, cu_seqlens: torch.Tensor, scale: float,
+              seq_lens: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q, k: [T, nk, dk] raw (L2-normalised in the kernel); v: [T, nv, dv]; g: [T, nv] log-decay fp32;
-    beta: [T, nv] fp32; initial_state: [N, nv, dk, dv] fp32; cu_seqlens: [N + 1] int64.
+    beta: [T, nv] fp32; initial_state: [N, nv, dk, dv] fp32; cu_seqlens: [N + 1] int64; seq_lens: the same
+    lengths on the host, when the caller has them (saves a device-to-host read).
     Returns (o [T, nv, dv], final state [N, nv, dk, dv] fp32)."""
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
     rep = v.shape[1] // q.shape[1]
     if rep > 1:
         q, k = q.repeat(1, rep, 1), k.repeat(1, rep, 1)
-    o, final = chunk_gated_delta_rule(
-        q.unsqueeze(0).contiguous(), k.unsqueeze(0).contiguous(), v.unsqueeze(0).contiguous(),
-        g.unsqueeze(0).contiguous(), beta.unsqueeze(0).to(q.dtype).contiguous(), scale=scale,
-        initial_state=initial_state.contiguous(), output_final_state=True, use_qk_l2norm_in_kernel=True,
-        cu_seqlens=cu_seqlens)
+    args = (q.unsqueeze(0).contiguous(), k.unsqueeze(0).contiguous(), v.unsqueeze(0).contiguous(),
+            g.unsqueeze(0).contiguous(), beta.unsqueeze(0).to(q.dtype).contiguous())
+    common = dict(scale=scale, initial_state=initial_state.contiguous(), output_final_state=True,
+                  use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)
+    if seq_lens is not None and max(seq_lens, default=0) <= RECURRENT_MAX_LEN:
+        o, final = fused_recurrent_gated_delta_rule(*args, **common)
+    else:
+        cpu = torch.tensor([0, *torch.tensor(seq_lens).cumsum(0).tolist()]) if seq_lens is not None else None
+        o, final = chunk_gated_delta_rule(*args, **common, cu_seqlens_cpu=cpu)
     return o[0], final

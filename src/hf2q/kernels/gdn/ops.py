@@ -53,7 +53,7 @@ def chunk_gdn(q, k, v, g, beta, initial_state, cu_seqlens, seq_lens: list[int], 
     Returns (o [T, nv, dv] in v's dtype, final states [N, nv, dk, dv] fp32)."""
     if q.is_cuda:
         from hf2q.kernels.gdn.chunked_fla import chunk_gdn as kernel
-        return kernel(q, k, v, g, beta, initial_state, cu_seqlens, scale)
+        return kernel(q, k, v, g, beta, initial_state, cu_seqlens, scale, seq_lens)
     return chunk_gdn_reference(q, k, v, g, beta, initial_state, cu_seqlens, seq_lens, scale, eps)
 
 
