@@ -28,13 +28,14 @@ def chunk_gdn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     rep = v.shape[1] // q.shape[1]
     if rep > 1:
         q, k = q.repeat(1, rep, 1), k.repeat(1, rep, 1)
-    args = (q.unsqueeze(0).contiguous(), k.unsqueeze(0).contiguous(), v.unsqueeze(0).contiguous(),
-            g.unsqueeze(0).contiguous(), beta.unsqueeze(0).to(q.dtype).contiguous())
-    common = dict(scale=scale, initial_state=initial_state.contiguous(), output_final_state=True,
-                  use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)
+    # by keyword: the two functions' positional orders differ (the recurrent one takes gk, gv before beta)
+    args = dict(q=q.unsqueeze(0).contiguous(), k=k.unsqueeze(0).contiguous(), v=v.unsqueeze(0).contiguous(),
+                g=g.unsqueeze(0).contiguous(), beta=beta.unsqueeze(0).to(q.dtype).contiguous(), scale=scale,
+                initial_state=initial_state.contiguous(), output_final_state=True, use_qk_l2norm_in_kernel=True,
+                cu_seqlens=cu_seqlens)
     if seq_lens is not None and max(seq_lens, default=0) <= RECURRENT_MAX_LEN:
-        o, final = fused_recurrent_gated_delta_rule(*args, **common)
+        o, final = fused_recurrent_gated_delta_rule(**args)
     else:
         cpu = torch.tensor([0, *torch.tensor(seq_lens).cumsum(0).tolist()]) if seq_lens is not None else None
-        o, final = chunk_gated_delta_rule(*args, **common, cu_seqlens_cpu=cpu)
+        o, final = chunk_gated_delta_rule(**args, cu_seqlens_cpu=cpu)
     return o[0], final
