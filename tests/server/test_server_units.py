@@ -164,3 +164,27 @@ def test_reasoning_effort_maps_to_thinking_and_budget(effort, thinking, budget):
     assert thinking_kwargs(req) == ({} if thinking is None else {"enable_thinking": thinking})
     assert thinking_budget(req) == budget
     assert thinking_budget(req.model_copy(update={"thinking_budget": 7})) == 7
+
+
+def test_async_scheduling_is_on_for_cuda_unless_said_or_impossible():
+    """Default (None): on for CUDA alone, off where speculation or other ranks need each step's ids; asking for
+    it there is refused by name; --no-async-scheduling turns it off."""
+    import argparse
+
+    import torch
+
+    from hf2q.server.launch import add_serve_args, resolve_async_scheduling
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert resolve_async_scheduling(None, cuda, False, 1) is True
+    assert resolve_async_scheduling(None, cpu, False, 1) is False
+    assert resolve_async_scheduling(None, cuda, True, 1) is False
+    assert resolve_async_scheduling(None, cuda, False, 2) is False
+    assert resolve_async_scheduling(False, cuda, False, 1) is False
+    assert resolve_async_scheduling(True, cpu, False, 1) is True
+    for spec, tp, flag in ((True, 1, "--speculative"), (False, 2, "--tensor-parallel-size")):
+        with pytest.raises(ValueError, match=flag):
+            resolve_async_scheduling(True, cuda, spec, tp)
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    assert [p.parse_args(a).async_scheduling for a in ([], ["--async-scheduling"], ["--no-async-scheduling"])] == \
+        [None, True, False]
