@@ -41,7 +41,7 @@ def chunk_timeline(url: str, prompt_tokens: int, max_tokens: int) -> None:
 
 
 def engine_steps(model_path: str, prompt_tokens: int, max_tokens: int, requests: int, profile: bool,
-                 max_num_seqs: int | None, concurrent: int = 0) -> None:
+                 max_num_seqs: int | None, concurrent: int = 0, history: int = 0) -> None:
     import random
 
     import torch
@@ -84,6 +84,8 @@ def engine_steps(model_path: str, prompt_tokens: int, max_tokens: int, requests:
 
     for i in range(requests):
         one(f"request {i}")
+    if history:
+        hit_steps(engine, history, prompt_tokens, rng, sync, profile)
     if concurrent > 1:
         batch_steps(engine, concurrent, prompt_tokens, rng, sync, profile)
     if profile:
@@ -95,6 +97,46 @@ def engine_steps(model_path: str, prompt_tokens: int, max_tokens: int, requests:
         key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
         print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
         print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15, max_name_column_width=60))
+
+
+def hit_steps(engine, history: int, suffix: int, rng, sync, profile: bool) -> None:
+    """A follow-up turn: a `history`-token request, then its prompt + answer + `suffix` new tokens, timed step by
+    step with the prefix cache (a hit on the finished request's checkpoint) and again with the cache emptied
+    (cold); --profile profiles the hit."""
+    from hf2q.engine.sampling_params import SamplingParams
+
+    def run(ids: list[int], max_tokens: int) -> tuple[list[int], list[float], int]:
+        engine.add_request(ids, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+        out, steps, cached = [], [], 0
+        while engine.has_work():
+            t = time.perf_counter()
+            for o in engine.step():
+                out += o.new_token_ids
+                cached = max(cached, o.num_cached_tokens)
+            sync()
+            steps.append((time.perf_counter() - t) * 1000)
+        return out, steps, cached
+
+    first = [rng.randrange(1000, 100000) for _ in range(history)]
+    answer, steps, _ = run(first, 16)
+    print(f"history of {history} tokens: {len(steps)} steps, {sum(steps[:-15]):.1f} ms to the first token")
+    follow = first + answer + [rng.randrange(1000, 100000) for _ in range(suffix)]
+    for tag in ("hit", "cold"):
+        if tag == "cold":
+            engine.prefix.clear()
+        if tag == "hit" and profile:
+            from torch.profiler import ProfilerActivity, profile as torch_profile
+
+            import torch
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            with torch_profile(activities=acts) as prof:
+                _, steps, cached = run(follow, 4)
+            print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60))
+        else:
+            _, steps, cached = run(follow, 4)
+        prefill = steps[:-3]  # the steps before the first token (the last three are decode steps)
+        print(f"follow-up {tag}: {len(follow)} tokens, {cached} cached, {len(prefill)} prefill steps, "
+              f"{sum(prefill):.1f} ms to the first token ({', '.join(f'{t:.1f}' for t in prefill[:6])})")
 
 
 def batch_steps(engine, n: int, prompt_tokens: int, rng, sync, profile: bool) -> None:
@@ -141,12 +183,15 @@ def main() -> None:
     p.add_argument("--profile", action="store_true")
     p.add_argument("--max-num-seqs", type=int, help="as `hf2q serve --max-num-seqs` (fewer graphs to capture)")
     p.add_argument("--concurrent", type=int, default=0, help="then time (and profile) this many sequences decoding together")
+    p.add_argument("--history", type=int, default=0,
+                   help="then a follow-up turn over this many tokens: a prefix-cache hit against cold (--prompt-tokens new)")
     a = p.parse_args()
     logging.basicConfig(level="INFO", format="%(message)s")  # the engine's sizing and warm-up lines
     if a.url:
         chunk_timeline(a.url.rstrip("/"), a.prompt_tokens, a.max_tokens)
     if a.model:
-        engine_steps(a.model, a.prompt_tokens, a.max_tokens, a.requests, a.profile, a.max_num_seqs, a.concurrent)
+        engine_steps(a.model, a.prompt_tokens, a.max_tokens, a.requests, a.profile, a.max_num_seqs, a.concurrent,
+                     a.history)
 
 
 if __name__ == "__main__":
