@@ -72,7 +72,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="queue each decode step before reading the previous step's tokens, so the host's work "
                         "(stop checks, detokenizing, streaming) overlaps the GPU's; for rows without penalties, "
                         "logprobs, grammars, or top-p/min-p without a top-k <= 256 (others step as usual); same "
-                        "tokens. Default: on for CUDA without --speculative or --tensor-parallel-size (asking "
+                        "tokens (default: on for CUDA without --speculative or --tensor-parallel-size; asking "
                         "for it with either is refused)")
     p.add_argument("--sampling-defaults", choices=("model", "openai"), default="model",
                    help="what a request that leaves out temperature, top_p, top_k, min_p or repetition_penalty "
