@@ -120,3 +120,29 @@ def test_prefill_over_cache_matches_torch_versions(env, monkeypatch):
         assert rel(a, b) <= tol
     for a, b in zip(states, ref_states):
         assert rel(a, b) <= tol
+
+
+def test_fla_short_delta_rule_matches_the_reference(env):
+    """Our wrapper of fla's delta rule (kernels/gdn/chunked_fla.py: grouped value heads in GGUF's tiled order,
+    raw q/k, unequal sequences end to end, initial and final states) on its short path, fla's fused recurrent
+    kernel, against the reference recurrence: under the interpreter, the CPU's check of the arguments we hand
+    fla (a positional mix-up gave NaN on the GPU). The chunked path needs a GPU driver even under the
+    interpreter (its kernels autotune); tests/kernels/test_gpu.py covers both paths on CUDA."""
+    pytest.importorskip("fla")
+    from hf2q.kernels.gdn.chunked_fla import RECURRENT_MAX_LEN, chunk_gdn
+    dev, dtype, tol, real = env
+    lens = [37, 1, 20] if real else [5, 1, 3]
+    assert max(lens) <= RECURRENT_MAX_LEN
+    gen = torch.Generator().manual_seed(3)
+    nk, nv, d = (2, 4, 128) if real else (2, 4, 16)
+    t = sum(lens)
+    q, k = randn(t, nk, d, dev=dev, dtype=dtype, gen=gen), randn(t, nk, d, dev=dev, dtype=dtype, gen=gen)
+    v = randn(t, nv, d, dev=dev, dtype=dtype, gen=gen)
+    g = (-torch.rand(t, nv, generator=gen) * 0.5).to(dev)
+    beta = torch.rand(t, nv, generator=gen).to(dev)
+    h0 = (torch.randn(len(lens), nv, d, d, generator=gen) * 0.05).to(dev)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=dev)
+    o, final = chunk_gdn(q, k, v, g, beta, h0, cu, d ** -0.5, lens)
+    o_ref, f_ref = gdn_ops.chunk_gdn_reference(*(x.cpu().float() for x in (q, k, v, g, beta, h0)), cu.cpu(), lens,
+                                               d ** -0.5, 1e-6)
+    assert rel(o, o_ref) <= (2e-2 if real else 1e-4) and rel(final, f_ref) <= (2e-2 if real else 1e-4)
