@@ -184,7 +184,8 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, help="as `hf2q serve --max-num-seqs` (fewer graphs to capture)")
     p.add_argument("--concurrent", type=int, default=0, help="then time (and profile) this many sequences decoding together")
     p.add_argument("--history", type=int, default=0,
-                   help="then a follow-up turn over this many tokens: a prefix-cache hit against cold (--prompt-tokens new)")
+                   help="then a follow-up turn over this many tokens: a prefix-cache hit against cold "
+                        "(--prompt-tokens new ones)")
     a = p.parse_args()
     logging.basicConfig(level="INFO", format="%(message)s")  # the engine's sizing and warm-up lines
     if a.url:

@@ -201,3 +201,47 @@ def test_requests_waiting_for_a_slot_and_queued_rerenders_do_not_stop_the_overla
         assert engine.prefix.stats.rerenders == 1  # the background prefill ran once the requests were done
         outs[overlap] = got
     assert outs[True] == outs[False] and any(while_waiting)
+
+
+def test_ngram_speculation_drafts_only_when_no_step_is_queued_ahead(model):
+    """With n-gram speculation, steps queue ahead while the batch is at least --spec-max-batch (where nobody
+    drafts), and speculation takes over once it shrinks; every request gets the tokens of plain stepping
+    without speculation."""
+    from hf2q.spec.proposer import SpecConfig
+    from tests.spec.test_verify import Oracle
+
+    def engine_for(overlap: bool, spec: str) -> Engine:
+        engine = Engine(model, EngineConfig(
+            max_model_len=256, async_scheduling=overlap,
+            spec=SpecConfig(method=spec, max_batch=3, ngram_min=2, ngram_max=4, cost_window=0),
+            scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, prefill_chunk=16),
+            cache=CacheConfig(num_slots=8, num_blocks=256, block_size=8, prefix_cache_bytes=0)))
+        if engine.runner.device.type == "cuda":
+            engine.warm_up()
+        return engine
+
+    def tokens(engine: Engine) -> dict[str, list[int]]:
+        for i in range(5):
+            engine.add_request(prompts[i], greedy(max_tokens=4 + 5 * i, ignore_eos=True), request_id=f"r{i}")
+        got: dict[str, list[int]] = {}
+        while engine.has_work():
+            for o in engine.step():
+                got.setdefault(o.request_id, []).extend(o.new_token_ids)
+        return got
+
+    prompts = [prompt(30 + i, 9) for i in range(5)]
+    plain = tokens(engine_for(False, "off"))
+    engine = engine_for(True, "ngram")  # the proposer drafts plain's answers, a quarter of the tokens spoiled
+    answers = {tuple(prompts[i]): plain[f"r{i}"] for i in range(5)}
+    engine.spec.new_proposer = lambda: Oracle(answers, spoil=0.25, seed=3)
+    run_decode, queued = engine.runner.run_decode, []
+
+    def counting(reqs, ids):
+        queued.append(len(reqs))
+        assert len(reqs) >= 3 and not any(req.draft_ids for req in reqs)
+        return run_decode(reqs, ids)
+
+    engine.runner.run_decode = counting
+    assert tokens(engine) == plain
+    stats = engine.spec.stats
+    assert queued and 0 < stats.accepted < stats.drafted, (queued, stats)

@@ -167,21 +167,22 @@ def test_reasoning_effort_maps_to_thinking_and_budget(effort, thinking, budget):
 
 
 def test_async_scheduling_is_on_for_cuda_unless_said_or_impossible():
-    """Default (None): on for CUDA alone, off where speculation or other ranks need each step's ids; asking for
-    it there is refused by name; --no-async-scheduling turns it off."""
+    """Default (None): on for CUDA alone, off where the MTP head or other ranks need each step's ids (n-gram
+    speculation keeps it); asking for it there is refused by name; --no-async-scheduling turns it off."""
     import argparse
 
     import torch
 
     from hf2q.server.launch import add_serve_args, resolve_async_scheduling
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert resolve_async_scheduling(None, cuda, False, 1) is True
-    assert resolve_async_scheduling(None, cpu, False, 1) is False
-    assert resolve_async_scheduling(None, cuda, True, 1) is False
-    assert resolve_async_scheduling(None, cuda, False, 2) is False
-    assert resolve_async_scheduling(False, cuda, False, 1) is False
-    assert resolve_async_scheduling(True, cpu, False, 1) is True
-    for spec, tp, flag in ((True, 1, "--speculative"), (False, 2, "--tensor-parallel-size")):
+    assert resolve_async_scheduling(None, cuda, "off", 1) is True
+    assert resolve_async_scheduling(None, cuda, "ngram", 1) is True
+    assert resolve_async_scheduling(None, cpu, "off", 1) is False
+    assert resolve_async_scheduling(None, cuda, "mtp+ngram", 1) is False
+    assert resolve_async_scheduling(None, cuda, "off", 2) is False
+    assert resolve_async_scheduling(False, cuda, "off", 1) is False
+    assert resolve_async_scheduling(True, cpu, "ngram", 1) is True
+    for spec, tp, flag in (("mtp", 1, "--speculative mtp"), ("off", 2, "--tensor-parallel-size")):
         with pytest.raises(ValueError, match=flag):
             resolve_async_scheduling(True, cuda, spec, tp)
     p = argparse.ArgumentParser()

@@ -68,7 +68,8 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.last_batch = (0, 0)  # (sequences, tokens) of the latest step, for metrics
-        self.async_scheduling = config.async_scheduling and self.spec is None
+        # The MTP head catches up on every step's hidden rows on the host's schedule: no steps queued ahead.
+        self.async_scheduling = config.async_scheduling and (self.spec is None or self.spec.mtp is None)
         self._launched: Optional[LaunchedStep] = None  # a decode step whose tokens the host has not read
         self._finishing: dict[str, bool] = {}  # request id -> retain?: finished while fed into the launched step
         self.steps_queued_ahead = 0  # for metrics
@@ -192,10 +193,10 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One step. A failure of one request's own work (its forced token, grammar, sampler row or output)
         fails only that request, with an "error" output; a failure of the forward pass raises."""
+        if self._launched is not None:  # nobody drafts while steps are queued ahead (_may_queue_ahead)
+            return self._step_launched()
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)
-        if self._launched is not None:
-            return self._step_launched()
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
@@ -263,9 +264,12 @@ class Engine:
 
     def _may_queue_ahead(self, reqs: list[Request]) -> bool:
         """Whether the next decode step of `reqs` may be queued before the host reads their newest tokens:
-        async scheduling on, no waiting request to admit, each having computed all the tokens it knows and
-        drawing without the host."""
+        async scheduling on, no waiting request to admit, none drafting now or in the next step (a batch of
+        at least --spec-max-batch, where the speculator drafts nothing), each having computed all the tokens
+        it knows and drawing without the host."""
         if not self.async_scheduling or self.scheduler.admits_waiting():
+            return False
+        if self.spec is not None and (len(reqs) < self.spec.config.max_batch or any(req.draft_ids for req in reqs)):
             return False
         return all(req.num_computed == req.num_tokens and self.sampler.draws_without_host(req.output.row)
                    for req in reqs)

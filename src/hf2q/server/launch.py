@@ -72,8 +72,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="queue each decode step before reading the previous step's tokens, so the host's work "
                         "(stop checks, detokenizing, streaming) overlaps the GPU's; for rows without penalties, "
                         "logprobs, grammars, or top-p/min-p without a top-k <= 256 (others step as usual); same "
-                        "tokens (default: on for CUDA without --speculative or --tensor-parallel-size; asking "
-                        "for it with either is refused)")
+                        "tokens; with n-gram speculation, while the batch is too large for drafts (default: on "
+                        "for CUDA without MTP speculation or --tensor-parallel-size; asking for it with either "
+                        "is refused)")
     p.add_argument("--sampling-defaults", choices=("model", "openai"), default="model",
                    help="what a request that leaves out temperature, top_p, top_k, min_p or repetition_penalty "
                         "gets: model, the model file's recommended values (general.sampling.*, from its "
@@ -173,16 +174,17 @@ def _limits(args, model, device, dtype, prefix_bytes: int = 0):
     return choose(model.config, device.type, kv_format, args.max_num_seqs, max_len, free, total)
 
 
-def resolve_async_scheduling(asked: bool | None, device, speculative: bool, tp: int) -> bool:
+def resolve_async_scheduling(asked: bool | None, device, speculative: str, tp: int) -> bool:
     """--async-scheduling as asked (None: not said), else on for CUDA (measured on the H200: 3.4x the output
-    rate at 16 streams, 1.5x at 64; BENCHMARKS.md). Speculation and the other tensor-parallel ranks need each
-    step's ids on the host: asking for both is refused, the default leaves it off."""
-    if asked and speculative:
-        raise ValueError("--async-scheduling does not work with --speculative yet")
+    rate at 16 streams, 1.5x at 64; BENCHMARKS.md). The MTP head and the other tensor-parallel ranks need each
+    step's ids on the host: asking for either with it is refused, the default leaves it off. With n-gram
+    speculation, steps queue ahead while the batch is too large for drafts (--spec-max-batch)."""
+    if asked and "mtp" in speculative:
+        raise ValueError(f"--async-scheduling does not work with --speculative {speculative} yet (n-gram does)")
     if asked and tp != 1:
         raise ValueError("--async-scheduling does not work with --tensor-parallel-size yet")
     if asked is None:
-        return device.type == "cuda" and not speculative and tp == 1
+        return device.type == "cuda" and "mtp" not in speculative and tp == 1
     return asked
 
 
@@ -215,7 +217,7 @@ def build_state(args):
     if tp != 1 and spec.enabled:  # the other ranks replay plain steps only
         raise ValueError("--speculative does not work with --tensor-parallel-size yet")
     args.async_scheduling = resolve_async_scheduling(getattr(args, "async_scheduling", None), device,
-                                                     spec.enabled, tp)
+                                                     spec.method, tp)
     if tp != 1 and getattr(args, "prefix_cache_dir", None):  # a rank's checkpoint holds only its shard
         raise ValueError("--prefix-cache-dir does not work with --tensor-parallel-size yet")
     mmproj = _mmproj_path(args, path, is_demo)
