@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
@@ -160,7 +161,9 @@ class Engine:
         chunk = min(sched.prefill_chunk, sched.max_num_batched_tokens, self.max_model_len - 1)
         self.runner.warm_up(sched.max_num_seqs, max(1, chunk if self.runner.device.type == "cuda" else 16))
         if self.runner.device.type == "cuda":  # elsewhere nothing compiles
+            t0 = time.monotonic()
             self._warm_up_requests()
+            log.info("warm-up: throwaway requests served in %.1f s", time.monotonic() - t0)
 
     # Prompt lengths of the warm-up requests: Triton specialises a kernel on whether an integer argument
     # is divisible by 16, and a batch of two prompts is a varlen batch, so each meets code the full-chunk

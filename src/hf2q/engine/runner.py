@@ -11,6 +11,8 @@ graph replay's too) for the MTP head to catch up on (hf2q.spec.mtp).
 """
 from __future__ import annotations
 
+import logging
+import time
 from typing import Optional
 
 import torch
@@ -22,6 +24,8 @@ from hf2q.forward import ForwardBatch
 from hf2q.models.qwen35 import Qwen35Model
 from hf2q.spec.speculator import Verify
 from hf2q.spec.states import PositionStates
+
+log = logging.getLogger(__name__)
 
 GRAPH_MAX_CONTEXT = 65536  # block-table width of the graphs; longer sequences decode eagerly
 
@@ -191,13 +195,17 @@ class ModelRunner:
         `prefill_tokens` tokens (compiles the prefill kernels) in a scratch slot, then, on CUDA, the
         decode graphs of every bucket up to `max_batch` sequences (compiles, times and captures the decode
         kernels). The scratch slot is released; the graphs keep their padding slot."""
+        t0 = time.monotonic()
         slot = self.cache.acquire()
         try:
             self.cache.reserve(slot, prefill_tokens)
             batch = ForwardBatch.single([0] * prefill_tokens, slot=slot, cache=self.cache, device=self.device)
             self.net.compute_logits(self.net(batch)[-1:])
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
         finally:
             self.cache.release(slot)
+        log.info("warm-up: a %d-token prefill in %.1f s", prefill_tokens, time.monotonic() - t0)
         if self.use_graphs:
             graphs = self._decode_graphs()
             if graphs is not None:
