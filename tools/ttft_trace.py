@@ -103,7 +103,14 @@ def hit_steps(engine, history: int, suffix: int, rng, sync, profile: bool) -> No
     """A follow-up turn: a `history`-token request, then its prompt + answer + `suffix` new tokens, timed step by
     step with the prefix cache (a hit on the finished request's checkpoint) and again with the cache emptied
     (cold); --profile profiles the hit."""
+    import contextlib
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
     from hf2q.engine.sampling_params import SamplingParams
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
 
     def run(ids: list[int], max_tokens: int) -> tuple[list[int], list[float], int]:
         engine.add_request(ids, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
@@ -117,24 +124,23 @@ def hit_steps(engine, history: int, suffix: int, rng, sync, profile: bool) -> No
             steps.append((time.perf_counter() - t) * 1000)
         return out, steps, cached
 
+    def to_first_token(steps: list[float], max_tokens: int) -> list[float]:
+        return steps[:len(steps) - (max_tokens - 1)]  # the steps before the first token, not the decode steps
+
     first = [rng.randrange(1000, 100000) for _ in range(history)]
     answer, steps, _ = run(first, 16)
-    print(f"history of {history} tokens: {len(steps)} steps, {sum(steps[:-15]):.1f} ms to the first token")
+    print(f"history of {history} tokens: {len(steps)} steps, {sum(to_first_token(steps, 16)):.1f} ms to the "
+          "first token")
     follow = first + answer + [rng.randrange(1000, 100000) for _ in range(suffix)]
     for tag in ("hit", "cold"):
         if tag == "cold":
             engine.prefix.clear()
-        if tag == "hit" and profile:
-            from torch.profiler import ProfilerActivity, profile as torch_profile
-
-            import torch
-            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-            with torch_profile(activities=acts) as prof:
-                _, steps, cached = run(follow, 4)
-            print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60))
-        else:
+        profiling = tag == "hit" and profile
+        with torch_profile(activities=acts) if profiling else contextlib.nullcontext() as prof:
             _, steps, cached = run(follow, 4)
-        prefill = steps[:-3]  # the steps before the first token (the last three are decode steps)
+        if profiling:
+            print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60))
+        prefill = to_first_token(steps, 4)
         print(f"follow-up {tag}: {len(follow)} tokens, {cached} cached, {len(prefill)} prefill steps, "
               f"{sum(prefill):.1f} ms to the first token ({', '.join(f'{t:.1f}' for t in prefill[:6])})")
 

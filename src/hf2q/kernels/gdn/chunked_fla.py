@@ -11,6 +11,8 @@ than the arithmetic at that length.
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 RECURRENT_MAX_LEN = 64
@@ -36,6 +38,6 @@ def chunk_gdn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     if seq_lens is not None and max(seq_lens, default=0) <= RECURRENT_MAX_LEN:
         o, final = fused_recurrent_gated_delta_rule(**args)
     else:
-        cpu = torch.tensor([0, *torch.tensor(seq_lens).cumsum(0).tolist()]) if seq_lens is not None else None
+        cpu = torch.tensor([0, *itertools.accumulate(seq_lens)]) if seq_lens is not None else None
         o, final = chunk_gated_delta_rule(**args, cu_seqlens_cpu=cpu)
     return o[0], final
