@@ -155,6 +155,7 @@ def test_a_failed_queued_step_leaves_no_request_behind(model):
     stopped in the step before it, already fed on, still gives its slot up."""
     engine = make_engine(model, True)
     alone = [t for o in engine.generate(prompt(5, 12), greedy(max_tokens=12, ignore_eos=True)) for t in o.new_token_ids]
+    free = engine.cache.num_free_slots  # all but the CUDA graphs' padding slot
     engine.add_request(prompt(5, 12), greedy(max_tokens=12, ignore_eos=True, stop_token_ids=[alone[2]]),
                        request_id="st")
     engine.add_request(prompt(1, 20), greedy(max_tokens=12, ignore_eos=True), request_id="g0")
@@ -172,7 +173,7 @@ def test_a_failed_queued_step_leaves_no_request_behind(model):
             engine.step()
     engine.abort("g0")  # what the server does with every request still running
     assert not engine.scheduler.running and not engine._finishing and not engine.has_work()
-    assert engine.cache.num_free_slots == 8
+    assert engine.cache.num_free_slots == free
 
 
 def test_requests_waiting_for_a_slot_and_queued_rerenders_do_not_stop_the_overlap(model):

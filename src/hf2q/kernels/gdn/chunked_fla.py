@@ -7,7 +7,8 @@ GGUF files tile them (h % n_k), so q and k are expanded to n_v heads in tiled or
 Short batches (every sequence at most `RECURRENT_MAX_LEN` tokens: a follow-up turn after a prefix-cache hit,
 a speculative verify) take fla's fused recurrent kernel: one launch and no host synchronisation, where the
 chunked form launches about ten kernels and reads the sequence lengths back to the host, which costs more
-than the arithmetic at that length.
+than the arithmetic at that length. Training (inputs that need a gradient) keeps the chunked form: fla's
+recurrent kernel has no backward.
 """
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ def chunk_gdn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
                 g=g.unsqueeze(0).contiguous(), beta=beta.unsqueeze(0).to(q.dtype).contiguous(), scale=scale,
                 initial_state=initial_state.contiguous(), output_final_state=True, use_qk_l2norm_in_kernel=True,
                 cu_seqlens=cu_seqlens)
-    if seq_lens is not None and max(seq_lens, default=0) <= RECURRENT_MAX_LEN:
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta, initial_state))
+    if seq_lens is not None and max(seq_lens, default=0) <= RECURRENT_MAX_LEN and not needs_grad:
         o, final = fused_recurrent_gated_delta_rule(**args)
     else:
         cpu = torch.tensor([0, *itertools.accumulate(seq_lens)]) if seq_lens is not None else None
