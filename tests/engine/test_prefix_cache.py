@@ -106,8 +106,10 @@ def test_tool_calling_chat_hits_from_turn_two_and_matches_cache_off(model, think
         # Greedy and seeded sampling side by side, same prompt.
         turn = {f"g{i}": (ids, GREEDY, anchor), f"s{i}": (ids, SEEDED, anchor)}
         got_both, want_both = run(on, turn), run(off, turn)
-        if rerender is not None:  # as the server does once the answer is out; the next turn comes at once
+        if rerender is not None:  # as the server does once the answer is out; idle while the user reads it
             assert on.prefill_in_background(rerender) is not None and off.prefill_in_background(rerender) is None
+            while on.has_work():
+                on.step()
         for rid in turn:
             got, want = got_both[rid], want_both[rid]
             assert got[0] == want[0], (i, rid)
@@ -251,9 +253,10 @@ def test_user_request_extending_a_running_background_prefill_resumes_at_its_end(
     assert engine.prefix.stats.hits == 1 and engine.prefix.stats.misses == 0  # the background's own admission: neither
 
 
-def test_awaited_background_prefill_takes_the_slot_of_one_nobody_awaits(model):
-    """Every slot is held by background prefills when the next turn of another history arrives: the one it
-    extends is started in the latest one's place (cancelled), and the turn resumes from it."""
+def test_next_turn_finding_its_history_still_queued_computes_it_itself(model):
+    """Every slot is held by background prefills when the next turn of another history arrives, its own
+    history still queued: the turn takes that prefill's place (no step spent on it first), a running one is
+    cancelled for its slot, and its first token comes after its own chunks only, as a cache-off engine's."""
     history = list(range(4000, 4100))
     follow = history + [7, 8, 9]
     want = run(make_engine(model, prefix_bytes=0), {"u": (follow, GREEDY, None)})["u"][0]
@@ -262,12 +265,15 @@ def test_awaited_background_prefill_takes_the_slot_of_one_nobody_awaits(model):
     engine.step()
     assert all(o.num_computed == 16 for o in others)
     engine.prefill_in_background(history)
-    req, tokens, cached = engine.add_request(follow, GREEDY), [], 0
+    req, tokens, cached, steps = engine.add_request(follow, GREEDY), [], 0, 0
     for _ in range(40):  # bounded: a turn waiting on a prefill that never gets a slot fails here
-        for o in engine.step():
+        outputs = engine.step()
+        steps += not tokens
+        for o in outputs:
             tokens, cached = tokens + o.new_token_ids, max(cached, o.num_cached_tokens)
         if not engine.has_work():
             break
     st = engine.prefix.stats
-    assert req.finished and (tokens, cached) == (want, len(history)) and (st.rerenders, st.rerender_cancelled) == (2, 1)
-    assert others[1].finished and engine.prefix.holds(others[0].prompt_ids)
+    assert req.finished and (tokens, cached) == (want, 0) and steps == -(-len(follow) // 16)
+    assert (st.rerenders, st.rerender_cancelled, st.rerender_absorbed) == (1, 1, 1)
+    assert others[1].finished and engine.prefix.holds(others[0].prompt_ids) and not engine.prefix.holds(history)

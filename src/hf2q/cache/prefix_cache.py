@@ -28,11 +28,13 @@ class PrefixStats:
     tokens_reused: int = 0
     evictions: int = 0
     # Re-render prefills (`Engine.prefill_in_background`): run to their checkpoint, the tokens they computed,
-    # skipped (a checkpoint or a queued prefill already covered them), and cancelled for a user request's room.
+    # skipped (a checkpoint or a queued prefill already covered them), cancelled for a user request's room,
+    # and absorbed (still queued when the next turn came: that turn computed the tokens itself).
     rerenders: int = 0
     rerender_tokens: int = 0
     rerender_skipped: int = 0
     rerender_cancelled: int = 0
+    rerender_absorbed: int = 0
 
 
 @dataclass

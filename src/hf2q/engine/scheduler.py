@@ -11,9 +11,11 @@ prefill chunk ends exactly at each checkpoint boundary (the request's anchor, ev
 tokens) so the state there is retained without an extra forward pass.
 
 Background prefills (a conversation re-rendered as its next turn will see it, `Engine.prefill_in_background`)
-are the lowest priority: they run only in steps with no user request running or waiting, or when the user
-request at the head of the queue extends one (it waits for that checkpoint, as for a running prefill's); a
-user request that lacks a slot or room cancels them. Their only product is the checkpoint at their end.
+are the lowest priority: they start only in steps with no user request running or waiting. A user request
+at the head of the queue that extends a started one waits for its checkpoint, as for a running prefill's;
+one that extends a queued one takes its place and computes those tokens itself, a step sooner than waiting
+would give its first token. A user request that lacks a slot or room cancels them. Their only product is
+the checkpoint at their end.
 """
 from __future__ import annotations
 
@@ -80,6 +82,10 @@ class Scheduler:
         while self.waiting and budget > 0:
             req = self.waiting[0]
             awaited = self._awaits_checkpoint(req)
+            while any(awaited is r for r in self.background):  # queued, not started: the request computes them
+                self.background.remove(awaited)
+                self._count_absorbed(awaited)
+                awaited = self._awaits_checkpoint(req)
             if awaited is not None:
                 awaited.awaited = awaited.background
                 break
@@ -108,18 +114,14 @@ class Scheduler:
 
     def _schedule_background(self, batch: list[tuple[Request, int]], budget: int, idle: bool) -> None:
         """Background prefills take what is left of the step: all of them when the engine has no user work,
-        else only those a waiting user request awaits. One that finds no room when admitted is dropped."""
+        else only the started ones a waiting user request awaits. Queued ones start only when idle; one that
+        finds no room when admitted is dropped."""
         for req in self.running:
             if req.background and (idle or req.awaited) and budget > 0:
                 budget = self._take(batch, req, budget)
         for req in list(self.background):
-            if budget <= 0:
+            if budget <= 0 or not idle or len(self.running) >= self.config.max_num_seqs:
                 return
-            if not (idle or req.awaited):
-                continue
-            # One a user request waits for takes the slot of one nobody waits for.
-            if len(self.running) >= self.config.max_num_seqs and not (req.awaited and self._cancel_background(True)):
-                continue
             self.background.remove(req)
             if not self._admit(req):
                 self._count_cancelled(req)
@@ -137,10 +139,9 @@ class Scheduler:
         """Whether a background prefill of exactly these tokens is queued or running."""
         return any(r.prompt_ids == tokens for r in (*self.background, *self.running) if r.background)
 
-    def _cancel_background(self, spare_awaited: bool = False) -> bool:
-        """Cancel the latest admitted background prefill (its slot and blocks go back), with `spare_awaited`
-        one no user request waits for; False if there is none."""
-        req = next((r for r in reversed(self.running) if r.background and not (spare_awaited and r.awaited)), None)
+    def _cancel_background(self) -> bool:
+        """Cancel the latest admitted background prefill (its slot and blocks go back); False if there is none."""
+        req = next((r for r in reversed(self.running) if r.background), None)
         if req is None:
             return False
         self.finish(req)
@@ -151,6 +152,11 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         if self.prefix is not None:
             self.prefix.stats.rerender_cancelled += 1
+
+    def _count_absorbed(self, req: Request) -> None:
+        req.status = RequestStatus.FINISHED
+        if self.prefix is not None:
+            self.prefix.stats.rerender_absorbed += 1
 
     def background_done(self, req: Request) -> None:
         """A background prefill reached its end (its checkpoint is retained by then): free its slot."""

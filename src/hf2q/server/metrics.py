@@ -60,7 +60,10 @@ class Metrics:
                                         registry=r)
         self.rerender_cancelled = Counter("hf2q_prefix_rerender_cancelled",
                                           "Background prefills cancelled for a user request's slot or room", registry=r)
-        self._prefix_seen = (0,) * 8
+        self.rerender_absorbed = Counter("hf2q_prefix_rerender_absorbed",
+                                         "Queued background prefills whose next turn came first and computed "
+                                         "their tokens itself", registry=r)
+        self._prefix_seen = (0,) * 9
         self._prefix_lock = threading.Lock()  # the engine thread and /metrics scrapes both observe
         self.spec = SpecMetrics(r)
         info = Gauge("hf2q_model_info", "The served model (value is always 1)", ["model"], registry=r)
@@ -99,9 +102,10 @@ class Metrics:
         """The prefix cache keeps plain counts; the counters advance by what changed since last time."""
         st = prefix.stats
         now = (st.hits, st.misses, st.tokens_reused, st.evictions,
-               st.rerenders, st.rerender_tokens, st.rerender_skipped, st.rerender_cancelled)
+               st.rerenders, st.rerender_tokens, st.rerender_skipped, st.rerender_cancelled, st.rerender_absorbed)
         counters = (self.prefix_hits, self.prefix_misses, self.prefix_tokens, self.prefix_evictions,
-                    self.rerenders, self.rerender_tokens, self.rerender_skipped, self.rerender_cancelled)
+                    self.rerenders, self.rerender_tokens, self.rerender_skipped, self.rerender_cancelled,
+                    self.rerender_absorbed)
         with self._prefix_lock:
             for counter, new, old in zip(counters, now, self._prefix_seen):
                 if new > old:
