@@ -5,6 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 import hf2q
 from hf2q.config import CacheConfig
@@ -277,3 +278,31 @@ def test_next_turn_finding_its_history_still_queued_computes_it_itself(model):
     assert req.finished and (tokens, cached) == (want, 0) and steps == -(-len(follow) // 16)
     assert (st.rerenders, st.rerender_cancelled, st.rerender_absorbed) == (1, 1, 1)
     assert others[1].finished and engine.prefix.holds(others[0].prompt_ids) and not engine.prefix.holds(history)
+
+
+def test_anchor_inside_a_chunk_costs_no_step_and_keeps_the_states_a_cut_there_leaves(model):
+    """A chat turn's anchor sits a few tokens before its prompt's end. The chunk is not cut there: the first
+    token comes after one step, not two, and the anchor's checkpoint holds the DeltaNet states of a chunk
+    cut at the anchor (the way a cache that cannot keep inner states, under tensor parallelism, gets them).
+    The next turn resumes from it with a cache-off engine's tokens."""
+    prompt, anchor = list(range(3000, 3040)), 37
+    follow = prompt[:anchor] + [11, 12, 13, 14, 15]
+    engines = {inside: make_engine(model) for inside in (True, False)}
+    engines[False].cache.keeps_states_inside_a_chunk = False
+    retained = {}
+    for inside, engine in engines.items():
+        engine.add_request(prompt, GREEDY, request_id="a", options=RequestOptions(anchor=anchor))
+        steps = 1
+        while not any(o.new_token_ids for o in engine.step()):
+            steps += 1
+        assert steps == (1 if inside else 2)
+        while engine.has_work():
+            engine.step()
+        retained[inside] = engine.cache._retained[engine.prefix._entries[tuple(prompt[:anchor])].key]
+    (n, conv, rec), (n_cut, conv_cut, rec_cut) = retained[True], retained[False]
+    assert n == n_cut == anchor
+    # fp32 throughout; the projections multiply 40 rows here and 37 there (BLAS blocks them differently)
+    torch.testing.assert_close(conv, conv_cut, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(rec, rec_cut, rtol=1e-4, atol=1e-5)
+    want = run(make_engine(model, prefix_bytes=0), {"b": (follow, GREEDY, None)})["b"][0]
+    assert run(engines[True], {"b": (follow, GREEDY, None)})["b"] == (want, anchor)

@@ -33,6 +33,10 @@ def _dtype(name: str) -> torch.dtype:
     return dt
 
 
+# One slot's DeltaNet states: conv [n_lin, K-1, C] and recurrent [n_lin, h, dk, dv], in the slots' layout.
+LinearStates = tuple[torch.Tensor, torch.Tensor]
+
+
 def _holder(key: str) -> tuple[str, str]:
     """Block-manager table name of a retained prefix (slots are ints, so the two never collide)."""
     return ("retained", key)
@@ -91,6 +95,9 @@ class HybridCache:
     updates `conv_state[j][slot]` and `recurrent_state[j][slot]` in place. The runner calls
     `reserve` before the forward and `commit` after it.
     """
+
+    # Retained prefixes may take DeltaNet states the forward kept inside a chunk (`hf2q.cache.state_at`).
+    keeps_states_inside_a_chunk = True
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, device: str | torch.device = "cpu"):
         mc, cc = model_config, cache_config
@@ -222,13 +229,15 @@ class HybridCache:
         return idx
 
     # ---- snapshots and forks --------------------------------------------------------------------
-    def snapshot(self, slot: int) -> CacheSnapshot:
-        """Deep copy of the slot's committed prefix and DeltaNet state; later writes never reach it."""
+    def snapshot(self, slot: int, n: int | None = None, states: LinearStates | None = None) -> CacheSnapshot:
+        """Deep copy of the slot's committed prefix and DeltaNet state; later writes never reach it. With `n`
+        and `states`: its first n tokens, whose DeltaNet states (kept by the forward that computed them) those
+        are."""
         self._check(slot)
-        n = self._lens[slot]
+        n, (conv, rec) = self._prefix_of(slot, n, states)
         idx = self.token_indices(slot, 0, n)
         return CacheSnapshot(n, self._flat(self._k).index_select(1, idx), self._flat(self._v).index_select(1, idx),
-                             self._conv[:, slot].clone(), self._rec[:, slot].clone())
+                             conv.clone(), rec.clone())
 
     def restore(self, slot: int, snap: CacheSnapshot) -> None:
         """Make the slot exactly the snapshot's prefix; CacheFull (nothing changed) if blocks run short."""
@@ -278,16 +287,25 @@ class HybridCache:
         self._lens[dst] = self._lens[src]
 
     # ---- retained prefixes (the device side of `hf2q.cache.prefix_cache`) -----------------------
-    def retain(self, slot: int, key: str) -> None:
+    def retain(self, slot: int, key: str, n: int | None = None, states: LinearStates | None = None) -> None:
         """Keep the slot's committed prefix under `key`: full K/V blocks shared by refcount (the slot never
         writes them again), the partial last block copied, and a copy of the DeltaNet state, which is at
-        exactly that token. CacheFull (nothing changed) when the partial block finds no free block."""
+        exactly that token. With `n` and `states`: its first n tokens, whose DeltaNet states those are (a
+        checkpoint inside the chunk just computed). CacheFull (nothing changed) when the partial block
+        finds no free block."""
         self._check(slot)
         if key in self._retained:
             raise ValueError(f"retained prefix {key!r} exists")
-        n = self._lens[slot]
+        n, (conv, rec) = self._prefix_of(slot, n, states)
         self._copy_blocks(self.blocks.share(slot, _holder(key), n))
-        self._retained[key] = (n, self._conv[:, slot].clone(), self._rec[:, slot].clone())
+        self._retained[key] = (n, conv.clone(), rec.clone())
+
+    def _prefix_of(self, slot: int, n: int | None, states: LinearStates | None) -> tuple[int, LinearStates]:
+        if n is None or states is None:
+            return self._lens[slot], (self._conv[:, slot], self._rec[:, slot])
+        if not 0 < n <= self._lens[slot]:
+            raise ValueError(f"slot {slot} holds {self._lens[slot]} tokens, not a prefix of {n}")
+        return n, states
 
     def resume(self, key: str, slot: int) -> int:
         """Make the slot start as the retained prefix `key` (blocks shared, partial block and state copied,

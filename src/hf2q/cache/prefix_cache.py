@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from hf2q.cache.block_manager import CacheFull
-from hf2q.cache.hybrid import CacheSnapshot, HybridCache
+from hf2q.cache.hybrid import CacheSnapshot, HybridCache, LinearStates
 from hf2q.cache.prefix_store import PrefixStore
 
 
@@ -105,24 +105,29 @@ class PrefixCache:
         else:
             self.stats.misses += 1
 
-    def store(self, slot: int, tokens: list[int]) -> None:
-        """Retain the slot's committed state, which covers exactly `tokens`; a no-op if already held or
-        if no block is free for the partial last block (a checkpoint is an optimisation, never a failure)."""
+    def store(self, slot: int, tokens: list[int], states: Optional[LinearStates] = None) -> None:
+        """Retain the slot's committed state, which covers exactly `tokens` (with `states`: its first
+        len(tokens) tokens, whose DeltaNet states those are); a no-op if already held or if no block is free
+        for the partial last block (a checkpoint is an optimisation, never a failure)."""
         key_tokens = tuple(tokens)
-        if not key_tokens or self.cache.seq_len(slot) != len(key_tokens):
+        n = self.cache.seq_len(slot)
+        if not key_tokens or (n != len(key_tokens) if states is None else n < len(key_tokens)):
             return
         if key_tokens in self._entries:
             self._entries.move_to_end(key_tokens)
             return
         key = next(self._keys)
         try:
-            self.cache.retain(slot, key)
+            if states is None:
+                self.cache.retain(slot, key)
+            else:
+                self.cache.retain(slot, key, len(key_tokens), states)
         except CacheFull:
             return
         self._entries[key_tokens] = Checkpoint(key, key_tokens)
         self._block_refs.update(self.cache.retained_blocks(key))
         if self.disk is not None:
-            self._write(slot, key_tokens)
+            self._write(slot, key_tokens, states)
         while self._entries and self.nbytes > self.budget_bytes:
             self._evict_lru()
 
@@ -140,10 +145,11 @@ class PrefixCache:
                 self._evict(tokens)
         return pool.num_free_blocks >= blocks
 
-    def _write(self, slot: int, tokens: tuple[int, ...]) -> None:
+    def _write(self, slot: int, tokens: tuple[int, ...], states: Optional[LinearStates]) -> None:
         nbytes = len(tokens) * self.cache.bytes_per_token + self.cache.fixed_bytes_per_slot
         if self.disk.wants(tokens, nbytes):  # the snapshot is a copy: skip it when the write would be dropped
-            self.disk.put(tokens, self.cache.snapshot(slot))
+            self.disk.put(tokens, self.cache.snapshot(slot) if states is None
+                          else self.cache.snapshot(slot, len(tokens), states))
 
     def _load(self, ckpt: Checkpoint, slot: int) -> int:
         loaded = self._loaded

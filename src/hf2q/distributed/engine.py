@@ -28,6 +28,9 @@ _LOGGED = ("acquire", "release", "reset", "reserve", "commit", "truncate", "fork
 class RecordingCache(HybridCache):
     """Rank 0's cache: a HybridCache that also logs its slot operations for the other ranks to replay."""
 
+    # The other ranks' forwards keep no states for rank 0 to retain: an anchor cuts the chunk instead.
+    keeps_states_inside_a_chunk = False
+
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, device: str | torch.device = "cpu"):
         super().__init__(model_config, cache_config, device)
         self.log: list = []

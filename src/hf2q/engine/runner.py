@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 
 from hf2q.cache.hybrid import CacheError, HybridCache
+from hf2q.cache.state_at import StateAt
 from hf2q.engine.overlap import upload
 from hf2q.engine.request import Request
 from hf2q.forward import ForwardBatch
@@ -79,13 +80,18 @@ class ModelRunner:
                 self.cache.commit(req.slot, req.num_computed)
             return [req for req, _ in scheduled], logits
         batch = self.build_batch(scheduled)
-        verifies, keep = {}, {}
+        verifies, keep, inside = {}, {}, {}
         for i, (req, n) in enumerate(scheduled):
             drafts = drafts_in(req, n)
             if drafts:  # the DeltaNet layers keep the state after each position, for a partial accept
                 keep[i] = PositionStates(self.cache, n)
                 verifies[req.request_id] = Verify(req.num_computed, n - len(drafts), drafts, keep[i])
+            at = req.extras.pop("checkpoint_inside", None)
+            if at is not None:  # and the state at a checkpoint inside the chunk, for the prefix cache
+                inside[i] = [StateAt(self.cache, at - req.num_computed)]
+                req.extras["kept_state"] = (at, inside[i][0])
         batch.extras["position_states"] = keep
+        batch.extras["states_at"] = inside
         hidden = self.net(batch, input_embeds=self._image_embeds(batch, scheduled))
         rows, draft_rows, sampling = [], [], []
         row = 0

@@ -7,8 +7,10 @@ request (prompt + max_tokens), so an admitted request is never preempted or lost
 queue waits for room rather than being overtaken, so long prompts do not starve.
 
 With a prefix cache, admission resumes a request from the longest retained prefix of its prompt, and a
-prefill chunk ends exactly at each checkpoint boundary (the request's anchor, every `stride` prompt
-tokens) so the state there is retained without an extra forward pass.
+prefill chunk ends exactly at each `stride` boundary so the state there is retained without an extra
+forward pass. The request's anchor (a chat turn's, a few tokens before its prompt's end) does not cut the
+chunk: the forward keeps the DeltaNet state there as well (`hf2q.cache.state_at`), so the turn's first
+token comes a step sooner; a cache that cannot keep such states (tensor parallelism) has the chunk cut.
 
 Background prefills (a conversation re-rendered as its next turn will see it, `Engine.prefill_in_background`)
 are the lowest priority: they start only in steps with no user request running or waiting. A user request
@@ -99,10 +101,17 @@ class Scheduler:
 
     def _take(self, batch: list[tuple[Request, int]], req: Request, budget: int) -> int:
         n = self._limit(req, min(self._need(req), budget, self.config.prefill_chunk))
+        req.extras.pop("checkpoint_inside", None)
         if n > 0:
             batch.append((req, n))
             budget -= n
+            if self._keeps_inside(req) and req.num_computed < req.anchor < req.num_computed + n:
+                req.extras["checkpoint_inside"] = req.anchor  # the runner keeps the state there
         return budget
+
+    def _keeps_inside(self, req: Request) -> bool:
+        """Whether the request's anchor checkpoint comes from inside a chunk rather than cutting it."""
+        return self.prefix is not None and req.anchor is not None and self.cache.keeps_states_inside_a_chunk
 
     def _admit_user(self, req: Request) -> bool:
         """Admit a user request; background prefills holding the slot or room it needs are cancelled."""
@@ -177,7 +186,8 @@ class Scheduler:
         if self.prefix is None or n <= 1:
             return n
         start, prompt_len = req.num_computed, len(req.prompt_ids)
-        bounds = [b for b in (req.anchor,) if b is not None and start < b <= prompt_len]
+        anchor = None if self._keeps_inside(req) else req.anchor
+        bounds = [b for b in (anchor,) if b is not None and start < b <= prompt_len]
         if self.stride > 0 and (start // self.stride + 1) * self.stride <= prompt_len:
             bounds.append((start // self.stride + 1) * self.stride)
         return min([n] + [b - start for b in bounds])
@@ -187,6 +197,10 @@ class Scheduler:
         if self.prefix is None:
             return
         for req, _ in scheduled:
+            kept = req.extras.pop("kept_state", None)
+            if kept is not None and req.slot is not None:  # the anchor, inside the chunk just computed
+                n, at = kept
+                self.prefix.store(req.slot, req.key(0, n), at.states)
             k = req.num_computed
             if req.slot is not None and k <= len(req.prompt_ids) and (k == req.anchor or (
                     self.stride > 0 and k % self.stride == 0) or (req.background and k == len(req.prompt_ids))):

@@ -5,6 +5,8 @@ h % n_k (HF safetensors group them: h // (n_v / n_k)).
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -59,7 +61,8 @@ class GatedDeltaNet(nn.Module):
         n = len(meta.seq_lens)
         conv_pool, slots = (cache.conv_state[j], meta.slots) if cache is not None else (None, None)
         keep = batch.extras.get("position_states", {}) if cache is not None else {}
-        conv_before = {i: conv_pool[batch.slots[i]].clone() for i in keep}  # the conv writes over them
+        inner = batch.extras.get("states_at", {}) if cache is not None else {}
+        conv_before = {i: conv_pool[batch.slots[i]].clone() for i in {*keep, *inner}}  # the conv writes over them
         conv_out = conv_ops.conv_varlen_(mixed, self.conv, conv_pool, slots, meta.cu_seqlens, meta.seq_lens)
         if cache is not None:
             rec = cache.recurrent_state[j][meta.slots].float()
@@ -68,13 +71,31 @@ class GatedDeltaNet(nn.Module):
         q, k, v = torch.split(conv_out, [self.nk * self.dk, self.nk * self.dk, self.nv * self.dv], dim=-1)
         t = x.shape[0]
         g = self.a.float() * F.softplus(alpha.float() + self.dt_bias.float())
-        o, final = gdn_ops.chunk_gdn(q.view(t, self.nk, self.dk), k.view(t, self.nk, self.dk),
-                                     v.view(t, self.nv, self.dv), g, torch.sigmoid(beta_raw.float()), rec,
-                                     meta.cu_seqlens, meta.seq_lens, self.dk ** -0.5, self.eps)
+        rule = (q.view(t, self.nk, self.dk), k.view(t, self.nk, self.dk), v.view(t, self.nv, self.dv), g,
+                torch.sigmoid(beta_raw.float()), rec, meta.cu_seqlens, meta.seq_lens)
+        if inner:
+            rule, targets = self._with_prefixes(batch, inner, *rule)
+        o, final = gdn_ops.chunk_gdn(*rule, self.dk ** -0.5, self.eps)
+        if inner:
+            for (i, row, at), state in zip(targets, final[n:]):
+                at(j, torch.cat((conv_before[i].to(mixed.dtype), mixed[row:row + at.offset])), state)
+            o, final = o[:t], final[:n]
         if cache is not None:
             cache.recurrent_state[j].index_copy_(0, meta.slots, final.to(cache.recurrent_state[j].dtype))
         self._keep_states(batch, keep, j, conv_before, mixed, q, k, v, g, beta_raw, rec)
         return self.out(norm_ops.gated_rms_norm(o, z, self.norm, self.eps, x.dtype))
+
+    @staticmethod
+    def _with_prefixes(batch, inner, q, k, v, g, beta, rec, cu_seqlens, seq_lens):
+        """The delta rule's arguments with each kept prefix (`hf2q.cache.state_at`) appended as one more
+        sequence: its chunk's first rows again, from its slot's state. Also (seq index, row, StateAt) each."""
+        targets = [(i, row, at) for i, row, _, _, _ in batch.segments() for at in inner.get(i, ())]
+        rows = torch.cat([torch.arange(row, row + at.offset) for _, row, at in targets]).to(q.device)
+        seqs = torch.tensor([i for i, _, _ in targets], device=rec.device)
+        lens = [*seq_lens, *(at.offset for _, _, at in targets)]
+        cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=cu_seqlens.dtype, device=cu_seqlens.device)
+        both = [torch.cat((x, x[rows])) for x in (q, k, v, g, beta)]
+        return (*both, torch.cat((rec, rec[seqs])), cu, lens), targets
 
     def _keep_states(self, batch, keep, j, conv_before, mixed, q, k, v, g, beta_raw, rec) -> None:
         """Hand each verifying sequence its per-position states; sequences of one length step together."""
