@@ -285,9 +285,24 @@ def test_anchor_inside_a_chunk_costs_no_step_and_keeps_the_states_a_cut_there_le
     token comes after one step, not two, and the anchor's checkpoint holds the DeltaNet states of a chunk
     cut at the anchor (the way a cache that cannot keep inner states, under tensor parallelism, gets them).
     The next turn resumes from it with a cache-off engine's tokens."""
-    prompt, anchor = list(range(3000, 3040)), 37
+    # fp32 throughout; the projections multiply 40 rows here and 37 there (BLAS blocks them differently)
+    _check_anchor_inside(model, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_anchor_inside_a_chunk_on_cuda(request):
+    """The same through fla's kernels: the kept prefix rides as one more sequence of the recurrent call (every
+    sequence of at most 64 tokens) and of the chunked one."""
+    model = hf2q.load(request.getfixturevalue("gguf_dense_f32"), device="cuda")
+    for chunk in (64, 128):
+        _check_anchor_inside(model, rtol=1e-3, atol=1e-4, chunk=chunk)
+
+
+def _check_anchor_inside(model, rtol: float, atol: float, chunk: int = 64) -> None:
+    prompt, anchor = list(range(3000, 3100)), 93
     follow = prompt[:anchor] + [11, 12, 13, 14, 15]
-    engines = {inside: make_engine(model) for inside in (True, False)}
+    engines = {inside: make_engine(model, chunk=chunk) for inside in (True, False)}
     engines[False].cache.keeps_states_inside_a_chunk = False
     retained = {}
     for inside, engine in engines.items():
@@ -295,14 +310,14 @@ def test_anchor_inside_a_chunk_costs_no_step_and_keeps_the_states_a_cut_there_le
         steps = 1
         while not any(o.new_token_ids for o in engine.step()):
             steps += 1
-        assert steps == (1 if inside else 2)
+        # chunks of 64: [0, 64), then [64, 100), or [64, 93) and [93, 100) where the anchor cuts
+        assert steps == -(-len(prompt) // chunk) + (not inside)
         while engine.has_work():
             engine.step()
         retained[inside] = engine.cache._retained[engine.prefix._entries[tuple(prompt[:anchor])].key]
     (n, conv, rec), (n_cut, conv_cut, rec_cut) = retained[True], retained[False]
     assert n == n_cut == anchor
-    # fp32 throughout; the projections multiply 40 rows here and 37 there (BLAS blocks them differently)
-    torch.testing.assert_close(conv, conv_cut, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(rec, rec_cut, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(conv, conv_cut, rtol=rtol, atol=atol)
+    torch.testing.assert_close(rec, rec_cut, rtol=rtol, atol=atol)
     want = run(make_engine(model, prefix_bytes=0), {"b": (follow, GREEDY, None)})["b"][0]
     assert run(engines[True], {"b": (follow, GREEDY, None)})["b"] == (want, anchor)
