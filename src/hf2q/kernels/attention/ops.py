@@ -45,25 +45,25 @@ def gated_causal_attention(q, k, v, gate, batch: ForwardBatch, kv: LayerKV | Non
     path: every sequence over its prefix gathered from the pool."""
     t = q.shape[0]
     if not use_fast_path(q):
-        out = _each_sequence(q, k, v, batch, kv, scale, new_rows_alone=False)
+        out = _each_sequence(q, k, v, batch, kv, scale, fused=False)
         return out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
     meta = fast_meta(batch)
     if kv is not None and meta.decode:
         out = paged_decode_attention(q, kv.k_rows, kv.v_rows, meta.block_tables, meta.context_lens,
                                      meta.block_size, scale, gate=gate, pool=kv.pool)
         return out.reshape(t, -1)
-    out = _each_sequence(q, k, v, batch, kv, scale, new_rows_alone=True)
+    out = _each_sequence(q, k, v, batch, kv, scale, fused=True)
     return out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
 
 
-def _each_sequence(q, k, v, batch: ForwardBatch, kv: LayerKV | None, scale: float, new_rows_alone: bool):
-    """Each sequence's new rows over its prefix, read from the pool (decoded where it is compressed); with
-    new_rows_alone, a sequence without cached rows over a model-dtype pool attends over k/v directly (SDPA's
-    causal kernel)."""
+def _each_sequence(q, k, v, batch: ForwardBatch, kv: LayerKV | None, scale: float, fused: bool):
+    """Each sequence's new rows over its prefix, read from the pool (decoded where it is compressed). With
+    `fused`, SDPA's fused kernels: a sequence without cached rows over a model-dtype pool attends over k/v
+    directly (causal), one with cached rows over its gathered prefix (`_over_prefix_fused`)."""
     out = torch.empty_like(q)
     for _, row, n, start, slot in batch.segments():
         rows = slice(row, row + n)
-        if new_rows_alone and start == 0 and (kv is None or kv.pool.is_dense):
+        if fused and start == 0 and (kv is None or kv.pool.is_dense):
             qh, kh, vh = (a[rows].transpose(0, 1)[None] for a in (q, k, v))  # [1, heads, n, hd]
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
             out[rows] = o[0].transpose(0, 1)
@@ -72,8 +72,24 @@ def _each_sequence(q, k, v, batch: ForwardBatch, kv: LayerKV | None, scale: floa
             keys, values = k[rows], v[rows]
         else:
             keys, values = kv.pool.gather(kv.index, kv.cache.token_indices(slot, 0, start + n), q.dtype)
-        out[rows] = prefix_attention(q[rows], keys, values, start, scale)
+        attend = _over_prefix_fused if fused else prefix_attention
+        out[rows] = attend(q[rows], keys, values, start, scale)
     return out
+
+
+def _over_prefix_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+    """`prefix_attention` through SDPA's flash or memory-efficient kernel: the causal mask of new rows at the
+    prefix's end is the bottom-right triangle, which those kernels take as a `causal_lower_right` bias, where
+    an explicit boolean mask sends SDPA to its math kernel (every score materialised: 0.8 ms a layer for 48
+    rows over 8,000 on the H200). K/V heads are repeated for GQA: the flash call takes equal head counts."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    n, total = q.shape[0], k.shape[0]
+    rep = q.shape[1] // k.shape[1]
+    qh = q.transpose(0, 1)[None]  # [1, nh, n, hd]
+    kh, vh = (a.repeat_interleave(rep, dim=1).transpose(0, 1)[None] for a in (k, v))  # [1, nh, total, hd]
+    o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(n, total), scale=scale)
+    return o[0].transpose(0, 1)
 
 
 def paged_decode_attention(q, k_rows, v_rows, block_tables, context_lens, block_size: int, scale: float,
