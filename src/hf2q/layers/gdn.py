@@ -88,14 +88,19 @@ class GatedDeltaNet(nn.Module):
     @staticmethod
     def _with_prefixes(batch, inner, q, k, v, g, beta, rec, cu_seqlens, seq_lens):
         """The delta rule's arguments with each kept prefix (`hf2q.cache.state_at`) appended as one more
-        sequence: its chunk's first rows again, from its slot's state. Also (seq index, row, StateAt) each."""
+        sequence: its chunk's first rows again, from its slot's state. Also (seq index, row, StateAt) each.
+        The row offsets are built once per forward and uploaded without waiting for the device."""
         targets = [(i, row, at) for i, row, _, _, _ in batch.segments() for at in inner.get(i, ())]
-        rows = torch.cat([torch.arange(row, row + at.offset) for _, row, at in targets]).to(q.device)
-        seqs = torch.tensor([i for i, _, _ in targets], device=rec.device)
         lens = [*seq_lens, *(at.offset for _, _, at in targets)]
-        cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=cu_seqlens.dtype, device=cu_seqlens.device)
+        made = batch.extras.get("states_at_rows")
+        if made is None:
+            rows = torch.cat([torch.arange(row, row + at.offset, device=q.device) for _, row, at in targets])
+            cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=cu_seqlens.dtype)
+            cu = cu.pin_memory().to(cu_seqlens.device, non_blocking=True) if cu_seqlens.is_cuda else cu
+            made = batch.extras["states_at_rows"] = (rows, cu)
+        rows, cu = made
         both = [torch.cat((x, x[rows])) for x in (q, k, v, g, beta)]
-        return (*both, torch.cat((rec, rec[seqs])), cu, lens), targets
+        return (*both, torch.cat([rec, *(rec[i:i + 1] for i, _, _ in targets)]), cu, lens), targets
 
     def _keep_states(self, batch, keep, j, conv_before, mixed, q, k, v, g, beta_raw, rec) -> None:
         """Hand each verifying sequence its per-position states; sequences of one length step together."""
