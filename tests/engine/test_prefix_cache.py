@@ -321,3 +321,31 @@ def _check_anchor_inside(model, rtol: float, atol: float, chunk: int = 64) -> No
     torch.testing.assert_close(rec, rec_cut, rtol=rtol, atol=atol)
     want = run(make_engine(model, prefix_bytes=0), {"b": (follow, GREEDY, None)})["b"][0]
     assert run(engines[True], {"b": (follow, GREEDY, None)})["b"] == (want, anchor)
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_turn_anchor_from_the_shared_text_is_the_whole_probes(model, thinking):
+    """The server passes the prompt's text, and the anchor then comes from tokenizing the probe only from the
+    last message start it shares with the prompt: the same anchor as tokenizing the whole probe, at every
+    turn of the tool-using conversation (think blocks dropped and kept) and with a user turn ending it."""
+    encoded = []  # characters tokenized
+
+    def encode(text):
+        encoded.append(len(text))
+        return model.tokenizer.encode(text)
+
+    tokenizer = SimpleNamespace(encode=encode, token_to_id=model.tokenizer.token_to_id)
+    state = SimpleNamespace(model=SimpleNamespace(chat_template=model.chat_template, tokenizer=tokenizer),
+                            config=SimpleNamespace(default_chat_template_kwargs={}))
+    extra = {"enable_thinking": thinking}
+    messages = [Message(role="system", content="You answer questions about the weather. " * 60),
+                Message(role="user", content="Is it raining in Paris?")]
+    for t in range(len(FOLLOW_UPS) + 1):
+        text = render_prompt(state, messages, [WEATHER_TOOL], extra)
+        ids = model.tokenizer.encode(text)
+        whole = turn_anchor(state, messages, [WEATHER_TOOL], extra, ids)
+        encoded.clear()
+        assert whole is not None and turn_anchor(state, messages, [WEATHER_TOOL], extra, ids, prompt_text=text) == whole
+        assert sum(encoded) < len(text) // 4  # the system prompt alone is most of it
+        if t < len(FOLLOW_UPS):
+            messages += FOLLOW_UPS[t](t)

@@ -105,21 +105,54 @@ def render_prompt(state: ServerState, messages: list[Message], tools: Optional[l
 
 
 def turn_anchor(state: ServerState, messages: list[Message], tools: Optional[list[dict]], extra: dict,
-                prompt_ids: list[int], images: Sequence[ImageInput] = ()) -> Optional[int]:
+                prompt_ids: list[int], images: Sequence[ImageInput] = (), prompt_text: Optional[str] = None
+                ) -> Optional[int]:
     """How many prompt tokens the next turn of this conversation will extend: the engine keeps a
     checkpoint there. Compared in tokens (the text can agree where the tokens do not: `<think>\n` then
     `\n</think>` merges newlines), and one token short of the whole prompt at most, since a resumed
-    prompt computes at least one token. None when the template will not render a probe next turn."""
+    prompt computes at least one token. None when the template will not render a probe next turn. With
+    the prompt's text (and no images), only the probe's text from the last message start the two texts
+    share is tokenized (`_shared_tokens`): the rest of a long conversation is not tokenized a second time."""
     rendered, kwargs = _template_args(state, messages, extra)
     try:
         probe = state.model.chat_template.next_turn_probe(rendered, tools=tools, **kwargs)
     except Exception:
         return None
-    ids = state.model.tokenizer.encode(probe)
-    if images:
-        ids = widen(ids, image_pad_id(state.model.tokenizer), list(images))
-    n = next((i for i, (a, b) in enumerate(zip(ids, prompt_ids)) if a != b), min(len(ids), len(prompt_ids)))
+    tokenizer = state.model.tokenizer
+    shared = _shared_tokens(tokenizer, probe, prompt_text, prompt_ids) if prompt_text and not images else None
+    if shared is None:
+        ids = tokenizer.encode(probe)
+        if images:
+            ids = widen(ids, image_pad_id(tokenizer), list(images))
+        shared = (0, ids)
+    offset, ids = shared
+    rest = prompt_ids[offset:]
+    n = offset + next((i for i, (a, b) in enumerate(zip(ids, rest)) if a != b), min(len(ids), len(rest)))
     return min(n, len(prompt_ids) - 1) or None
+
+
+def _shared_tokens(tokenizer, probe: str, prompt_text: str, prompt_ids: list[int]
+                   ) -> Optional[tuple[int, list[int]]]:
+    """(token offset, ids of the probe from there): the probe's text cut at the last message start inside the
+    text it shares with the prompt. A message start is a special token, so the text before it tokenizes to
+    the prompt's ids before the same count of those tokens. None where that cannot be found."""
+    start_id = tokenizer.token_to_id(MESSAGE_START)
+    if start_id is None:
+        return None
+    lo, hi = 0, min(len(probe), len(prompt_text))  # the shared text's length, by bisection (slices compare in C)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if probe[:mid] == prompt_text[:mid] else (lo, mid - 1)
+    cut = prompt_text.rfind(MESSAGE_START, 0, lo)
+    if cut <= 0:
+        return None
+    offset = -1
+    try:
+        for _ in range(prompt_text.count(MESSAGE_START, 0, cut) + 1):
+            offset = prompt_ids.index(start_id, offset + 1)
+    except ValueError:
+        return None
+    return offset, tokenizer.encode(probe[cut:])
 
 
 # Where a message begins in the Qwen3.5 chat format: a special token, so the tokenizer splits there and
@@ -162,9 +195,9 @@ class ChatServing:
         return render_prompt(self.state, req.messages, self._template_tools(req, tools), self._extra(req)), tools
 
     def anchor(self, req: ChatCompletionRequest, tools: Optional[list[dict]], prompt_ids: list[int],
-               images: list[ImageInput]) -> Optional[int]:
+               images: list[ImageInput], prompt_text: str) -> Optional[int]:
         return turn_anchor(self.state, req.messages, self._template_tools(req, tools), self._extra(req), prompt_ids,
-                           images)
+                           images, prompt_text)
 
     async def images(self, req: ChatCompletionRequest) -> list[ImageInput]:
         """The request's images, fetched and preprocessed (a 400 naming the part for any problem)."""
@@ -232,7 +265,7 @@ class ChatServing:
         starts = prompt_opens_reasoning(prompt_text)
         anchor = None
         if self.state.config.prefix_cache:  # one more render and tokenization: off the event loop too
-            anchor = await asyncio.to_thread(self.anchor, req, tools, prompt_ids, images)
+            anchor = await asyncio.to_thread(self.anchor, req, tools, prompt_ids, images, prompt_text)
         grammar = await self.grammar(req, tools, starts) if _constrained(req) else None
         options = RequestOptions(thinking_budget=thinking_budget(req), starts_in_reasoning=starts, anchor=anchor,
                                  images=tuple(images or ()), grammar=grammar)
