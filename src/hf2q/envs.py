@@ -33,8 +33,8 @@ GEMV = Variable("HF2Q_GEMV", "measured", "measured or 0..4", "which dense bf16 p
                 "the shapes its table measured faster than cuBLAS, or every product of up to N rows (read at import)")
 PAGED_DECODE = Variable("HF2Q_PAGED_DECODE", None, "S,N,W (powers of two, N >= 16)", "the paged decode "
                         "attention kernel's splits, keys a step and warps at every batch size and K/V format; "
-                        "unset: 16,32,4 for one sequence, 8,64,4 for more (16,32,8 and 8,32,8 over a compressed "
-                        "pool) (read at import)")
+                        "unset: 32,64,8 for one sequence, 4,32,4 for 8 or more (4,64,4 over a compressed pool; "
+                        "16, 8 splits for 2, 4) (read at import)")
 QUANT_MM = Variable("HF2Q_QUANT_MM", "tile", "tile or mmq", "which kernel multiplies 5-64 rows by Q8_0, "
                     "Q4_K, Q5_K and Q6_K weights: the bf16 tile kernel, or int8 tensor-core dots on int8-quantized "
                     "activations (llama.cpp's MMQ; the int8 mat-vec's numerics) (read at import)")

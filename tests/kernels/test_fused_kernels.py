@@ -292,16 +292,17 @@ def test_new_kernels_compile_for_hopper(kernel):
 
 def test_paged_decode_config_setting(monkeypatch):
     """The paged decode kernel's (splits, keys a step, warps): one sequence's measured configuration, the
-    batched one for more, each with its own for a compressed pool; HF2Q_PAGED_DECODE sets one for every batch
+    batched one for 64, fewer splits the more sequences between, each with its own for a compressed pool; HF2Q_PAGED_DECODE sets one for every batch
     and pool, and malformed values fail loudly at import instead of being ignored."""
     from hf2q.kernels.attention import paged_triton as paged
 
     monkeypatch.delenv("HF2Q_PAGED_DECODE", raising=False)
     assert paged._config_setting() is None
     monkeypatch.setattr(paged, "CONFIG", None)
-    assert paged.config_for(1) == paged.ONE_SEQUENCE and paged.config_for(4) == paged.BATCHED
+    assert paged.config_for(1) == paged.ONE_SEQUENCE and paged.config_for(64) == paged.BATCHED
     assert paged.config_for(1, coded=True) == paged.CODED_ONE_SEQUENCE
-    assert paged.config_for(4, coded=True) == paged.CODED_BATCHED
+    assert paged.config_for(64, coded=True) == paged.CODED_BATCHED
+    assert [paged.config_for(b)[0] for b in (2, 3, 4, 5, 8, 16)] == [16, 8, 8, 4, 4, 4]  # about as many programs as one
     monkeypatch.setenv("HF2Q_PAGED_DECODE", "16,64,4")
     assert paged._config_setting() == (16, 64, 4)
     monkeypatch.setattr(paged, "CONFIG", paged._config_setting())

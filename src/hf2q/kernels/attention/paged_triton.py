@@ -122,18 +122,16 @@ def _merge_kernel(parts_ptr, lse_ptr, gate_ptr, o_ptr, sign_ptr, stride_pb, stri
     tl.store(o_ptr + (b * NH + h) * HD + d, o)
 
 
-# (splits, keys a step, warps) for one sequence: the fastest of bench.attention's sweep on an H200 at a
-# 512-token context, for the 35B-A3B's heads (16 query, 2 KV, 256 wide: 5.63 µs, against 6.99 for (8, 64, 4))
-# and the 9B's (16 query, 4 KV: 6.48 against 7.53).
-ONE_SEQUENCE = (16, 32, 4)
-# For several sequences, the configuration the batched decode figures were measured with: the batch gives
-# the programs, and more splits would write and merge more partial outputs.
-BATCHED = (8, 64, 4)
-# For a compressed pool, whose tiles are decoded in registers: 32 keys a step and 8 warps, the configurations
-# that ptxas builds without register spills for 256-wide heads (64 keys spill for fp8 and TurboQuant at 4 or 8
-# warps, 32 keys at 4 warps for fp8); chosen so, not yet timed against others.
-CODED_ONE_SEQUENCE = (16, 32, 8)
-CODED_BATCHED = (8, 32, 8)
+# (splits, keys a step, warps), from bench.attention's sweep on an H200 for the 9B's heads (16 query, 4 KV, 256
+# wide) at 4,096- and 32,768-token contexts (BENCHMARKS.md, eighteenth session). One sequence: 32 splits of 64
+# keys a step on 8 warps was the fastest for bf16, fp8 and TurboQuant pools alike (bf16: 12.7 µs at 4,096 and
+# 51 µs at 32,768, against 18.7 and 113 for the (16, 32, 4) chosen at a 512-token context before). 64
+# sequences: 4 splits; 32 keys on 4 warps for bf16 (248 and 1,902 µs, against 267 and 1,968 for (8, 64, 4)),
+# 64 keys on 4 warps for a compressed pool (fp8: 367 and 2,720 µs, against 639 and 4,797 for (8, 32, 8)).
+ONE_SEQUENCE = (32, 64, 8)
+BATCHED = (4, 32, 4)
+CODED_ONE_SEQUENCE = (32, 64, 8)
+CODED_BATCHED = (4, 64, 4)
 
 
 def _config_setting() -> tuple[int, int, int] | None:
@@ -149,9 +147,11 @@ def config_for(batch: int, coded: bool = False) -> tuple[int, int, int]:
     """The first kernel's (splits, keys a step, warps) at `batch` sequences (over a compressed pool: coded)."""
     if CONFIG:
         return CONFIG
-    if coded:
-        return CODED_ONE_SEQUENCE if batch == 1 else CODED_BATCHED
-    return ONE_SEQUENCE if batch == 1 else BATCHED
+    if batch == 1:
+        return CODED_ONE_SEQUENCE if coded else ONE_SEQUENCE
+    # Between the two measured ends, splits keep about as many programs as one sequence has (untimed there).
+    splits, keys, warps = CODED_BATCHED if coded else BATCHED
+    return max(splits, ONE_SEQUENCE[0] >> (batch - 1).bit_length()), keys, warps  # powers of two
 
 
 def paged_decode_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,
