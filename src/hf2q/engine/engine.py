@@ -166,9 +166,11 @@ class Engine:
             log.info("warm-up: throwaway requests served in %.1f s", time.monotonic() - t0)
 
     # Prompt lengths of the warm-up requests: Triton specialises a kernel on whether an integer argument
-    # is divisible by 16, and a batch of two prompts is a varlen batch, so each meets code the full-chunk
-    # prefill does not (on the H200 a first 64-token request waited 1.4 s for it, later ones 0.1 s).
-    WARM_UP_PROMPTS = ((67,), (33, 50))
+    # is 1 or divisible by 16, a batch of two prompts is a varlen batch, and prompts of at most 64 tokens take
+    # fla's recurrent kernel, so each meets code the full-chunk prefill does not (on the H200 a first 64-token
+    # request waited 1.4 s for it, later ones 0.1 s; a first lone 32-token prompt 6.8 s, and a first batch of
+    # 16 short prompts 5.7 s, before the lone and the 16 short prompts were added here).
+    WARM_UP_PROMPTS = ((67,), (33, 50), (40,), (20,) * 16)
 
     def _warm_up_requests(self) -> None:
         """Serve a few throwaway requests end to end (scheduler, runner, sampler, greedy and sampled), so the
