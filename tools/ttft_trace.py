@@ -136,13 +136,27 @@ def hit_steps(engine, history: int, suffix: int, rng, sync, profile: bool) -> No
         if tag == "cold":
             engine.prefix.clear()
         profiling = tag == "hit" and profile
-        with torch_profile(activities=acts) if profiling else contextlib.nullcontext() as prof:
+        stacks = dict(with_stack=True, experimental_config=torch._C._profiler._ExperimentalConfig(verbose=True))
+        with torch_profile(activities=acts, **stacks) if profiling else contextlib.nullcontext() as prof:
             _, steps, cached = run(follow, 4)
         if profiling:
             print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60))
+            print_copy_sites(prof)
         prefill = to_first_token(steps, 4)
         print(f"follow-up {tag}: {len(follow)} tokens, {cached} cached, {len(prefill)} prefill steps, "
               f"{sum(prefill):.1f} ms to the first token ({', '.join(f'{t:.1f}' for t in prefill[:6])})")
+
+
+def print_copy_sites(prof, top: int = 8) -> None:
+    """The Python call sites of the profiled steps' copies and scalar reads, longest host time first: a copy
+    between host and device from unpinned memory, or a read of a device value, waits for the stream."""
+    kinds = ("aten::copy_", "aten::_local_scalar_dense", "aten::nonzero")
+    sites: dict[tuple, list[float]] = {}
+    for e in prof.events():
+        if e.name in kinds and e.stack:
+            sites.setdefault((e.name, *e.stack[:6]), []).append(e.cpu_time_total)
+    for (name, *stack), times in sorted(sites.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        print(f"{name} x{len(times)}, {sum(times) / 1000:.2f} ms host: " + " <- ".join(stack))
 
 
 def batch_steps(engine, n: int, prompt_tokens: int, rng, sync, profile: bool) -> None:
