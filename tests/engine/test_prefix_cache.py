@@ -349,3 +349,27 @@ def test_turn_anchor_from_the_shared_text_is_the_whole_probes(model, thinking):
         assert sum(encoded) < len(text) // 4  # the system prompt alone is most of it
         if t < len(FOLLOW_UPS):
             messages += FOLLOW_UPS[t](t)
+
+
+def test_a_turn_whose_rest_fits_a_prefill_graph_is_cut_at_its_anchor(model):
+    """With prefill graphs (on the CPU their stand-in, over the vectorised path), a turn whose remaining prompt
+    fits a graph has its chunk cut at the anchor instead: two replays (29 and 7 rows) rather than one eager
+    step. The anchor's checkpoint holds the eager engine's states, and the tokens are the eager engine's,
+    for the turn and for the next one resumed from it."""
+    from hf2q.engine.prefill_graphs import MAX_ROWS
+    from hf2q.kernels.choose import fast_path
+
+    prompt, anchor = list(range(3000, 3100)), 93
+    follow = prompt[:anchor] + [11, 12, 13, 14, 15]
+    with fast_path("force"):
+        engines = {graphed: make_engine(model) for graphed in (False, True)}
+        runner = engines[True].runner
+        runner.use_graphs = runner.short_prefill_graphs = True
+        engines[True].scheduler.graphed_prefill_rows = MAX_ROWS
+        got = {g: run(e, {"a": (prompt, GREEDY, anchor)})["a"] for g, e in engines.items()}
+        assert got[True] == got[False] and sorted(runner.prefill_graphs.graphs) == [8, 32]
+        kept = {g: e.cache._retained[e.prefix._entries[tuple(prompt[:anchor])].key] for g, e in engines.items()}
+        for x, y in zip(kept[False][1:], kept[True][1:]):
+            torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-5)
+        want = run(make_engine(model, prefix_bytes=0), {"b": (follow, GREEDY, None)})["b"][0]
+        assert run(engines[True], {"b": (follow, GREEDY, None)})["b"] == (want, anchor)

@@ -97,3 +97,53 @@ def test_graph_runner_matches_eager():
     prompts = prompts_of(tiny_config(False).vocab_size)
     (eager, graphed), _ = compare("cuda", torch.bfloat16, prompts, image_request=1)
     assert graphed == eager
+
+
+def short_prefills(device: str, dtype: torch.dtype, moe: bool, graphed: bool) -> list[torch.Tensor]:
+    """Logits of one sequence fed a 70-token prompt (eager: too long for a prefill graph), then chunks of 2, 7,
+    8, 15, 33 and 63 known tokens (every bucket, a full one but for its padding row), then 3 decode steps."""
+    net = random_model(tiny_config(moe), device=device, dtype=dtype, std=0.08, seed=7)
+    cache = HybridCache(net.config, CacheConfig(num_slots=4, num_blocks=64, block_size=16,
+                                                kv_dtype=str(dtype)[6:]), device=device)
+    runner = ModelRunner(net, cache, cuda_graphs=graphed, short_prefill_graphs=graphed)
+    runner.use_graphs = graphed  # on the CPU: the graphs' stand-in
+    gen = torch.Generator().manual_seed(3)
+    req = Request("r", torch.randint(0, net.config.vocab_size, (70,), generator=gen).tolist(), SamplingParams())
+    req.slot = cache.acquire()
+    assert runner.run([(req, 69)])[0] == []  # its last prompt token comes in the first step of the loop
+    logits = []
+    for n in (1, 2, 7, 8, 15, 33, 63, 1, 1, 1):
+        if len(logits):  # known tokens the step feeds (as a follow-up turn's new tokens)
+            req.output_ids += torch.randint(0, net.config.vocab_size, (n,), generator=gen).tolist()
+        sampling, step_logits = runner.run([(req, n)])
+        assert sampling == [req]
+        logits.append(step_logits.to("cpu", torch.float32, copy=True))
+    assert (runner.prefill_graphs is not None) == graphed
+    if graphed:
+        assert sorted(runner.prefill_graphs.graphs) == [8, 16, 64]
+    return logits
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_short_prefill_graph_stand_in_matches_eager_on_the_cpu(moe):
+    """A lone prefill of 2 to 63 tokens replays its bucket's graph (on the CPU the stand-in, over the same
+    buffers and metadata): each row a paged-attention query at its own position, the padding rows a second
+    DeltaNet sequence on the padding slot. Its logits, and those of the decode steps after it (which read the
+    K/V and states it left), are the eager runner's."""
+    with fast_path("force"):  # the graphs' metadata is the vectorised path's
+        eager, graphed = (short_prefills("cpu", torch.float32, moe, g) for g in (False, True))
+    for x, y in zip(eager, graphed):
+        torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-4)  # fp32; attention gathered in another order
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@torch.inference_mode()
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_short_prefill_graphs_match_eager(moe):
+    """The same through captured graphs: greedy tokens of every step equal, logits within bf16 rounding."""
+    eager, graphed = (short_prefills("cuda", torch.bfloat16, moe, g) for g in (False, True))
+    assert [int(x.argmax()) for x in eager] == [int(y.argmax()) for y in graphed]
+    for x, y in zip(eager, graphed):
+        torch.testing.assert_close(y, x, rtol=5e-2, atol=5e-2)

@@ -158,6 +158,7 @@ class TPEngine(Engine):
     def __init__(self, model: Model, config: EngineConfig = EngineConfig(), group=None):
         super().__init__(model, config)
         self.runner = TPRunner(model.net, self.cache, group)
+        self.scheduler.graphed_prefill_rows = 0  # the runner replays no graphs
         self.group = group
         self.async_scheduling = False  # the other ranks replay steps whose input ids the host knows
 

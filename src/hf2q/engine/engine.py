@@ -14,6 +14,7 @@ from hf2q.cache.prefix_cache import PrefixCache
 from hf2q.cache.prefix_store import PrefixStore, fingerprint
 from hf2q.config import CacheConfig
 from hf2q.engine.overlap import LaunchedStep
+from hf2q.engine.prefill_graphs import MAX_ROWS
 from hf2q.engine.prompt_outputs import POOLINGS, pool, prompt_logprobs
 from hf2q.engine.request import Request, RequestOptions, RequestOutput, merge_outputs
 from hf2q.engine.runner import ModelRunner
@@ -40,6 +41,9 @@ class EngineConfig:
     spec: SpecConfig = SpecConfig()
     # Queue each decode step before the host has read the previous step's tokens (hf2q.engine.overlap)
     async_scheduling: bool = False
+    # Replay a lone short prefill in a CUDA graph too (hf2q.engine.prefill_graphs); a chat turn's anchor then cuts
+    # its chunk where the rest fits a graph, rather than being kept from inside it
+    short_prefill_graphs: bool = False
 
 
 def _disk_store(model: Model, cc: CacheConfig) -> Optional[PrefixStore]:
@@ -64,7 +68,10 @@ class Engine:
         self.scheduler = Scheduler(self.cache, config.scheduler, self.prefix, cc.prefix_checkpoint_stride)
         self.spec = Speculator(config.spec, self.cache, model.net) if config.spec.enabled else None
         self.runner = ModelRunner(model.net, self.cache, mtp_rows=self.spec is not None and self.spec.mtp is not None,
-                                  vision=getattr(model, "vision", None))
+                                  vision=getattr(model, "vision", None),
+                                  short_prefill_graphs=config.short_prefill_graphs)
+        if self.runner.use_graphs and config.short_prefill_graphs:
+            self.scheduler.graphed_prefill_rows = MAX_ROWS
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()

@@ -2,7 +2,8 @@
 
 On CUDA a batch of pure decode rows (one new token per request, each then sampled; a request with images
 too, its token rotated by index + delta) replays a captured CUDA graph of its batch-size bucket (captured on
-first use); every other batch, and every batch on CPU, runs eagerly.
+first use); with `short_prefill_graphs`, so does a lone prefill of 2 to 63 tokens (hf2q.engine.prefill_graphs);
+every other batch, and every batch on CPU, runs eagerly.
 A speculating request (drafts after its known tokens, see hf2q.spec) runs eagerly too; its draft rows'
 logits and the DeltaNet state after each of its positions go to its `Verify`, and its cache and
 `num_computed` are settled by the engine once it has decided.
@@ -33,7 +34,7 @@ GRAPH_MAX_CONTEXT = 65536  # block-table width of the graphs; longer sequences d
 
 class ModelRunner:
     def __init__(self, net: Qwen35Model, cache: HybridCache, cuda_graphs: bool = True, mtp_rows: bool = False,
-                 vision=None):
+                 vision=None, short_prefill_graphs: bool = False):
         self.net = net
         self.vision = vision  # the vision tower, for requests with images (hf2q.vision.request_inputs)
         self.cache = cache
@@ -41,6 +42,8 @@ class ModelRunner:
         self.mtp_rows = mtp_rows  # hand each request its hidden rows for the MTP head
         self.use_graphs = cuda_graphs and self.device.type == "cuda"
         self.graphs = None  # DecodeGraphs, made on the first decode batch (it holds one padding slot)
+        self.short_prefill_graphs = short_prefill_graphs  # a lone short prefill replays a graph too, where graphs run
+        self.prefill_graphs = None  # PrefillGraphs, made on the first such prefill (on the decode graphs' padding)
 
     def build_batch(self, scheduled: list[tuple[Request, int]]) -> ForwardBatch:
         ids: list[int] = []
@@ -79,6 +82,9 @@ class ModelRunner:
                 req.num_computed += 1
                 self.cache.commit(req.slot, req.num_computed)
             return [req for req, _ in scheduled], logits
+        graphed = self._run_prefill_graph(scheduled)
+        if graphed is not None:
+            return graphed
         batch = self.build_batch(scheduled)
         verifies, keep, inside = {}, {}, {}
         for i, (req, n) in enumerate(scheduled):
@@ -121,6 +127,37 @@ class ModelRunner:
                 offset += len(verify.drafts)
                 req.extras["verify"] = verify
         return sampling, logits[:len(rows)]
+
+    def _run_prefill_graph(self, scheduled: list[tuple[Request, int]]) -> tuple[list[Request], torch.Tensor] | None:
+        """`run`'s result for a lone short prefill replayed in its graph (hf2q.engine.prefill_graphs), or None
+        where no graph serves the step: several requests, drafts to verify, hidden rows kept, images, a
+        checkpoint inside the chunk, too many rows or too long a sequence."""
+        if not (self.use_graphs and self.short_prefill_graphs) or len(scheduled) != 1:
+            return None
+        req, n = scheduled[0]
+        if drafts_in(req, n) or req.keeps_hidden or req.mrope is not None or "checkpoint_inside" in req.extras:
+            return None
+        graphs = self._prefill_graphs()
+        if graphs is None or not graphs.serves(n, len(self.cache.block_table(req.slot))):
+            return None
+        start = req.num_computed
+        logits = graphs.step(req.tokens(start, start + n), start, req.slot)
+        if self.mtp_rows and not req.prefill_only:
+            req.extras["mtp_rows"] = (start, graphs.hidden_rows(n))
+        req.num_computed += n
+        self.cache.commit(req.slot, req.num_computed)
+        if req.num_computed == req.num_tokens and not req.prefill_only:
+            return [req], logits
+        return [], logits[:0]
+
+    def _prefill_graphs(self):
+        if self.prefill_graphs is None:
+            decode = self._decode_graphs()
+            if decode is None:
+                return None
+            from hf2q.engine.prefill_graphs import PrefillGraphs
+            self.prefill_graphs = PrefillGraphs(decode)
+        return self.prefill_graphs
 
     @torch.inference_mode()
     def run_decode(self, reqs: list[Request], ids: torch.Tensor) -> torch.Tensor:
@@ -216,6 +253,9 @@ class ModelRunner:
             graphs = self._decode_graphs()
             if graphs is not None:
                 graphs.capture([b for b in graphs.buckets if b <= graphs.bucket(min(max_batch, graphs.buckets[-1]))])
+            prefill = self._prefill_graphs() if self.short_prefill_graphs else None
+            if prefill is not None:
+                prefill.capture()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

@@ -52,6 +52,7 @@ class Scheduler:
         self.cache = cache
         self.config = config
         self.prefix = prefix
+        self.graphed_prefill_rows = 0  # the longest prefill the runner replays in a graph (0: none)
         self.stride = stride
         self.waiting: deque[Request] = deque()
         self.background: deque[Request] = deque()  # background prefills not admitted yet, oldest first
@@ -110,8 +111,10 @@ class Scheduler:
         return budget
 
     def _keeps_inside(self, req: Request) -> bool:
-        """Whether the request's anchor checkpoint comes from inside a chunk rather than cutting it."""
-        return self.prefix is not None and req.anchor is not None and self.cache.keeps_states_inside_a_chunk
+        """Whether the request's anchor checkpoint comes from inside a chunk rather than cutting it: not where
+        the rest of the prompt fits a prefill graph (two replays cost less than one eager step)."""
+        return (self.prefix is not None and req.anchor is not None and self.cache.keeps_states_inside_a_chunk
+                and req.num_tokens - req.num_computed > self.graphed_prefill_rows)
 
     def _admit_user(self, req: Request) -> bool:
         """Admit a user request; background prefills holding the slot or room it needs are cancelled."""

@@ -25,6 +25,9 @@ class FastMeta:
     block_tables: Optional[torch.Tensor] = None  # [N, max_blocks] int32
     context_lens: Optional[torch.Tensor] = None  # [N] int32 tokens visible to each sequence after this step
     block_size: int = 0
+    # Every row reads the K/V of its own block-table row up to its own context length, as decode rows do: the
+    # rows of one short prefill replayed in a graph (engine/prefill_graphs.py), each a query at its position.
+    rows_paged: bool = False
 
 
 def build_meta(batch: ForwardBatch) -> FastMeta:

@@ -68,6 +68,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="prompt tokens of one sequence prefilled per step (default: %(default)s)")
     p.add_argument("--max-waiting", type=int, default=d.max_waiting,
                    help="queued requests before 429 (default: %(default)s)")
+    p.add_argument("--short-prefill-graphs", action="store_true",
+                   help="on CUDA, replay a lone prefill of 2 to 63 tokens (a follow-up turn after a prefix-cache "
+                        "hit) in a CUDA graph, as decode steps are; a chat turn's anchor then cuts its chunk where "
+                        "the rest fits a graph (experimental: off by default until measured on a GPU)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="queue each decode step before reading the previous step's tokens, so the host's work "
                         "(stop checks, detokenizing, streaming) overlaps the GPU's; for rows without penalties, "
@@ -283,7 +287,8 @@ def sized_engine_config(args, model, device, dtype, spec):
     sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                             prefill_chunk=args.prefill_chunk, max_waiting=args.max_waiting)
     return EngineConfig(max_model_len=limits.max_model_len, scheduler=sched, cache=cache, spec=spec,
-                        async_scheduling=bool(getattr(args, "async_scheduling", False)))
+                        async_scheduling=bool(getattr(args, "async_scheduling", False)),
+                        short_prefill_graphs=bool(getattr(args, "short_prefill_graphs", False)))
 
 
 def prefix_budget(args, device) -> int:

@@ -48,7 +48,7 @@ def gated_causal_attention(q, k, v, gate, batch: ForwardBatch, kv: LayerKV | Non
         out = _each_sequence(q, k, v, batch, kv, scale, fused=False)
         return out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
     meta = fast_meta(batch)
-    if kv is not None and meta.decode:
+    if kv is not None and (meta.decode or meta.rows_paged):
         out = paged_decode_attention(q, kv.k_rows, kv.v_rows, meta.block_tables, meta.context_lens,
                                      meta.block_size, scale, gate=gate, pool=kv.pool)
         return out.reshape(t, -1)
