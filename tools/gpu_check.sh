@@ -82,7 +82,7 @@ case "$stage" in
            model=${MODEL_DIR:-/tmp}/hf2q-9b-$mix.gguf
            [ -f "$model" ] || python tools/random_gguf.py --shape 9b --mix "$mix" -o "$model"
            for cache in "" --no-prefix-cache; do  # with the prefix cache, then cold
-             python -m hf2q.cli serve --model "$model" --port $port --max-model-len 16384 --max-num-seqs 16 $cache \
+             python -m hf2q.cli serve --model "$model" --port $port --max-model-len 16384 --max-num-seqs 16 $cache ${SERVE_FLAGS:-} \
                > "$out/serve_prefix_$mix$cache.log" 2>&1 &
              pid=$!
              until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do

@@ -1,7 +1,7 @@
 """Where a served request's first token waits: one streamed request's chunk timeline, and the engine's steps.
 
     python tools/ttft_trace.py --url http://127.0.0.1:8090 [--prompt-tokens 64 --max-tokens 32]
-    python tools/ttft_trace.py --model F.gguf [--profile]      # in-process, the engine built as `hf2q serve` builds it
+    python tools/ttft_trace.py --model F.gguf [--profile] [serve flags]  # in-process, the engine `hf2q serve` builds
 
 `--url` prints when each SSE chunk of one streaming `/v1/completions` request arrived and how much text it
 carried (a chunk without text does not count as a first token for `hf2q bench serve`). `--model` times each
@@ -41,7 +41,8 @@ def chunk_timeline(url: str, prompt_tokens: int, max_tokens: int) -> None:
 
 
 def engine_steps(model_path: str, prompt_tokens: int, max_tokens: int, requests: int, profile: bool,
-                 max_num_seqs: int | None, concurrent: int = 0, history: int = 0) -> None:
+                 max_num_seqs: int | None, concurrent: int = 0, history: int = 0,
+                 serve_args: tuple[str, ...] = ()) -> None:
     import random
 
     import torch
@@ -55,7 +56,8 @@ def engine_steps(model_path: str, prompt_tokens: int, max_tokens: int, requests:
 
     parser = argparse.ArgumentParser()
     launch.add_serve_args(parser)
-    args = parser.parse_args(["--model", model_path] + (["--max-num-seqs", str(max_num_seqs)] if max_num_seqs else []))
+    args = parser.parse_args(["--model", model_path, *(["--max-num-seqs", str(max_num_seqs)] if max_num_seqs else []),
+                              *serve_args])
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     t0 = time.perf_counter()
@@ -206,13 +208,13 @@ def main() -> None:
     p.add_argument("--history", type=int, default=0,
                    help="then a follow-up turn over this many tokens: a prefix-cache hit against cold "
                         "(--prompt-tokens new ones)")
-    a = p.parse_args()
+    a, serve_args = p.parse_known_args()  # the rest are `hf2q serve` flags, e.g. --short-prefill-graphs
     logging.basicConfig(level="INFO", format="%(message)s")  # the engine's sizing and warm-up lines
     if a.url:
         chunk_timeline(a.url.rstrip("/"), a.prompt_tokens, a.max_tokens)
     if a.model:
         engine_steps(a.model, a.prompt_tokens, a.max_tokens, a.requests, a.profile, a.max_num_seqs, a.concurrent,
-                     a.history)
+                     a.history, tuple(serve_args))
 
 
 if __name__ == "__main__":
