@@ -55,20 +55,23 @@ def greedy(runner: ModelRunner, prompts: list[list[int]], steps: int, logits: li
     return [r.output_ids for r in reqs]
 
 
-def compare(device: str, dtype: torch.dtype, prompts, image_request=None):
-    """(eager, graphed) greedy tokens and logits of the same requests."""
+def compare(device: str, dtype: torch.dtype, prompts, image_request=None, prefill_graphs: bool = False):
+    """(eager, graphed) greedy tokens and logits of the same requests; with `prefill_graphs` the prefill steps
+    (three prompts, then one joining three decoding) replay the prefill graphs too."""
     net = random_model(tiny_config(False), device=device, dtype=dtype, std=0.08, seed=7)
     tokens, logits = [], []
     for graphs in (False, True):
         cache = HybridCache(net.config, CacheConfig(num_slots=6, num_blocks=64, block_size=16, kv_dtype=str(dtype)[6:]),
                             device=device)
-        runner = ModelRunner(net, cache, cuda_graphs=graphs)
+        runner = ModelRunner(net, cache, cuda_graphs=graphs, short_prefill_graphs=graphs and prefill_graphs)
         runner.use_graphs = graphs  # on the CPU: the graphs' stand-in
         logits.append([])
         tokens.append(greedy(runner, prompts, 10, logits[-1], image_request))
         assert (runner.graphs is not None) == graphs
         if graphs:
             assert sorted(runner.graphs.graphs) == [4]  # 3 then 4 rows: both in the 4-bucket
+            if prefill_graphs:  # 5 + 17 + 11 prompt rows, then 14 + 3 decode rows
+                assert sorted(runner.prefill_graphs.graphs) == [32, 64]
     return tokens, logits
 
 
@@ -93,9 +96,11 @@ def test_graph_stand_in_matches_eager_on_the_cpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @torch.inference_mode()
-def test_graph_runner_matches_eager():
+@pytest.mark.parametrize("prefill_graphs", [False, True], ids=["decode-graphs", "and-prefill-graphs"])
+def test_graph_runner_matches_eager(prefill_graphs):
     prompts = prompts_of(tiny_config(False).vocab_size)
-    (eager, graphed), _ = compare("cuda", torch.bfloat16, prompts, image_request=1)
+    (eager, graphed), _ = compare("cuda", torch.bfloat16, prompts, image_request=None if prefill_graphs else 1,
+                                  prefill_graphs=prefill_graphs)
     assert graphed == eager
 
 
@@ -120,7 +125,7 @@ def short_prefills(device: str, dtype: torch.dtype, moe: bool, graphed: bool) ->
         logits.append(step_logits.to("cpu", torch.float32, copy=True))
     assert (runner.prefill_graphs is not None) == graphed
     if graphed:
-        assert sorted(runner.prefill_graphs.graphs) == [8, 16, 64]
+        assert sorted(runner.prefill_graphs.graphs) == [8, 16, 64]  # the decode steps replay the decode graphs
     return logits
 
 
@@ -147,3 +152,16 @@ def test_short_prefill_graphs_match_eager(moe):
     assert [int(x.argmax()) for x in eager] == [int(y.argmax()) for y in graphed]
     for x, y in zip(eager, graphed):
         torch.testing.assert_close(y, x, rtol=5e-2, atol=5e-2)
+
+
+@torch.inference_mode()
+def test_mixed_prefill_and_decode_steps_replay_prefill_graphs_on_the_cpu():
+    """Three prompts prefilled together, and later a fourth prefilled beside the three decoding: both steps
+    replay a prefill graph (each sequence a DeltaNet sequence of its own, its rows paged-attention queries),
+    and every step's logits are the eager runner's."""
+    prompts = prompts_of(tiny_config(False).vocab_size)
+    with fast_path("force"):
+        (eager, graphed), (a, b) = compare("cpu", torch.float32, prompts, prefill_graphs=True)
+    assert graphed == eager
+    for x, y in zip(a, b):
+        torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-4)

@@ -1,16 +1,19 @@
-"""Short prefills of one sequence (2 to 63 new tokens) captured in CUDA graphs, one per row bucket.
+"""Small steps with prefill rows captured in CUDA graphs: up to 63 new tokens over up to 16 sequences (a short
+prefill alone, or beside the decode rows of other requests), one graph per row bucket.
 
-An eager prefill step is host-bound at these lengths (about 40 ms for 40 tokens on the H200, its GPU work
-under half of that), and such steps are what a follow-up turn after a prefix-cache hit and a speculative
-verify take. The graph's rows are laid out as decode rows: each row's attention reads its sequence's block
-table up to its own position (the paged decode kernel, causal by the context lengths), so the K/V written
-by the step is read back within it; the DeltaNet layers see two sequences, the real rows and the padding
-rows, the latter on the decode graphs' private padding slot, so padding never touches a real state. The
-logits are the last real row's. Off CUDA a "graph" runs its step again on replay (`_StepAgain`), which is
-how the CPU tests check the buffers and the metadata.
+An eager step with a prefill in it is host-bound at these sizes (about 40 ms for 40 tokens on the H200, its GPU
+work under half of that), and every request decoding beside it waits for it: a follow-up turn after a
+prefix-cache hit is such a step, and so is each new request's prefill in a busy server. The graph's rows are
+laid out as decode rows: each row's attention reads its sequence's block table up to its own position (the
+paged decode kernel, causal by the context lengths), so the K/V written by the step is read back within it.
+The DeltaNet layers see 17 sequences: the real ones, empty ones on the decode graphs' private padding slot,
+and the padding rows, last, on that slot too, so padding never touches a real state. The logits are each
+sequence's last row's. Off CUDA a "graph" runs its step again on replay (`_StepAgain`), which is how the CPU
+tests check the buffers and the metadata.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 
@@ -25,57 +28,62 @@ log = logging.getLogger(__name__)
 
 PREFILL_BUCKETS = (8, 16, 32, 64)
 MAX_ROWS = PREFILL_BUCKETS[-1] - 1  # a bucket keeps at least one padding row: the padding sequence is never empty
+MAX_SEQS = 16
 
 
 class PrefillGraphs:
-    """Graph-replayed short prefills of one sequence, sharing the decode graphs' padding slot and width."""
+    """Graph-replayed small steps, sharing the decode graphs' padding slot and block-table width."""
 
-    def __init__(self, decode: DecodeGraphs, buckets=PREFILL_BUCKETS):
+    def __init__(self, decode: DecodeGraphs, buckets=PREFILL_BUCKETS, max_seqs: int = MAX_SEQS):
         self.net, self.cache = decode.net, decode.cache
         self.buckets = tuple(sorted(buckets))
+        self.max_seqs = max_seqs
         self.pad_slot, self.pad_block, self.width = decode.pad_slot, decode.pad_block, decode.width
         self.block_size = decode.block_size
         dev = self.net.embed.device
-        n = self.buckets[-1]
+        n, s = self.buckets[-1], max_seqs + 1
         # one int64 pack: ids, positions, (unused) row slots, slot mapping, context lengths, block tables, then
-        # the two sequences' slots, their row offsets and the last real row
-        self._fields = 5 * n + n * self.width + 2 + 3 + 1
+        # the sequences' slots (the padding sequence last), their row offsets and each one's last row
+        self._fields = 5 * n + n * self.width + s + (s + 1) + max_seqs
         self._host = torch.zeros(self._fields, dtype=torch.long, pin_memory=dev.type == "cuda")
         self._dev = torch.zeros(self._fields, dtype=torch.long, device=dev)
         self.graphs: dict = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.hidden: dict[int, torch.Tensor] = {}
-        # The two sequences' lengths on the host: a capture fixes only that both are short (fla's recurrent
-        # kernel); the CPU stand-in reads the real ones at every replay.
-        self._lens = {b: [1, b - 1] for b in self.buckets}
+        # The sequences' lengths on the host: a capture fixes only that all are short (fla's recurrent kernel);
+        # the CPU stand-in reads the real ones at every replay.
+        self._lens = {b: [1] + [0] * (max_seqs - 1) + [b - 1] for b in self.buckets}
         self._pool = None
         self.on_cuda = dev.type == "cuda"
         self._copied = torch.cuda.Event() if self.on_cuda else None
         self._written = None
 
-    def serves(self, rows: int, blocks: int) -> bool:
-        """Whether a prefill of `rows` new tokens, its sequence then `blocks` blocks long, fits a graph."""
-        return 2 <= rows <= MAX_ROWS and blocks <= self.width
+    def serves(self, rows: list[int], blocks: list[int]) -> bool:
+        """Whether a step of these sequences' new rows fits a graph, their sequences then `blocks` blocks long."""
+        return len(rows) <= self.max_seqs and 1 <= sum(rows) <= MAX_ROWS and max(blocks) <= self.width
 
     def bucket(self, rows: int) -> int:
         return next(b for b in self.buckets if b > rows)
 
     def _views(self, pack: torch.Tensor, b: int):
-        n = self.buckets[-1]
+        n, s = self.buckets[-1], self.max_seqs + 1
         ids, pos, _, mapping, lens = (pack[i * n: i * n + b] for i in range(5))
         tail = 5 * n + n * self.width
         tables = pack[5 * n:tail].view(n, self.width)[:b]
-        return ids, pos, mapping, lens, tables, pack[tail:tail + 2], pack[tail + 2:tail + 5], pack[tail + 5:tail + 6]
+        slots, cu, last = pack[tail:tail + s], pack[tail + s:tail + 2 * s + 1], pack[tail + 2 * s + 1:]
+        return ids, pos, mapping, lens, tables, slots, cu, last
 
-    def _fill_host(self, b: int, ids: list[int], start: int, slot: int) -> None:
+    def _fill_host(self, b: int, seqs: list[tuple[list[int], int, int]]) -> None:
+        """Pack the step: `seqs` are (new token ids, start position, slot) each."""
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's upload has left the pinned buffer
-        rows = len(ids)
-        table = self.cache.block_table(slot)
-        fields, cells, values = pack_decode_rows(b, ids, list(range(start, start + rows)), [slot] * rows,
-                                                 [table] * rows, self.pad_slot, self.pad_block, self.block_size,
-                                                 self.width)
-        n = self.buckets[-1]
+        ids = [t for new, _, _ in seqs for t in new]
+        positions = [p for new, start, _ in seqs for p in range(start, start + len(new))]
+        slots = [slot for new, _, slot in seqs for _ in new]
+        tables = [self.cache.block_table(slot) for new, _, slot in seqs for _ in new]
+        fields, cells, values = pack_decode_rows(b, ids, positions, slots, tables, self.pad_slot, self.pad_block,
+                                                 self.block_size, self.width)
+        n, empty = self.buckets[-1], self.max_seqs - len(seqs)
         host = self._host.numpy()
         host[:5 * n].reshape(5, n)[:, :b] = np.asarray(fields, dtype=np.int64).reshape(5, b)
         tab = host[5 * n:5 * n + n * self.width]
@@ -83,16 +91,20 @@ class PrefillGraphs:
             tab[self._written] = 0
         self._written = np.asarray(cells, dtype=np.int64)
         tab[self._written] = values
-        host[5 * n + n * self.width:] = [slot, self.pad_slot, 0, rows, b, rows - 1]
-        self._lens[b] = [rows, b - rows]
+        lens = [len(new) for new, _, _ in seqs] + [0] * empty + [b - len(ids)]
+        cu = [0, *itertools.accumulate(lens)]
+        last = [c - 1 for c in cu[1:len(seqs) + 1]] + [b - 1] * empty
+        host[5 * n + n * self.width:] = [slot for _, _, slot in seqs] + [self.pad_slot] * (empty + 1) + cu + last
+        self._lens[b] = lens
 
     def _batch(self, b: int) -> ForwardBatch:
         ids, pos, mapping, lens, tables, slots, cu, _ = self._views(self._dev, b)
         seq_lens = list(self._lens[b])
-        meta = FastMeta(decode=False, seq_lens=seq_lens, start_lens=[0, 0], cu_seqlens=cu, slots=slots,
+        starts = [0] * len(seq_lens)
+        meta = FastMeta(decode=False, seq_lens=seq_lens, start_lens=starts, cu_seqlens=cu, slots=slots,
                         slot_mapping=mapping, block_tables=tables, context_lens=lens, block_size=self.block_size,
                         rows_paged=True)
-        return ForwardBatch(ids, pos, seq_lens, [0, 0], [self.pad_slot] * 2, self.cache,
+        return ForwardBatch(ids, pos, seq_lens, starts, [self.pad_slot] * len(seq_lens), self.cache,
                             extras={"fast_meta": meta})
 
     def _step(self, b: int) -> torch.Tensor:
@@ -107,7 +119,7 @@ class PrefillGraphs:
         stream = torch.cuda.Stream() if self.on_cuda else None
         for b in sorted(self.buckets if buckets is None else buckets, reverse=True):
             t0 = time.monotonic()
-            self._fill_host(b, [0], 0, self.pad_slot)
+            self._fill_host(b, [([0], 0, self.pad_slot)])
             self._dev.copy_(self._host)
             if stream is None:
                 self.graphs[b] = _StepAgain(self, b)
@@ -127,19 +139,20 @@ class PrefillGraphs:
             log.info("prefill graph for %d rows captured in %.1f s", b, time.monotonic() - t0)
 
     @torch.inference_mode()
-    def step(self, ids: list[int], start: int, slot: int) -> torch.Tensor:
-        """The new tokens `ids` of the sequence in `slot` at positions start..; the cache reserved past them.
-        Returns the last token's logits [1, vocab] (a view into the graph's output, valid until the next step)."""
-        b = self.bucket(len(ids))
+    def step(self, seqs: list[tuple[list[int], int, int]]) -> torch.Tensor:
+        """One step of `seqs` ((new token ids, start position, slot) each), the cache reserved past them.
+        Returns each sequence's last-row logits [len(seqs), vocab] (a view into the graph's output, valid
+        until the next step)."""
+        b = self.bucket(sum(len(new) for new, _, _ in seqs))
         if b not in self.graphs:
             self.capture([b])
-        self._fill_host(b, ids, start, slot)
+        self._fill_host(b, seqs)
         self._dev.copy_(self._host, non_blocking=True)
         if self._copied is not None:
             self._copied.record()
         self.graphs[b].replay()
-        return self.logits[b]
+        return self.logits[b][:len(seqs)]
 
-    def hidden_rows(self, rows: int) -> torch.Tensor:
-        """A copy of the last step's first `rows` hidden rows (the graph's own are overwritten by the next)."""
-        return self.hidden[self.bucket(rows)][:rows].clone()
+    def hidden_rows(self, total: int) -> torch.Tensor:
+        """A copy of the last step's first `total` hidden rows (the graph's own are overwritten by the next)."""
+        return self.hidden[self.bucket(total)][:total].clone()

@@ -129,26 +129,32 @@ class ModelRunner:
         return sampling, logits[:len(rows)]
 
     def _run_prefill_graph(self, scheduled: list[tuple[Request, int]]) -> tuple[list[Request], torch.Tensor] | None:
-        """`run`'s result for a lone short prefill replayed in its graph (hf2q.engine.prefill_graphs), or None
-        where no graph serves the step: several requests, drafts to verify, hidden rows kept, images, a
-        checkpoint inside the chunk, too many rows or too long a sequence."""
-        if not (self.use_graphs and self.short_prefill_graphs) or len(scheduled) != 1:
+        """`run`'s result for a small step with prefill rows replayed in its graph (hf2q.engine.prefill_graphs:
+        up to 63 rows over up to 16 requests), or None where no graph serves it: drafts to verify, hidden
+        rows kept, images, a checkpoint inside a chunk, too many rows or requests, too long a sequence."""
+        if not (self.use_graphs and self.short_prefill_graphs) or not scheduled:
             return None
-        req, n = scheduled[0]
-        if drafts_in(req, n) or req.keeps_hidden or req.mrope is not None or "checkpoint_inside" in req.extras:
-            return None
+        for req, n in scheduled:
+            if drafts_in(req, n) or req.keeps_hidden or req.mrope is not None or "checkpoint_inside" in req.extras:
+                return None
         graphs = self._prefill_graphs()
-        if graphs is None or not graphs.serves(n, len(self.cache.block_table(req.slot))):
+        blocks = [len(self.cache.block_table(req.slot)) for req, _ in scheduled]
+        if graphs is None or not graphs.serves([n for _, n in scheduled], blocks):
             return None
-        start = req.num_computed
-        logits = graphs.step(req.tokens(start, start + n), start, req.slot)
-        if self.mtp_rows and not req.prefill_only:
-            req.extras["mtp_rows"] = (start, graphs.hidden_rows(n))
-        req.num_computed += n
-        self.cache.commit(req.slot, req.num_computed)
-        if req.num_computed == req.num_tokens and not req.prefill_only:
-            return [req], logits
-        return [], logits[:0]
+        samples = [req.num_computed + n == req.num_tokens and not req.prefill_only for req, n in scheduled]
+        order = [scheduled[i] for i in sorted(range(len(scheduled)), key=lambda i: not samples[i])]  # samplers first
+        logits = graphs.step([(req.tokens(req.num_computed, req.num_computed + n), req.num_computed, req.slot)
+                              for req, n in order])
+        hidden = graphs.hidden_rows(sum(n for _, n in order)) if self.mtp_rows else None
+        row = 0
+        for req, n in order:
+            if hidden is not None and not req.prefill_only:
+                req.extras["mtp_rows"] = (req.num_computed, hidden[row:row + n])
+            row += n
+            req.num_computed += n
+            self.cache.commit(req.slot, req.num_computed)
+        k = sum(samples)
+        return [req for req, _ in order[:k]], logits[:k]
 
     def _prefill_graphs(self):
         if self.prefill_graphs is None:
