@@ -41,8 +41,8 @@ class EngineConfig:
     spec: SpecConfig = SpecConfig()
     # Queue each decode step before the host has read the previous step's tokens (hf2q.engine.overlap)
     async_scheduling: bool = False
-    # Replay a lone short prefill in a CUDA graph too (hf2q.engine.prefill_graphs); a chat turn's anchor then cuts
-    # its chunk where the rest fits a graph, rather than being kept from inside it
+    # Replay small steps with prefill rows in CUDA graphs too (hf2q.engine.prefill_graphs); a chat turn's anchor
+    # then cuts its chunk where the rest fits a graph, rather than being kept from inside it
     short_prefill_graphs: bool = False
 
 

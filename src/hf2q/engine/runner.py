@@ -2,8 +2,8 @@
 
 On CUDA a batch of pure decode rows (one new token per request, each then sampled; a request with images
 too, its token rotated by index + delta) replays a captured CUDA graph of its batch-size bucket (captured on
-first use); with `short_prefill_graphs`, so does a lone prefill of 2 to 63 tokens (hf2q.engine.prefill_graphs);
-every other batch, and every batch on CPU, runs eagerly.
+first use); with `short_prefill_graphs`, so does a small step with prefill rows (up to 63 rows over up to 16
+requests, hf2q.engine.prefill_graphs); every other batch, and every batch on CPU, runs eagerly.
 A speculating request (drafts after its known tokens, see hf2q.spec) runs eagerly too; its draft rows'
 logits and the DeltaNet state after each of its positions go to its `Verify`, and its cache and
 `num_computed` are settled by the engine once it has decided.
@@ -42,8 +42,8 @@ class ModelRunner:
         self.mtp_rows = mtp_rows  # hand each request its hidden rows for the MTP head
         self.use_graphs = cuda_graphs and self.device.type == "cuda"
         self.graphs = None  # DecodeGraphs, made on the first decode batch (it holds one padding slot)
-        self.short_prefill_graphs = short_prefill_graphs  # a lone short prefill replays a graph too, where graphs run
-        self.prefill_graphs = None  # PrefillGraphs, made on the first such prefill (on the decode graphs' padding)
+        self.short_prefill_graphs = short_prefill_graphs  # small prefill steps replay graphs too, where graphs run
+        self.prefill_graphs = None  # PrefillGraphs, made on the first such step (on the decode graphs' padding)
 
     def build_batch(self, scheduled: list[tuple[Request, int]]) -> ForwardBatch:
         ids: list[int] = []

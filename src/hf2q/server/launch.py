@@ -69,9 +69,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-waiting", type=int, default=d.max_waiting,
                    help="queued requests before 429 (default: %(default)s)")
     p.add_argument("--short-prefill-graphs", action="store_true",
-                   help="on CUDA, replay a lone prefill of 2 to 63 tokens (a follow-up turn after a prefix-cache "
-                        "hit) in a CUDA graph, as decode steps are; a chat turn's anchor then cuts its chunk where "
-                        "the rest fits a graph (experimental: off by default until measured on a GPU)")
+                   help="on CUDA, replay steps of up to 63 new tokens over up to 16 requests (a follow-up turn "
+                        "after a prefix-cache hit, a new prompt beside decoding streams) in CUDA graphs, as decode "
+                        "steps are; a chat turn's anchor then cuts its chunk where the rest fits a graph "
+                        "(experimental: off by default until measured on a GPU)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="queue each decode step before reading the previous step's tokens, so the host's work "
                         "(stop checks, detokenizing, streaming) overlaps the GPU's; for rows without penalties, "
