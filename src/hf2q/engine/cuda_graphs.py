@@ -136,22 +136,9 @@ class DecodeGraphs:
             t0 = time.monotonic()
             self._fill_host(b, [0] * b, [0] * b, [self.pad_slot] * b)
             self._dev.copy_(self._host)
-            if stream is None:
-                self.graphs[b] = _StepAgain(self, b)
-                self.logits[b] = self.graphs[b].replay()
-                continue
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self._step(b)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                self.logits[b] = self._step(b)
-            self._pool = graph.pool()
-            self.graphs[b] = graph
-            torch.cuda.synchronize()
-            log.info("decode graph for %d sequences captured in %.1f s", b, time.monotonic() - t0)
+            record(self, b, stream)
+            if stream is not None:
+                log.info("decode graph for %d sequences captured in %.1f s", b, time.monotonic() - t0)
 
     def bucket(self, n: int) -> int:
         for b in self.buckets:
@@ -179,6 +166,27 @@ class DecodeGraphs:
             self._views(self._dev, b)[0][:n].copy_(ids)
         self.graphs[b].replay()
         return self.logits[b][:n]
+
+
+def record(graphs, b: int, stream) -> None:
+    """Capture bucket b's step of `graphs` (a DecodeGraphs or PrefillGraphs: `_step`, `graphs`, `logits`, `_pool`)
+    after two warm runs on a side stream (compiling and tuning), in the memory pool its other graphs share;
+    with no stream (off CUDA), its stand-in."""
+    if stream is None:
+        graphs.graphs[b] = _StepAgain(graphs, b)
+        graphs.logits[b] = graphs.graphs[b].replay()
+        return
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            graphs._step(b)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=graphs._pool):
+        graphs.logits[b] = graphs._step(b)
+    graphs._pool = graph.pool()
+    graphs.graphs[b] = graph
+    torch.cuda.synchronize()
 
 
 class _StepAgain:

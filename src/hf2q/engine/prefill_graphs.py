@@ -20,7 +20,7 @@ import time
 import numpy as np
 import torch
 
-from hf2q.engine.cuda_graphs import DecodeGraphs, _StepAgain, pack_decode_rows
+from hf2q.engine.cuda_graphs import DecodeGraphs, pack_decode_rows, record
 from hf2q.forward import ForwardBatch
 from hf2q.kernels.meta import FastMeta
 
@@ -121,22 +121,9 @@ class PrefillGraphs:
             t0 = time.monotonic()
             self._fill_host(b, [([0], 0, self.pad_slot)])
             self._dev.copy_(self._host)
-            if stream is None:
-                self.graphs[b] = _StepAgain(self, b)
-                self.logits[b] = self.graphs[b].replay()
-                continue
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self._step(b)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                self.logits[b] = self._step(b)
-            self._pool = graph.pool()
-            self.graphs[b] = graph
-            torch.cuda.synchronize()
-            log.info("prefill graph for %d rows captured in %.1f s", b, time.monotonic() - t0)
+            record(self, b, stream)
+            if stream is not None:
+                log.info("prefill graph for %d rows captured in %.1f s", b, time.monotonic() - t0)
 
     @torch.inference_mode()
     def step(self, seqs: list[tuple[list[int], int, int]]) -> torch.Tensor:
