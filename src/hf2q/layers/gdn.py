@@ -15,7 +15,6 @@ from hf2q.config import ModelConfig
 from hf2q.forward import ForwardBatch
 from hf2q.kernels.conv import ops as conv_ops
 from hf2q.kernels.gdn import ops as gdn_ops
-from hf2q.kernels.gdn.reference import gated_delta_rule_ref, l2_normalize
 from hf2q.kernels.linear import ops as linear_ops
 from hf2q.kernels.meta import fast_meta
 from hf2q.kernels.norm import ops as norm_ops
@@ -73,65 +72,56 @@ class GatedDeltaNet(nn.Module):
         g = self.a.float() * F.softplus(alpha.float() + self.dt_bias.float())
         rule = (q.view(t, self.nk, self.dk), k.view(t, self.nk, self.dk), v.view(t, self.nv, self.dv), g,
                 torch.sigmoid(beta_raw.float()), rec, meta.cu_seqlens, meta.seq_lens)
-        if inner:
-            rule, targets = self._with_prefixes(batch, inner, *rule)
+        prefixes = self._prefixes(batch, keep, inner)
+        if prefixes:
+            rule = self._with_prefixes(batch, prefixes, *rule)
         o, final = gdn_ops.chunk_gdn(*rule, self.dk ** -0.5, self.eps)
-        if inner:
-            for (i, row, at), state in zip(targets, final[n:]):
-                at(j, torch.cat((conv_before[i].to(mixed.dtype), mixed[row:row + at.offset])), state)
+        if prefixes:
+            states = dict(zip(prefixes, final[n:]))
             o, final = o[:t], final[:n]
+            self._hand_states(batch, keep, inner, states, final, j, conv_before, mixed)
         if cache is not None:
             cache.recurrent_state[j].index_copy_(0, meta.slots, final.to(cache.recurrent_state[j].dtype))
-        self._keep_states(batch, keep, j, conv_before, mixed, q, k, v, g, beta_raw, rec)
         return self.out(norm_ops.gated_rms_norm(o, z, self.norm, self.eps, x.dtype))
 
     @staticmethod
-    def _with_prefixes(batch, inner, q, k, v, g, beta, rec, cu_seqlens, seq_lens):
-        """The delta rule's arguments with each kept prefix (`hf2q.cache.state_at`) appended as one more
-        sequence: its chunk's first rows again, from its slot's state. Also (seq index, row, StateAt) each.
-        The row offsets are built once per forward and uploaded without waiting for the device."""
-        targets = [(i, row, at) for i, row, _, _, _ in batch.segments() for at in inner.get(i, ())]
-        lens = [*seq_lens, *(at.offset for _, _, at in targets)]
-        made = batch.extras.get("states_at_rows")
+    def _prefixes(batch, keep, inner) -> list[tuple[int, int, int]]:
+        """(seq index, first row, length) of each chunk prefix whose final state is wanted: a kept checkpoint's
+        (`hf2q.cache.state_at`), and every proper prefix of a verifying sequence (the state after each of its
+        positions but the last, which is the sequence's own final state)."""
+        out = []
+        for i, row, length, _, _ in batch.segments():
+            out += [(i, row, at.offset) for at in inner.get(i, ())]
+            if i in keep:
+                out += [(i, row, m) for m in range(1, length)]
+        return out
+
+    @staticmethod
+    def _with_prefixes(batch, prefixes, q, k, v, g, beta, rec, cu_seqlens, seq_lens):
+        """The delta rule's arguments with each prefix appended as one more sequence: its chunk's first rows
+        again, from its slot's state; the final states of the appended sequences are the states wanted. The
+        row offsets are built once per forward and uploaded without waiting for the device."""
+        lens = [*seq_lens, *(m for _, _, m in prefixes)]
+        made = batch.extras.get("prefix_rows")
         if made is None:
-            rows = torch.cat([torch.arange(row, row + at.offset, device=q.device) for _, row, at in targets])
+            rows = torch.cat([torch.arange(row, row + m, device=q.device) for _, row, m in prefixes])
             cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=cu_seqlens.dtype)
             cu = cu.pin_memory().to(cu_seqlens.device, non_blocking=True) if cu_seqlens.is_cuda else cu
-            made = batch.extras["states_at_rows"] = (rows, cu)
+            made = batch.extras["prefix_rows"] = (rows, cu)
         rows, cu = made
         both = [torch.cat((x, x[rows])) for x in (q, k, v, g, beta)]
-        return (*both, torch.cat([rec, *(rec[i:i + 1] for i, _, _ in targets)]), cu, lens), targets
+        return (*both, torch.cat([rec, *(rec[i:i + 1] for i, _, _ in prefixes)]), cu, lens)
 
-    def _keep_states(self, batch, keep, j, conv_before, mixed, q, k, v, g, beta_raw, rec) -> None:
-        """Hand each verifying sequence its per-position states; sequences of one length step together."""
-        groups: dict[int, list[tuple[int, int]]] = {}
+    @staticmethod
+    def _hand_states(batch, keep, inner, states, final, j, conv_before, mixed) -> None:
+        """Give layer j's states to whoever asked: each kept checkpoint its state and conv inputs, each
+        verifying sequence the state after every position (`hf2q.spec.states.PositionStates`)."""
         for i, row, length, _, _ in batch.segments():
+            if i not in inner and i not in keep:
+                continue
+            before = conv_before[i].to(mixed.dtype)
+            for at in inner.get(i, ()):
+                at(j, torch.cat((before, mixed[row:row + at.offset])), states[(i, row, at.offset)])
             if i in keep:
-                groups.setdefault(length, []).append((i, row))
-        for length, members in groups.items():
-            rows = torch.tensor([row + t for _, row in members for t in range(length)], device=q.device)
-            seqs = torch.tensor([i for i, _ in members], device=q.device)
-            states = self._states_after_each(q[rows], k[rows], v[rows], g[rows], beta_raw[rows], rec[seqs],
-                                             len(members))
-            for s, (i, row) in enumerate(members):
-                keep[i](j, torch.cat((conv_before[i].to(mixed.dtype), mixed[row:row + length])), states[:, s])
-
-    def _states_after_each(self, q, k, v, g, beta_raw, state, seqs: int) -> torch.Tensor:
-        """The recurrent state after each token of `seqs` short sequences of one length (verify chunks, rows
-        sequence-major), stepped token by token as plain decoding does; the chunked kernel keeps only the
-        final one. The sequences ride along the head axis. Returns [n, seqs, h, dk, dv]."""
-        n, rep = q.shape[0] // seqs, self.nv // self.nk
-
-        def by_token(x, heads, dim):  # [seqs * n, heads * dim] -> [n, seqs, heads, dim]
-            return x.reshape(seqs, n, heads, dim).transpose(0, 1)
-
-        qf = l2_normalize(by_token(q, self.nk, self.dk).float(), self.eps) * self.dk ** -0.5
-        kf = l2_normalize(by_token(k, self.nk, self.dk).float(), self.eps)
-        heads = seqs * self.nv
-        _, _, states = gated_delta_rule_ref(
-            qf.repeat(1, 1, rep, 1).reshape(n, heads, self.dk), kf.repeat(1, 1, rep, 1).reshape(n, heads, self.dk),
-            by_token(v, self.nv, self.dv).reshape(n, heads, self.dv),
-            g.reshape(seqs, n, self.nv).transpose(0, 1).reshape(n, heads),
-            torch.sigmoid(beta_raw.float()).reshape(seqs, n, self.nv).transpose(0, 1).reshape(n, heads),
-            state.reshape(heads, self.dk, self.dv), capture=True)
-        return states.view(n, seqs, self.nv, self.dk, self.dv)
+                after = torch.stack([states[(i, row, m)] for m in range(1, length)] + [final[i]])
+                keep[i](j, torch.cat((before, mixed[row:row + length])), after)
