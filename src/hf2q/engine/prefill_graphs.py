@@ -80,7 +80,7 @@ class PrefillGraphs:
         ids = [t for new, _, _ in seqs for t in new]
         positions = [p for new, start, _ in seqs for p in range(start, start + len(new))]
         slots = [slot for new, _, slot in seqs for _ in new]
-        tables = [self.cache.block_table(slot) for new, _, slot in seqs for _ in new]
+        tables = [table for new, _, slot in seqs for table in [self.cache.block_table(slot)] * len(new)]
         fields, cells, values = pack_decode_rows(b, ids, positions, slots, tables, self.pad_slot, self.pad_block,
                                                  self.block_size, self.width)
         n, empty = self.buckets[-1], self.max_seqs - len(seqs)
