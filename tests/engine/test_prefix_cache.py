@@ -353,8 +353,7 @@ def test_turn_anchor_from_the_shared_text_is_the_whole_probes(model, thinking):
 
 def test_a_turn_whose_rest_fits_a_prefill_graph_is_cut_at_its_anchor(model):
     """With prefill graphs (on the CPU their stand-in, over the vectorised path), a turn whose remaining prompt
-    fits a graph has its chunk cut at the anchor instead: two replays (29 and 7 rows) rather than one eager
-    step. The anchor's checkpoint holds the eager engine's states, and the tokens are the eager engine's,
+    fits a graph has its chunk cut at the anchor instead: replays of 64, 29 and 7 rows rather than eager steps. The anchor's checkpoint holds the eager engine's states, and the tokens are the eager engine's,
     for the turn and for the next one resumed from it."""
     from hf2q.engine.prefill_graphs import MAX_ROWS
     from hf2q.kernels.choose import fast_path
@@ -367,7 +366,7 @@ def test_a_turn_whose_rest_fits_a_prefill_graph_is_cut_at_its_anchor(model):
         runner.use_graphs = runner.short_prefill_graphs = True
         engines[True].scheduler.graphed_prefill_rows = MAX_ROWS
         got = {g: run(e, {"a": (prompt, GREEDY, anchor)})["a"] for g, e in engines.items()}
-        assert got[True] == got[False] and sorted(runner.prefill_graphs.graphs) == [8, 32]
+        assert got[True] == got[False] and sorted(runner.prefill_graphs.graphs) == [8, 32, 128]  # 7, 29, 64 rows
         kept = {g: e.cache._retained[e.prefix._entries[tuple(prompt[:anchor])].key] for g, e in engines.items()}
         for x, y in zip(kept[False][1:], kept[True][1:]):
             torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-5)

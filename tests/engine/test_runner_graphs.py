@@ -105,19 +105,20 @@ def test_graph_runner_matches_eager(prefill_graphs):
 
 
 def short_prefills(device: str, dtype: torch.dtype, moe: bool, graphed: bool) -> list[torch.Tensor]:
-    """Logits of one sequence fed a 70-token prompt (eager: too long for a prefill graph), then chunks of 2, 7,
-    8, 15, 33 and 63 known tokens (every bucket, a full one but for its padding row), then 3 decode steps."""
+    """Logits of one sequence fed a 200-token prompt (eager: too long for a prefill graph), then chunks of 2, 7,
+    8, 15, 33, 63 and 127 known tokens (every bucket but 32, a full one but for its padding row), then 3 decode
+    steps."""
     net = random_model(tiny_config(moe), device=device, dtype=dtype, std=0.08, seed=7)
     cache = HybridCache(net.config, CacheConfig(num_slots=4, num_blocks=64, block_size=16,
                                                 kv_dtype=str(dtype)[6:]), device=device)
     runner = ModelRunner(net, cache, cuda_graphs=graphed, short_prefill_graphs=graphed)
     runner.use_graphs = graphed  # on the CPU: the graphs' stand-in
     gen = torch.Generator().manual_seed(3)
-    req = Request("r", torch.randint(0, net.config.vocab_size, (70,), generator=gen).tolist(), SamplingParams())
+    req = Request("r", torch.randint(0, net.config.vocab_size, (200,), generator=gen).tolist(), SamplingParams())
     req.slot = cache.acquire()
-    assert runner.run([(req, 69)])[0] == []  # its last prompt token comes in the first step of the loop
+    assert runner.run([(req, 199)])[0] == []  # its last prompt token comes in the first step of the loop
     logits = []
-    for n in (1, 2, 7, 8, 15, 33, 63, 1, 1, 1):
+    for n in (1, 2, 7, 8, 15, 33, 63, 127, 1, 1, 1):
         if len(logits):  # known tokens the step feeds (as a follow-up turn's new tokens)
             req.output_ids += torch.randint(0, net.config.vocab_size, (n,), generator=gen).tolist()
         sampling, step_logits = runner.run([(req, n)])
@@ -125,7 +126,7 @@ def short_prefills(device: str, dtype: torch.dtype, moe: bool, graphed: bool) ->
         logits.append(step_logits.to("cpu", torch.float32, copy=True))
     assert (runner.prefill_graphs is not None) == graphed
     if graphed:
-        assert sorted(runner.prefill_graphs.graphs) == [8, 16, 64]  # the decode steps replay the decode graphs
+        assert sorted(runner.prefill_graphs.graphs) == [8, 16, 64, 128]  # decode steps replay the decode graphs
     return logits
 
 

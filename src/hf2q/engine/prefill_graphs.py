@@ -1,4 +1,4 @@
-"""Small steps with prefill rows captured in CUDA graphs: up to 63 new tokens over up to 16 sequences (a short
+"""Small steps with prefill rows captured in CUDA graphs: up to 127 new tokens over up to 64 sequences (a short
 prefill alone, or beside the decode rows of other requests), one graph per row bucket.
 
 An eager step with a prefill in it is host-bound at these sizes (about 40 ms for 40 tokens on the H200, its GPU
@@ -6,9 +6,9 @@ work under half of that), and every request decoding beside it waits for it: a f
 prefix-cache hit is such a step, and so is each new request's prefill in a busy server. The graph's rows are
 laid out as decode rows: each row's attention reads its sequence's block table up to its own position (the
 paged decode kernel, causal by the context lengths), so the K/V written by the step is read back within it.
-The DeltaNet layers see 17 sequences: the real ones, empty ones on the decode graphs' private padding slot,
-and the padding rows, last, on that slot too, so padding never touches a real state. The logits are each
-sequence's last row's. Off CUDA a "graph" runs its step again on replay (`_StepAgain`), which is how the CPU
+The DeltaNet layers see 65 sequences: the real ones, empty ones on the decode graphs' private padding slot,
+and the padding rows, last, on that slot too, so padding never touches a real state; their delta rule is fla's
+recurrent kernel, which reads the lengths from the device only. The logits are each sequence's last row's. Off CUDA a "graph" runs its step again on replay (`_StepAgain`), which is how the CPU
 tests check the buffers and the metadata.
 """
 from __future__ import annotations
@@ -26,9 +26,9 @@ from hf2q.kernels.meta import FastMeta
 
 log = logging.getLogger(__name__)
 
-PREFILL_BUCKETS = (8, 16, 32, 64)
+PREFILL_BUCKETS = (8, 16, 32, 64, 128)
 MAX_ROWS = PREFILL_BUCKETS[-1] - 1  # a bucket keeps at least one padding row: the padding sequence is never empty
-MAX_SEQS = 16
+MAX_SEQS = 64
 
 
 class PrefillGraphs:
@@ -134,7 +134,9 @@ class PrefillGraphs:
         if b not in self.graphs:
             self.capture([b])
         self._fill_host(b, seqs)
-        self._dev.copy_(self._host, non_blocking=True)
+        used, tail = 5 * self.buckets[-1] + b * self.width, 5 * self.buckets[-1] + self.buckets[-1] * self.width
+        self._dev[:used].copy_(self._host[:used], non_blocking=True)  # the bucket's table rows, not all of them
+        self._dev[tail:].copy_(self._host[tail:], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
         self.graphs[b].replay()

@@ -2,7 +2,7 @@
 
 On CUDA a batch of pure decode rows (one new token per request, each then sampled; a request with images
 too, its token rotated by index + delta) replays a captured CUDA graph of its batch-size bucket (captured on
-first use); with `short_prefill_graphs`, so does a small step with prefill rows (up to 63 rows over up to 16
+first use); with `short_prefill_graphs`, so does a small step with prefill rows (up to 127 rows over up to 64
 requests, hf2q.engine.prefill_graphs); every other batch, and every batch on CPU, runs eagerly.
 A speculating request (drafts after its known tokens, see hf2q.spec) runs eagerly too; its draft rows'
 logits and the DeltaNet state after each of its positions go to its `Verify`, and its cache and
@@ -130,7 +130,7 @@ class ModelRunner:
 
     def _run_prefill_graph(self, scheduled: list[tuple[Request, int]]) -> tuple[list[Request], torch.Tensor] | None:
         """`run`'s result for a small step with prefill rows replayed in its graph (hf2q.engine.prefill_graphs:
-        up to 63 rows over up to 16 requests), or None where no graph serves it: drafts to verify, hidden
+        up to 127 rows over up to 64 requests), or None where no graph serves it: drafts to verify, hidden
         rows kept, images, a checkpoint inside a chunk, too many rows or requests, too long a sequence."""
         if not (self.use_graphs and self.short_prefill_graphs) or not scheduled:
             return None

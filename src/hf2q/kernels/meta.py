@@ -26,7 +26,8 @@ class FastMeta:
     context_lens: Optional[torch.Tensor] = None  # [N] int32 tokens visible to each sequence after this step
     block_size: int = 0
     # Every row reads the K/V of its own block-table row up to its own context length, as decode rows do: the
-    # rows of one short prefill replayed in a graph (engine/prefill_graphs.py), each a query at its position.
+    # rows of a small prefill step replayed in a graph (engine/prefill_graphs.py), each a query at its position;
+    # such a step's delta rule takes fla's recurrent kernel, which reads the lengths from the device only.
     rows_paged: bool = False
 
 

@@ -75,7 +75,7 @@ class GatedDeltaNet(nn.Module):
         prefixes = self._prefixes(batch, keep, inner)
         if prefixes:
             rule = self._with_prefixes(batch, prefixes, *rule)
-        o, final = gdn_ops.chunk_gdn(*rule, self.dk ** -0.5, self.eps)
+        o, final = gdn_ops.chunk_gdn(*rule, self.dk ** -0.5, self.eps, recurrent=meta.rows_paged)
         if prefixes:
             states = dict(zip(prefixes, final[n:]))
             o, final = o[:t], final[:n]

@@ -69,7 +69,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-waiting", type=int, default=d.max_waiting,
                    help="queued requests before 429 (default: %(default)s)")
     p.add_argument("--short-prefill-graphs", action="store_true",
-                   help="on CUDA, replay steps of up to 63 new tokens over up to 16 requests (a follow-up turn "
+                   help="on CUDA, replay steps of up to 127 new tokens over up to 64 requests (a follow-up turn "
                         "after a prefix-cache hit, a new prompt beside decoding streams) in CUDA graphs, as decode "
                         "steps are; a chat turn's anchor then cuts its chunk where the rest fits a graph "
                         "(experimental: off by default until measured on a GPU)")

@@ -21,10 +21,11 @@ RECURRENT_MAX_LEN = 64
 
 def chunk_gdn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
               initial_state: torch.Tensor, cu_seqlens: torch.Tensor, scale: float,
-              seq_lens: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              seq_lens: list[int] | None = None, recurrent: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """q, k: [T, nk, dk] raw (L2-normalised in the kernel); v: [T, nv, dv]; g: [T, nv] log-decay fp32;
     beta: [T, nv] fp32; initial_state: [N, nv, dk, dv] fp32; cu_seqlens: [N + 1] int64; seq_lens: the same
-    lengths on the host, when the caller has them (saves a device-to-host read).
+    lengths on the host, when the caller has them (saves a device-to-host read); recurrent: the recurrent
+    kernel whatever the lengths (it reads only cu_seqlens, as a CUDA graph's replays need).
     Returns (o [T, nv, dv], final state [N, nv, dk, dv] fp32)."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
@@ -37,7 +38,8 @@ def chunk_gdn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
                 initial_state=initial_state.contiguous(), output_final_state=True, use_qk_l2norm_in_kernel=True,
                 cu_seqlens=cu_seqlens)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta, initial_state))
-    if seq_lens is not None and max(seq_lens, default=0) <= RECURRENT_MAX_LEN and not needs_grad:
+    short = seq_lens is not None and max(seq_lens, default=0) <= RECURRENT_MAX_LEN
+    if (recurrent or short) and not needs_grad:
         o, final = fused_recurrent_gated_delta_rule(**args)
     else:
         cpu = torch.tensor([0, *itertools.accumulate(seq_lens)]) if seq_lens is not None else None
