@@ -25,6 +25,12 @@ def model(request):
     return hf2q.load(request.getfixturevalue(f"gguf_{request.param}_f32"))
 
 
+@pytest.fixture(scope="module")
+def dense_model(request):
+    """The dense fixture alone, for tests of scheduling and rendering that the MoE variant adds nothing to."""
+    return hf2q.load(request.getfixturevalue("gguf_dense_f32"))
+
+
 def make_engine(model, prefix_bytes=1 << 30, stride=0, seqs=4, blocks=1024, chunk=64, batched=128,
                 max_len=1024) -> Engine:
     return Engine(model, EngineConfig(
@@ -324,11 +330,11 @@ def _check_anchor_inside(model, rtol: float, atol: float, chunk: int = 64) -> No
 
 
 @pytest.mark.parametrize("thinking", [True, False])
-def test_turn_anchor_from_the_shared_text_is_the_whole_probes(model, thinking):
+def test_turn_anchor_from_the_shared_text_is_the_whole_probes(dense_model, thinking):
     """The server passes the prompt's text, and the anchor then comes from tokenizing the probe only from the
     last message start it shares with the prompt: the same anchor as tokenizing the whole probe, at every
     turn of the tool-using conversation (think blocks dropped and kept) and with a user turn ending it."""
-    encoded = []  # characters tokenized
+    model, encoded = dense_model, []  # and the characters tokenized
 
     def encode(text):
         encoded.append(len(text))
@@ -351,17 +357,18 @@ def test_turn_anchor_from_the_shared_text_is_the_whole_probes(model, thinking):
             messages += FOLLOW_UPS[t](t)
 
 
-def test_a_turn_whose_rest_fits_a_prefill_graph_is_cut_at_its_anchor(model):
+def test_a_turn_whose_rest_fits_a_prefill_graph_is_cut_at_its_anchor(dense_model):
     """With prefill graphs (on the CPU their stand-in, over the vectorised path), a turn whose remaining prompt
-    fits a graph has its chunk cut at the anchor instead: replays of 64, 29 and 7 rows rather than eager steps. The anchor's checkpoint holds the eager engine's states, and the tokens are the eager engine's,
-    for the turn and for the next one resumed from it."""
+    fits a graph has its chunk cut at the anchor instead: replays of 64, 29 and 7 rows rather than eager steps.
+    The anchor's checkpoint holds the eager engine's states, and the tokens are the eager engine's, for the
+    turn and for the next one resumed from it."""
     from hf2q.engine.prefill_graphs import MAX_ROWS
     from hf2q.kernels.choose import fast_path
 
     prompt, anchor = list(range(3000, 3100)), 93
     follow = prompt[:anchor] + [11, 12, 13, 14, 15]
     with fast_path("force"):
-        engines = {graphed: make_engine(model) for graphed in (False, True)}
+        engines = {graphed: make_engine(dense_model) for graphed in (False, True)}
         runner = engines[True].runner
         runner.use_graphs = runner.short_prefill_graphs = True
         engines[True].scheduler.graphed_prefill_rows = MAX_ROWS
@@ -370,5 +377,5 @@ def test_a_turn_whose_rest_fits_a_prefill_graph_is_cut_at_its_anchor(model):
         kept = {g: e.cache._retained[e.prefix._entries[tuple(prompt[:anchor])].key] for g, e in engines.items()}
         for x, y in zip(kept[False][1:], kept[True][1:]):
             torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-5)
-        want = run(make_engine(model, prefix_bytes=0), {"b": (follow, GREEDY, None)})["b"][0]
+        want = run(make_engine(dense_model, prefix_bytes=0), {"b": (follow, GREEDY, None)})["b"][0]
         assert run(engines[True], {"b": (follow, GREEDY, None)})["b"] == (want, anchor)
