@@ -8,8 +8,9 @@ laid out as decode rows: each row's attention reads its sequence's block table u
 paged decode kernel, causal by the context lengths), so the K/V written by the step is read back within it.
 The DeltaNet layers see 65 sequences: the real ones, empty ones on the decode graphs' private padding slot,
 and the padding rows, last, on that slot too, so padding never touches a real state; their delta rule is fla's
-recurrent kernel, which reads the lengths from the device only. The logits are each sequence's last row's. Off CUDA a "graph" runs its step again on replay (`_StepAgain`), which is how the CPU
-tests check the buffers and the metadata.
+recurrent kernel, which reads the lengths from the device only. The logits are each sequence's last row's.
+Off CUDA a "graph" runs its step again on replay (`_StepAgain`), which is how the CPU tests check the buffers
+and the metadata.
 """
 from __future__ import annotations
 
