@@ -189,3 +189,16 @@ def test_async_scheduling_is_on_for_cuda_unless_said_or_impossible():
     add_serve_args(p)
     assert [p.parse_args(a).async_scheduling for a in ([], ["--async-scheduling"], ["--no-async-scheduling"])] == \
         [None, True, False]
+
+
+def test_short_prefill_graphs_are_refused_where_no_graph_would_run():
+    """--short-prefill-graphs: off unless asked; asked on a CPU or with other ranks, refused by name."""
+    import torch
+
+    from hf2q.server.launch import check_short_prefill_graphs
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    check_short_prefill_graphs(True, cuda, 1)
+    check_short_prefill_graphs(False, cpu, 2)
+    for device, tp, why in ((cpu, 1, "needs a CUDA device"), (cuda, 2, "--tensor-parallel-size")):
+        with pytest.raises(ValueError, match=why):
+            check_short_prefill_graphs(True, device, tp)

@@ -193,6 +193,15 @@ def resolve_async_scheduling(asked: bool | None, device, speculative: str, tp: i
     return asked
 
 
+def check_short_prefill_graphs(asked: bool, device, tp: int) -> None:
+    """--short-prefill-graphs replays CUDA graphs on rank 0's runner: refused by name where none would run
+    (another device, tensor parallelism) rather than accepted and ignored."""
+    if asked and device.type != "cuda":
+        raise ValueError(f"--short-prefill-graphs needs a CUDA device (this server runs on {device.type})")
+    if asked and tp != 1:
+        raise ValueError("--short-prefill-graphs does not work with --tensor-parallel-size yet")
+
+
 def build_state(args):
     """Load the model and start the engine: everything `build_app` needs."""
     import hf2q
@@ -223,6 +232,7 @@ def build_state(args):
         raise ValueError("--speculative does not work with --tensor-parallel-size yet")
     args.async_scheduling = resolve_async_scheduling(getattr(args, "async_scheduling", None), device,
                                                      spec.method, tp)
+    check_short_prefill_graphs(getattr(args, "short_prefill_graphs", False), device, tp)
     if tp != 1 and getattr(args, "prefix_cache_dir", None):  # a rank's checkpoint holds only its shard
         raise ValueError("--prefix-cache-dir does not work with --tensor-parallel-size yet")
     mmproj = _mmproj_path(args, path, is_demo)
