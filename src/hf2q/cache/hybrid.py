@@ -301,7 +301,11 @@ class HybridCache:
         self._retained[key] = (n, conv.clone(), rec.clone())
 
     def _prefix_of(self, slot: int, n: int | None, states: LinearStates | None) -> tuple[int, LinearStates]:
-        if n is None or states is None:
+        """(tokens, DeltaNet states) of what `retain` or `snapshot` keeps: the slot's committed prefix and
+        state, or, with `states`, its first n tokens and those states."""
+        if states is None:
+            if n is not None and n != self._lens[slot]:
+                raise ValueError(f"slot {slot} holds {self._lens[slot]} tokens, not {n}: its state is at its end")
             return self._lens[slot], (self._conv[:, slot], self._rec[:, slot])
         if not 0 < n <= self._lens[slot]:
             raise ValueError(f"slot {slot} holds {self._lens[slot]} tokens, not a prefix of {n}")

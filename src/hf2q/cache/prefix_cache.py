@@ -118,10 +118,7 @@ class PrefixCache:
             return
         key = next(self._keys)
         try:
-            if states is None:
-                self.cache.retain(slot, key)
-            else:
-                self.cache.retain(slot, key, len(key_tokens), states)
+            self.cache.retain(slot, key, len(key_tokens), states)
         except CacheFull:
             return
         self._entries[key_tokens] = Checkpoint(key, key_tokens)
@@ -148,8 +145,7 @@ class PrefixCache:
     def _write(self, slot: int, tokens: tuple[int, ...], states: Optional[LinearStates]) -> None:
         nbytes = len(tokens) * self.cache.bytes_per_token + self.cache.fixed_bytes_per_slot
         if self.disk.wants(tokens, nbytes):  # the snapshot is a copy: skip it when the write would be dropped
-            self.disk.put(tokens, self.cache.snapshot(slot) if states is None
-                          else self.cache.snapshot(slot, len(tokens), states))
+            self.disk.put(tokens, self.cache.snapshot(slot, len(tokens), states))
 
     def _load(self, ckpt: Checkpoint, slot: int) -> int:
         loaded = self._loaded

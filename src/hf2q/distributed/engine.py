@@ -69,7 +69,9 @@ class RecordingCache(HybridCache):
         super().fork(src, dst)
         self._record("fork", src, dst)
 
-    def retain(self, slot: int, key: str) -> None:  # each rank retains its own shard of the prefix
+    def retain(self, slot: int, key: str, n=None, states=None) -> None:  # each rank retains its own shard
+        if states is not None:  # never asked: keeps_states_inside_a_chunk is False here
+            raise NotImplementedError("the other ranks cannot retain states kept inside a chunk")
         super().retain(slot, key)
         self._record("retain", slot, key)
 
