@@ -70,7 +70,7 @@ def _round(net, cache, slots, start, k, length) -> int:
     positions = torch.cat([torch.arange(start[s], start[s] + n, device=device) for s in slots])
     batch = ForwardBatch(ids, positions, [n] * len(slots), [start[s] for s in slots], list(slots), cache)
     keep = {i: PositionStates(cache, n) for i in range(len(slots))} if length is not None else {}
-    batch.extras["position_states"] = keep
+    batch.extras["kept_states"] = {i: [states] for i, states in keep.items()}
     tokens = net.compute_logits(net(batch)).argmax(-1).tolist()  # every row decided, as the engine does
     for i, s in enumerate(slots):
         cache.commit(s, start[s] + n)

@@ -17,18 +17,18 @@ class StateAt:
     the cache's state layout and dtype (what a chunk ending there leaves in the slot)."""
 
     def __init__(self, cache: HybridCache, offset: int):
-        self.offset = offset
+        self.lengths = (offset,)  # the chunk prefix the DeltaNet layers hand the state after
         conv, recurrent = cache.empty_linear_states(1)
         self.conv, self.recurrent = conv[:, 0], recurrent[:, 0]
         self._seen: set[int] = set()
 
     def __call__(self, j: int, conv_inputs: torch.Tensor, recurrent: torch.Tensor) -> None:
         """DeltaNet layer j's states: conv_inputs [K-1 + offset, C] (the slot's previous raw inputs, then the
-        chunk's first `offset`), recurrent [h, dk, dv] after them."""
+        chunk's first `offset`), recurrent [1, h, dk, dv] after them."""
         km1 = self.conv.shape[1]
         if km1:
             self.conv[j].copy_(conv_inputs[conv_inputs.shape[0] - km1:])
-        self.recurrent[j].copy_(recurrent)
+        self.recurrent[j].copy_(recurrent[0])
         self._seen.add(j)
 
     @property

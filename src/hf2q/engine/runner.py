@@ -86,18 +86,19 @@ class ModelRunner:
         if graphed is not None:
             return graphed
         batch = self.build_batch(scheduled)
-        verifies, keep, inside = {}, {}, {}
+        verifies, kept = {}, {}
         for i, (req, n) in enumerate(scheduled):
             drafts = drafts_in(req, n)
             if drafts:  # the DeltaNet layers keep the state after each position, for a partial accept
-                keep[i] = PositionStates(self.cache, n)
-                verifies[req.request_id] = Verify(req.num_computed, n - len(drafts), drafts, keep[i])
+                states = PositionStates(self.cache, n)
+                kept.setdefault(i, []).append(states)
+                verifies[req.request_id] = Verify(req.num_computed, n - len(drafts), drafts, states)
             at = req.extras.pop("checkpoint_inside", None)
             if at is not None:  # and the state at a checkpoint inside the chunk, for the prefix cache
-                inside[i] = [StateAt(self.cache, at - req.num_computed)]
-                req.extras["kept_state"] = (at, inside[i][0])
-        batch.extras["position_states"] = keep
-        batch.extras["states_at"] = inside
+                state = StateAt(self.cache, at - req.num_computed)
+                kept.setdefault(i, []).append(state)
+                req.extras["kept_state"] = (at, state)
+        batch.extras["kept_states"] = kept
         hidden = self.net(batch, input_embeds=self._image_embeds(batch, scheduled))
         rows, draft_rows, sampling = [], [], []
         row = 0

@@ -59,9 +59,8 @@ class GatedDeltaNet(nn.Module):
             return self.out(core)
         n = len(meta.seq_lens)
         conv_pool, slots = (cache.conv_state[j], meta.slots) if cache is not None else (None, None)
-        keep = batch.extras.get("position_states", {}) if cache is not None else {}
-        inner = batch.extras.get("states_at", {}) if cache is not None else {}
-        conv_before = {i: conv_pool[batch.slots[i]].clone() for i in {*keep, *inner}}  # the conv writes over them
+        kept = batch.extras.get("kept_states", {}) if cache is not None else {}  # seq -> whom to hand states
+        conv_before = {i: conv_pool[batch.slots[i]].clone() for i in kept}  # the conv writes over them
         conv_out = conv_ops.conv_varlen_(mixed, self.conv, conv_pool, slots, meta.cu_seqlens, meta.seq_lens)
         if cache is not None:
             rec = cache.recurrent_state[j][meta.slots].float()
@@ -72,29 +71,25 @@ class GatedDeltaNet(nn.Module):
         g = self.a.float() * F.softplus(alpha.float() + self.dt_bias.float())
         rule = (q.view(t, self.nk, self.dk), k.view(t, self.nk, self.dk), v.view(t, self.nv, self.dv), g,
                 torch.sigmoid(beta_raw.float()), rec, meta.cu_seqlens, meta.seq_lens)
-        prefixes = self._prefixes(batch, keep, inner)
+        prefixes = self._prefixes(batch, kept)
         if prefixes:
             rule = self._with_prefixes(batch, prefixes, *rule)
         o, final = gdn_ops.chunk_gdn(*rule, self.dk ** -0.5, self.eps, recurrent=meta.rows_paged)
-        if prefixes:
-            states = dict(zip(prefixes, final[n:]))
-            o, final = o[:t], final[:n]
-            self._hand_states(batch, keep, inner, states, final, j, conv_before, mixed)
+        states = dict(zip(prefixes, final[n:]))
+        o, final = o[:t], final[:n]
+        if kept:
+            self._hand_states(batch, kept, states, final, j, conv_before, mixed)
         if cache is not None:
             cache.recurrent_state[j].index_copy_(0, meta.slots, final.to(cache.recurrent_state[j].dtype))
         return self.out(norm_ops.gated_rms_norm(o, z, self.norm, self.eps, x.dtype))
 
     @staticmethod
-    def _prefixes(batch, keep, inner) -> list[tuple[int, int, int]]:
-        """(seq index, first row, length) of each chunk prefix whose final state is wanted: a kept checkpoint's
-        (`hf2q.cache.state_at`), and every proper prefix of a verifying sequence (the state after each of its
-        positions but the last, which is the sequence's own final state)."""
-        out = []
-        for i, row, length, _, _ in batch.segments():
-            out += [(i, row, at.offset) for at in inner.get(i, ())]
-            if i in keep:
-                out += [(i, row, m) for m in range(1, length)]
-        return out
+    def _prefixes(batch, kept) -> list[tuple[int, int, int]]:
+        """(seq index, first row, length) of each proper chunk prefix whose final state is wanted: a kept
+        checkpoint's (`hf2q.cache.state_at`), a verifying sequence's after each of its positions
+        (`hf2q.spec.states.PositionStates`); a whole chunk's is the sequence's own final state."""
+        return sorted({(i, row, m) for i, row, length, _, _ in batch.segments() for keeper in kept.get(i, ())
+                       for m in keeper.lengths if m < length})
 
     @staticmethod
     def _with_prefixes(batch, prefixes, q, k, v, g, beta, rec, cu_seqlens, seq_lens):
@@ -113,15 +108,10 @@ class GatedDeltaNet(nn.Module):
         return (*both, torch.cat([rec, *(rec[i:i + 1] for i, _, _ in prefixes)]), cu, lens)
 
     @staticmethod
-    def _hand_states(batch, keep, inner, states, final, j, conv_before, mixed) -> None:
-        """Give layer j's states to whoever asked: each kept checkpoint its state and conv inputs, each
-        verifying sequence the state after every position (`hf2q.spec.states.PositionStates`)."""
+    def _hand_states(batch, kept, states, final, j, conv_before, mixed) -> None:
+        """Give layer j's states to whoever asked: the state after each prefix length it wants, stacked, and
+        the conv inputs up to the longest (the slot's previous raw inputs, then the chunk's)."""
         for i, row, length, _, _ in batch.segments():
-            if i not in inner and i not in keep:
-                continue
-            before = conv_before[i].to(mixed.dtype)
-            for at in inner.get(i, ()):
-                at(j, torch.cat((before, mixed[row:row + at.offset])), states[(i, row, at.offset)])
-            if i in keep:
-                after = torch.stack([states[(i, row, m)] for m in range(1, length)] + [final[i]])
-                keep[i](j, torch.cat((before, mixed[row:row + length])), after)
+            for keeper in kept.get(i, ()):
+                after = torch.stack([final[i] if m == length else states[(i, row, m)] for m in keeper.lengths])
+                keeper(j, torch.cat((conv_before[i].to(mixed.dtype), mixed[row:row + max(keeper.lengths)])), after)

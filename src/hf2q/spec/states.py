@@ -18,6 +18,7 @@ class PositionStates:
 
     def __init__(self, cache: HybridCache, n: int):
         self.conv, self.recurrent = cache.empty_linear_states(n)
+        self.lengths = tuple(range(1, n + 1))  # the chunk prefixes the DeltaNet layers hand states after
         self._seen: set[int] = set()
 
     def __call__(self, j: int, conv_inputs: torch.Tensor, recurrent: torch.Tensor) -> None:
