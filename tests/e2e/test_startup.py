@@ -29,13 +29,13 @@ def test_port_in_use_fails_before_loading(served_model_path):
     assert "loading" not in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 
-def test_async_scheduling_with_speculation_is_a_clean_startup_error(served_model_path):
-    """A flag combination the engine cannot honour is refused by name before loading, never silently dropped."""
+def test_a_flag_the_device_cannot_honour_is_a_clean_startup_error(served_model_path):
+    """A flag the server cannot honour here is refused by name before loading, never silently dropped."""
     cmd = [sys.executable, "-m", "hf2q.cli", "serve", "--model", str(served_model_path), "--port", str(free_port()),
-           "--async-scheduling", "--speculative", "mtp"]
+           "--device", "cpu", "--short-prefill-graphs"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert done.returncode == 1, done.stderr
-    assert "--async-scheduling does not work with --speculative mtp" in done.stderr, done.stderr
+    assert "--short-prefill-graphs needs a CUDA device" in done.stderr, done.stderr
     assert "loading" not in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 

@@ -167,24 +167,21 @@ def test_reasoning_effort_maps_to_thinking_and_budget(effort, thinking, budget):
 
 
 def test_async_scheduling_is_on_for_cuda_unless_said_or_impossible():
-    """Default (None): on for CUDA alone, off where the MTP head or other ranks need each step's ids (n-gram
-    speculation keeps it); asking for it there is refused by name; --no-async-scheduling turns it off."""
+    """Default (None): on for CUDA alone, with or without speculation, off where other ranks need each step's
+    ids; asking for it there is refused by name; --no-async-scheduling turns it off."""
     import argparse
 
     import torch
 
     from hf2q.server.launch import add_serve_args, resolve_async_scheduling
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert resolve_async_scheduling(None, cuda, "off", 1) is True
-    assert resolve_async_scheduling(None, cuda, "ngram", 1) is True
-    assert resolve_async_scheduling(None, cpu, "off", 1) is False
-    assert resolve_async_scheduling(None, cuda, "mtp+ngram", 1) is False
-    assert resolve_async_scheduling(None, cuda, "off", 2) is False
-    assert resolve_async_scheduling(False, cuda, "off", 1) is False
-    assert resolve_async_scheduling(True, cpu, "ngram", 1) is True
-    for spec, tp, flag in (("mtp", 1, "--speculative mtp"), ("off", 2, "--tensor-parallel-size")):
-        with pytest.raises(ValueError, match=flag):
-            resolve_async_scheduling(True, cuda, spec, tp)
+    assert resolve_async_scheduling(None, cuda, 1) is True
+    assert resolve_async_scheduling(None, cpu, 1) is False
+    assert resolve_async_scheduling(None, cuda, 2) is False
+    assert resolve_async_scheduling(False, cuda, 1) is False
+    assert resolve_async_scheduling(True, cpu, 1) is True
+    with pytest.raises(ValueError, match="--tensor-parallel-size"):
+        resolve_async_scheduling(True, cuda, 2)
     p = argparse.ArgumentParser()
     add_serve_args(p)
     assert [p.parse_args(a).async_scheduling for a in ([], ["--async-scheduling"], ["--no-async-scheduling"])] == \

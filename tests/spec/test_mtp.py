@@ -28,9 +28,10 @@ def model(request):
     return hf2q.load(request.getfixturevalue(f"gguf_{request.param}_f32"))
 
 
-def make_engine(model, method="off", k=3):
+def make_engine(model, method="off", k=3, overlap=False):
     return Engine(model, EngineConfig(
-        max_model_len=96, spec=SpecConfig(method=method, num_tokens=k, ngram_min=1, cost_window=0),
+        max_model_len=96, async_scheduling=overlap,
+        spec=SpecConfig(method=method, num_tokens=k, ngram_min=1, cost_window=0),
         scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, prefill_chunk=32),
         cache=CacheConfig(num_slots=6, num_blocks=96, block_size=8)))
 
@@ -84,27 +85,31 @@ def test_mtp_needs_an_mtp_head():
         MTPProposer(SimpleNamespace(mtp=None), cache=None)
 
 
-def test_head_catches_up_on_graph_replays_in_one_forward(model):
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "async"])
+def test_head_catches_up_on_graph_replays_in_one_forward(model, overlap):
     """While `max_batch` or more requests decode nobody drafts and the steps replay the decode graphs (on the
     CPU their stand-in, on the vectorised path that their metadata is for); the head still sees every row,
     in one forward a step for all requests, so the drafts once the batch is small again are the head's argmax
-    over the whole history, and the tokens are plain decoding's."""
+    over the whole history, and the tokens are plain decoding's. With async scheduling those steps are queued
+    ahead of the host, and the head takes each one's rows fed its tokens still on the device."""
     from hf2q.kernels.choose import fast_path
 
     with fast_path("force"):
-        check_catch_up_through_graphs(model)
+        check_catch_up_through_graphs(model, overlap=overlap)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("kind", ["dense", "moe"])
-def test_head_catches_up_on_cuda_graph_replays(kind, request):
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "async"])
+def test_head_catches_up_on_cuda_graph_replays(kind, overlap, request):
     """On a GPU the drafts may part from a cache-free forward's argmax at a near-tie (other kernels); rows handed
     over wrongly would part from it nearly always."""
-    check_catch_up_through_graphs(hf2q.load(request.getfixturevalue(f"gguf_{kind}_f32"), device="cuda"), agree=0.9)
+    model = hf2q.load(request.getfixturevalue(f"gguf_{kind}_f32"), device="cuda")
+    check_catch_up_through_graphs(model, agree=0.9, overlap=overlap)
 
 
-def check_catch_up_through_graphs(model, agree: float = 1.0):
+def check_catch_up_through_graphs(model, agree: float = 1.0, overlap: bool = False):
     prompts = PROMPTS + [list(range(40, 52))]
     lengths = [3, 5, 20, 20]
 
@@ -118,16 +123,22 @@ def check_catch_up_through_graphs(model, agree: float = 1.0):
         return out
 
     plain = tokens(make_engine(model))
-    engine = make_engine(model, "mtp", k=2)
+    engine = make_engine(model, "mtp", k=2, overlap=overlap)
     engine.spec.config = dataclasses.replace(engine.spec.config, max_batch=3)
     engine.runner.use_graphs = True
-    heads, seen = [], []
-    catch_up, propose = engine.spec.mtp.catch_up, engine.spec.propose
-    engine.spec.mtp.catch_up = lambda reqs: (heads.append(len(reqs)), catch_up(reqs))
+    heads, queued, seen = [], [], []
+    mtp, propose = engine.spec.mtp, engine.spec.propose
+    catch_up, catch_up_queued = mtp.catch_up, mtp.catch_up_queued
+    mtp.catch_up = lambda reqs: (heads.append(len(reqs)), catch_up(reqs))
+    mtp.catch_up_queued = lambda reqs, ids: (queued.append(len(reqs)), catch_up_queued(reqs, ids))
     engine.spec.propose = lambda running: (propose(running), seen.extend(
         (req.prompt_ids + req.output_ids, req.draft_ids[0]) for req in running if req.draft_ids))
     assert tokens(engine) == plain
     assert engine.runner.graphs is not None and engine.runner.graphs.graphs  # some steps replayed
     assert max(heads) == 4 and len(seen) > 10
+    # async: the steps of three and four requests were queued ahead, the head catching up before each
+    assert (engine.steps_queued_ahead, len(queued)) >= (3, 3) if overlap else not queued, (
+        engine.steps_queued_ahead, queued)
+    assert len(queued) == engine.steps_queued_ahead
     same = [draft == int(model.net.mtp_logits(history)[-1].argmax()) for history, draft in seen]
     assert sum(same) >= agree * len(same), same

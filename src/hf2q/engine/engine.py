@@ -76,8 +76,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.last_batch = (0, 0)  # (sequences, tokens) of the latest step, for metrics
-        # The MTP head catches up on every step's hidden rows on the host's schedule: no steps queued ahead.
-        self.async_scheduling = config.async_scheduling and (self.spec is None or self.spec.mtp is None)
+        self.async_scheduling = config.async_scheduling
         self._launched: Optional[LaunchedStep] = None  # a decode step whose tokens the host has not read
         self._finishing: dict[str, bool] = {}  # request id -> retain?: finished while fed into the launched step
         self.steps_queued_ahead = 0  # for metrics
@@ -298,7 +297,10 @@ class Engine:
         if going_on and all(req.request_id in in_launched for req in self.scheduler.running) \
                 and self._may_queue_ahead(going_on):
             try:
-                logits = self.runner.run_decode(going_on, launched.rows_of(going_on))
+                ids = launched.rows_of(going_on)
+                if self.spec is not None:  # the MTP head takes the launched step's rows before the next
+                    self.spec.catch_up_queued(going_on, ids)
+                logits = self.runner.run_decode(going_on, ids)
                 self._launched = self._draw_on_device(going_on, logits)
             except BaseException:  # the caller fails the running requests; those stopping here finish first
                 self._launched = None

@@ -179,12 +179,16 @@ class ModelRunner:
         graphs = self._graphs_serving(slots)
         if graphs is not None:
             logits = graphs.step(ids, positions, slots, rope)
+            hidden = graphs.hidden_rows(len(reqs)) if self.mtp_rows else None
         else:
             where = upload(torch.tensor(rope, dtype=torch.long), self.device)
             batch = ForwardBatch(input_ids=ids, positions=where, seq_lens=[1] * len(reqs), start_lens=positions,
                                  slots=slots, cache=self.cache)
-            logits = self.net.compute_logits(self.net(batch))
-        for req in reqs:
+            hidden = self.net(batch)
+            logits = self.net.compute_logits(hidden)
+        for i, req in enumerate(reqs):
+            if self.mtp_rows:
+                req.extras["mtp_rows"] = (req.num_computed, hidden[i:i + 1])
             req.num_computed += 1
             self.cache.commit(req.slot, req.num_computed)
         return logits

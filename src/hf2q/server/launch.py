@@ -179,17 +179,15 @@ def _limits(args, model, device, dtype, prefix_bytes: int = 0):
     return choose(model.config, device.type, kv_format, args.max_num_seqs, max_len, free, total)
 
 
-def resolve_async_scheduling(asked: bool | None, device, speculative: str, tp: int) -> bool:
+def resolve_async_scheduling(asked: bool | None, device, tp: int) -> bool:
     """--async-scheduling as asked (None: not said), else on for CUDA (measured on the H200: 3.4x the output
-    rate at 16 streams, 1.5x at 64; BENCHMARKS.md). The MTP head and the other tensor-parallel ranks need each
-    step's ids on the host: asking for either with it is refused, the default leaves it off. With n-gram
-    speculation, steps queue ahead while the batch is too large for drafts (--spec-max-batch)."""
-    if asked and "mtp" in speculative:
-        raise ValueError(f"--async-scheduling does not work with --speculative {speculative} yet (n-gram does)")
+    rate at 16 streams, 1.5x at 64; BENCHMARKS.md). The other tensor-parallel ranks need each step's ids on
+    the host: asking for both is refused, the default leaves it off. With speculation, steps queue ahead while
+    the batch is too large for drafts (--spec-max-batch), the MTP head catching up on each one's rows."""
     if asked and tp != 1:
         raise ValueError("--async-scheduling does not work with --tensor-parallel-size yet")
     if asked is None:
-        return device.type == "cuda" and "mtp" not in speculative and tp == 1
+        return device.type == "cuda" and tp == 1
     return asked
 
 
@@ -230,8 +228,7 @@ def build_state(args):
     spec = spec_config(args)
     if tp != 1 and spec.enabled:  # the other ranks replay plain steps only
         raise ValueError("--speculative does not work with --tensor-parallel-size yet")
-    args.async_scheduling = resolve_async_scheduling(getattr(args, "async_scheduling", None), device,
-                                                     spec.method, tp)
+    args.async_scheduling = resolve_async_scheduling(getattr(args, "async_scheduling", None), device, tp)
     check_short_prefill_graphs(getattr(args, "short_prefill_graphs", False), device, tp)
     if tp != 1 and getattr(args, "prefix_cache_dir", None):  # a rank's checkpoint holds only its shard
         raise ValueError("--prefix-cache-dir does not work with --tensor-parallel-size yet")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from hf2q.cache.hybrid import CacheFull, HybridCache
+from hf2q.engine.overlap import upload
 from hf2q.engine.request import Request
 from hf2q.forward import ForwardBatch
 from hf2q.models.qwen35 import Qwen35Model
@@ -43,13 +44,44 @@ class MTPProposer:
             if end <= start or not self._room(req.slot, end):
                 continue
             pending.append((req, start, end, hidden[:end - start]))
+        if pending:
+            ids = [t for req, start, end, _ in pending for t in req.tokens(start + 1, end + 1)]
+            self._forward(pending, torch.tensor(ids, dtype=torch.long, device=pending[0][3].device))
+
+    def catch_up_queued(self, reqs: list[Request], next_ids: torch.Tensor) -> None:
+        """`catch_up` for a step whose sampled tokens the host has not read yet (async scheduling): `next_ids`
+        [len(reqs)] on the device, row i reqs[i]'s token after its last row. The step carried no drafts, so
+        every row is right; the head's forward is queued behind the step without waiting for the device."""
+        pending, last_rows, picked = [], [], []
+        for i, req in enumerate(reqs):
+            rows = req.extras.pop("mtp_rows", None)
+            if rows is None:
+                continue
+            start, hidden = rows
+            end = start + hidden.shape[0]
+            if not self._room(req.slot, end):
+                continue
+            pending.append((req, start, end, hidden))
+            last_rows.append(sum(e - s for _, s, e, _ in pending) - 1)
+            picked.append(i)
         if not pending:
             return
-        device = pending[0][3].device
-        ids = [t for req, start, end, _ in pending for t in req.tokens(start + 1, end + 1)]
+        device = next_ids.device
+        if len(picked) < len(reqs):
+            next_ids = next_ids.index_select(0, upload(torch.tensor(picked, dtype=torch.long), device))
+        if len(last_rows) == last_rows[-1] + 1:  # one row each: the ids are the step's tokens
+            ids = next_ids
+        else:  # rows before a request's last are prompt tokens the host has; the last is the sampled one
+            known = [t for req, start, end, _ in pending for t in req.tokens(start + 1, end) + [0]]
+            ids = upload(torch.tensor(known, dtype=torch.long), device)
+            ids.index_copy_(0, upload(torch.tensor(last_rows, dtype=torch.long), device), next_ids)
+        self._forward(pending, ids)
+
+    def _forward(self, pending: list[tuple[Request, int, int, torch.Tensor]], ids: torch.Tensor) -> None:
+        """One head forward over (request, start, end, hidden rows) with the tokens after those rows."""
+        device = ids.device
         positions = [p for _, start, end, _ in pending for p in range(start, end)]
-        batch = ForwardBatch(torch.tensor(ids, dtype=torch.long, device=device),
-                             torch.tensor(positions, dtype=torch.long, device=device),
+        batch = ForwardBatch(ids, upload(torch.tensor(positions, dtype=torch.long), device),
                              [end - start for _, start, end, _ in pending], [start for _, start, _, _ in pending],
                              [req.slot for req, *_ in pending], self.cache)
         out = self.net.mtp(batch, torch.cat([hidden for *_, hidden in pending]), self.net)

@@ -16,6 +16,7 @@ from typing import Callable, Optional
 import torch
 
 from hf2q.cache.hybrid import HybridCache
+from hf2q.engine.overlap import upload
 from hf2q.engine.request import Request, RequestOutput
 from hf2q.spec.cost import CostController
 from hf2q.spec.mtp import MTPProposer
@@ -103,6 +104,19 @@ class Speculator:
             drafted = self.mtp.draft(by_mtp)
             for req, k in by_mtp:
                 req.draft_ids = drafted[req.request_id][:k]
+
+    def catch_up_queued(self, reqs: list[Request], next_ids: torch.Tensor) -> None:
+        """Before a decode step of `reqs` is queued ahead of the host (async scheduling, where nobody drafts):
+        the MTP head takes their rows of the step before it, fed that step's tokens still on the device
+        (`next_ids`), so its K/V stays in step with the target's for when drafting resumes."""
+        if self.mtp is None:
+            return
+        on = [i for i, req in enumerate(reqs) if "cost" not in req.extras or req.extras["cost"]["mtp"].enabled]
+        if len(on) < len(reqs):
+            if not on:
+                return
+            next_ids = next_ids.index_select(0, upload(torch.tensor(on, dtype=torch.long), next_ids.device))
+        self.mtp.catch_up_queued([reqs[i] for i in on], next_ids)
 
     def observe_step(self, sampled: list[Request]) -> None:
         """Feed the step's time (taken once the device is done) to the cost controllers of the requests that
