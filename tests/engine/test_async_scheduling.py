@@ -246,3 +246,68 @@ def test_ngram_speculation_drafts_only_when_no_step_is_queued_ahead(model):
     assert tokens(engine) == plain
     stats = engine.spec.stats
     assert queued and 0 < stats.accepted < stats.drafted, (queued, stats)
+
+
+@pytest.mark.parametrize("method", ["ngram", "mtp"])
+def test_small_batches_queue_ahead_while_no_request_could_draft(model, method):
+    """Below --spec-max-batch, steps queue ahead while no request could draft after the token on the device:
+    n-gram, while the newest tokens occur nowhere earlier (checked afterwards: the proposer would have
+    drafted nothing for any queued step); MTP, once the cost control has turned the head off. Speculation
+    still drafts where it can, and every token is plain stepping's."""
+    from hf2q.spec.ngram import NgramProposer
+    from hf2q.spec.proposer import SpecConfig
+
+    # With MTP the cost control is on: each request's first decode step is plain (its baseline) and drafts
+    # nothing, yet a head still on must keep the steps after it from queuing ahead.
+    spec = SpecConfig(method=method, max_batch=8, ngram_min=2, ngram_max=4, cost_window=4 if method == "mtp" else 0)
+
+    def engine_for(overlap: bool, spec: SpecConfig = SpecConfig()) -> Engine:
+        engine = Engine(model, EngineConfig(
+            max_model_len=256, async_scheduling=overlap, spec=spec,
+            scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, prefill_chunk=16),
+            cache=CacheConfig(num_slots=8, num_blocks=256, block_size=8, prefix_cache_bytes=0)))
+        if engine.runner.device.type == "cuda":
+            engine.warm_up()
+        return engine
+
+    prompts = [prompt(40, 11), prompt(42, 9), prompt(41, 6)]
+    # the second draws from two tokens only, so its bigrams soon repeat: n-gram drafts, no step queued ahead
+    params = [greedy(max_tokens=14, ignore_eos=True),
+              greedy(max_tokens=8, ignore_eos=True, logit_bias={5000: 100.0, 5001: 100.0}),
+              greedy(max_tokens=14, ignore_eos=True)]
+
+    def tokens(engine: Engine) -> dict[str, list[int]]:
+        for i, (p, params_i) in enumerate(zip(prompts, params)):
+            engine.add_request(p, params_i, request_id=f"r{i}")
+        got: dict[str, list[int]] = {}
+        while engine.has_work():
+            for o in engine.step():
+                got.setdefault(o.request_id, []).extend(o.new_token_ids)
+        return got
+
+    plain = tokens(engine_for(False))
+    engine = engine_for(True, spec)
+    run_decode, propose, queued = engine.runner.run_decode, engine.spec.propose, []
+
+    def recording(reqs, ids):  # who was queued ahead, and how much of its history the host knew
+        queued.append([(req.request_id, req.num_tokens) for req in reqs])
+        return run_decode(reqs, ids)
+
+    def proposing(running):  # MTP drafts for each request's first rounds, then its cost control turns it off
+        propose(running)
+        for req in running:
+            if method == "mtp" and len(req.output_ids) >= 4:
+                req.extras["cost"]["mtp"].enabled = False
+
+    engine.runner.run_decode, engine.spec.propose = recording, proposing
+    assert tokens(engine) == plain
+    assert engine.spec.stats.drafted > 0 and queued, (engine.spec.stats, queued)  # three requests: below 8
+    for step in queued:
+        for rid, known in step:
+            i = int(rid[1:])
+            history = prompts[i] + plain[rid][:known - len(prompts[i]) + 1]  # with the token on the device
+            room = len(prompts[i]) + params[i].max_tokens - len(history) - 1  # what propose leaves for drafts
+            if method == "ngram":
+                assert NgramProposer(2, 4).propose(history, min(3, room)) == [], (rid, known)
+            else:
+                assert known - len(prompts[i]) >= 4, (rid, known)

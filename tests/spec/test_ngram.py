@@ -55,3 +55,24 @@ def test_config_validates():
                 dict(cost_window=-1)):
         with pytest.raises(ValueError):
             SpecConfig(**bad)
+
+
+@pytest.mark.parametrize("min_n", [1, 2, 3])
+def test_no_proposal_after_one_more_token_where_none_may_come(min_n):
+    """`may_propose_after_one_more` is False only where no next token whatever gives a proposal (what lets a
+    step be queued ahead of the host); it is not always True either."""
+    import random
+
+    rng = random.Random(min_n)
+    outcomes = set()
+    for _ in range(300):
+        history = [rng.randrange(4) for _ in range(rng.randrange(12))]
+        p = NgramProposer(min_n, 4)
+        may = p.may_propose_after_one_more(history)
+        outcomes.add(may)
+        if not may:
+            for x in range(5):  # every token of the alphabet, and one never seen
+                assert NgramProposer(min_n, 4).propose(history + [x], 3) == [], (history, x)
+        # incremental: the same proposer goes on proposing as a fresh one would
+        assert p.propose(history + [0], 3) == NgramProposer(min_n, 4).propose(history + [0], 3)
+    assert outcomes == {True, False}, outcomes

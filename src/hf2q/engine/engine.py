@@ -276,11 +276,13 @@ class Engine:
     def _may_queue_ahead(self, reqs: list[Request]) -> bool:
         """Whether the next decode step of `reqs` may be queued before the host reads their newest tokens:
         async scheduling on, no waiting request to admit, none drafting now or in the next step (a batch of
-        at least --spec-max-batch, where the speculator drafts nothing), each having computed all the tokens
-        it knows and drawing without the host."""
+        at least --spec-max-batch, where the speculator drafts nothing, or none that could draft), each having
+        computed all the tokens it knows and drawing without the host."""
         if not self.async_scheduling or self.scheduler.admits_waiting():
             return False
-        if self.spec is not None and (len(reqs) < self.spec.config.max_batch or any(req.draft_ids for req in reqs)):
+        spec = self.spec
+        if spec is not None and (any(req.draft_ids for req in reqs) or (
+                len(reqs) < spec.config.max_batch and any(spec.may_draft_after_one_more(req) for req in reqs))):
             return False
         return all(req.num_computed == req.num_tokens and self.sampler.draws_without_host(req.output.row)
                    for req in reqs)

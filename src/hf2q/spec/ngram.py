@@ -21,6 +21,7 @@ class NgramProposer:
         self.min_n, self.max_n = min_n, max_n
         self.tokens: list[int] = []
         self.ends: dict[tuple[int, ...], list[int]] = {}  # min_n-gram -> end positions, oldest first
+        self.heads: dict[tuple[int, ...], int] = {}  # (min_n - 1)-gram -> how often it occurs
 
     def propose(self, history: Sequence[int], k: int) -> list[int]:
         self._extend(history)
@@ -41,6 +42,16 @@ class NgramProposer:
                     break
         return toks[best_end + 1:best_end + 1 + k] if best_end >= 0 else []
 
+    def may_propose_after_one_more(self, history: Sequence[int]) -> bool:
+        """Whether `propose` could return drafts once one more token, not known yet, follows `history`. A match
+        then needs the newest min_n - 1 tokens of `history` to occur earlier too (the new token comes after
+        both): where they do not, no draft can come, whatever that token is."""
+        self._extend(history)
+        m = self.min_n
+        if len(self.tokens) < m:
+            return False
+        return m == 1 or self.heads.get(tuple(self.tokens[len(self.tokens) - m + 1:]), 0) >= 2
+
     def _extend(self, history: Sequence[int]) -> None:
         if len(history) < len(self.tokens):
             raise ValueError("the history shrank: a proposer only sees verified tokens")
@@ -49,3 +60,6 @@ class NgramProposer:
             self.tokens.append(history[i])
             if i + 1 >= m:
                 self.ends.setdefault(tuple(self.tokens[i + 1 - m:]), []).append(i)
+            if i + 2 >= m and m > 1:
+                key = tuple(self.tokens[i + 2 - m:])
+                self.heads[key] = self.heads.get(key, 0) + 1

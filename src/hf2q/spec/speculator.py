@@ -137,11 +137,31 @@ class Speculator:
                 if costs[name].enabled and not costs[name].observe_round(tokens, elapsed):
                     self.stats.cost_disabled[name] += 1
 
+    def may_draft_after_one_more(self, req: Request) -> bool:
+        """Whether `req` could draft once the token of the step now on the device (not read yet) is appended:
+        room for a draft left, and a proposer still on that could propose. Where no request of a batch could,
+        its next step may be queued ahead of the host at any batch size (async scheduling): at acceptance 0 the
+        cost control turns the proposers off, and speculation then costs nothing over plain decoding."""
+        costs = req.extras.get("cost")
+        if costs is None:
+            return True  # not proposed for yet
+        if req.max_total_len - req.num_tokens - 2 < 1:  # the room `propose` would find after that token
+            return False
+        if self.mtp is not None and costs["mtp"].enabled:
+            return True
+        if not (self.ngram and costs["ngram"].enabled):
+            return False
+        may = getattr(self._proposer(req), "may_propose_after_one_more", None)
+        return may is None or may(TokenView(req.prompt_ids, req.output_ids))
+
     def _ngram(self, req: Request, k: int) -> list[int]:
+        return self._proposer(req).propose(TokenView(req.prompt_ids, req.output_ids), k)
+
+    def _proposer(self, req: Request) -> Proposer:
         proposer = req.extras.get("proposer")
         if proposer is None:
             proposer = req.extras["proposer"] = self.new_proposer()
-        return proposer.propose(TokenView(req.prompt_ids, req.output_ids), k)
+        return proposer
 
     def settle(self, req: Request, verify: Verify, accepted: int) -> None:
         """Leave the slot as plain decoding would: valid through the last accepted draft, with the DeltaNet
