@@ -125,7 +125,7 @@ def check_catch_up_through_graphs(model, agree: float = 1.0, overlap: bool = Fal
     plain = tokens(make_engine(model))
     engine = make_engine(model, "mtp", k=2, overlap=overlap)
     engine.spec.config = dataclasses.replace(engine.spec.config, max_batch=3)
-    engine.runner.use_graphs = True
+    engine.runner.use_graphs = engine.runner.short_prefill_graphs = True  # verify steps in graphs too
     heads, queued, seen = [], [], []
     mtp, propose = engine.spec.mtp, engine.spec.propose
     catch_up, catch_up_queued = mtp.catch_up, mtp.catch_up_queued
@@ -135,6 +135,7 @@ def check_catch_up_through_graphs(model, agree: float = 1.0, overlap: bool = Fal
         (req.prompt_ids + req.output_ids, req.draft_ids[0]) for req in running if req.draft_ids))
     assert tokens(engine) == plain
     assert engine.runner.graphs is not None and engine.runner.graphs.graphs  # some steps replayed
+    assert engine.runner.verify_graphs is not None and engine.runner.verify_graphs.graphs  # the verify steps too
     assert max(heads) == 4 and len(seen) > 10
     # async: the steps of three and four requests were queued ahead, the head catching up before each
     assert (engine.steps_queued_ahead, len(queued)) >= (3, 3) if overlap else not queued, (

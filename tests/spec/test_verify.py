@@ -103,13 +103,29 @@ def run(engine, work):
     return outs
 
 
-@pytest.mark.parametrize("path", ["off", "force"])  # force: the fast path keeps several sequences' states at once
+# off: the exact reference layers; force: the fast path, which keeps several sequences' states at once; graphs:
+# the fast path with the verify steps replayed in graphs (on the CPU their stand-in: the same buffers, layout
+# and metadata), each sequence's states per position in the graph's static buffers
+PATHS = ["off", "force", "graphs"]
+
+
+def verify_in_graphs(engine: Engine) -> list[int]:
+    """Let `engine`'s verify steps replay the verify graphs (the CPU stand-in off CUDA); the returned list counts
+    the steps they served."""
+    engine.runner.use_graphs = engine.runner.short_prefill_graphs = True
+    served, run_verify = [], engine.runner._run_verify_graph
+    engine.runner._run_verify_graph = lambda scheduled: (
+        lambda out: (served.append(len(scheduled)) if out is not None else None, out)[1])(run_verify(scheduled))
+    return served
+
+
+@pytest.mark.parametrize("path", PATHS)
 def test_outputs_identical_with_mixed_accepted_and_rejected_drafts(model, path):
-    with choose.fast_path(path):
-        mixed_drafts_against_plain(model)
+    with choose.fast_path("off" if path == "off" else "force"):
+        mixed_drafts_against_plain(model, graphs=path == "graphs")
 
 
-def mixed_drafts_against_plain(model):
+def mixed_drafts_against_plain(model, graphs: bool = False):
     work = workload(model)
     plain = run(make_engine(model), work)
     forced = model.tokenizer.encode("\n</think>\n\n")
@@ -120,7 +136,9 @@ def mixed_drafts_against_plain(model):
     answers = {tuple(p): plain[f"r{i}.0"]["ids"] for i, (p, params, kw) in enumerate(work) if i != 0}
     engine = make_engine(model, SpecConfig(method="ngram", num_tokens=3, cost_window=0))  # r0 never gets a draft
     engine.spec.new_proposer = lambda: Oracle(answers, spoil=0.25, seed=5)
+    served = verify_in_graphs(engine) if graphs else []
     spec = run(engine, work)
+    assert (len(served) >= 4 and max(served) >= 6) if graphs else not served, served  # every verify step here
     for rid in plain:
         got, want = spec[rid], plain[rid]
         assert (got["ids"], got["text"], got["finish"]) == (want["ids"], want["text"], want["finish"]), rid
@@ -130,38 +148,46 @@ def mixed_drafts_against_plain(model):
         assert [lp for _, lp, _ in got["logprobs"]] == pytest.approx([lp for _, lp, _ in want["logprobs"]], abs=1e-4)
     stats = engine.spec.stats
     assert 0 < stats.accepted < stats.drafted and stats.accepted_hist[0] > 0 and stats.accepted_hist[3] > 0
-    assert engine.cache.num_free_slots == engine.cache.num_slots
+    graphs_pad = engine.runner.graphs is not None  # the graphs' padding slot
+    assert engine.cache.num_free_slots == engine.cache.num_slots - graphs_pad
 
 
-@pytest.mark.parametrize("path", ["off", "force"])  # the exact reference layers, the fast path's layout
+@pytest.mark.parametrize("path", PATHS)
 def test_slot_state_after_rejections_equals_plain_decoding(model, path):
-    """After every step (each with drafts, some accepted, some rejected), the slot holds what plain decoding
+    """After every step (each with drafts, some accepted, some rejected), each slot holds what plain decoding
     holds at that length: K/V of the valid positions, DeltaNet conv and recurrent state, the same blocks.
-    A partial accept leaves the slot one token behind like a plain step, so no accepted token is fed again."""
-    prompt, params = [11, 22, 33, 44, 55], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    A partial accept leaves the slot one token behind like a plain step, so no accepted token is fed again.
+    Two requests verify side by side, so each must take its own states."""
+    prompts, params = [[11, 22, 33, 44, 55], [66, 77, 88]], \
+        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
     def states(engine):
-        req = engine.add_request(prompt, params, request_id="a")
+        reqs = [engine.add_request(p, params, request_id=f"r{i}") for i, p in enumerate(prompts)]
         seen = {}
         while engine.has_work():
             engine.step()
-            if not req.finished and req.output_ids:
-                assert req.num_computed == req.num_tokens - 1  # never behind: nothing to feed twice
-                blocks = len(engine.cache.block_table(req.slot))  # the admission's room kept
-                seen[req.num_computed] = (list(req.output_ids), blocks, engine.cache.snapshot(req.slot))
+            for req in reqs:
+                if not req.finished and req.output_ids:
+                    assert req.num_computed == req.num_tokens - 1  # never behind: nothing to feed twice
+                    blocks = len(engine.cache.block_table(req.slot))  # the admission's room kept
+                    seen[req.request_id, req.num_computed] = (list(req.output_ids), blocks,
+                                                              engine.cache.snapshot(req.slot))
         return seen
 
-    with choose.fast_path(path):
+    with choose.fast_path("off" if path == "off" else "force"):
         plain = states(make_engine(model))
-        answer = next(reversed(plain.values()))[0]
+        answers = {tuple(p): max((v[0] for (rid, _), v in plain.items() if rid == f"r{i}"), key=len) + [0]
+                   for i, p in enumerate(prompts)}
         engine = make_engine(model, SpecConfig(method="ngram", num_tokens=3, cost_window=0))
-        engine.spec.new_proposer = lambda: Oracle({tuple(prompt): answer + [0]}, spoil=0.3, seed=2)
+        engine.spec.new_proposer = lambda: Oracle(answers, spoil=0.3, seed=2)
+        served = verify_in_graphs(engine) if path == "graphs" else []
         spec = states(engine)
+    assert len(served) >= 2 if path == "graphs" else not served, served
     hist = engine.spec.stats.accepted_hist
     assert hist[0] > 0 and sum(hist[1:3]) > 0 and engine.spec.stats.accepted > 0  # rejections, partial accepts
-    assert len(spec) >= 2
-    for n, (ids, blocks, snap) in spec.items():
-        want_ids, want_blocks, want = plain[n]
+    assert len(spec) >= 4
+    for key, (ids, blocks, snap) in spec.items():
+        want_ids, want_blocks, want = plain[key]
         assert (ids, blocks) == (want_ids, want_blocks)
         for a, b in ((snap.k, want.k), (snap.v, want.v), (snap.conv, want.conv), (snap.recurrent, want.recurrent)):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

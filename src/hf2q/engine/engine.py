@@ -69,7 +69,8 @@ class Engine:
         self.spec = Speculator(config.spec, self.cache, model.net) if config.spec.enabled else None
         self.runner = ModelRunner(model.net, self.cache, mtp_rows=self.spec is not None and self.spec.mtp is not None,
                                   vision=getattr(model, "vision", None),
-                                  short_prefill_graphs=config.short_prefill_graphs)
+                                  short_prefill_graphs=config.short_prefill_graphs,
+                                  verify_seqs=config.spec.max_batch if self.spec is not None else 0)
         if self.runner.use_graphs and config.short_prefill_graphs:
             self.scheduler.graphed_prefill_rows = MAX_ROWS
         self.sampler = Sampler()

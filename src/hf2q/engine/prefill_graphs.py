@@ -24,30 +24,48 @@ import torch
 from hf2q.engine.cuda_graphs import DecodeGraphs, pack_decode_rows, record
 from hf2q.forward import ForwardBatch
 from hf2q.kernels.meta import FastMeta
+from hf2q.spec.states import POSITIONS, PREFIXES, KeptPositions
 
 log = logging.getLogger(__name__)
 
 PREFILL_BUCKETS = (8, 16, 32, 64, 128)
 MAX_ROWS = PREFILL_BUCKETS[-1] - 1  # a bucket keeps at least one padding row: the padding sequence is never empty
 MAX_SEQS = 64
+PREFIX_ROWS = PREFIXES * (PREFIXES + 1) // 2  # a verify graph's kept prefixes' rows per sequence, at most
 
 
 class PrefillGraphs:
-    """Graph-replayed small steps, sharing the decode graphs' padding slot and block-table width."""
+    """Graph-replayed small steps, sharing the decode graphs' padding slot and block-table width.
 
-    def __init__(self, decode: DecodeGraphs, buckets=PREFILL_BUCKETS, max_seqs: int = MAX_SEQS):
+    `verify`: graphs for steps with drafts to verify (hf2q.spec): the logits of each sequence's last POSITIONS
+    rows (a sequence's drafts and the row before them), and its DeltaNet states after each of its first
+    POSITIONS rows kept in `kept` (hf2q.spec.states.KeptPositions), for the engine to settle the slot.
+    """
+
+    def __init__(self, decode: DecodeGraphs, buckets=PREFILL_BUCKETS, max_seqs: int = MAX_SEQS,
+                 verify: bool = False):
         self.net, self.cache = decode.net, decode.cache
         self.buckets = tuple(sorted(buckets))
         self.max_seqs = max_seqs
+        self.verify = verify
         self.pad_slot, self.pad_block, self.width = decode.pad_slot, decode.pad_block, decode.width
         self.block_size = decode.block_size
         dev = self.net.embed.device
         n, s = self.buckets[-1], max_seqs + 1
         # one int64 pack: ids, positions, (unused) row slots, slot mapping, context lengths, block tables, then
-        # the sequences' slots (the padding sequence last), their row offsets and each one's last row
-        self._fields = 5 * n + n * self.width + s + (s + 1) + max_seqs
+        # the sequences' slots (the padding sequence last), their row offsets and the rows whose logits are
+        # wanted (each sequence's last, or its last POSITIONS); a verify graph's row offsets go on with the
+        # kept prefixes', then come the prefixes' rows and the rows of each sequence's conv windows
+        self._logit_rows = max_seqs * (POSITIONS if verify else 1)
+        extra = (PREFIXES * max_seqs + 1, PREFIX_ROWS * max_seqs, PREFIXES * max_seqs) if verify else (0, 0, 0)
+        self._sizes = (s, s + 1 + extra[0], self._logit_rows, extra[1], extra[2])
+        self._fields = 5 * n + n * self.width + sum(self._sizes)
         self._host = torch.zeros(self._fields, dtype=torch.long, pin_memory=dev.type == "cuda")
         self._dev = torch.zeros(self._fields, dtype=torch.long, device=dev)
+        self.kept = None
+        if verify:
+            *_, cu, _, rows, windows = self._views(self._dev, n)
+            self.kept = KeptPositions(self.cache, max_seqs, rows, cu, windows)
         self.graphs: dict = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.hidden: dict[int, torch.Tensor] = {}
@@ -67,12 +85,17 @@ class PrefillGraphs:
         return next(b for b in self.buckets if b > rows)
 
     def _views(self, pack: torch.Tensor, b: int):
-        n, s = self.buckets[-1], self.max_seqs + 1
+        """ids, positions, slot mapping, context lengths, block tables (b rows each), then the sequences' slots,
+        row offsets (a verify graph's with the kept prefixes'), logit rows, prefix rows and window rows."""
+        n = self.buckets[-1]
         ids, pos, _, mapping, lens = (pack[i * n: i * n + b] for i in range(5))
         tail = 5 * n + n * self.width
         tables = pack[5 * n:tail].view(n, self.width)[:b]
-        slots, cu, last = pack[tail:tail + s], pack[tail + s:tail + 2 * s + 1], pack[tail + 2 * s + 1:]
-        return ids, pos, mapping, lens, tables, slots, cu, last
+        rest, at = [], tail
+        for size in self._sizes:
+            rest.append(pack[at:at + size])
+            at += size
+        return (ids, pos, mapping, lens, tables, *rest)
 
     def _fill_host(self, b: int, seqs: list[tuple[list[int], int, int]]) -> None:
         """Pack the step: `seqs` are (new token ids, start position, slot) each."""
@@ -94,24 +117,44 @@ class PrefillGraphs:
         tab[self._written] = values
         lens = [len(new) for new, _, _ in seqs] + [0] * empty + [b - len(ids)]
         cu = [0, *itertools.accumulate(lens)]
-        last = [c - 1 for c in cu[1:len(seqs) + 1]] + [b - 1] * empty
-        host[5 * n + n * self.width:] = [slot for _, _, slot in seqs] + [self.pad_slot] * (empty + 1) + cu + last
+        slots = [slot for _, _, slot in seqs] + [self.pad_slot] * (empty + 1)
+        if not self.verify:
+            last = [c - 1 for c in cu[1:len(seqs) + 1]] + [b - 1] * empty
+            host[5 * n + n * self.width:] = slots + cu + last
+        else:
+            host[5 * n + n * self.width:] = slots + self._verify_pack(b, lens[:len(seqs)], cu)
         self._lens[b] = lens
 
+    def _verify_pack(self, b: int, lens: list[int], cu: list[int]) -> list[int]:
+        """A verify graph's row offsets (the step's, then the kept prefixes'), logit rows, prefix rows and conv
+        window rows (hf2q.spec.states.KeptPositions), for sequences of `lens` rows at offsets `cu`."""
+        empty = self.max_seqs - len(lens)
+        prefix_lens = [m if m < length else 0 for length in lens for m in range(1, PREFIXES + 1)]
+        rows = [r for m, first in zip(prefix_lens, (f for f in cu[:len(lens)] for _ in range(PREFIXES)))
+                for r in range(first, first + m)]
+        pad = PREFIX_ROWS * self.max_seqs - len(rows)
+        prefix_lens += [0] * (PREFIXES * empty) + [pad]
+        self.kept.prefix_lens = prefix_lens
+        prefix_cu = [b + c for c in itertools.accumulate(prefix_lens)]
+        logit_rows = [max(first, first + length - POSITIONS + p) for length, first in zip(lens, cu) for p in range(POSITIONS)]
+        windows = [min(first + p, b - 1) for first in cu[:len(lens)] for p in range(PREFIXES)]
+        return (cu + prefix_cu + logit_rows + [b - 1] * (POSITIONS * empty) + rows + [0] * pad + windows
+                + [b - 1] * (PREFIXES * empty))
+
     def _batch(self, b: int) -> ForwardBatch:
-        ids, pos, mapping, lens, tables, slots, cu, _ = self._views(self._dev, b)
+        ids, pos, mapping, lens, tables, slots, cu = self._views(self._dev, b)[:7]
         seq_lens = list(self._lens[b])
         starts = [0] * len(seq_lens)
-        meta = FastMeta(decode=False, seq_lens=seq_lens, start_lens=starts, cu_seqlens=cu, slots=slots,
-                        slot_mapping=mapping, block_tables=tables, context_lens=lens, block_size=self.block_size,
-                        rows_paged=True)
+        meta = FastMeta(decode=False, seq_lens=seq_lens, start_lens=starts, cu_seqlens=cu[:len(seq_lens) + 1],
+                        slots=slots, slot_mapping=mapping, block_tables=tables, context_lens=lens,
+                        block_size=self.block_size, rows_paged=True, kept_positions=self.kept)
         return ForwardBatch(ids, pos, seq_lens, starts, [self.pad_slot] * len(seq_lens), self.cache,
                             extras={"fast_meta": meta})
 
     def _step(self, b: int) -> torch.Tensor:
         self.hidden[b] = self.net(self._batch(b))
-        last = self._views(self._dev, b)[7]
-        return self.net.compute_logits(self.hidden[b].index_select(0, last))
+        logit_rows = self._views(self._dev, b)[7]
+        return self.net.compute_logits(self.hidden[b].index_select(0, logit_rows))
 
     @torch.inference_mode()
     def capture(self, buckets=None) -> None:
@@ -129,8 +172,9 @@ class PrefillGraphs:
     @torch.inference_mode()
     def step(self, seqs: list[tuple[list[int], int, int]]) -> torch.Tensor:
         """One step of `seqs` ((new token ids, start position, slot) each), the cache reserved past them.
-        Returns each sequence's last-row logits [len(seqs), vocab] (a view into the graph's output, valid
-        until the next step)."""
+        Returns each sequence's last-row logits [len(seqs), vocab], or in a verify graph its last POSITIONS
+        rows' [len(seqs), POSITIONS, vocab] (the first ones repeat its first row where it has fewer): a view
+        into the graph's output, valid until the next step."""
         b = self.bucket(sum(len(new) for new, _, _ in seqs))
         if b not in self.graphs:
             self.capture([b])
@@ -141,6 +185,8 @@ class PrefillGraphs:
         if self._copied is not None:
             self._copied.record()
         self.graphs[b].replay()
+        if self.verify:
+            return self.logits[b].view(self.max_seqs, POSITIONS, -1)[:len(seqs)]
         return self.logits[b][:len(seqs)]
 
     def hidden_rows(self, total: int) -> torch.Tensor:

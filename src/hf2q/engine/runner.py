@@ -4,9 +4,10 @@ On CUDA a batch of pure decode rows (one new token per request, each then sample
 too, its token rotated by index + delta) replays a captured CUDA graph of its batch-size bucket (captured on
 first use); with `short_prefill_graphs`, so does a small step with prefill rows (up to 127 rows over up to 64
 requests, hf2q.engine.prefill_graphs); every other batch, and every batch on CPU, runs eagerly.
-A speculating request (drafts after its known tokens, see hf2q.spec) runs eagerly too; its draft rows'
-logits and the DeltaNet state after each of its positions go to its `Verify`, and its cache and
-`num_computed` are settled by the engine once it has decided.
+A speculating request (drafts after its known tokens, see hf2q.spec) runs eagerly too, or with
+`short_prefill_graphs` in a verify graph of up to `verify_seqs` requests; its draft rows' logits and the
+DeltaNet state after each of its positions go to its `Verify`, and its cache and `num_computed` are settled
+by the engine once it has decided.
 With the MTP proposer each request keeps its rows of the forward's hidden states (`extras["mtp_rows"]`, a
 graph replay's too) for the MTP head to catch up on (hf2q.spec.mtp).
 """
@@ -34,7 +35,7 @@ GRAPH_MAX_CONTEXT = 65536  # block-table width of the graphs; longer sequences d
 
 class ModelRunner:
     def __init__(self, net: Qwen35Model, cache: HybridCache, cuda_graphs: bool = True, mtp_rows: bool = False,
-                 vision=None, short_prefill_graphs: bool = False):
+                 vision=None, short_prefill_graphs: bool = False, verify_seqs: int = 0):
         self.net = net
         self.vision = vision  # the vision tower, for requests with images (hf2q.vision.request_inputs)
         self.cache = cache
@@ -44,6 +45,9 @@ class ModelRunner:
         self.graphs = None  # DecodeGraphs, made on the first decode batch (it holds one padding slot)
         self.short_prefill_graphs = short_prefill_graphs  # small prefill steps replay graphs too, where graphs run
         self.prefill_graphs = None  # PrefillGraphs, made on the first such step (on the decode graphs' padding)
+        # with short_prefill_graphs, steps with drafts of up to this many requests replay verify graphs too
+        self.verify_seqs = verify_seqs
+        self.verify_graphs = None
 
     def build_batch(self, scheduled: list[tuple[Request, int]]) -> ForwardBatch:
         ids: list[int] = []
@@ -83,6 +87,8 @@ class ModelRunner:
                 self.cache.commit(req.slot, req.num_computed)
             return [req for req, _ in scheduled], logits
         graphed = self._run_prefill_graph(scheduled)
+        if graphed is None:
+            graphed = self._run_verify_graph(scheduled)
         if graphed is not None:
             return graphed
         batch = self.build_batch(scheduled)
@@ -157,6 +163,43 @@ class ModelRunner:
         k = sum(samples)
         return [req for req, _ in order[:k]], logits[:k]
 
+    def _run_verify_graph(self, scheduled: list[tuple[Request, int]]) -> tuple[list[Request], torch.Tensor] | None:
+        """`run`'s result for a step with drafts replayed in a verify graph (hf2q.engine.prefill_graphs, up to
+        `verify_seqs` requests and 3 drafts each): the logits of each request's drafts and the row before
+        them, and its DeltaNet states after each of those rows (hf2q.spec.states.KeptPositions, read by the
+        engine's settle before the next step). None where no graph serves it, as `_run_prefill_graph`."""
+        if not (self.use_graphs and self.short_prefill_graphs and self.verify_seqs) or len(scheduled) > self.verify_seqs:
+            return None
+        from hf2q.spec.states import POSITIONS
+        drafts = [drafts_in(req, n) for req, n in scheduled]
+        if not any(drafts) or any(len(d) >= POSITIONS for d in drafts):
+            return None
+        for req, n in scheduled:
+            if req.keeps_hidden or req.mrope is not None or "checkpoint_inside" in req.extras:
+                return None
+        graphs = self._verify_graphs()
+        blocks = [len(self.cache.block_table(req.slot)) for req, _ in scheduled]
+        if graphs is None or not graphs.serves([n for _, n in scheduled], blocks):
+            return None
+        logits = graphs.step([(req.tokens(req.num_computed, req.num_computed + n) + d, req.num_computed, req.slot)
+                              for (req, n), d in zip(scheduled, drafts)]).flatten(0, 1)  # [seqs * POSITIONS, V]
+        hidden = graphs.hidden_rows(sum(n for _, n in scheduled)) if self.mtp_rows else None
+        sampling, rows, row = [], [], 0
+        for i, ((req, n), d) in enumerate(zip(scheduled, drafts)):
+            if hidden is not None and not req.prefill_only:
+                req.extras["mtp_rows"] = (req.num_computed, hidden[row:row + n])
+            row += n
+            if d:
+                req.extras["verify"] = Verify(req.num_computed, n - len(d), d, graphs.kept.of(i),
+                                              logits[POSITIONS * (i + 1) - len(d):POSITIONS * (i + 1)])
+            req.num_computed += n - len(d)  # the drafts count once the engine has accepted them
+            self.cache.commit(req.slot, req.num_computed + len(d))
+            if req.num_computed == req.num_tokens and not req.prefill_only:
+                sampling.append(req)
+                rows.append(POSITIONS * (i + 1) - 1 - len(d))
+        picked = logits.index_select(0, upload(torch.tensor(rows, dtype=torch.long), logits.device))
+        return sampling, picked
+
     def _prefill_graphs(self):
         if self.prefill_graphs is None:
             decode = self._decode_graphs()
@@ -165,6 +208,15 @@ class ModelRunner:
             from hf2q.engine.prefill_graphs import PrefillGraphs
             self.prefill_graphs = PrefillGraphs(decode)
         return self.prefill_graphs
+
+    def _verify_graphs(self):
+        if self.verify_graphs is None:
+            decode = self._decode_graphs()
+            if decode is None:
+                return None
+            from hf2q.engine.prefill_graphs import PrefillGraphs
+            self.verify_graphs = PrefillGraphs(decode, max_seqs=self.verify_seqs, verify=True)
+        return self.verify_graphs
 
     @torch.inference_mode()
     def run_decode(self, reqs: list[Request], ids: torch.Tensor) -> torch.Tensor:
@@ -267,6 +319,9 @@ class ModelRunner:
             prefill = self._prefill_graphs() if self.short_prefill_graphs else None
             if prefill is not None:
                 prefill.capture()
+            verify = self._verify_graphs() if self.short_prefill_graphs and self.verify_seqs else None
+            if verify is not None:
+                verify.capture()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

@@ -7,11 +7,14 @@ owns, where each new token's K/V row goes, each sequence's block table and lengt
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from hf2q.forward import ForwardBatch
+
+if TYPE_CHECKING:
+    from hf2q.spec.states import KeptPositions
 
 
 @dataclass
@@ -29,6 +32,9 @@ class FastMeta:
     # rows of a small prefill step replayed in a graph (engine/prefill_graphs.py), each a query at its position;
     # such a step's delta rule takes fla's recurrent kernel, which reads the lengths from the device only.
     rows_paged: bool = False
+    # A verify step replayed in a graph keeps each sequence's DeltaNet states after each of its first rows
+    # (hf2q.spec.states.KeptPositions), in a layout fixed at capture.
+    kept_positions: Optional["KeptPositions"] = None
 
 
 def build_meta(batch: ForwardBatch) -> FastMeta:

@@ -61,6 +61,9 @@ class GatedDeltaNet(nn.Module):
         conv_pool, slots = (cache.conv_state[j], meta.slots) if cache is not None else (None, None)
         kept = batch.extras.get("kept_states", {}) if cache is not None else {}  # seq -> whom to hand states
         conv_before = {i: conv_pool[batch.slots[i]].clone() for i in kept}  # the conv writes over them
+        positions = meta.kept_positions  # a verify step's graph keeps every sequence's states per position
+        if positions is not None:
+            conv_before_all = conv_pool.index_select(0, meta.slots[:positions.max_seqs])
         conv_out = conv_ops.conv_varlen_(mixed, self.conv, conv_pool, slots, meta.cu_seqlens, meta.seq_lens)
         if cache is not None:
             rec = cache.recurrent_state[j][meta.slots].float()
@@ -74,7 +77,11 @@ class GatedDeltaNet(nn.Module):
         prefixes = self._prefixes(batch, kept)
         if prefixes:
             rule = self._with_prefixes(batch, prefixes, *rule)
+        if positions is not None:
+            rule = positions.extend(*rule[:6], rule[7])  # its row offsets replace the graph's own
         o, final = gdn_ops.chunk_gdn(*rule, self.dk ** -0.5, self.eps, recurrent=meta.rows_paged)
+        if positions is not None:
+            positions.keep(j, final, n, conv_before_all, mixed)
         states = dict(zip(prefixes, final[n:]))
         o, final = o[:t], final[:n]
         if kept:
