@@ -6,9 +6,10 @@ work under half of that), and every request decoding beside it waits for it: a f
 prefix-cache hit is such a step, and so is each new request's prefill in a busy server. The graph's rows are
 laid out as decode rows: each row's attention reads its sequence's block table up to its own position (the
 paged decode kernel, causal by the context lengths), so the K/V written by the step is read back within it.
-The DeltaNet layers see 65 sequences: the real ones, empty ones on the decode graphs' private padding slot,
-and the padding rows, last, on that slot too, so padding never touches a real state; their delta rule is fla's
-recurrent kernel, which reads the lengths from the device only. The logits are each sequence's last row's.
+The DeltaNet layers see 72 sequences: the real ones, empty ones on the decode graphs' private padding slot,
+and the padding rows, last, spread over PADDING_SEQS more on that slot too, so padding never touches a real
+state; their delta rule is fla's recurrent kernel, which reads the lengths from the device only and walks each
+sequence's rows in turn (spread, a lone short prefill in a large bucket does not wait for its padding). The logits are each sequence's last row's.
 Off CUDA a "graph" runs its step again on replay (`_StepAgain`), which is how the CPU tests check the buffers
 and the metadata.
 """
@@ -29,9 +30,15 @@ from hf2q.spec.states import POSITIONS, PREFIXES, KeptPositions
 log = logging.getLogger(__name__)
 
 PREFILL_BUCKETS = (8, 16, 32, 64, 128)
-MAX_ROWS = PREFILL_BUCKETS[-1] - 1  # a bucket keeps at least one padding row: the padding sequence is never empty
+MAX_ROWS = PREFILL_BUCKETS[-1] - 1  # a bucket keeps at least one padding row
 MAX_SEQS = 64
+PADDING_SEQS = 8  # the padding rows' sequences: the delta rule walks each one's rows in turn
 PREFIX_ROWS = PREFIXES * (PREFIXES + 1) // 2  # a verify graph's kept prefixes' rows per sequence, at most
+
+
+def spread(rows: int) -> list[int]:
+    """`rows` padding rows over PADDING_SEQS sequences, as evenly as they go."""
+    return [rows // PADDING_SEQS + (i < rows % PADDING_SEQS) for i in range(PADDING_SEQS)]
 
 
 class PrefillGraphs:
@@ -51,13 +58,14 @@ class PrefillGraphs:
         self.pad_slot, self.pad_block, self.width = decode.pad_slot, decode.pad_block, decode.width
         self.block_size = decode.block_size
         dev = self.net.embed.device
-        n, s = self.buckets[-1], max_seqs + 1
+        n, s = self.buckets[-1], max_seqs + PADDING_SEQS
         # one int64 pack: ids, positions, (unused) row slots, slot mapping, context lengths, block tables, then
-        # the sequences' slots (the padding sequence last), their row offsets and the rows whose logits are
+        # the sequences' slots (the padding sequences last), their row offsets and the rows whose logits are
         # wanted (each sequence's last, or its last POSITIONS); a verify graph's row offsets go on with the
         # kept prefixes', then come the prefixes' rows and the rows of each sequence's conv windows
         self._logit_rows = max_seqs * (POSITIONS if verify else 1)
-        extra = (PREFIXES * max_seqs + 1, PREFIX_ROWS * max_seqs, PREFIXES * max_seqs) if verify else (0, 0, 0)
+        extra = (PREFIXES * max_seqs + PADDING_SEQS, PREFIX_ROWS * max_seqs, PREFIXES * max_seqs) if verify \
+            else (0, 0, 0)
         self._sizes = (s, s + 1 + extra[0], self._logit_rows, extra[1], extra[2])
         self._fields = 5 * n + n * self.width + sum(self._sizes)
         self._host = torch.zeros(self._fields, dtype=torch.long, pin_memory=dev.type == "cuda")
@@ -65,13 +73,13 @@ class PrefillGraphs:
         self.kept = None
         if verify:
             *_, cu, _, rows, windows = self._views(self._dev, n)
-            self.kept = KeptPositions(self.cache, max_seqs, rows, cu, windows)
+            self.kept = KeptPositions(self.cache, max_seqs, PADDING_SEQS, rows, cu, windows)
         self.graphs: dict = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.hidden: dict[int, torch.Tensor] = {}
         # The sequences' lengths on the host: a capture fixes only that all are short (fla's recurrent kernel);
         # the CPU stand-in reads the real ones at every replay.
-        self._lens = {b: [1] + [0] * (max_seqs - 1) + [b - 1] for b in self.buckets}
+        self._lens = {b: [1] + [0] * (max_seqs - 1) + spread(b - 1) for b in self.buckets}
         self._pool = None
         self.on_cuda = dev.type == "cuda"
         self._copied = torch.cuda.Event() if self.on_cuda else None
@@ -115,9 +123,9 @@ class PrefillGraphs:
             tab[self._written] = 0
         self._written = np.asarray(cells, dtype=np.int64)
         tab[self._written] = values
-        lens = [len(new) for new, _, _ in seqs] + [0] * empty + [b - len(ids)]
+        lens = [len(new) for new, _, _ in seqs] + [0] * empty + spread(b - len(ids))
         cu = [0, *itertools.accumulate(lens)]
-        slots = [slot for _, _, slot in seqs] + [self.pad_slot] * (empty + 1)
+        slots = [slot for _, _, slot in seqs] + [self.pad_slot] * (empty + PADDING_SEQS)
         if not self.verify:
             last = [c - 1 for c in cu[1:len(seqs) + 1]] + [b - 1] * empty
             host[5 * n + n * self.width:] = slots + cu + last
@@ -133,7 +141,7 @@ class PrefillGraphs:
         rows = [r for m, first in zip(prefix_lens, (f for f in cu[:len(lens)] for _ in range(PREFIXES)))
                 for r in range(first, first + m)]
         pad = PREFIX_ROWS * self.max_seqs - len(rows)
-        prefix_lens += [0] * (PREFIXES * empty) + [pad]
+        prefix_lens += [0] * (PREFIXES * empty) + spread(pad)
         self.kept.prefix_lens = prefix_lens
         prefix_cu = [b + c for c in itertools.accumulate(prefix_lens)]
         logit_rows = [max(first, first + length - POSITIONS + p) for length, first in zip(lens, cu) for p in range(POSITIONS)]

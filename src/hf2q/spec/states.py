@@ -48,23 +48,23 @@ class KeptPositions:
 
     A settle needs the state after a row of a sequence's chunk other than its last (all accepted: the slot has
     it already). So each of the graph's `max_seqs` sequences gets PREFIXES more delta-rule sequences, its first
-    m rows for m = 1..PREFIXES where it has more than m (else empty), each from its slot's state, and one
-    padding sequence takes the gather rows left. Row PREFIXES * i + t of the buffers is then the state after
+    m rows for m = 1..PREFIXES where it has more than m (else empty), each from its slot's state, and the
+    graph's padding sequences take the gather rows left. Row PREFIXES * i + t of the buffers is then the state after
     position t of sequence i, for t < min(L - 1, PREFIXES) (L: its rows). The graph fills `rows`, `cu` (every
     sequence's row offsets: the graph's own, then these) and `windows` (each sequence's first PREFIXES rows,
     for its conv windows) before each replay, and `prefix_lens` on the host (what the CPU stand-in's
     reference recurrence reads).
     """
 
-    def __init__(self, cache: HybridCache, max_seqs: int, rows: torch.Tensor, cu: torch.Tensor,
+    def __init__(self, cache: HybridCache, max_seqs: int, padding_seqs: int, rows: torch.Tensor, cu: torch.Tensor,
                  windows: torch.Tensor):
         self.max_seqs = max_seqs
         self.rows, self.cu, self.windows = rows, cu, windows  # views of the graph's device pack
-        # whose slot state each added sequence starts from: its sequence's; the padding one the graph's padding
-        # sequence's (index max_seqs, after its real and empty ones)
-        starts = [i // PREFIXES for i in range(PREFIXES * max_seqs)] + [max_seqs]
+        # whose slot state each added sequence starts from: its sequence's; the padding ones the graph's first
+        # padding sequence's (index max_seqs, after its real and empty ones)
+        starts = [i // PREFIXES for i in range(PREFIXES * max_seqs)] + [max_seqs] * padding_seqs
         self.starts = torch.tensor(starts, dtype=torch.long, device=rows.device)
-        self.prefix_lens = [0] * (PREFIXES * max_seqs) + [rows.shape[0]]
+        self.prefix_lens = [0] * (PREFIXES * max_seqs) + [rows.shape[0]] + [0] * (padding_seqs - 1)
         self.conv, self.recurrent = cache.empty_linear_states(PREFIXES * max_seqs)
         self._seen: set[int] = set()
 
