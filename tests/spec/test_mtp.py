@@ -122,24 +122,35 @@ def check_catch_up_through_graphs(model, agree: float = 1.0, overlap: bool = Fal
                 out[o.request_id] += o.new_token_ids
         return out
 
+    def speculating(graphed: bool):
+        """The tokens, every step's drafts, and the engine, with the verify steps and the head's catch-up and
+        drafts replayed in graphs or not (decode steps replay theirs either way)."""
+        engine = make_engine(model, "mtp", k=2, overlap=overlap)
+        engine.spec.config = dataclasses.replace(engine.spec.config, max_batch=3)
+        engine.runner.use_graphs, engine.runner.short_prefill_graphs = True, graphed
+        heads, queued, seen = [], [], []
+        mtp, propose = engine.spec.mtp, engine.spec.propose
+        catch_up, catch_up_queued = mtp.catch_up, mtp.catch_up_queued
+        mtp.catch_up = lambda reqs: (heads.append(len(reqs)), catch_up(reqs))
+        mtp.catch_up_queued = lambda reqs, ids: (queued.append(len(reqs)), catch_up_queued(reqs, ids))
+        engine.spec.propose = lambda running: (propose(running), seen.extend(
+            (req.prompt_ids + req.output_ids, list(req.draft_ids)) for req in running if req.draft_ids))
+        return tokens(engine), seen, engine, heads, queued
+
     plain = tokens(make_engine(model))
-    engine = make_engine(model, "mtp", k=2, overlap=overlap)
-    engine.spec.config = dataclasses.replace(engine.spec.config, max_batch=3)
-    engine.runner.use_graphs = engine.runner.short_prefill_graphs = True  # verify steps in graphs too
-    heads, queued, seen = [], [], []
-    mtp, propose = engine.spec.mtp, engine.spec.propose
-    catch_up, catch_up_queued = mtp.catch_up, mtp.catch_up_queued
-    mtp.catch_up = lambda reqs: (heads.append(len(reqs)), catch_up(reqs))
-    mtp.catch_up_queued = lambda reqs, ids: (queued.append(len(reqs)), catch_up_queued(reqs, ids))
-    engine.spec.propose = lambda running: (propose(running), seen.extend(
-        (req.prompt_ids + req.output_ids, req.draft_ids[0]) for req in running if req.draft_ids))
-    assert tokens(engine) == plain
-    assert engine.runner.graphs is not None and engine.runner.graphs.graphs  # some steps replayed
-    assert engine.runner.verify_graphs is not None and engine.runner.verify_graphs.graphs  # the verify steps too
-    assert max(heads) == 4 and len(seen) > 10
+    got, seen, engine, heads, queued = speculating(graphed=True)
+    assert got == plain
+    runner = engine.runner
+    assert runner.graphs is not None and runner.graphs.graphs  # some decode steps replayed
+    assert runner.verify_graphs is not None and runner.verify_graphs.graphs  # the verify steps too
+    assert runner.mtp_draft_graphs is not None and runner.mtp_draft_graphs.graphs  # and the head's drafts
+    assert max(heads) == 4 and len(seen) > 10  # eager catch-ups: the steps nobody drafts in
     # async: the steps of three and four requests were queued ahead, the head catching up before each
     assert (engine.steps_queued_ahead, len(queued)) >= (3, 3) if overlap else not queued, (
         engine.steps_queued_ahead, queued)
     assert len(queued) == engine.steps_queued_ahead
-    same = [draft == int(model.net.mtp_logits(history)[-1].argmax()) for history, draft in seen]
+    same = [drafts[0] == int(model.net.mtp_logits(history)[-1].argmax()) for history, drafts in seen]
     assert sum(same) >= agree * len(same), same
+    if agree == 1.0:  # the CPU: the graphs' drafts, second ones included, are the eager head's
+        eager_got, eager_seen, *_ = speculating(graphed=False)
+        assert eager_got == plain and eager_seen == seen and any(len(d) == 2 for _, d in seen)

@@ -71,6 +71,8 @@ class Engine:
                                   vision=getattr(model, "vision", None),
                                   short_prefill_graphs=config.short_prefill_graphs,
                                   verify_seqs=config.spec.max_batch if self.spec is not None else 0)
+        if self.spec is not None and self.spec.mtp is not None:  # its catch-up and drafts in graphs where they run
+            self.spec.mtp.graphs = lambda: self.runner.mtp_graphs(config.spec.num_tokens)
         if self.runner.use_graphs and config.short_prefill_graphs:
             self.scheduler.graphed_prefill_rows = MAX_ROWS
         self.sampler = Sampler()
@@ -167,6 +169,9 @@ class Engine:
         # On CUDA a whole chunk, so the prefill kernels meet their largest shape; elsewhere nothing compiles.
         chunk = min(sched.prefill_chunk, sched.max_num_batched_tokens, self.max_model_len - 1)
         self.runner.warm_up(sched.max_num_seqs, max(1, chunk if self.runner.device.type == "cuda" else 16))
+        mtp_graphs = self.spec.mtp.graphs() if self.spec is not None and self.spec.mtp is not None else None
+        if mtp_graphs is not None:
+            mtp_graphs.capture()
         if self.runner.device.type == "cuda":  # elsewhere nothing compiles
             t0 = time.monotonic()
             self._warm_up_requests()

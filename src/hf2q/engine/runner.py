@@ -48,6 +48,7 @@ class ModelRunner:
         # with short_prefill_graphs, steps with drafts of up to this many requests replay verify graphs too
         self.verify_seqs = verify_seqs
         self.verify_graphs = None
+        self.mtp_draft_graphs = None  # MTPGraphs, with the MTP proposer (`mtp_graphs`)
 
     def build_batch(self, scheduled: list[tuple[Request, int]]) -> ForwardBatch:
         ids: list[int] = []
@@ -208,6 +209,19 @@ class ModelRunner:
             from hf2q.engine.prefill_graphs import PrefillGraphs
             self.prefill_graphs = PrefillGraphs(decode)
         return self.prefill_graphs
+
+    def mtp_graphs(self, k: int):
+        """The MTP head's draft graphs for k drafts (hf2q.spec.mtp_graphs), made on first use, where verify steps
+        replay graphs; else None."""
+        if not (self.use_graphs and self.short_prefill_graphs and self.verify_seqs):
+            return None
+        if self.mtp_draft_graphs is None:
+            decode = self._decode_graphs()
+            if decode is None:
+                return None
+            from hf2q.spec.mtp_graphs import MTPGraphs
+            self.mtp_draft_graphs = MTPGraphs(decode, k)
+        return self.mtp_draft_graphs
 
     def _verify_graphs(self):
         if self.verify_graphs is None:

@@ -15,6 +15,8 @@ row (a prefix resumed from the prefix cache, a slot that had no room) costs acce
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Callable, Optional
+
 import torch
 
 from hf2q.cache.hybrid import CacheFull, HybridCache
@@ -23,6 +25,9 @@ from hf2q.engine.request import Request
 from hf2q.forward import ForwardBatch
 from hf2q.models.qwen35 import Qwen35Model
 
+if TYPE_CHECKING:
+    from hf2q.spec.mtp_graphs import MTPGraphs
+
 
 class MTPProposer:
     def __init__(self, net: Qwen35Model, cache: HybridCache):
@@ -30,10 +35,48 @@ class MTPProposer:
             raise ValueError("--speculative mtp needs a model with an MTP head (this file has none, or it "
                              "was loaded without it)")
         self.net, self.cache = net, cache
+        self.graphs: Optional[Callable[[], Optional[MTPGraphs]]] = None  # the runner's, where graphs run
 
     def catch_up(self, reqs: list[Request]) -> None:
         """Run the head once over every request's rows of its last forward whose tokens turned out right,
         writing their K/V; each request keeps the head's output at its last row (what draft 1 reads)."""
+        self._catch_up(self._pending(reqs))
+
+    def catch_up_and_draft(self, reqs: list[Request], wanted: list[tuple[Request, int]]) -> dict[str, list[int]]:
+        """`catch_up(reqs)` then `draft(wanted)`: in one graph replay where the runner's MTP graphs serve the
+        step (`graphs`, set by the engine: every drafting request brought its rows, at most 4 each)."""
+        graphs = self.graphs() if self.graphs is not None and wanted else None
+        if graphs is None:
+            self.catch_up(reqs)
+            return self.draft(wanted)
+        pending = self._pending(reqs)
+        ks = {id(req): k for req, k in wanted}
+        if not graphs.serves([end - start for _, start, end, _ in pending]) or any(
+                end != req.num_tokens - 1 for req, _, end, _ in pending if id(req) in ks) \
+                or len(ks) != sum(id(req) in ks for req, *_ in pending):
+            self._catch_up(pending)
+            return self.draft(wanted)
+        depths = []  # each further draft's row per request: (position, slot), or None (the padding slot)
+        going = [ks.get(id(req), 0) for req, *_ in pending]
+        for d in range(1, graphs.k):
+            row = []
+            for i, (req, _, end, _) in enumerate(pending):
+                if d < going[i] and not self._room(req.slot, end + d):
+                    going[i] = d  # no block free: its drafts end here
+                row.append((end - 1 + d, req.slot) if d < going[i] else None)
+            depths.append(row)
+        out = graphs.step([(req.tokens(start + 1, end + 1), list(range(start, end)), req.slot)
+                           for req, start, end, _ in pending], [hidden for *_, hidden in pending], depths)
+        drafts = {req.request_id: [] for req, _ in wanted}
+        for (req, *_), k, tokens in zip(pending, going, out):
+            if id(req) in ks:
+                drafts[req.request_id] = tokens[:k]
+            req.extras.pop("mtp_last", None)  # the head's output stayed in the graph
+        return drafts
+
+    def _pending(self, reqs: list[Request]) -> list[tuple[Request, int, int, torch.Tensor]]:
+        """(request, start, end, hidden rows) of each request's rows to catch up on: its last forward's rows
+        whose tokens turned out right, with room in the cache."""
         pending = []
         for req in reqs:
             rows = req.extras.pop("mtp_rows", None)
@@ -44,6 +87,9 @@ class MTPProposer:
             if end <= start or not self._room(req.slot, end):
                 continue
             pending.append((req, start, end, hidden[:end - start]))
+        return pending
+
+    def _catch_up(self, pending: list[tuple[Request, int, int, torch.Tensor]]) -> None:
         if pending:
             ids = [t for req, start, end, _ in pending for t in req.tokens(start + 1, end + 1)]
             self._forward(pending, torch.tensor(ids, dtype=torch.long, device=pending[0][3].device))

@@ -86,8 +86,6 @@ class Speculator:
             req.draft_ids = []
             if not req.finished and "cost" not in req.extras:  # built once per request, not every step
                 req.extras["cost"] = {name: CostController(self.config.cost_window) for name in PROPOSERS}
-        if self.mtp is not None:
-            self.mtp.catch_up([req for req in live if req.extras["cost"]["mtp"].enabled])
         by_mtp = []  # (request, k) the head drafts for, all at once
         for req in live:
             costs = req.extras["cost"]
@@ -100,8 +98,8 @@ class Speculator:
                 if k and costs["mtp"].may_speculate():
                     by_mtp.append((req, k))
             req.draft_ids = drafts[:k]
-        if by_mtp:
-            drafted = self.mtp.draft(by_mtp)
+        if self.mtp is not None:  # the head catches up on every forward while it is on, drafting or not
+            drafted = self.mtp.catch_up_and_draft([req for req in live if req.extras["cost"]["mtp"].enabled], by_mtp)
             for req, k in by_mtp:
                 req.draft_ids = drafted[req.request_id][:k]
 
