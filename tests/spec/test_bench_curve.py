@@ -9,10 +9,19 @@ from hf2q.bench.spec import format_curve, spec_curve
 from hf2q.bench_shapes import random_model, tiny_config
 
 
-def test_curve_has_every_batch_and_length():
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_curve_has_every_batch_and_length(graphs, monkeypatch):
+    """Eagerly, and through the decode and verify graphs (on the CPU their stand-in) as the server runs them."""
+    from hf2q.engine.prefill_graphs import PrefillGraphs
+    from hf2q.kernels.choose import fast_path
+
+    verified, step = [], PrefillGraphs.step
+    monkeypatch.setattr(PrefillGraphs, "step", lambda self, seqs: (verified.append(self.verify), step(self, seqs))[1])
     cfg = tiny_config()
     net = random_model(cfg, device="cpu", dtype=torch.float32)
-    report = spec_curve(net, cfg, [1, 3], [0, 2, 3], k=3, prompt=12, rounds=2)
+    with fast_path("force" if graphs else "auto"):
+        report = spec_curve(net, cfg, [1, 3], [0, 2, 3], k=3, prompt=12, rounds=2, graphs=graphs)
+    assert verified.count(True) == (2 * 3 * 3 if graphs else 0)  # batches x lengths x (warm-up and 2 rounds)
     assert sorted(report) == sorted(f"spec_b{b}_{n}_tok_s" for b in (1, 3) for n in ("plain", "L0", "L2", "L3"))
     assert all(v > 0 for v in report.values())
     table = format_curve(report, [1, 3], [0, 2, 3])
