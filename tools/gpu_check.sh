@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks behind BENCHMARKS.md, in stages that each fit a few minutes:
-#   tools/gpu_check.sh tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu|mm|serve|ttft|kv|mtp|prefix|soak [OUT_DIR]
+#   tools/gpu_check.sh tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu|mm|serve|peer|ttft|kv|mtp|prefix|soak [OUT_DIR]
 # tests: every GPU-marked test (the quantized greedy-token test first) and the Triton kernel tests on the device;
 # quant: 9B Q4_K_M end to end and per projection; bf16: 9B and 2B; moe: 35B-A3B bf16 and Q4_K_M;
 # decode (bf16: 35B-A3B, 2B, 9B), decode-q (9B Q4_K_M) and decode-q-moe (35B-A3B Q4_K_M): batch-1
@@ -17,7 +17,8 @@
 # prompts, 256 new tokens), then 16 clients with 2048-token prompts, then a second start (warm caches) and 1 client
 # (HF2Q_QUANT_MM=mmq in the environment serves 5-64 rows on the int8 tensor-core kernel; SERVE_FLAGS adds
 # flags, e.g. SERVE_FLAGS=--async-scheduling; MTP=1 serves a file with the MTP layer, for SERVE_FLAGS="--speculative
-# mtp" against the same file without the flag); ttft: one served request's chunk timeline and the engine's
+# mtp" against the same file without the flag); peer: llama-server on the same file under the same load (the serve
+# stage's table's peer row); ttft: one served request's chunk timeline and the engine's
 # step times and profile for a 64-token prompt (tools/ttft_trace.py); kv: the compressed K/V kernels' tests and
 # model-level GPU tests, the paged decode configurations over fp8 and tq8 rows, and bench.kv's formats at the 9B
 # shape; mtp: train the small Qwen3.5 with its MTP head for 5 minutes (tools/train_mtp.py; carry the test
@@ -29,7 +30,7 @@
 # 9B Q4_K_M for SOAK_S seconds, RSS and GPU memory sampled (tools/soak.py). Figures also go to OUT_DIR/*.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?stage: tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu|mm|serve|ttft|kv|mtp|prefix|soak}
+stage=${1:?stage: tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu|mm|serve|peer|ttft|kv|mtp|prefix|soak}
 out=${2:-.}
 mkdir -p "$out"
 bench() { python -m hf2q.bench --hf-new 0 "$@"; }
@@ -136,6 +137,20 @@ case "$stage" in
          python tools/ttft_trace.py --url "http://127.0.0.1:$port" --prompt-tokens 64 --max-tokens 64
          kill $pid; wait $pid
          python tools/ttft_trace.py --model "$model" --max-num-seqs 4 --profile ;;
+  peer)  # llama-server on the serve stage's GGUF, measured by the same load generator (llama.cpp built by
+         # tools/gpu_setup.sh with LLAMA_CPP=1, in the background since the call's start)
+         mix=${MIX:-q4_k_m}; model=${MODEL_DIR:-/tmp}/hf2q-9b-$mix.gguf; port=8091
+         [ -f "$model" ] || python tools/random_gguf.py --shape 9b --mix "$mix" -o "$model"
+         until [ -f /tmp/llama.cpp/build.done ]; do sleep 5; done
+         [ "$(cat /tmp/llama.cpp/build.done)" = 0 ] || { tail -30 /tmp/llama.cpp/build.log; exit 1; }
+         /tmp/llama.cpp/build/bin/llama-server -m "$model" -ngl 99 -fa on -np 64 -c 65536 --port $port \
+           > "$out/llama_server_$mix.log" 2>&1 &
+         pid=$!
+         until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do
+           kill -0 $pid 2> /dev/null || { tail -30 "$out/llama_server_$mix.log"; exit 1; }; sleep 0.5; done
+         python -m hf2q.cli bench serve --url "http://127.0.0.1:$port" --no-progress --clients 1 16 64 \
+           --prompt-tokens 64 --max-tokens 256 --json "$out/peer_$mix.json"
+         kill $pid; wait $pid ;;
   soak)  # issue 26: 64 streaming clients against a 9B Q4_K_M served on the GPU (SOAK_S seconds, 540 by default to fit
          # one device call with the first start); RSS and GPU memory sampled every 10 s
          model=${MODEL_DIR:-/tmp}/hf2q-9b-q4_k_m.gguf; port=8090

@@ -173,8 +173,8 @@ class ModelRunner:
             return None
         from hf2q.spec.states import POSITIONS
         drafts = [drafts_in(req, n) for req, n in scheduled]
-        if not any(drafts) or any(len(d) >= POSITIONS for d in drafts):
-            return None
+        if not any(drafts) or any(d and n > POSITIONS for (_, n), d in zip(scheduled, drafts)):
+            return None  # a verifying request's rows: its drafts and the row before them, at most POSITIONS
         for req, n in scheduled:
             if req.keeps_hidden or req.mrope is not None or "checkpoint_inside" in req.extras:
                 return None

@@ -22,7 +22,7 @@ from hf2q.spec.cost import CostController
 from hf2q.spec.mtp import MTPProposer
 from hf2q.spec.ngram import NgramProposer
 from hf2q.spec.proposer import Proposer, SpecConfig, TokenView
-from hf2q.spec.states import PositionStates
+from hf2q.spec.states import KeptRow, PositionStates
 
 
 @dataclass
@@ -32,7 +32,7 @@ class Verify:
     start: int  # num_computed before the forward
     known: int  # tokens of the chunk before the drafts (at least 1: the last decided token)
     drafts: list[int]
-    states: PositionStates  # DeltaNet state after each of the chunk's known + len(drafts) positions
+    states: PositionStates | KeptRow  # DeltaNet state after each of the chunk's positions (`at(t)`)
     logits: Optional[torch.Tensor] = None  # [len(drafts), V]: row i is the prediction after drafts[i]
 
 
