@@ -379,17 +379,35 @@ class Engine:
         """Decide the draft rows in order, each exactly as a plain decode step would, while the token just
         decided equals the draft that was fed after it (so the next row saw the right history)."""
         outs, accepted = [out], 0
+        drawn = self._draw_drafts(state, verify)
         for i, draft in enumerate(verify.drafts):
             if out.finished or req.output_ids[-1] != draft:
                 break
             accepted += 1
-            out = self._decide(state, verify.logits[i:i + 1])
+            out = self._decide(state, verify.logits[i:i + 1]) if drawn is None else self._take(state, drawn, i)
             outs.append(out)
         # Settled also when the request ends: its slot may then be kept as a retained prefix, whose state
         # must cover exactly its computed tokens.
         self.spec.settle(req, verify, accepted)
         self.spec.record(req, len(verify.drafts), accepted, len(outs))
         return merge_outputs(outs)
+
+    def _draw_drafts(self, state: SequenceOutput, verify: Verify) -> Optional[SampleResult]:
+        """Every draft row's decision in one sampler call (one read of the device, not one a row) where no row's
+        draw depends on the rows before it: a greedy row with no penalties, counted minimum, logprobs or
+        grammar. Else None: the rows are decided one at a time."""
+        row = state.row
+        if not (row.params.greedy and self.sampler.draws_without_host(row) and state.constraint is None):
+            return None
+        return self.sampler.sample(verify.logits, [row] * len(verify.drafts))
+
+    @staticmethod
+    def _take(state: SequenceOutput, drawn: SampleResult, i: int) -> RequestOutput:
+        """`_decide` for draft row i from `_draw_drafts`' result (a greedy row forced by the thinking budget
+        draws nothing either way)."""
+        forced = state.forced_token()
+        token = forced if forced is not None else int(drawn.token_ids[i])
+        return state.append(token, drawn, i, forced=forced is not None)
 
     def _decide(self, state: SequenceOutput, logits: torch.Tensor) -> RequestOutput:
         """One plain decode decision on one row [1, V]: a forced token still draws from the row's
