@@ -151,6 +151,6 @@ def check_catch_up_through_graphs(model, agree: float = 1.0, overlap: bool = Fal
     assert len(queued) == engine.steps_queued_ahead
     same = [drafts[0] == int(model.net.mtp_logits(history)[-1].argmax()) for history, drafts in seen]
     assert sum(same) >= agree * len(same), same
-    if agree == 1.0:  # the CPU: the graphs' drafts, second ones included, are the eager head's
+    if agree == 1.0 and not overlap:  # the CPU: the graphs' drafts, second ones included, are the eager head's
         eager_got, eager_seen, *_ = speculating(graphed=False)
         assert eager_got == plain and eager_seen == seen and any(len(d) == 2 for _, d in seen)
