@@ -176,7 +176,18 @@ def _limits(args, model, device, dtype, prefix_bytes: int = 0):
         free -= prefix_bytes
     max_len = min(args.max_model_len, model.config.context_length) if args.max_model_len else None
     kv_format = kv_cache_format(getattr(args, "kv_cache_dtype", "auto"), dtype_name(dtype))
-    return choose(model.config, device.type, kv_format, args.max_num_seqs, max_len, free, total)
+    return choose(model.config, device.type, kv_format, args.max_num_seqs, max_len, free, total,
+                  held_states=verify_graph_states(args))
+
+
+def verify_graph_states(args) -> int:
+    """DeltaNet states the verify graphs hold besides the slots (hf2q.spec.states.KeptPositions): with
+    --short-prefill-graphs and --speculative, PREFIXES per request of up to --spec-max-batch."""
+    from hf2q.spec.states import PREFIXES
+
+    if not getattr(args, "short_prefill_graphs", False) or getattr(args, "speculative", "off") == "off":
+        return 0
+    return PREFIXES * args.spec_max_batch
 
 
 def resolve_async_scheduling(asked: bool | None, device, tp: int) -> bool:

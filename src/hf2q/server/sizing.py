@@ -29,9 +29,10 @@ class ServingLimits:
 
 
 def choose(cfg: ModelConfig, device_type: str, kv_dtype: str, max_num_seqs: int | None,
-           max_model_len: int | None, free_bytes: int | None = None, total_bytes: int | None = None
-           ) -> ServingLimits:
-    """Limits for serving `cfg`. `free_bytes`/`total_bytes`: the device's memory after loading (CUDA)."""
+           max_model_len: int | None, free_bytes: int | None = None, total_bytes: int | None = None,
+           held_states: int = 0) -> ServingLimits:
+    """Limits for serving `cfg`. `free_bytes`/`total_bytes`: the device's memory after loading (CUDA);
+    `held_states`: DeltaNet states held outside the slots (the verify graphs' per-position states)."""
     if max_model_len is not None and max_model_len < 1:
         raise ValueError(f"--max-model-len must be at least 1, not {max_model_len}")
     if max_num_seqs is not None and max_num_seqs < 1:
@@ -47,7 +48,7 @@ def choose(cfg: ModelConfig, device_type: str, kv_dtype: str, max_num_seqs: int 
                f"K/V pool {blocks} blocks: every sequence at full length; {_capacity(cfg, kv_dtype, blocks, length)}")
         return ServingLimits(seqs, length, _cache(slots, blocks, kv_dtype), why)
     reserve = max(RESERVE_MIN_BYTES, int(RESERVE_FRACTION * (total_bytes or free_bytes)))
-    budget = free_bytes - reserve - state_bytes_per_slot(cfg, "float32") * slots
+    budget = free_bytes - reserve - state_bytes_per_slot(cfg, "float32") * (slots + held_states)
     wanted = min(max_model_len or cfg.context_length, cfg.context_length)
     cap = seqs * -(-wanted // BLOCK) + 1  # more blocks than every sequence at full length is waste
     blocks = min(budget // per_block, cap) if per_block else 0
