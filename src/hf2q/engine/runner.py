@@ -26,7 +26,7 @@ from hf2q.engine.request import Request
 from hf2q.forward import ForwardBatch
 from hf2q.models.qwen35 import Qwen35Model
 from hf2q.spec.speculator import Verify
-from hf2q.spec.states import PositionStates
+from hf2q.spec.states import POSITIONS, PositionStates
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +171,6 @@ class ModelRunner:
         engine's settle before the next step). None where no graph serves it, as `_run_prefill_graph`."""
         if not (self.use_graphs and self.short_prefill_graphs and self.verify_seqs) or len(scheduled) > self.verify_seqs:
             return None
-        from hf2q.spec.states import POSITIONS
         drafts = [drafts_in(req, n) for req, n in scheduled]
         if not any(drafts) or any(d and n > POSITIONS for (_, n), d in zip(scheduled, drafts)):
             return None  # a verifying request's rows: its drafts and the row before them, at most POSITIONS

@@ -51,9 +51,8 @@ class MTPProposer:
             return self.draft(wanted)
         pending = self._pending(reqs)
         ks = {id(req): k for req, k in wanted}
-        if not graphs.serves([end - start for _, start, end, _ in pending]) or any(
-                end != req.num_tokens - 1 for req, _, end, _ in pending if id(req) in ks) \
-                or len(ks) != sum(id(req) in ks for req, *_ in pending):
+        caught_up = {id(req) for req, _, end, _ in pending if end == req.num_tokens - 1}  # rows up to the last token
+        if not graphs.serves([end - start for _, start, end, _ in pending]) or not ks.keys() <= caught_up:
             self._catch_up(pending)
             return self.draft(wanted)
         depths = []  # each further draft's row per request: (position, slot), or None (the padding slot)
@@ -98,7 +97,7 @@ class MTPProposer:
         """`catch_up` for a step whose sampled tokens the host has not read yet (async scheduling): `next_ids`
         [len(reqs)] on the device, row i reqs[i]'s token after its last row. The step carried no drafts, so
         every row is right; the head's forward is queued behind the step without waiting for the device."""
-        pending, last_rows, picked = [], [], []
+        pending, last_rows, picked, total = [], [], [], 0
         for i, req in enumerate(reqs):
             rows = req.extras.pop("mtp_rows", None)
             if rows is None:
@@ -108,7 +107,8 @@ class MTPProposer:
             if not self._room(req.slot, end):
                 continue
             pending.append((req, start, end, hidden))
-            last_rows.append(sum(e - s for _, s, e, _ in pending) - 1)
+            total += end - start
+            last_rows.append(total - 1)
             picked.append(i)
         if not pending:
             return

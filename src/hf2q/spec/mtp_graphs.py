@@ -114,6 +114,7 @@ class MTPGraphs:
                                             self.block_size, self.width)
             host[at:at + 4 * n].reshape(4, n)[:, :b] = np.asarray(fields[b:], dtype=np.int64).reshape(4, b)
             at += 4 * n
+        # the further drafts' block tables: each request's (pack_decode_rows for its table cells alone)
         tables = [self.cache.block_table(slot) for _, _, slot in catch_up]
         _, cells, values = pack_decode_rows(b, None, [0] * len(tables), [0] * len(tables), tables, self.pad_slot,
                                             self.pad_block, self.block_size, self.width)
