@@ -36,6 +36,17 @@ PADDING_SEQS = 8  # the padding rows' sequences: the delta rule walks each one's
 PREFIX_ROWS = PREFIXES * (PREFIXES + 1) // 2  # a verify graph's kept prefixes' rows per sequence, at most
 
 
+def capturable(net, rows: int) -> bool:
+    """Whether a step of `rows` rows can be captured: an MoE layer in another dtype than bf16 (no grouped GEMM
+    there) takes more pairs than the expert GEMV's few through a loop that reads the routing on the host."""
+    from hf2q.kernels.moe.ops import MOE_GEMV_PAIRS
+
+    cfg = net.config
+    if not cfg.is_moe or net.embed.device.type != "cuda" or net.embed.dtype == torch.bfloat16:
+        return True
+    return rows * cfg.num_experts_per_tok <= MOE_GEMV_PAIRS
+
+
 def spread(rows: int) -> list[int]:
     """`rows` padding rows over PADDING_SEQS sequences, as evenly as they go."""
     return [rows // PADDING_SEQS + (i < rows % PADDING_SEQS) for i in range(PADDING_SEQS)]
@@ -52,7 +63,8 @@ class PrefillGraphs:
     def __init__(self, decode: DecodeGraphs, buckets=PREFILL_BUCKETS, max_seqs: int = MAX_SEQS,
                  verify: bool = False):
         self.net, self.cache = decode.net, decode.cache
-        self.buckets = tuple(sorted(buckets))
+        usable = tuple(sorted(b for b in buckets if capturable(decode.net, b)))
+        self.buckets, self.usable = usable or (min(buckets),), bool(usable)  # unusable: nothing is served
         self.max_seqs = max_seqs
         self.verify = verify
         self.pad_slot, self.pad_block, self.width = decode.pad_slot, decode.pad_block, decode.width
@@ -87,7 +99,8 @@ class PrefillGraphs:
 
     def serves(self, rows: list[int], blocks: list[int]) -> bool:
         """Whether a step of these sequences' new rows fits a graph, their sequences then `blocks` blocks long."""
-        return len(rows) <= self.max_seqs and 1 <= sum(rows) <= MAX_ROWS and max(blocks) <= self.width
+        return (self.usable and len(rows) <= self.max_seqs and 1 <= sum(rows) < self.buckets[-1]
+                and max(blocks) <= self.width)
 
     def bucket(self, rows: int) -> int:
         return next(b for b in self.buckets if b > rows)

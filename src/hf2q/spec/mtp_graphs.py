@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from hf2q.engine.cuda_graphs import DecodeGraphs, pack_decode_rows, record
+from hf2q.engine.prefill_graphs import capturable
 from hf2q.forward import ForwardBatch
 from hf2q.kernels.meta import FastMeta
 
@@ -34,7 +35,8 @@ class MTPGraphs:
 
     def __init__(self, decode: DecodeGraphs, k: int, buckets=MTP_BUCKETS):
         self.net, self.cache = decode.net, decode.cache
-        self.k, self.buckets = k, tuple(sorted(buckets))
+        usable = tuple(sorted(b for b in buckets if capturable(decode.net, ROWS * b)))
+        self.k, self.buckets, self.usable = k, usable or (min(buckets),), bool(usable)  # unusable: nothing served
         self.pad_slot, self.pad_block, self.width = decode.pad_slot, decode.pad_block, decode.width
         self.block_size = decode.block_size
         dev = self.net.embed.device
@@ -58,7 +60,7 @@ class MTPGraphs:
 
     def serves(self, rows: list[int]) -> bool:
         """Whether a step whose requests bring these catch-up rows fits a graph."""
-        return 1 <= len(rows) <= self.buckets[-1] and all(1 <= n <= ROWS for n in rows)
+        return self.usable and 1 <= len(rows) <= self.buckets[-1] and all(1 <= n <= ROWS for n in rows)
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
