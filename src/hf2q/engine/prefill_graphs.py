@@ -9,8 +9,8 @@ paged decode kernel, causal by the context lengths), so the K/V written by the s
 The DeltaNet layers see 72 sequences: the real ones, empty ones on the decode graphs' private padding slot,
 and the padding rows, last, spread over PADDING_SEQS more on that slot too, so padding never touches a real
 state; their delta rule is fla's recurrent kernel, which reads the lengths from the device only and walks each
-sequence's rows in turn (spread, a lone short prefill in a large bucket does not wait for its padding). The logits are each sequence's last row's.
-Off CUDA a "graph" runs its step again on replay (`_StepAgain`), which is how the CPU tests check the buffers
+sequence's rows in turn (spread, a lone short prefill in a large bucket does not wait for its padding). The
+logits are each sequence's last row's. Off CUDA a "graph" runs its step again on replay (`_StepAgain`), which is how the CPU tests check the buffers
 and the metadata.
 """
 from __future__ import annotations
@@ -57,7 +57,7 @@ class PrefillGraphs:
 
     `verify`: graphs for steps with drafts to verify (hf2q.spec): the logits of each sequence's last POSITIONS
     rows (a sequence's drafts and the row before them), and its DeltaNet states after each of its first
-    POSITIONS rows kept in `kept` (hf2q.spec.states.KeptPositions), for the engine to settle the slot.
+    PREFIXES rows kept in `kept` (hf2q.spec.states.KeptPositions), for the engine to settle the slot.
     """
 
     def __init__(self, decode: DecodeGraphs, buckets=PREFILL_BUCKETS, max_seqs: int = MAX_SEQS,
@@ -139,15 +139,18 @@ class PrefillGraphs:
         lens = [len(new) for new, _, _ in seqs] + [0] * empty + spread(b - len(ids))
         cu = [0, *itertools.accumulate(lens)]
         slots = [slot for _, _, slot in seqs] + [self.pad_slot] * (empty + PADDING_SEQS)
+        k = self._logit_rows // self.max_seqs  # each sequence's last k rows (the first repeated where it has fewer)
+        logit_rows = [max(first, first + len(new) - k + p) for (new, _, _), first in zip(seqs, cu)
+                      for p in range(k)] + [b - 1] * (k * empty)
         if not self.verify:
-            last = [c - 1 for c in cu[1:len(seqs) + 1]] + [b - 1] * empty
-            host[5 * n + n * self.width:] = slots + cu + last
+            host[5 * n + n * self.width:] = slots + cu + logit_rows
         else:
-            host[5 * n + n * self.width:] = slots + self._verify_pack(b, lens[:len(seqs)], cu)
+            prefix_cu, rows, windows = self._verify_pack(b, lens[:len(seqs)], cu)
+            host[5 * n + n * self.width:] = slots + cu + prefix_cu + logit_rows + rows + windows
         self._lens[b] = lens
 
-    def _verify_pack(self, b: int, lens: list[int], cu: list[int]) -> list[int]:
-        """A verify graph's row offsets (the step's, then the kept prefixes'), logit rows, prefix rows and conv
+    def _verify_pack(self, b: int, lens: list[int], cu: list[int]) -> tuple[list[int], list[int], list[int]]:
+        """A verify graph's kept prefixes' row offsets (after the step's), their rows and each sequence's conv
         window rows (hf2q.spec.states.KeptPositions), for sequences of `lens` rows at offsets `cu`."""
         empty = self.max_seqs - len(lens)
         prefix_lens = [m if m < length else 0 for length in lens for m in range(1, PREFIXES + 1)]
@@ -157,10 +160,8 @@ class PrefillGraphs:
         prefix_lens += [0] * (PREFIXES * empty) + spread(pad)
         self.kept.prefix_lens = prefix_lens
         prefix_cu = [b + c for c in itertools.accumulate(prefix_lens)]
-        logit_rows = [max(first, first + length - POSITIONS + p) for length, first in zip(lens, cu) for p in range(POSITIONS)]
         windows = [min(first + p, b - 1) for first in cu[:len(lens)] for p in range(PREFIXES)]
-        return (cu + prefix_cu + logit_rows + [b - 1] * (POSITIONS * empty) + rows + [0] * pad + windows
-                + [b - 1] * (PREFIXES * empty))
+        return prefix_cu, rows + [0] * pad, windows + [b - 1] * (PREFIXES * empty)
 
     def _batch(self, b: int) -> ForwardBatch:
         ids, pos, mapping, lens, tables, slots, cu = self._views(self._dev, b)[:7]
