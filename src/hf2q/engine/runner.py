@@ -142,12 +142,10 @@ class ModelRunner:
         rows kept, images, a checkpoint inside a chunk, too many rows or requests, too long a sequence."""
         if not (self.use_graphs and self.short_prefill_graphs) or not scheduled:
             return None
-        for req, n in scheduled:
-            if drafts_in(req, n) or req.keeps_hidden or req.mrope is not None or "checkpoint_inside" in req.extras:
-                return None
-        graphs = self._prefill_graphs()
-        blocks = [len(self.cache.block_table(req.slot)) for req, _ in scheduled]
-        if graphs is None or not graphs.serves([n for _, n in scheduled], blocks):
+        if any(drafts_in(req, n) for req, n in scheduled) or not self._graphable(scheduled):
+            return None
+        graphs = self._serving(self._prefill_graphs(), scheduled)
+        if graphs is None:
             return None
         samples = [req.num_computed + n == req.num_tokens and not req.prefill_only for req, n in scheduled]
         order = [scheduled[i] for i in sorted(range(len(scheduled)), key=lambda i: not samples[i])]  # samplers first
@@ -174,12 +172,10 @@ class ModelRunner:
         drafts = [drafts_in(req, n) for req, n in scheduled]
         if not any(drafts) or any(d and n > POSITIONS for (_, n), d in zip(scheduled, drafts)):
             return None  # a verifying request's rows: its drafts and the row before them, at most POSITIONS
-        for req, n in scheduled:
-            if req.keeps_hidden or req.mrope is not None or "checkpoint_inside" in req.extras:
-                return None
-        graphs = self._verify_graphs()
-        blocks = [len(self.cache.block_table(req.slot)) for req, _ in scheduled]
-        if graphs is None or not graphs.serves([n for _, n in scheduled], blocks):
+        if not self._graphable(scheduled):
+            return None
+        graphs = self._serving(self._verify_graphs(), scheduled)
+        if graphs is None:
             return None
         logits = graphs.step([(req.tokens(req.num_computed, req.num_computed + n) + d, req.num_computed, req.slot)
                               for (req, n), d in zip(scheduled, drafts)]).flatten(0, 1)  # [seqs * POSITIONS, V]
@@ -199,6 +195,20 @@ class ModelRunner:
                 rows.append(POSITIONS * (i + 1) - 1 - len(d))
         picked = logits.index_select(0, upload(torch.tensor(rows, dtype=torch.long), logits.device))
         return sampling, picked
+
+    @staticmethod
+    def _graphable(scheduled: list[tuple[Request, int]]) -> bool:
+        """Whether a graph could compute every request's rows: none keeps its hidden rows, has images or a
+        checkpoint inside its chunk (those need the eager forward's extras)."""
+        return not any(req.keeps_hidden or req.mrope is not None or "checkpoint_inside" in req.extras
+                       for req, _ in scheduled)
+
+    def _serving(self, graphs, scheduled: list[tuple[Request, int]]):
+        """`graphs` (prefill or verify flavour) if they serve the step's row counts and block-table widths."""
+        blocks = [len(self.cache.block_table(req.slot)) for req, _ in scheduled]
+        if graphs is None or not graphs.serves([n for _, n in scheduled], blocks):
+            return None
+        return graphs
 
     def _prefill_graphs(self):
         if self.prefill_graphs is None:
