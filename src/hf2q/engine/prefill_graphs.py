@@ -10,8 +10,8 @@ The DeltaNet layers see 72 sequences: the real ones, empty ones on the decode gr
 and the padding rows, last, spread over PADDING_SEQS more on that slot too, so padding never touches a real
 state; their delta rule is fla's recurrent kernel, which reads the lengths from the device only and walks each
 sequence's rows in turn (spread, a lone short prefill in a large bucket does not wait for its padding). The
-logits are each sequence's last row's. Off CUDA a "graph" runs its step again on replay (`_StepAgain`), which is how the CPU tests check the buffers
-and the metadata.
+logits are each sequence's last row's (a verify graph's: its last POSITIONS rows). Off CUDA a "graph" runs its
+step again on replay (`_StepAgain`), which is how the CPU tests check the buffers and the metadata.
 """
 from __future__ import annotations
 
@@ -47,6 +47,13 @@ def capturable(net, rows: int) -> bool:
     return rows * cfg.num_experts_per_tok <= MOE_GEMV_PAIRS
 
 
+def capturable_buckets(net, buckets, rows_per_bucket: int = 1) -> tuple[tuple[int, ...], bool]:
+    """(the buckets whose steps of `rows_per_bucket` x bucket rows can be captured, sorted; whether any can).
+    With none, the smallest bucket stands in so the sizes stay defined, and the graphs serve nothing."""
+    usable = tuple(sorted(b for b in buckets if capturable(net, rows_per_bucket * b)))
+    return usable or (min(buckets),), bool(usable)
+
+
 def spread(rows: int) -> list[int]:
     """`rows` padding rows over PADDING_SEQS sequences, as evenly as they go."""
     return [rows // PADDING_SEQS + (i < rows % PADDING_SEQS) for i in range(PADDING_SEQS)]
@@ -63,8 +70,7 @@ class PrefillGraphs:
     def __init__(self, decode: DecodeGraphs, buckets=PREFILL_BUCKETS, max_seqs: int = MAX_SEQS,
                  verify: bool = False):
         self.net, self.cache = decode.net, decode.cache
-        usable = tuple(sorted(b for b in buckets if capturable(decode.net, b)))
-        self.buckets, self.usable = usable or (min(buckets),), bool(usable)  # unusable: nothing is served
+        self.buckets, self.usable = capturable_buckets(decode.net, buckets)
         self.max_seqs = max_seqs
         self.verify = verify
         self.pad_slot, self.pad_block, self.width = decode.pad_slot, decode.pad_block, decode.width

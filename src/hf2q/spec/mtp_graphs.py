@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from hf2q.engine.cuda_graphs import DecodeGraphs, pack_decode_rows, record
-from hf2q.engine.prefill_graphs import capturable
+from hf2q.engine.prefill_graphs import capturable_buckets
 from hf2q.forward import ForwardBatch
 from hf2q.kernels.meta import FastMeta
 
@@ -35,8 +35,8 @@ class MTPGraphs:
 
     def __init__(self, decode: DecodeGraphs, k: int, buckets=MTP_BUCKETS):
         self.net, self.cache = decode.net, decode.cache
-        usable = tuple(sorted(b for b in buckets if capturable(decode.net, ROWS * b)))
-        self.k, self.buckets, self.usable = k, usable or (min(buckets),), bool(usable)  # unusable: nothing served
+        self.k = k
+        self.buckets, self.usable = capturable_buckets(decode.net, buckets, ROWS)
         self.pad_slot, self.pad_block, self.width = decode.pad_slot, decode.pad_block, decode.width
         self.block_size = decode.block_size
         dev = self.net.embed.device
