@@ -13,7 +13,7 @@ from hf2q.config import CacheConfig
 from hf2q.engine.runner import ModelRunner
 from hf2q.kernels.tuning import pdl
 from hf2q.kernels.choose import fast_path
-from tests.engine.test_runner_graphs_gpu import greedy
+from tests.engine.test_runner_graphs import greedy
 from tests.quant.test_model import twins
 from tests.quant.test_wiring import greedy_cached
 
