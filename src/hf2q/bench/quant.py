@@ -38,17 +38,21 @@ def main(argv=None) -> None:
     p.add_argument("--no-prefill", action="store_true")
     p.add_argument("--only", nargs="+", default=None, choices=[row[0] for row in LAYER_SET], metavar="PROJ",
                    help="time only these projections: " + ", ".join(row[0] for row in LAYER_SET))
-    p.add_argument("--batch-1-only", action="store_true",
-                   help="time the mat-vec at one row only (each row count picks its configuration by timing)")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16],
+                   help="activation row counts to time (each picks its mat-vec configuration by timing); the "
+                        "table shows 1 and the next two")
+    p.add_argument("--batch-1-only", action="store_true", help="the same as --rows 1")
     args = p.parse_args(argv)
-    row_counts = (1,) if args.batch_1_only else (1, 4, 16)
+    row_counts = (1,) if args.batch_1_only else tuple(dict.fromkeys([1, *args.rows]))
+    shown = (list(row_counts[1:]) + [0, 0])[:2]  # the table's two columns past one row (0: not timed)
     from hf2q.bench import ceilings
 
     bandwidth = ceilings()[0]  # this device's copy rate (bytes read + written per second), the % column's base
     print(f"{torch.cuda.get_device_name(0)}: copy {bandwidth / 1e12:.2f} TB/s", flush=True)
-    print(f"{'proj':12} {'type':5} {'shape':>14} {'MB':>7} {'b=1 us':>8} {'%bw':>5} {'b=4 us':>8} {'b=16 us':>8} "
+    b2, b3 = (f"b={m} us" if m else "-" for m in shown)
+    print(f"{'proj':12} {'type':5} {'shape':>14} {'MB':>7} {'b=1 us':>8} {'%bw':>5} {b2:>8} {b3:>8} "
           f"{'4096 ms':>8} {'bf16 ms':>8}", flush=True)
-    tot = dict(dec=0.0, dec4=0.0, dec16=0.0, bytes=0.0, pre=0.0, bf=0.0)
+    tot = dict(bytes=0.0, pre=0.0, bf=0.0, **{f"dec{m}": 0.0 for m in row_counts})
     for name, n, k, qtype, times in LAYER_SET:
         if args.only and name not in args.only:
             continue
@@ -56,8 +60,7 @@ def main(argv=None) -> None:
         xs = {m: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in row_counts}
         copies = cold_copies(raw)
         dec = {m: _us(lambda w, m=m: quant_linear(xs[m], w, qtype, n), copies) for m in xs}
-        dec.setdefault(4, float("nan"))
-        dec.setdefault(16, float("nan"))
+        dec[0] = float("nan")
         pre = bf = 0.0
         if not args.no_prefill:
             xp = torch.randn(4096, k, device="cuda", dtype=torch.bfloat16)
@@ -67,22 +70,22 @@ def main(argv=None) -> None:
             del xp, wd
         nbytes = raw.nbytes
         print(f"{name:12} {qtype:5} {f'{n}x{k}':>14} {nbytes / 1e6:7.1f} {dec[1]:8.1f} "
-              f"{100 * nbytes / bandwidth / (dec[1] * 1e-6):5.0f} {dec[4]:8.1f} {dec[16]:8.1f} {pre:8.2f} {bf:8.2f}",
-              flush=True)
+              f"{100 * nbytes / bandwidth / (dec[1] * 1e-6):5.0f} {dec[shown[0]]:8.1f} {dec[shown[1]]:8.1f} "
+              f"{pre:8.2f} {bf:8.2f}", flush=True)
         print(f"  mat-vec configs by rows: {quant_dp4a_triton.tuned_configs(qtype, n, k)}", flush=True)
-        tot["dec"] += dec[1] * times
-        tot["dec4"] += dec[4] * times
-        tot["dec16"] += dec[16] * times
+        for m in row_counts:
+            tot[f"dec{m}"] += dec[m] * times
         tot["bytes"] += nbytes * times
         tot["pre"] += pre * times
         tot["bf"] += bf * times
         del raw, copies
-    ms = tot["dec"] / 1e3
+    ms = tot["dec1"] / 1e3
     what = "9B Q4_K_M projections" if not args.only else "the chosen projections' share of a 9B token"
     line = (f"{what}: {tot['bytes'] / 1e9:.2f} GB; decode b=1 {ms:.3f} ms/token "
             f"({1e3 / ms:.0f} tok/s bound, {100 * tot['bytes'] / bandwidth / (ms * 1e-3):.0f}% of bandwidth, "
-            f"ceiling {bandwidth / tot['bytes']:.0f} tok/s); "
-            f"b=4 {tot['dec4'] / 1e3:.3f} ms/step; b=16 {tot['dec16'] / 1e3:.3f} ms/step")
+            f"ceiling {bandwidth / tot['bytes']:.0f} tok/s)")
+    line += "".join(f"; b={m} {tot[f'dec{m}'] / 1e3:.3f} ms/step ({tot[f'dec{m}'] / tot['dec1']:.2f}x b=1)"
+                    for m in row_counts[1:])
     if not args.no_prefill:
         line += (f"; prefill 4096 {tot['pre']:.1f} ms ({4096e3 / tot['pre']:.0f} tok/s bound; "
                  f"bf16 weights {tot['bf']:.1f} ms)")
