@@ -26,15 +26,16 @@ def below(i, n, ALWAYS: tl.constexpr):
 
 
 @triton.jit
-def _dp4a_emulated(a, b, SIGNED: tl.constexpr):
-    """Σ of the four byte products of int32 words a and b in plain integer ops (the interpreter runs no PTX)."""
-    acc = (a & 0) + (b & 0)
+def _dp4a_emulated(a, b, c, SIGNED: tl.constexpr):
+    """c + Σ of the four byte products of int32 words a and b in plain integer ops (the interpreter runs no
+    PTX, and pays per op: no shift where a byte needs none)."""
+    acc = c
     for i in tl.static_range(4):
-        bi = (b << (24 - 8 * i)) >> 24
+        bi = b >> 24 if i == 3 else (b << (24 - 8 * i)) >> 24
         if SIGNED:
-            ai = (a << (24 - 8 * i)) >> 24
+            ai = a >> 24 if i == 3 else (a << (24 - 8 * i)) >> 24
         else:
-            ai = (a >> (8 * i)) & 255
+            ai = a & 255 if i == 0 else (a >> (8 * i)) & 255
         acc += ai * bi
     return acc
 
@@ -44,7 +45,7 @@ def _dp4a_acc(a, b, c, SIGNED: tl.constexpr, EMULATE: tl.constexpr):
     """c + Σ of the four byte products of int32 words a and b (b's bytes signed; a's signed if SIGNED).
     Dots are chained through c word by word, so no sum ever crosses threads."""
     if EMULATE:
-        return c + _dp4a_emulated(a, b, SIGNED)
+        return _dp4a_emulated(a, b, c, SIGNED)
     a, b = tl.broadcast(a, b)
     a, c = tl.broadcast(a, c)
     if SIGNED:
