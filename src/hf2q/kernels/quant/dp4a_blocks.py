@@ -105,6 +105,63 @@ def _unit_grid(x_g16, m_ok, row_q, row_ok, u, n_units, EVEN: tl.constexpr):
 
 
 @triton.jit
+def _q45_words(words, qh, c: tl.constexpr, QTYPE: tl.constexpr):
+    """A word of chunk c's nibbles as two words of dp4a bytes: sub-block 2c (low nibbles) and 2c + 1 (high
+    ones). Q4_K's high nibbles stay in place (bytes 16·q, scaled by 1/16 later); Q5_K adds its fifth bits,
+    bits 2c and 2c + 1 of the qh word's bytes."""
+    lo = words & NIBBLES
+    if QTYPE == 2:
+        hi = words & HIGH_NIBBLES
+    else:
+        hi = ((words >> 4) & NIBBLES) | (((qh >> (2 * c + 1)) & 0x01010101) << 4)
+        lo |= ((qh >> (2 * c)) & 0x01010101) << 4
+    return lo, hi
+
+
+@triton.jit
+def _scale_min(wa, wb, wh, s: tl.constexpr):
+    """Sub-block s's 6-bit scale and min from the header's scale words (ggml's get_scale_min_k4), constant
+    shifts: byte s of the first eight for s < 4; else byte s - 4 of the last four holds the low bits, bits
+    6-7 of bytes s - 4 and s the top."""
+    if s < 4:
+        sc = (wa >> (8 * s)) & 63
+        mn = (wb >> (8 * s)) & 63
+    else:
+        sc = ((wh >> (8 * s - 32)) & 15) | (((wa >> (8 * s - 26)) & 3) << 4)
+        mn = ((wh >> (8 * s - 28)) & 15) | (((wb >> (8 * s - 26)) & 3) << 4)
+    return sc, mn
+
+
+@triton.jit
+def _q45_part(part, acc, table, d_sc, d_mn, QTYPE: tl.constexpr, HIGH: tl.constexpr):
+    """part + a sub-block's share, from its integer dot acc (of its low or HIGH nibbles), its activation
+    group's table entry (dx, dx·Σxq, fix, Σx of its first piece) and d·scale, dmin·min. Σ q·x =
+    dx·Σ (q - OFF)·xq + OFF·(Σx - dx·Σxq): centring the values on their range's middle OFF halves the part
+    the int8 rounding touches, and Σx is exact."""
+    OFF: tl.constexpr = 8 if QTYPE == 2 else 16
+    dot = acc.to(tl.float32)
+    if QTYPE == 2 and HIGH:
+        dot = dot * 0.0625
+    dx, _, fix, sx = table
+    return part + (d_sc * (dx * dot + OFF * fix) - d_mn * sx)
+
+
+@triton.jit
+def _q6k_word(low, top, jhi: tl.constexpr, jlo: tl.constexpr):
+    """Values 32j + l .. + 3 (j = 2·jhi + jlo) of a Q6_K half-block as dp4a bytes, stored + 32: the low
+    nibble from ql (shifted by 4·jhi), the top two bits from qh (shifted by 2j)."""
+    return ((low >> (4 * jhi)) & NIBBLES) | (((top >> (2 * (2 * jhi + jlo))) & 0x03030303) << 4)
+
+
+@triton.jit
+def _q6k_part(part, dot, table, sc):
+    """part + a 16-value piece's share from its integer dot, its table entry (dx, dx·Σxq, ...) and its
+    scale: the values are stored + 32, taken off through the piece's quantized sum."""
+    dx, sq, _, _ = table
+    return part + sc * (dx * dot.to(tl.float32) - 32 * sq)
+
+
+@triton.jit
 def _kquant_q45(w32, xq32, act, x_g16, m_ok, row_q, row_ok, u0, n_units, QTYPE: tl.constexpr, BM: tl.constexpr,
                 BN: tl.constexpr, SB: tl.constexpr, EVEN: tl.constexpr, EMULATE: tl.constexpr):
     """Q4_K / Q5_K blocks u0 .. u0+SB of interleaved rows: W·x per (row, block) [BM, BN, SB], summed by the
@@ -114,7 +171,6 @@ def _kquant_q45(w32, xq32, act, x_g16, m_ok, row_q, row_ok, u0, n_units, QTYPE: 
     that picks a scale, a min or a fifth bit is a constant, and each sub-block's scale and activation
     sums are applied once."""
     QS: tl.constexpr = 1 if QTYPE == 2 else 3  # first quad of nibbles
-    OFF: tl.constexpr = 8 if QTYPE == 2 else 16  # middle of the value range
     u = u0 + tl.arange(0, SB)
     mask, w0, x0 = _unit_grid(x_g16, m_ok, row_q, row_ok, u, n_units, EVEN)
     head, wa, wb, wh = _quads3(w32, 4 * w0, mask)  # d | dmin, then scale bytes 0-3, 4-7, 8-11
@@ -132,34 +188,17 @@ def _kquant_q45(w32, xq32, act, x_g16, m_ok, row_q, row_ok, u0, n_units, QTYPE: 
             xlo_quad = _quads3(xq32, 4 * (x0 + (4 * c + half) * n_units), mask)
             xhi_quad = _quads3(xq32, 4 * (x0 + (4 * c + 2 + half) * n_units), mask)
             for i in tl.static_range(4):
-                words = w_quad[i]
-                lo = words & NIBBLES
-                if QTYPE == 2:  # high nibbles left in place: bytes 16·q, the sum scaled by 1/16 below
-                    hi = words & HIGH_NIBBLES
-                else:  # fifth bits: bit 2c (low) and 2c + 1 (high) of qh byte l
+                qh = w_quad[i]  # Q4_K: no fifth bits
+                if QTYPE == 3:
                     qh = qh_a[i] if half == 0 else qh_b[i]
-                    hi = ((words >> 4) & NIBBLES) | (((qh >> (2 * c + 1)) & 0x01010101) << 4)
-                    lo |= ((qh >> (2 * c)) & 0x01010101) << 4
+                lo, hi = _q45_words(w_quad[i], qh, c, QTYPE)
                 acc_lo = _dp4a_acc(lo, xlo_quad[i], acc_lo, False, EMULATE)
                 acc_hi = _dp4a_acc(hi, xhi_quad[i], acc_hi, False, EMULATE)
-        for nib in tl.static_range(2):  # sub-block s = 2c + nib: ggml's get_scale_min_k4, constant shifts
-            if 2 * c + nib < 4:
-                sc = (wa >> (16 * c + 8 * nib)) & 63
-                mn = (wb >> (16 * c + 8 * nib)) & 63
-            else:  # byte i = s - 4 of the last four holds the low bits, bits 6-7 of bytes i and 4 + i the top
-                sc = ((wh >> (16 * c + 8 * nib - 32)) & 15) | (((wa >> (16 * c + 8 * nib - 26)) & 3) << 4)
-                mn = ((wh >> (16 * c + 8 * nib - 28)) & 15) | (((wb >> (16 * c + 8 * nib - 26)) & 3) << 4)
-            if nib == 0:
-                dot = acc_lo.to(tl.float32)
-            elif QTYPE == 2:
-                dot = acc_hi.to(tl.float32) * 0.0625
-            else:
-                dot = acc_hi.to(tl.float32)
-            # the sub-block's activation group: its first piece's table entry
-            dx, _, fix, sx = _quads3(act, 4 * (x0 + (4 * c + 2 * nib) * n_units), mask)
-            # Σ q·x = dx·Σ (q - OFF)·xq + OFF·(Σx - dx·Σxq): centring the values halves the part the int8
-            # rounding touches, and Σx is exact.
-            part += d * sc.to(tl.float32) * (dx * dot + OFF * fix) - dmin * mn.to(tl.float32) * sx
+        for nib in tl.static_range(2):  # sub-block s = 2c + nib
+            sc, mn = _scale_min(wa, wb, wh, 2 * c + nib)
+            table = _quads3(act, 4 * (x0 + (4 * c + 2 * nib) * n_units), mask)
+            part = _q45_part(part, acc_lo if nib == 0 else acc_hi, table, d * sc.to(tl.float32),
+                             dmin * mn.to(tl.float32), QTYPE, nib == 1)
     return part
 
 
@@ -193,11 +232,9 @@ def _q6k(w32, xq32, act, x_g16, m_ok, row_q, row_ok, u0, n_units, BM: tl.constex
                     for i in tl.static_range(4):
                         low = ql0[i] if hf == 0 else ql1[i]
                         top = qh0[i] if hf == 0 else qh1[i]
-                        vals = ((low >> (4 * jhi)) & NIBBLES) | (((top >> (2 * (2 * jhi + jlo))) & 0x03030303) << 4)
-                        dot = _dp4a_acc(vals, x_quad[i], dot, False, EMULATE)
-                    dx, sq, _, _ = _quads3(act, 4 * piece, mask)
+                        dot = _dp4a_acc(_q6k_word(low, top, jhi, jlo), x_quad[i], dot, False, EMULATE)
                     sc = ((scales[2 * h + jhi] << (24 - 8 * (2 * jlo + hf))) >> 24).to(tl.float32)
-                    part += sc * (dx * dot.to(tl.float32) - 32 * sq)
+                    part = _q6k_part(part, dot, _quads3(act, 4 * piece, mask), sc)
     return part * d
 
 
