@@ -206,22 +206,31 @@ def test_quant_mm(qtype):
 
 
 def _gemv_cases():
-    """Every candidate on the device; under the interpreter (slow) the extreme tile sizes."""
+    """Every candidate on the device, and the shared-rows ones of 2-4 rows; under the interpreter (slow) the
+    extreme tile sizes."""
     from hf2q.kernels.quant.dp4a_triton import candidates
 
-    extremes = {(4, 8, 1, 1), (2, 2, 4, 1), (4, 32, 1, 1), (4, 4, 4, 1), (8, 2, 4, 3), (8, 4, 4, 3), (16, 2, 1, 1)}
-    return [(q, c) for q in QUANT_TYPES for c in candidates(q) if CUDA or c in extremes]
+    extremes = {(4, 8, 1, 1), (2, 2, 4, 1), (4, 32, 1, 1), (4, 4, 4, 1), (8, 2, 4, 3), (8, 4, 4, 3), (16, 2, 1, 1),
+                (16, 8, 4, 1, True)}
+    every = [(q, c) for q in QUANT_TYPES for c in candidates(q)]
+    every += [(q, c) for q in KQUANTS for c in candidates(q, 2) if len(c) > 4]  # shared rows, 2-4 rows
+    return [(q, c) for q, c in every if CUDA or c in extremes]
 
 
 @kernels
 @pytest.mark.parametrize("qtype,config", _gemv_cases())
 def test_gemv_every_candidate_config(qtype, config):
     """Every configuration the device may pick is exact on int8-representable activations: rows not a
-    multiple of BLOCK_N, a partial step, activation rows not a multiple of BLOCK_M."""
+    multiple of BLOCK_N, a partial step, activation rows not a multiple of BLOCK_M (shared rows: 2 and 4
+    rows, and on the device 3, a masked fourth)."""
     from hf2q.kernels.quant.dp4a_triton import gemv
 
     raw, w = case(qtype, 9, 768, seed=3)
-    for m in (1, 3) if CUDA else (3,):
+    if len(config) > 4:  # shared rows
+        rows = (2, 3, 4) if CUDA else (2, 4)
+    else:
+        rows = (1, 3) if CUDA else (3,)
+    for m in rows:
         x = int8_exact(torch.randn(m, 768, generator=torch.Generator().manual_seed(m)))
         got = gemv(x.to(DEV), raw, qtype, 9, config=config)
         assert rel(got, x.double() @ w.double().T) < 1e-5, m
@@ -266,7 +275,8 @@ def test_matvec_two_stacks_one_launch(qtype):
 def test_two_types_one_launch(types, monkeypatch):
     """Projections of one input kept in two types (a DeltaNet's Q5_K qkv and Q4_K z/a/b) come from one
     mat-vec launch through linear_ops.packed_linear, each part exact against its own weight; types that read
-    activations in different orders stay two launches."""
+    activations in different orders stay two launches. K-quants with shared rows too: 3 rows (a masked
+    fourth), or 2 rows each read by two output rows (rows_per_x)."""
     from hf2q.kernels.linear import ops as linear_ops
     from hf2q.kernels.quant import dp4a_triton as quant_dp4a_triton, int8_rows
     from hf2q.layers.linear import Linear
@@ -290,6 +300,15 @@ def test_two_types_one_launch(types, monkeypatch):
             assert rel(got, x.double() @ w.double().T) < 1e-5
         one = int8_rows.blocked_for(mixed[0]) == int8_rows.blocked_for(mixed[1])
         assert launches == ([mixed[0]] if one else [mixed[0], mixed[1]]), (mixed, launches)
+    if types[1] in KQUANTS:
+        raws = [random_blocks(qtype, n, k, seed=40 + i) for i, (qtype, n) in enumerate(zip(types, (16, 5)))]
+        dense = torch.cat([dequantize_ref(r, qtype, (r.shape[0], k)) for r, qtype in zip(raws, types)])
+        m, per_x = (3, 1) if types[0] == "Q5_K" else (2, 2)
+        x = int8_exact(torch.randn(m, k, generator=torch.Generator().manual_seed(9)))
+        xs = int8_rows.quantize_rows(x.to(DEV), blocked=True)
+        got = quant_dp4a_triton.matvec(xs, kernel_blocks(raws[0], types[0]), types[0], 16, config=(16, 8, 4, 1, True),
+                                       second=(kernel_blocks(raws[1], types[1]), 5, types[1]), rows_per_x=per_x)
+        assert rel(got, (x.double() @ dense.double().T).repeat_interleave(per_x, 0)) < 1e-5
 
 
 @kernels
@@ -328,7 +347,7 @@ def test_moe_experts_quant(qtype, monkeypatch):
 def test_k_quant_kernels_refuse_ggml_order_blocks(qtype):
     """The kernels read K-quants only as interleaved int32 rows: ggml's bytes (the CPU reference's layout),
     an interleaved second stack next to a ggml first one, interleaved rows under another type, or
-    activations in the other order are refused before launch."""
+    activations in the other order are refused before launch; so is a shared-rows configuration past 4 rows."""
     from hf2q.kernels.quant import dequant_triton as quant_triton
     from hf2q.kernels.quant.dp4a_triton import matvec
     from hf2q.kernels.quant.int8_rows import Int8Rows
@@ -344,6 +363,9 @@ def test_k_quant_kernels_refuse_ggml_order_blocks(qtype):
         matvec(xs, rows, qtype, 4, config=(4, 8, 1, 1), second=(raw, 4))
     with pytest.raises(ValueError, match="BLOCKED"):
         matvec(xs._replace(blocked=False), rows, qtype, 4, config=(4, 8, 1, 1))
+    with pytest.raises(ValueError, match="shared-rows"):
+        matvec(Int8Rows(torch.zeros(5, 128, dtype=torch.int32), torch.zeros(5, 32, 4), True), rows, qtype, 4,
+               config=(4, 8, 1, 1, True))
     with pytest.raises(ValueError, match="uint8"):
         quant_triton.dequantize(rows, "Q8_0", 4, 512, torch.empty(4, 512))
 
@@ -383,30 +405,39 @@ def _global_read_bytes(ptx: str) -> set[int]:
 
 @pytest.mark.parametrize("qtype,rows,stages", [(q, 1, 1) for q in QUANT_TYPES]
                          + [("Q4_K", 16, 1), ("Q6_K", 16, 1), ("Q5_K", "experts", 1), ("Q6_K", "experts", 1),
-                            ("Q4_K", 1, 3), ("Q6_K", 1, 3), ("Q8_0", 1, 3), ("Q5_K+Q4_K", 1, 1), ("Q4_K+Q6_K", 1, 1)])
+                            ("Q4_K", 1, 3), ("Q6_K", 1, 3), ("Q8_0", 1, 3), ("Q5_K+Q4_K", 1, 1), ("Q4_K+Q6_K", 1, 1),
+                            ("Q4_K", 4, 1), ("Q6_K", 4, 1), ("Q5_K+Q4_K", 2, 1)])  # shared rows
 def test_int8_matvec_compiles_for_hopper(qtype, rows, stages):
     """The mat-vec compiles to sm_90 machine code with dp4a (Triton's interpreter runs no PTX, and a
     construct only the compiler rejects, such as a non-constexpr global, would otherwise first show on a
-    GPU). Q6_K rows are read in 32-bit words, the quants in 16-byte vectors: no 16-bit loads."""
+    GPU). Q6_K rows are read in 32-bit words, the quants in 16-byte vectors: no 16-bit loads. With shared
+    rows each word of nibbles is masked once for all BM rows in the PTX: BM dp4a a nibble mask (Q4_K 2·BM,
+    its high nibbles masked apart), where units of one row each mask it again for every row."""
     from hf2q.kernels.quant import dp4a_triton as k
 
     experts = rows == "experts"
     qtype, qtype_b = (*qtype.split("+"), qtype)[:2]  # "A+B": two types in one launch
-    bn, sb, warps, _ = next(c for c in k.candidates(qtype, 1 if experts else rows) if c[3] == stages)
+    config = next(c for c in k.candidates(qtype, 1 if experts else rows) if c[3] == stages)
+    bn, sb, warps = config[:3]
+    shared, even = len(config) > 4 and config[4], rows in (1, 4)
     sig = {"xq_ptr": "*i32", "act_ptr": "*fp32", "w16": "*i16", "w32": "*i32", "w16b": "*i16", "w32b": "*i32",
            "out_ptr": "*bf16", "expert_ptr": "*i32", "M": "i32", "N": "i32", "n_first": "i32", "row_units": "i32",
            "row_units_b": "i32", "n_units": "i32", "expert_units": "i32", "n_g16": "i32", "rows_per_x": "i32",
            "out_stride": "i32"}
-    const = dict(QTYPE=k.QTYPE_ID[qtype], QTYPE_B=k.QTYPE_ID[qtype_b], BM=1 if experts else k._block_m(rows, None),
-                 BN=bn, SB=sb, STAGES=stages, HAS_EXPERTS=experts, TWO=experts or qtype_b != qtype, EVEN=rows == 1,
-                 EMULATE=False)
+    bm = 1 if experts else k._block_m(rows, None)
+    const = dict(QTYPE=k.QTYPE_ID[qtype], QTYPE_B=k.QTYPE_ID[qtype_b], BM=bm, BN=bn, SB=sb, STAGES=stages,
+                 HAS_EXPERTS=experts, TWO=experts or qtype_b != qtype, EVEN=even, EMULATE=False, SHARED=shared)
     sizes = ("N", "n_first", "row_units", "row_units_b", "n_units", "expert_units", "n_g16", "out_stride")
-    ptx = compile_for_hopper(k._gemv_dp4a_kernel, sig, const, warps, sizes if rows == 1 else ())
+    ptx = compile_for_hopper(k._gemv_dp4a_kernel, sig, const, warps, sizes if even else ())
     assert "dp4a" in ptx
+    assert shared == (rows in (2, 4) and not experts), config  # the first candidate at 2-4 rows
     if qtype == "Q6_K":
         assert min(_global_read_bytes(ptx)) == 4 and 16 in _global_read_bytes(ptx)
-    if {qtype, qtype_b} <= {"Q4_K", "Q5_K"} and rows == 1 and stages == 1:  # unmasked: every field in 16-byte loads
+    if {qtype, qtype_b} <= {"Q4_K", "Q5_K"} and even and stages == 1:  # unmasked: every field in 16-byte loads
         assert _global_read_bytes(ptx) == {16}, _global_read_bytes(ptx)
+    if shared and qtype_b == qtype:
+        dots, masks = len(re.findall(r"\bdp4a\.", ptx)), len(re.findall(r"and\.b32\s.*, 252645135;", ptx))
+        assert dots == masks * bm * (2 if qtype == "Q4_K" else 1), (dots, masks)
 
 
 @pytest.mark.parametrize("qtype", QUANT_TYPES)

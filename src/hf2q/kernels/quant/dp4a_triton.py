@@ -16,7 +16,14 @@ its block in static loops, so every shift that picks a scale, a min or a bit fie
 Neighbouring threads own neighbouring blocks, and the GPU keeps K-quant rows interleaved by 16-byte
 quads (hf2q.quant.to_gpu_rows), with the activations in the same order (BLOCKED, store_int8_groups):
 each 16-byte load of a warp then reads consecutive bytes, where ggml's order would spread it over 32
-cache lines and stall on L1 throughput.
+cache lines and stall on L1 throughput. Those units repeat a block's loads and unpacking (masks, shifts,
+scale bytes) for every activation row in the code Triton emits: ptxas merges the repeats where one thread
+holds all of a unit's rows, not where they sit in different threads, and the registers they hold stay (a
+4-row verify step cost 4.35 one-row steps on an H100, 9B Q4_K_M, with the first candidates, whose 4-row
+one spills). So at 2-4 rows the kernel's shared-rows form (SHARED, the first candidates) gives a thread
+(weight row, block) units instead, as llama.cpp's mul_mat_vec_q does for several destination columns: each
+word is loaded and unpacked once, then dotted with every row's activations, each row's sums in variables
+of their own (on sm_90 at 4 rows, 2 warps: Q4_K 205 registers against 224, Q6_K 70 against 150).
 Q8_0 and Q4_0: a thread owns 16-value parts, and BLOCK_M activation rows share each unpacked weight
 word; their blocks follow ggml's structs byte for byte and are only 2-byte aligned, so their words
 are joined from two 16-bit halves. With `experts`, every row m has its own expert's weight (MoE
@@ -48,11 +55,17 @@ EMULATE = envs.triton_interpret()  # the interpreter runs no PTX: dp4a in plain 
 
 
 @triton.jit
+def _first_piece(m, M, rows_per_x, n_g16):
+    """The first 16-value piece of output row m's activation row (row M - 1's for m >= M), a scalar."""
+    return (tl.minimum(m, M - 1) // rows_per_x).to(tl.int64) * n_g16
+
+
+@triton.jit
 def _gemv_dp4a_kernel(xq_ptr, act_ptr, w16, w32, w16b, w32b, out_ptr, expert_ptr, M, N, n_first, row_units,
                       row_units_b, n_units, expert_units, n_g16, rows_per_x, out_stride, QTYPE: tl.constexpr,
                       QTYPE_B: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SB: tl.constexpr,
                       STAGES: tl.constexpr, HAS_EXPERTS: tl.constexpr, TWO: tl.constexpr, EVEN: tl.constexpr,
-                      EMULATE: tl.constexpr, PDL: tl.constexpr = False):
+                      EMULATE: tl.constexpr, SHARED: tl.constexpr = False, PDL: tl.constexpr = False):
     """out[m, n] = Σ_k x[m, k] · W[n, k] for BM activation rows and BN weight rows per program. Row
     strides come in the unit the type's blocks are read in (16-byte quads for the interleaved K-quant
     rows, else halves), so that the compiler sees their alignment. Parts are summed elementwise; one
@@ -61,14 +74,20 @@ def _gemv_dp4a_kernel(xq_ptr, act_ptr, w16, w32, w16b, w32b, out_ptr, expert_ptr
     columns from n_first on come from a second weight (an MoE's gate and up stacks, or a layer's
     projections of one input kept in two types, in one launch; n_first is a multiple of BN), of type
     QTYPE_B and row stride row_units_b. Output row m multiplies activation row m // rows_per_x. EVEN: M,
-    N and the blocks a row are multiples of BM, BN and SB, so nothing is masked. PDL (kernels/tuning/pdl.py): the
-    program waits for the previous kernel before its first read, and lets the next kernel start once its
-    loop is done."""
+    N and the blocks a row are multiples of BM, BN and SB, so nothing is masked. SHARED (K-quants, BM <= 4):
+    a thread reads and unpacks its (weight row, block) units once for all BM activation rows, whose first
+    pieces it takes as scalars; a row past M reads row M - 1's activations, and its output is masked. PDL
+    (kernels/tuning/pdl.py): the program waits for the previous kernel before its first read, and lets the
+    next kernel start once its loop is done."""
     ms = tl.program_id(1) * BM + tl.arange(0, BM)
     m_ok = below(ms, M, EVEN)
     cols = tl.program_id(0) * BN + tl.arange(0, BN)  # axis 0: a vocabulary's rows outnumber axis 1's limit
     row_ok = below(cols, N, EVEN)
     x_g16 = (ms // rows_per_x).to(tl.int64) * n_g16  # first 16-value piece of each activation row
+    if SHARED:
+        m0 = tl.program_id(1) * BM
+        x_g16 = (_first_piece(m0, M, rows_per_x, n_g16), _first_piece(m0 + 1, M, rows_per_x, n_g16),
+                 _first_piece(m0 + 2, M, rows_per_x, n_g16), _first_piece(m0 + 3, M, rows_per_x, n_g16))
     pdl.wait_prior(PDL)
     expert_base = 0
     if HAS_EXPERTS:
@@ -80,22 +99,22 @@ def _gemv_dp4a_kernel(xq_ptr, act_ptr, w16, w32, w16b, w32b, out_ptr, expert_ptr
             w16, w32, rows, row_units = w16b, w32b, cols - n_first, row_units_b
         row_base = rows.to(tl.int64) * row_units + expert_base
         acc = row_products(w16, w32, xq_ptr, act_ptr, x_g16, m_ok, row_base, row_ok, n_units, QTYPE, BM, BN, SB,
-                           STAGES, EVEN, EMULATE)
+                           STAGES, SHARED, EVEN, EMULATE)
     elif second:
         row_base = (cols - n_first).to(tl.int64) * row_units_b + expert_base
         acc = row_products(w16b, w32b, xq_ptr, act_ptr, x_g16, m_ok, row_base, row_ok, n_units, QTYPE_B, BM, BN,
-                           SB, STAGES, EVEN, EMULATE)
+                           SB, STAGES, SHARED, EVEN, EMULATE)
     else:
         row_base = cols.to(tl.int64) * row_units + expert_base
         acc = row_products(w16, w32, xq_ptr, act_ptr, x_g16, m_ok, row_base, row_ok, n_units, QTYPE, BM, BN, SB,
-                           STAGES, EVEN, EMULATE)
+                           STAGES, SHARED, EVEN, EMULATE)
     pdl.release_next(PDL)
     out = out_ptr + ms.to(tl.int64)[:, None] * out_stride + cols[None, :]
     tl.store(out, tl.sum(acc, axis=2).to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & row_ok[None, :])
 
 
-# (BLOCK_N, blocks per step, warps, stages) candidates, most work per thread first: a mat-vec is fed by
-# the bytes each thread has in flight.
+# (BLOCK_N, blocks per step, warps, stages[, shared]) candidates, most work per thread first: a mat-vec is fed
+# by the bytes each thread has in flight.
 # Q8_0 / Q4_0: those that would give a thread more than MAX_PARTS (row, part) sums of BLOCK_M activation
 # rows spill registers and are left out (see candidates).
 _B_CANDIDATES = [(4, 16, 1, 1), (8, 16, 2, 1), (4, 32, 1, 1), (8, 32, 2, 1), (4, 16, 4, 1), (16, 16, 4, 1),
@@ -107,6 +126,12 @@ _B_CANDIDATES = [(4, 16, 1, 1), (8, 16, 2, 1), (4, 32, 1, 1), (8, 32, 2, 1), (4,
 _K_CANDIDATES = [(2, 16, 1, 1), (4, 8, 1, 1), (4, 16, 2, 1), (8, 8, 2, 1), (8, 16, 4, 1), (16, 8, 4, 1),
                  (4, 16, 1, 1), (8, 8, 1, 1), (16, 2, 1, 1), (32, 2, 2, 1), (16, 4, 2, 1),
                  (2, 4, 1, 1), (4, 2, 1, 1), (2, 8, 2, 1), (4, 8, 4, 1), (2, 16, 1, 3), (4, 8, 1, 3)]
+# K-quants at 2-4 activation rows, shared rows (the kernel's SHARED), first: a thread holds whole (weight row,
+# block) units and dots each with every activation row. A thread keeps at most MAX_UNITS (row, unit) sums
+# here too: one unit at 4 rows, two at 2. The first spills no registers on sm_90, where the first per-row
+# candidate at 4 rows, (2, 16, 1, 1), does.
+_K_SHARED = [(4, 16, 2, 1, True), (8, 16, 4, 1, True), (2, 16, 1, 1, True), (4, 8, 1, 1, True), (16, 8, 4, 1, True),
+             (4, 16, 1, 1, True)]
 MAX_PARTS = 16
 MAX_UNITS = 4
 
@@ -126,21 +151,25 @@ _TUNED: dict[TuneKey, tuple] = {}
 _TUNE = envs.gemv_tune()
 
 
-def candidates(qtype: str, rows: int = 1) -> list[tuple[int, int, int, int]]:
-    """Configurations for `rows` activation rows (their BLOCK_M), default first."""
+def candidates(qtype: str, rows: int = 1) -> list[tuple]:
+    """Configurations for `rows` activation rows (their BLOCK_M), default first: for K-quants at 2-4 rows the
+    shared-rows ones."""
     bm = _block_m(rows, None)
     if qtype in ("Q8_0", "Q4_0"):
         fit = [c for c in _B_CANDIDATES if bm * c[0] * c[1] * 2 <= MAX_PARTS * 32 * c[2]]
         return fit or [min(_B_CANDIDATES, key=lambda c: c[0] * c[1] / c[2])]
     fit = [c for c in _K_CANDIDATES if 32 * c[2] <= bm * c[0] * c[1] <= MAX_UNITS * 32 * c[2]]
-    return fit or [min(_K_CANDIDATES, key=lambda c: c[0] * c[1] / c[2])]
+    fit = fit or [min(_K_CANDIDATES, key=lambda c: c[0] * c[1] / c[2])]
+    if not 2 <= bm <= 4:
+        return fit
+    return [c for c in _K_SHARED if 32 * c[2] <= c[0] * c[1] and bm * c[0] * c[1] <= MAX_UNITS * 32 * c[2]] + fit
 
 
 def _block_m(m: int, experts) -> int:
     return 1 if experts is not None else min(16, 1 << (m - 1).bit_length())
 
 
-def best_config(xs, raw, qtype: str, n: int, experts, second=None, rows_per_x: int = 1) -> tuple[int, int, int, int]:
+def best_config(xs, raw, qtype: str, n: int, experts, second=None, rows_per_x: int = 1) -> tuple:
     """The fastest candidate for this shape, timed once per (type, N, K, rows rounded up to a power of two,
     experts) on CUDA outside graph capture (a capture's warm-up step does it); the first candidate inside
     a capture or with HF2Q_GEMV_TUNE=0; under Triton's interpreter, which pays per program, the one with
@@ -157,7 +186,7 @@ def best_config(xs, raw, qtype: str, n: int, experts, second=None, rows_per_x: i
     if not xq.is_cuda:  # no registers to spill: any candidate
         every = _B_CANDIDATES if qtype in ("Q8_0", "Q4_0") else _K_CANDIDATES
         return max(filter(fits, every), key=lambda c: (c[0], c[1]))
-    ok = list(filter(fits, candidates(qtype, 1 if experts is not None else xq.shape[0])))
+    ok = list(filter(fits, candidates(qtype, 1 if experts is not None else xq.shape[0] * rows_per_x)))
     if not _TUNE:
         return ok[0]
     pairs = xq.shape[0] * rows_per_x if experts is None else len(experts)
@@ -221,7 +250,7 @@ def _key_text(key: TuneKey) -> str:
     return "|".join(str(v) for v in key)
 
 
-def tuned_configs(qtype: str, n: int, k: int) -> dict[int, tuple[int, int, int, int]]:
+def tuned_configs(qtype: str, n: int, k: int) -> dict[int, tuple]:
     """The configurations the timing picked for single-weight products of an [n, k] `qtype` weight, by
     activation rows (rounded up to a power of two)."""
     return {key.rows: cfg for key, cfg in _TUNED.items()
@@ -256,8 +285,12 @@ def _launch(xs, raw, qtype, n, experts, config, out_dtype=torch.float32, second=
     if second:
         check_layout(second[0], qtype2, k)
     row_units = _row_units(qtype, k)
-    block_n, sb, warps, stages = config
+    block_n, sb, warps, stages = config[:4]
+    shared = len(config) > 4 and bool(config[4])
     bm = _block_m(m, experts)
+    if shared and (experts is not None or bm > 4 or qtype not in KQUANTS or qtype2 not in KQUANTS):
+        raise ValueError(f"shared-rows configuration {config} serves K-quants at up to 4 rows without experts, "
+                         f"not {qtype}/{qtype2} at {m} rows{' of experts' if experts is not None else ''}")
     n_total = n + (second[1] if second else 0)
     if second and (n % block_n or (experts is not None and second[1] != n)):
         raise ValueError(f"two weights in one launch need the first's rows ({n}) a multiple of BLOCK_N "
@@ -274,8 +307,8 @@ def _launch(xs, raw, qtype, n, experts, config, out_dtype=torch.float32, second=
             _row_units(qtype2, k), n_units, n * row_units, k // 16, rows_per_x, out.stride(0))
     meta = dict(QTYPE=QTYPE_ID[qtype], QTYPE_B=QTYPE_ID[qtype2], BM=bm, BN=block_n, SB=sb, STAGES=stages,
                 HAS_EXPERTS=experts is not None, TWO=second is not None,
-                EVEN=m % bm == 0 and n_total % block_n == 0 and n_units % sb == 0, EMULATE=EMULATE, num_warps=warps,
-                **pdl.launch_options(xq.device))
+                EVEN=m % bm == 0 and n_total % block_n == 0 and n_units % sb == 0, EMULATE=EMULATE, SHARED=shared,
+                num_warps=warps, **pdl.launch_options(xq.device))
     if warmup:  # compile (as this launch would) without running
         _gemv_dp4a_kernel.warmup(*args, grid=grid, **meta)
     else:
@@ -284,7 +317,7 @@ def _launch(xs, raw, qtype, n, experts, config, out_dtype=torch.float32, second=
 
 
 def matvec(xs, raw: torch.Tensor, qtype: str, n: int, experts: torch.Tensor | None = None,
-           config: tuple[int, int, int, int] | None = None, out_dtype: torch.dtype = torch.float32,
+           config: tuple | None = None, out_dtype: torch.dtype = torch.float32,
            second: tuple | None = None, rows_per_x: int = 1) -> torch.Tensor:
     """Activations already quantized by quantize_rows (xs) times quantized rows raw [(E,) N, row_bytes].
 
@@ -296,7 +329,7 @@ def matvec(xs, raw: torch.Tensor, qtype: str, n: int, experts: torch.Tensor | No
     return _launch(xs, raw, qtype, n, experts, cfg, out_dtype, second, rows_per_x)
 
 
-def gemv(x: torch.Tensor, raw: torch.Tensor, qtype: str, n: int, config: tuple[int, int, int, int] | None = None,
+def gemv(x: torch.Tensor, raw: torch.Tensor, qtype: str, n: int, config: tuple | None = None,
          key: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] times quantized rows raw [N, row_bytes] -> [M, N] in x's dtype (`key`: see quantize_rows)."""
     return matvec(quantize_rows(x, key, blocked_for(qtype)), raw, qtype, n, config=config, out_dtype=x.dtype)

@@ -2,7 +2,8 @@
 
 Up to MATVEC_ROWS rows (decode of up to four sequences; MoE token-expert pairs, up to MOE_PAIRS) go through
 the mat-vec kernel that streams the blocks and multiplies them on 8-bit integer dot products against
-int8-quantized activations (dp4a_triton): it reads the weight once per row. Up to MM_ROWS rows go
+int8-quantized activations (dp4a_triton): K-quant weights at 2-4 rows are unpacked once for all rows (its
+shared rows), Q8_0 and Q4_0 likewise, but each row still costs its own dot products. Up to MM_ROWS rows go
 through mm_triton, which dequantizes 32-value groups in registers and multiplies them on tensor cores,
 reading the blocks once for all rows (on the H200, a 9B Q4_K_M step's projections: 6.6 ms at 16 rows
 and 11.0 ms at 64, against 13.7 ms for dequantize + cuBLAS; BENCHMARKS.md); with HF2Q_QUANT_MM=mmq,
@@ -23,9 +24,10 @@ from hf2q import envs
 from hf2q.kernels.choose import triton_runs
 from hf2q.quant import KQUANTS, dequantize_ref, is_interleaved, kept_row
 
-# At most this many rows go through the int8 mat-vec kernel. It reads the weights once per row, so its time
-# grows with the rows: on the H200 a 9B Q4_K_M step's projections took 3.2 ms at 2 rows, 5.9 ms at 4 and
-# 25 ms at 8, against 13.5 ms for dequantize + cuBLAS at any of them (tools/quant_mm_sweep.py --matvec).
+# At most this many rows go through the int8 mat-vec kernel. Its time grows with the rows: on the H200 a 9B
+# Q4_K_M step's projections took 3.2 ms at 2 rows, 5.9 ms at 4 and 25 ms at 8, against 13.5 ms for
+# dequantize + cuBLAS at any of them (tools/quant_mm_sweep.py --matvec), measured before the K-quant shared
+# rows (dp4a_triton).
 MATVEC_ROWS = 4
 MM_ROWS = 64  # at most this many rows go through mm_triton (one pass over the blocks for all rows)
 QUANT_MM = envs.quant_mm()  # "mmq": Q8_0 and K-quant rows up to MM_ROWS on int8 tensor cores (mmq_triton)
