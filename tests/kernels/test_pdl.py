@@ -30,11 +30,13 @@ def _kernels():
     from hf2q.kernels.rotary import qk_rope_triton
     from hf2q.kernels.quant import dp4a_triton as quant_dp4a_triton, int8_rows
     from hf2q.kernels.activation import swiglu_triton
+    q4k = quant_dp4a_triton._row_units("Q4_K", 4096)  # K = 4096: the sizes that follow from K are constants
     dp4a = dict(QTYPE=2, QTYPE_B=2, BM=1, BN=4, SB=16, STAGES=1, HAS_EXPERTS=False, TWO=False, EVEN=True,
-                EMULATE=False)
+                EMULATE=False, row_units=q4k, row_units_b=q4k, n_units=16, n_g16=256)
     return {
         "dp4a": (quant_dp4a_triton._gemv_dp4a_kernel, dp4a, 1),
-        "dp4a_two": (quant_dp4a_triton._gemv_dp4a_kernel, dict(dp4a, TWO=True, QTYPE_B=4), 2),
+        "dp4a_two": (quant_dp4a_triton._gemv_dp4a_kernel,
+                     dict(dp4a, TWO=True, QTYPE_B=4, row_units_b=quant_dp4a_triton._row_units("Q6_K", 4096)), 2),
         "dp4a_experts": (quant_dp4a_triton._gemv_dp4a_kernel, dict(dp4a, HAS_EXPERTS=True), 1),
         "quantize": (int8_rows._quantize_kernel, dict(GROUPS=16, BLOCKED=True), 4),
         "norm": (norm_triton._add_rms_norm_kernel, dict(HAS_R=True, BLOCK=4096, SLICE=512, QUANT=True,

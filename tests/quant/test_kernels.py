@@ -218,7 +218,8 @@ def _gemv_cases():
 
 
 @kernels
-@pytest.mark.parametrize("qtype,config", _gemv_cases())
+@pytest.mark.parametrize("qtype,config", _gemv_cases(),
+                         ids=lambda v: v if isinstance(v, str) else "x".join(map(str, v[:4])) + "-shared" * (len(v) > 4))
 def test_gemv_every_candidate_config(qtype, config):
     """Every configuration the device may pick is exact on int8-representable activations: rows not a
     multiple of BLOCK_N, a partial step, activation rows not a multiple of BLOCK_M (shared rows: 2 and 4
@@ -425,9 +426,12 @@ def test_int8_matvec_compiles_for_hopper(qtype, rows, stages):
            "row_units_b": "i32", "n_units": "i32", "expert_units": "i32", "n_g16": "i32", "rows_per_x": "i32",
            "out_stride": "i32"}
     bm = 1 if experts else k._block_m(rows, None)
+    kdim = 4096  # the sizes that follow from K are the kernel's constants
     const = dict(QTYPE=k.QTYPE_ID[qtype], QTYPE_B=k.QTYPE_ID[qtype_b], BM=bm, BN=bn, SB=sb, STAGES=stages,
-                 HAS_EXPERTS=experts, TWO=experts or qtype_b != qtype, EVEN=even, EMULATE=False, SHARED=shared)
-    sizes = ("N", "n_first", "row_units", "row_units_b", "n_units", "expert_units", "n_g16", "out_stride")
+                 HAS_EXPERTS=experts, TWO=experts or qtype_b != qtype, EVEN=even, EMULATE=False, SHARED=shared,
+                 row_units=k._row_units(qtype, kdim), row_units_b=k._row_units(qtype_b, kdim),
+                 n_units=kdim // k.block_layout(qtype)[0], n_g16=kdim // 16)
+    sizes = ("N", "n_first", "expert_units", "out_stride")
     ptx = compile_for_hopper(k._gemv_dp4a_kernel, sig, const, warps, sizes if even else ())
     assert "dp4a" in ptx
     assert shared == (rows in (2, 4) and not experts), config  # the first candidate at 2-4 rows
