@@ -24,10 +24,13 @@ from hf2q import envs
 from hf2q.kernels.choose import triton_runs
 from hf2q.quant import KQUANTS, dequantize_ref, is_interleaved, kept_row
 
-# At most this many rows go through the int8 mat-vec kernel. Its time grows with the rows: on the H200 a 9B
-# Q4_K_M step's projections took 3.2 ms at 2 rows, 5.9 ms at 4 and 25 ms at 8, against 13.5 ms for
-# dequantize + cuBLAS at any of them (tools/quant_mm_sweep.py --matvec), measured before the K-quant shared
-# rows (dp4a_triton).
+# At most this many rows go through the int8 mat-vec kernel (its shared rows stop at 4). On the H200, the
+# default configurations of three projections that hold 3.03 GB of a 9B Q4_K_M token (Q5_K DeltaNet qkv, Q4_K
+# gate+up, Q6_K down; `HF2Q_GEMV_TUNE=0 python -m hf2q.bench.quant --no-prefill --rows 2 4 --only gdn.qkv
+# ffn.gate+up ffn.down`): 1.14 ms at one row, 1.49 at 2, 2.02 at 4 (before shared rows and K constants: 1.16,
+# 1.90, 5.04; BENCHMARKS.md). Past 4 rows the tile kernels take over (a whole 9B Q4_K_M step's projections on
+# units of one row each took 25 ms at 8 rows against 13.5 ms for dequantize + cuBLAS: tools/quant_mm_sweep.py
+# --matvec).
 MATVEC_ROWS = 4
 MM_ROWS = 64  # at most this many rows go through mm_triton (one pass over the blocks for all rows)
 QUANT_MM = envs.quant_mm()  # "mmq": Q8_0 and K-quant rows up to MM_ROWS on int8 tensor cores (mmq_triton)
