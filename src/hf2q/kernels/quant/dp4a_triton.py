@@ -20,10 +20,11 @@ cache lines and stall on L1 throughput. Those units repeat a block's loads and u
 scale bytes) for every activation row in the code Triton emits: ptxas merges the repeats where one thread
 holds all of a unit's rows, not where they sit in different threads, and the registers they hold stay (a
 4-row verify step cost 4.35 one-row steps on an H100, 9B Q4_K_M, with the first candidates, whose 4-row
-one spills). So at 2-4 rows the kernel's shared-rows form (SHARED, the first candidates) gives a thread
-(weight row, block) units instead, as llama.cpp's mul_mat_vec_q does for several destination columns: each
-word is loaded and unpacked once, then dotted with every row's activations, each row's sums in variables
-of their own (on sm_90 at 4 rows, 2 warps: Q4_K 205 registers against 224, Q6_K 70 against 150).
+one spilled before the K constants). So at 2-4 rows the kernel's shared-rows form (SHARED, the first
+candidates) gives a thread (weight row, block) units instead, as llama.cpp's mul_mat_vec_q does for several
+destination columns: each word is loaded and unpacked once, then dotted with every row's activations, each
+row's sums in variables of their own. On the H200, 9B Q4_K_M's qkv, gate+up and down projections at their
+first candidates: 4 rows cost 1.77 one-row steps, 4.36 before the shared rows and K constants (BENCHMARKS.md).
 Q8_0 and Q4_0: a thread owns 16-value parts, and BLOCK_M activation rows share each unpacked weight
 word; their blocks follow ggml's structs byte for byte and are only 2-byte aligned, so their words
 are joined from two 16-bit halves. With `experts`, every row m has its own expert's weight (MoE
@@ -131,8 +132,7 @@ _K_CANDIDATES = [(2, 16, 1, 1), (4, 8, 1, 1), (4, 16, 2, 1), (8, 8, 2, 1), (8, 1
                  (2, 4, 1, 1), (4, 2, 1, 1), (2, 8, 2, 1), (4, 8, 4, 1), (2, 16, 1, 3), (4, 8, 1, 3)]
 # K-quants at 2-4 activation rows, shared rows (the kernel's SHARED), first: a thread holds whole (weight row,
 # block) units and dots each with every activation row. A thread keeps at most MAX_UNITS (row, unit) sums
-# here too: one unit at 4 rows, two at 2. The first spills no registers on sm_90, where the first per-row
-# candidate at 4 rows, (2, 16, 1, 1), does.
+# here too: one unit at 4 rows, two at 2. The first spills no registers on sm_90.
 _K_SHARED = [(4, 16, 2, 1, True), (8, 16, 4, 1, True), (2, 16, 1, 1, True), (4, 8, 1, 1, True), (16, 8, 4, 1, True),
              (4, 16, 1, 1, True)]
 MAX_PARTS = 16

@@ -1,6 +1,6 @@
 """GGUF-quantized weights times a few activation rows (batched decode, 5-64 rows) on tensor cores.
 
-Between the int8 mat-vec (dp4a_triton, which reads the weight once per activation row) and prefill's
+Between the int8 mat-vec (dp4a_triton, 1-4 rows, whose work grows with the rows) and prefill's
 dequantize-then-cuBLAS (dequant_triton, which writes and re-reads a bf16 copy of the weight), a batch of
 decode rows wants the quantized blocks read once for all its rows. A program takes BLOCK_N weight rows
 over a range of 256-value tiles; each tile is walked in eight groups of 32 values that share one scale
