@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks behind BENCHMARKS.md, in stages that each fit a few minutes:
-#   tools/gpu_check.sh tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu|mm|serve|peer|ttft|kv|mtp|prefix|soak [OUT_DIR]
+#   tools/gpu_check.sh tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu|mm|serve|peer|ttft|kv|mtp|verify|matvec|prefix|soak [OUT_DIR]
 # tests: every GPU-marked test (the quantized greedy-token test first) and the Triton kernel tests on the device;
 # quant: 9B Q4_K_M end to end and per projection; bf16: 9B and 2B; moe: 35B-A3B bf16 and Q4_K_M;
 # decode (bf16: 35B-A3B, 2B, 9B), decode-q (9B Q4_K_M) and decode-q-moe (35B-A3B Q4_K_M): batch-1
@@ -25,12 +25,14 @@
 # tokenizer as .cache/qwen35_tokenizer.tgz; its DeltaNet delta rule is --gdn auto: fla's PyTorch chunked form where
 # fla refuses its gated Triton backward (Hopper with Triton < 3.7.1), train.json's "gdn" says which ran; steps per
 # minute on that path are not measured yet), its acceptance and speed-up on held-out code and prose
-# (tools/spec_eval.py), and the forced-acceptance verify-cost curves; prefix: a follow-up turn over an
+# (tools/spec_eval.py), and the forced-acceptance verify-cost curves; verify: those curves alone at batch 1 (9B
+# Q4_K_M, then bf16), each in a time cap of its own; matvec: the int8 mat-vec at 1, 2 and 4 rows per 9B Q4_K_M
+# projection, every candidate timed (the served default) and then the first candidates (HF2Q_GEMV_TUNE=0); prefix: a follow-up turn over an
 # 8,000-token shared history, served with the prefix cache and without; soak: 64 streaming clients against a served
 # 9B Q4_K_M for SOAK_S seconds, RSS and GPU memory sampled (tools/soak.py). Figures also go to OUT_DIR/*.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?stage: tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu|mm|serve|peer|ttft|kv|mtp|prefix|soak}
+stage=${1:?stage: tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu|mm|serve|peer|ttft|kv|mtp|verify|matvec|prefix|soak}
 out=${2:-.}
 mkdir -p "$out"
 bench() { python -m hf2q.bench --hf-new 0 "$@"; }
@@ -78,6 +80,14 @@ case "$stage" in
            --max-tokens 128 -- --max-num-seqs 4 > "$out/spec_q8.json"
          bench --shape 9b --batch 1 4 16 --spec-accept 0 1 2 3 --spec-k 3
          bench --shape 9b --quant q4_k_m --batch 1 4 16 --spec-accept 0 1 2 3 --spec-k 3 ;;
+  verify) for quant in "--quant q4_k_m" ""; do
+           timeout 270 python -m hf2q.bench --hf-new 0 --shape 9b $quant --batch 1 --prefill 512 --new 48 \
+             --spec-accept 0 1 2 3 --spec-k 3 --json "$out/verify_9b${quant:+_q4_k_m}.json" 2>&1 \
+             | grep -v -e Warning -e _warn_once
+         done ;;
+  matvec) for tune in 1 0; do
+           HF2Q_GEMV_TUNE=$tune python -m hf2q.bench.quant --no-prefill --rows 2 4
+         done ;;
   prefix) port=8090
          for mix in ${MIXES:-q4_k_m bf16}; do
            model=${MODEL_DIR:-/tmp}/hf2q-9b-$mix.gguf
