@@ -10,6 +10,7 @@ use picked on this device; each projection's line shows it. Run: python -m hf2q.
 from __future__ import annotations
 
 import argparse
+from math import nan
 
 import torch
 
@@ -44,7 +45,7 @@ def main(argv=None) -> None:
     p.add_argument("--batch-1-only", action="store_true", help="the same as --rows 1")
     args = p.parse_args(argv)
     row_counts = (1,) if args.batch_1_only else tuple(dict.fromkeys([1, *args.rows]))
-    shown = (list(row_counts[1:]) + [0, 0])[:2]  # the table's two columns past one row (0: not timed)
+    shown = (list(row_counts[1:]) + [None, None])[:2]  # the table's two columns past one row (None: not timed)
     from hf2q.bench import ceilings
 
     bandwidth = ceilings()[0]  # this device's copy rate (bytes read + written per second), the % column's base
@@ -60,7 +61,6 @@ def main(argv=None) -> None:
         xs = {m: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in row_counts}
         copies = cold_copies(raw)
         dec = {m: _us(lambda w, m=m: quant_linear(xs[m], w, qtype, n), copies) for m in xs}
-        dec[0] = float("nan")
         pre = bf = 0.0
         if not args.no_prefill:
             xp = torch.randn(4096, k, device="cuda", dtype=torch.bfloat16)
@@ -70,8 +70,8 @@ def main(argv=None) -> None:
             del xp, wd
         nbytes = raw.nbytes
         print(f"{name:12} {qtype:5} {f'{n}x{k}':>14} {nbytes / 1e6:7.1f} {dec[1]:8.1f} "
-              f"{100 * nbytes / bandwidth / (dec[1] * 1e-6):5.0f} {dec[shown[0]]:8.1f} {dec[shown[1]]:8.1f} "
-              f"{pre:8.2f} {bf:8.2f}", flush=True)
+              f"{100 * nbytes / bandwidth / (dec[1] * 1e-6):5.0f} {dec.get(shown[0], nan):8.1f} "
+              f"{dec.get(shown[1], nan):8.1f} {pre:8.2f} {bf:8.2f}", flush=True)
         print(f"  mat-vec configs by rows: {quant_dp4a_triton.tuned_configs(qtype, n, k)}", flush=True)
         for m in row_counts:
             tot[f"dec{m}"] += dec[m] * times

@@ -156,6 +156,13 @@ def _q6k_word(low, top, jhi: tl.constexpr, jlo: tl.constexpr):
 
 
 @triton.jit
+def _q6k_scale(scales, h: tl.constexpr, jhi: tl.constexpr, jlo: tl.constexpr, hf: tl.constexpr):
+    """The int8 scale of a Q6_K half-block's piece (h, j = 2·jhi + jlo, half hf of l) as float: byte
+    2·jlo + hf of scale word 2h + jhi, sign-extended by constant shifts."""
+    return ((scales[2 * h + jhi] << (24 - 8 * (2 * jlo + hf))) >> 24).to(tl.float32)
+
+
+@triton.jit
 def _q6k_part(part, dot, table, sc):
     """part + a 16-value piece's share from its integer dot, its table entry (dx, dx·Σxq, ...) and its
     scale: the values are stored + 32, taken off through the piece's quantized sum."""
@@ -235,7 +242,7 @@ def _q6k(w32, xq32, act, x_g16, m_ok, row_q, row_ok, u0, n_units, BM: tl.constex
                         low = ql0[i] if hf == 0 else ql1[i]
                         top = qh0[i] if hf == 0 else qh1[i]
                         dot = _dp4a_acc(_q6k_word(low, top, jhi, jlo), x_quad[i], dot, False, EMULATE)
-                    sc = ((scales[2 * h + jhi] << (24 - 8 * (2 * jlo + hf))) >> 24).to(tl.float32)
+                    sc = _q6k_scale(scales, h, jhi, jlo, hf)
                     part = _q6k_part(part, dot, _quads3(act, 4 * piece, mask), sc)
     return part * d
 
@@ -360,7 +367,7 @@ def _q6k_rows(w32, xq32, act, x_g16, row_q, row_ok, u0, n_units, BM: tl.constexp
                     top = qh0 if hf == 0 else qh1
                     vals = (_q6k_word(low[0], top[0], jhi, jlo), _q6k_word(low[1], top[1], jhi, jlo),
                             _q6k_word(low[2], top[2], jhi, jlo), _q6k_word(low[3], top[3], jhi, jlo))
-                    sc = ((scales[2 * h + jhi] << (24 - 8 * (2 * jlo + hf))) >> 24).to(tl.float32)
+                    sc = _q6k_scale(scales, h, jhi, jlo, hf)
                     p = (8 * h + 2 * (2 * jhi + jlo) + hf) * n_units
                     part0 = _q6k_row_part(part0, vals, xq32, act, x0 + p, mask, sc, EMULATE)
                     if BM > 1:

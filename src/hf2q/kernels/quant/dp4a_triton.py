@@ -87,11 +87,12 @@ def _gemv_dp4a_kernel(xq_ptr, act_ptr, w16, w32, w16b, w32b, out_ptr, expert_ptr
     m_ok = below(ms, M, EVEN)
     cols = tl.program_id(0) * BN + tl.arange(0, BN)  # axis 0: a vocabulary's rows outnumber axis 1's limit
     row_ok = below(cols, N, EVEN)
-    x_g16 = (ms // rows_per_x).to(tl.int64) * n_g16  # first 16-value piece of each activation row
-    if SHARED:
+    if SHARED:  # four rows' first pieces as scalars
         m0 = tl.program_id(1) * BM
         x_g16 = (_first_piece(m0, M, rows_per_x, n_g16), _first_piece(m0 + 1, M, rows_per_x, n_g16),
                  _first_piece(m0 + 2, M, rows_per_x, n_g16), _first_piece(m0 + 3, M, rows_per_x, n_g16))
+    else:
+        x_g16 = (ms // rows_per_x).to(tl.int64) * n_g16  # first 16-value piece of each activation row
     pdl.wait_prior(PDL)
     expert_base = 0
     if HAS_EXPERTS:
