@@ -44,6 +44,8 @@ def main(argv=None) -> None:
                         "table shows 1 and the next two")
     p.add_argument("--batch-1-only", action="store_true", help="the same as --rows 1")
     args = p.parse_args(argv)
+    if min(args.rows) < 1:
+        p.error(f"--rows takes counts of at least 1, not {min(args.rows)}")
     row_counts = (1,) if args.batch_1_only else tuple(dict.fromkeys([1, *args.rows]))
     shown = (list(row_counts[1:]) + [None, None])[:2]  # the table's two columns past one row (None: not timed)
     from hf2q.bench import ceilings
