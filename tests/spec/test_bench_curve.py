@@ -28,3 +28,15 @@ def test_curve_has_every_batch_and_length(graphs, monkeypatch):
     assert table.count("\n") == 3 and "L=3" in table
     with pytest.raises(ValueError, match="0..3"):
         spec_curve(net, cfg, [1], [4], k=3)
+
+
+def test_profile_says_where_a_round_goes():
+    """`--profile-spec`: plain steps and the longest forced length at the first batch, with the host's top ops."""
+    cfg = tiny_config()
+    net = random_model(cfg, device="cpu", dtype=torch.float32)
+    report = spec_curve(net, cfg, [2, 3], [1, 2], k=2, prompt=8, rounds=1, graphs=False, profile=True)
+    profiles = {key: value for key, value in report.items() if key.endswith("_profile")}
+    assert sorted(profiles) == ["spec_b2_L2_profile", "spec_b2_plain_profile"]
+    for prof in profiles.values():
+        assert prof["wall_ms"] > 0 and prof["gpu_busy_ms"] == 0 and prof["gpu_top"] == []
+        assert any("linear" in name or "mm" in name for name, _, _ in prof["host_top"])

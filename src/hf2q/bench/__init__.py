@@ -31,6 +31,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="also time speculative verify rounds that accept exactly L drafts (0..k), per --batch "
                         "size, against plain eager steps (hf2q.bench.spec)")
     p.add_argument("--spec-k", type=int, default=3, help="drafts per verify round with --spec-accept")
+    p.add_argument("--profile-spec", action="store_true",
+                   help="with --spec-accept: also profile plain steps and the longest forced length at the first batch")
 
 
 def _sync_time(fn, reps: int = 3) -> float:
@@ -240,7 +242,8 @@ def bench_shape(shape: str, args) -> dict:
     bench_ours(net, cfg, args, report)
     if getattr(args, "spec_accept", None):
         from hf2q.bench.spec import spec_curve
-        report.update(spec_curve(net, cfg, args.batch, args.spec_accept, args.spec_k, args.prompt))
+        report.update(spec_curve(net, cfg, args.batch, args.spec_accept, args.spec_k, args.prompt,
+                                 profile=getattr(args, "profile_spec", False)))
     del net
     torch.cuda.empty_cache()
     if args.hf_new:
@@ -278,6 +281,12 @@ def run_bench(args) -> int:
     if args.spec_accept:
         from hf2q.bench.spec import format_curve
         print(format_curve(report, args.batch, args.spec_accept))
+        for key in [key for key in report if key.endswith("_profile")]:
+            prof = report[key]
+            print(f"## {key}: {prof['wall_ms']} ms a round, GPU busy {prof['gpu_busy_ms']} ms")
+            for side in ("gpu_top", "host_top"):
+                for name, ms, count in prof[side]:
+                    print(f"{side} {ms:9.4f} ms {count:5d}x {name}")
     return 0
 
 
