@@ -152,6 +152,30 @@ def mixed_drafts_against_plain(model, graphs: bool = False):
     assert engine.cache.num_free_slots == engine.cache.num_slots - graphs_pad
 
 
+def test_full_verify_buckets_have_no_padding_rows(model, monkeypatch):
+    """Verify steps of exactly a bucket's rows (one request with 3 drafts: 4 rows; two: 8) replay that bucket
+    with no padding row, and the tokens stay plain decoding's."""
+    from hf2q.engine.prefill_graphs import PrefillGraphs
+
+    rng = random.Random(4)
+    work = [([rng.randrange(100, 20000) for _ in range(5)], SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                                                          ignore_eos=True), {}) for _ in range(2)]
+    seen, step = [], PrefillGraphs.step
+    monkeypatch.setattr(PrefillGraphs, "step", lambda self, seqs: (
+        seen.append((sum(len(new) for new, _, _ in seqs), self.bucket(sum(len(new) for new, _, _ in seqs)))),
+        step(self, seqs))[1])
+    with choose.fast_path("force"):
+        plain = run(make_engine(model), work)
+        for batch in ([work[0]], work):  # alone: 4-row steps; together: 8
+            engine = make_engine(model, SpecConfig(method="ngram", num_tokens=3, cost_window=0))
+            answers = {tuple(p): plain[f"r{i}.0"]["ids"] for i, (p, _, _) in enumerate(work)}
+            engine.spec.new_proposer = lambda: Oracle(answers, spoil=0.2, seed=2)
+            verify_in_graphs(engine)
+            spec = run(engine, batch)
+            assert {rid: o["ids"] for rid, o in spec.items()} == {rid: plain[rid]["ids"] for rid in spec}
+    assert (4, 4) in seen and (8, 8) in seen, seen
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_slot_state_after_rejections_equals_plain_decoding(model, path):
     """After every step (each with drafts, some accepted, some rejected), each slot holds what plain decoding

@@ -30,7 +30,10 @@ from hf2q.spec.states import POSITIONS, PREFIXES, KeptPositions
 log = logging.getLogger(__name__)
 
 PREFILL_BUCKETS = (8, 16, 32, 64, 128)
-MAX_ROWS = PREFILL_BUCKETS[-1] - 1  # a bucket keeps at least one padding row
+# A lone verify of 3 drafts is 4 rows: a bucket of exactly 4 keeps its quantized projections on the few-row
+# mat-vec, which reads each weight once for all 4 (a bucket of 8 would send them through the tile kernel).
+VERIFY_BUCKETS = (4,) + PREFILL_BUCKETS
+MAX_ROWS = PREFILL_BUCKETS[-1] - 1  # the longest prefill chunk the scheduler sends to a graph
 MAX_SEQS = 64
 PADDING_SEQS = 8  # the padding rows' sequences: the delta rule walks each one's rows in turn
 PREFIX_ROWS = PREFIXES * (PREFIXES + 1) // 2  # a verify graph's kept prefixes' rows per sequence, at most
@@ -105,11 +108,13 @@ class PrefillGraphs:
 
     def serves(self, rows: list[int], blocks: list[int]) -> bool:
         """Whether a step of these sequences' new rows fits a graph, their sequences then `blocks` blocks long."""
-        return (self.usable and len(rows) <= self.max_seqs and 1 <= sum(rows) < self.buckets[-1]
+        return (self.usable and len(rows) <= self.max_seqs and 1 <= sum(rows) <= self.buckets[-1]
                 and max(blocks) <= self.width)
 
     def bucket(self, rows: int) -> int:
-        return next(b for b in self.buckets if b > rows)
+        """The smallest bucket that holds `rows` (a full one has no padding rows: its padding sequences are
+        empty, as unused sequences are)."""
+        return next(b for b in self.buckets if b >= rows)
 
     def _views(self, pack: torch.Tensor, b: int):
         """ids, positions, slot mapping, context lengths, block tables (b rows each), then the sequences' slots,

@@ -237,8 +237,9 @@ class ModelRunner:
             decode = self._decode_graphs()
             if decode is None:
                 return None
-            from hf2q.engine.prefill_graphs import PrefillGraphs
-            self.verify_graphs = PrefillGraphs(decode, max_seqs=self.verify_seqs, verify=True)
+            from hf2q.engine.prefill_graphs import VERIFY_BUCKETS, PrefillGraphs
+            self.verify_graphs = PrefillGraphs(decode, buckets=VERIFY_BUCKETS, max_seqs=self.verify_seqs,
+                                               verify=True)
         return self.verify_graphs
 
     @torch.inference_mode()
