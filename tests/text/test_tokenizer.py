@@ -249,6 +249,8 @@ def test_long_random_texts_encode_as_the_whole_text(tok):
         text = "".join(rng.choice(FRAGMENTS + [MESSAGE_START] * 8) for _ in range(1500))
         assert spy.encode(text) == whole(tok, text)
     assert spy._tok.batched
+    spy.add_bos_token, spy.bos_token_id = True, tok.token_to_id("<|endoftext|>")
+    assert spy.encode(text, add_special_tokens=True) == [spy.bos_token_id, *whole(tok, text)]
 
 
 def test_follow_up_encodes_only_new_messages(tok, template):
