@@ -1,8 +1,8 @@
 """Token ids of recently encoded text segments, so a conversation's earlier messages are not encoded again.
 
 A chat's follow-up request re-sends the whole history; its messages are identical from turn to turn, so
-their ids can be reused (an ~8,000-token conversation: about 7 ms to encode whole on a 2-core Xeon, 0.3 to
-0.6 ms for its next turn). Bounded by the characters it holds (least recently used first out) and locked:
+their ids can be reused (an ~8,000-token conversation: about 8 ms to encode whole on a 2-core Xeon, 0.3 to
+0.8 ms for its next turn). Bounded by the characters it holds (least recently used first out) and locked:
 server threads encode concurrently.
 """
 from __future__ import annotations
