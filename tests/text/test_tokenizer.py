@@ -6,7 +6,13 @@ import unicodedata
 
 import pytest
 
-from hf2q.text.tokenizer import Tokenizer, TokenizerError, TokenType
+from gguf.vocab import bytes_to_unicode
+from tokenizers import AddedToken
+
+from hf2q.text.chat_template import ChatTemplate
+from hf2q.text.segment_cache import SegmentCache
+from hf2q.text.tokenizer import MESSAGE_START, Tokenizer, TokenizerError, TokenType, _pieces
+from tests.support.llama_cpp_sources import SourcesUnavailable, qwen35_chat_template
 from tests.support.tokenizer_dir import reference_tokenizer, tokenizer_gguf_metadata
 
 HAND_WRITTEN = [
@@ -165,3 +171,149 @@ def test_check_vocab(tok):
     tok.check_vocab(tok.vocab_size + 64)
     with pytest.raises(ValueError, match="embedding"):
         tok.check_vocab(tok.vocab_size - 1)
+
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather — « 日本 »",
+                                         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+def chat(turns: int, seed: int = 0) -> list[dict]:
+    """A long conversation: thinking, tool calls and results, unicode, spaces and newlines at both ends of
+    messages, and the literal text of a message start inside content."""
+    rng = random.Random(seed)
+
+    def words(n):
+        return " ".join(rng.choice(FRAGMENTS[:34] + ["<think>", "</think>", "<tool_call>"]) for _ in range(n))
+
+    messages = [{"role": "system", "content": "  You are terse. Ünïcödé ✓\n\n"}]
+    for i in range(turns):
+        messages.append({"role": "user", "content": rng.choice([" ", "\n", "", " \n "]) + words(40) +
+                         rng.choice([" ", "\n\n", "", f" {MESSAGE_START} ", f"\n{MESSAGE_START}user\nfake"])})
+        if i % 3 == 1:
+            messages.append({"role": "assistant", "content": "", "reasoning_content": words(10), "tool_calls": [
+                {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": {"city": words(2)}}}]})
+            messages.append({"role": "tool", "tool_call_id": "c", "content": f'{{"temp": {i}, "note": "{words(5)}"}}'})
+        messages.append({"role": "assistant", "content": words(40) + " \n", "reasoning_content": "\n" + words(15)})
+    return messages
+
+
+@pytest.fixture(scope="module")
+def template():
+    try:
+        return ChatTemplate(qwen35_chat_template(), eos_token="<|im_end|>")
+    except SourcesUnavailable as exc:
+        pytest.skip(str(exc))
+
+
+class _Recording:
+    """The library tokenizer, recording the texts `encode_batch` is given."""
+
+    def __init__(self, inner):
+        self.inner, self.batched = inner, []
+
+    def encode_batch(self, texts, **kwargs):
+        self.batched.extend(texts)
+        return self.inner.encode_batch(texts, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def recording(tok: Tokenizer, max_chars: int = 8 << 20) -> Tokenizer:
+    """`tok` with an empty cache of its own and its library tokenizer wrapped in `_Recording`."""
+    spy = copy.copy(tok)
+    spy._tok, spy._segments = _Recording(tok._tok), SegmentCache(max_chars)
+    return spy
+
+
+def whole(tok: Tokenizer, text: str) -> list[int]:
+    return tok._tok.encode(text, add_special_tokens=False).ids
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"enable_thinking": False}, {"add_generation_prompt": False},
+                                    {"tools": [TOOL]}])
+def test_long_chats_encode_as_the_whole_text(tok, template, kwargs):
+    """Encoding message by message gives the ids of the whole text, for texts the chat template writes."""
+    spy = recording(tok)
+    for seed in range(3):
+        text = template.render(chat(12, seed), **kwargs)
+        assert len(text) > 4096 and text.count(MESSAGE_START) > 20
+        assert spy.encode(text) == whole(tok, text)
+    assert len(spy._tok.batched) > 60  # the texts went through the piecewise path
+
+
+def test_long_random_texts_encode_as_the_whole_text(tok):
+    rng = random.Random(5)
+    spy = recording(tok)
+    for _ in range(8):
+        text = "".join(rng.choice(FRAGMENTS + [MESSAGE_START] * 8) for _ in range(1500))
+        assert spy.encode(text) == whole(tok, text)
+    assert spy._tok.batched
+    spy.add_bos_token, spy.bos_token_id = True, tok.token_to_id("<|endoftext|>")
+    assert spy.encode(text, add_special_tokens=True) == [spy.bos_token_id, *whole(tok, text)]
+
+
+def test_follow_up_encodes_only_new_messages(tok, template):
+    spy = recording(tok)
+    history = chat(12)[:-1]
+    first = template.render(history)
+    follow = template.render([*history, {"role": "assistant", "content": "Sunny."},
+                              {"role": "user", "content": "And tomorrow?"}])
+    assert spy.encode(first) == whole(tok, first)
+    spy._tok.batched.clear()
+    assert spy.encode(follow) == whole(tok, follow)
+    new = [p for p in _pieces(follow, MESSAGE_START) if p not in _pieces(first, MESSAGE_START)]
+    assert len(new) == 2 and spy._tok.batched == new
+    spy._tok.batched.clear()
+    assert spy.encode(follow) == whole(tok, follow) and not spy._tok.batched
+    assert spy.encode("short text <|im_start|>user\nhi") == whole(tok, "short text <|im_start|>user\nhi")
+
+
+def test_cache_holds_at_most_its_bound(tok, template):
+    spy = recording(tok, max_chars=4000)
+    text = template.render(chat(12))
+    pieces = _pieces(text, MESSAGE_START)
+    assert spy.encode(text) == whole(tok, text)
+    assert 0 < spy._segments.chars <= 4000 and pieces[0] not in spy._segments and pieces[-1] in spy._segments
+    assert spy._segments.chars == sum(len(p) for p in dict.fromkeys(pieces) if p in spy._segments)
+    assert spy.encode(text) == whole(tok, text)  # evicted pieces are encoded again
+
+
+def test_segment_cache_evicts_least_recently_used():
+    cache = SegmentCache(max_chars=10)
+    cache.store("aaaa", [1])
+    cache.store("bbbb", [2])
+    assert list(cache.lookup(["aaaa", "zz"])) == ["aaaa"]
+    cache.store("cccc", [3])  # over the bound: "bbbb", the least recently used, goes
+    assert "bbbb" not in cache and "aaaa" in cache and cache.chars == 8
+    assert list(cache.store("x" * 11, [4])) == [4] and len(cache) == 2  # too big to hold
+
+
+def _tiny_tokenizer(start_type, cls=Tokenizer, extra=()) -> Tokenizer:
+    """Byte-level vocabulary with one merge ("Ġ<": a space joins a following "<"), the message start token as
+    `start_type` (None: not in the vocabulary) and `extra` user-defined tokens."""
+    chars = list(bytes_to_unicode().values())
+    tokens, types = chars + ["Ġ<", "<|im_end|>"], [TokenType.NORMAL] * (len(chars) + 1) + [TokenType.CONTROL]
+    if start_type is not None:
+        tokens, types = tokens + [MESSAGE_START], types + [start_type]
+    return cls(tokens + list(extra), types + [TokenType.USER_DEFINED] * len(extra), ["Ġ <"], "qwen35")
+
+
+class _StripsBefore(Tokenizer):
+    """The message start token matched with the whitespace before it, so it cannot be cut out exactly."""
+
+    def _build(self, *args):
+        tok = super()._build(*args)
+        tok.add_special_tokens([AddedToken(MESSAGE_START, special=True, normalized=False, lstrip=True)])
+        return tok
+
+
+@pytest.mark.parametrize("start_type,cls,extra", [
+    (None, Tokenizer, ()), (TokenType.NORMAL, Tokenizer, ()), (TokenType.CONTROL, _StripsBefore, ()),
+    (TokenType.CONTROL, Tokenizer, ["Q<|im"]),  # an added token that matches across the cut
+])
+def test_inexact_message_start_encodes_whole_texts(start_type, cls, extra):
+    tok = _tiny_tokenizer(start_type, cls, extra)
+    text = "a <|im_start|>user\n b  <|im_start|> xQ<|im_start|>\n" * 100
+    assert tok._segments is None and tok.encode(text) == whole(tok, text)
+    assert _tiny_tokenizer(TokenType.CONTROL)._segments is not None

@@ -24,6 +24,7 @@ from hf2q.server.schemas import ChatCompletionRequest, Message
 from hf2q.server.sse import DONE, event, unless_disconnected
 from hf2q.server.state import ServerState
 from hf2q.text.reasoning import prompt_opens_reasoning
+from hf2q.text.tokenizer import MESSAGE_START
 from hf2q.vision.inputs import ImageInput
 from hf2q.vision.prompt import image_pad_id
 
@@ -155,9 +156,6 @@ def _shared_tokens(tokenizer, probe: str, prompt_text: str, prompt_ids: list[int
     return offset, tokenizer.encode(probe[cut:])
 
 
-# Where a message begins in the Qwen3.5 chat format: a special token, so the tokenizer splits there and
-# the ids of the text before it are a prefix of the ids of the whole prompt.
-MESSAGE_START = "<|im_start|>"
 _NEXT_USER = "Next question."
 
 

@@ -13,6 +13,8 @@ from gguf.vocab import bytes_to_unicode
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
 
+from hf2q.text.segment_cache import SegmentCache
+
 
 class TokenType(IntEnum):
     """llama.cpp's `llama_token_type`, as stored in `tokenizer.ggml.token_type`."""
@@ -38,6 +40,17 @@ EOS_TOKEN_NAMES = ("<|im_end|>", "<|endoftext|>")
 
 _BYTE_OF_CHAR = {c: b for b, c in bytes_to_unicode().items()}
 _LONG_TEXT = 1 << 16  # characters; shorter texts encode in well under a millisecond
+
+# Where a message begins in the Qwen3.5 chat format: a special token, split out of the text before
+# pre-tokenizing, so a conversation's ids are its messages' ids end to end.
+MESSAGE_START = "<|im_start|>"
+_SEGMENTED_TEXT = 2048  # characters; shorter texts are encoded whole
+_SEGMENT_CACHE_CHARS = 8 << 20
+# Texts around a message start whose ids must not depend on being cut there: whitespace on either side,
+# special tokens and words next to it, a combining mark after it.
+_PROBES = [left + MESSAGE_START + right
+           for left in ("", "a", "a\n", "a ", "a\n\n", " \n ", "<|im_end|>\n", "e")
+           for right in ("", "user\nb", " b", "\nb", "  \n", "\u0301", MESSAGE_START)]
 
 
 class TokenizerError(ValueError):
@@ -70,6 +83,7 @@ class Tokenizer:
         named = (vocab[name] for name in EOS_TOKEN_NAMES if name in vocab)
         self.eos_token_ids = frozenset([*eos_token_ids, *named])
         self._bytes: dict[int, bytes] = {}
+        self._segments = SegmentCache(_SEGMENT_CACHE_CHARS) if self._splits_exactly(MESSAGE_START) else None
 
     def _build(self, vocab: dict[str, int], merges: Iterable[str], pre: str) -> _HFTokenizer:
         pairs = []
@@ -92,6 +106,25 @@ class Tokenizer:
         tok.add_tokens([AddedToken(self._tokens[i], special=False, normalized=False)
                         for i in sorted(self.user_defined_ids)])
         return tok
+
+    def _splits_exactly(self, mark: str) -> bool:
+        """Whether every text's ids are the ids of its pieces cut before each `mark`, end to end: `mark` is an
+        added token matched as it stands (no stripping, normalising or whole-word rule), no other added token
+        can match across such a cut, and the probe texts agree."""
+        added = self._tok.get_added_tokens_decoder()
+        token = added.get(self._tok.token_to_id(mark))
+        if token is None or token.content != mark or token.lstrip or token.rstrip or token.single_word \
+                or token.normalized:
+            return False
+        for other in added.values():
+            tails = (other.content[j:] for j in range(1, len(other.content)))
+            if other.content != mark and any(t.startswith(mark) or mark.startswith(t) for t in tails):
+                return False
+
+        def ids(text: str) -> list[int]:
+            return self._tok.encode(text, add_special_tokens=False).ids
+
+        return all(ids(probe) == [i for piece in _pieces(probe, mark) for i in ids(piece)] for probe in _PROBES)
 
     def _check_added_ids(self) -> None:
         for i in self.special_ids:
@@ -129,9 +162,25 @@ class Tokenizer:
         the chat template writes it where the model expects it."""
         wants_bos = add_special_tokens and self.add_bos_token and self.bos_token_id is not None
         prefix = [self.bos_token_id] if wants_bos else []
+        if self._segments is not None and len(text) > _SEGMENTED_TEXT:
+            return prefix + self._encode_messages(text)
         if len(text) > _LONG_TEXT:  # the batch call releases the GIL: a server thread keeps answering meanwhile
             return prefix + self._tok.encode_batch([text], add_special_tokens=False)[0].ids
         return prefix + self._tok.encode(text, add_special_tokens=False).ids
+
+    def _encode_messages(self, text: str) -> list[int]:
+        """`text` cut before each message start; the pieces the cache holds (a follow-up turn's history) are not
+        encoded again, the new ones are encoded in one batch call (which releases the GIL)."""
+        pieces = _pieces(text, MESSAGE_START)
+        held = self._segments.lookup(pieces)
+        new = list(dict.fromkeys(p for p in pieces if p not in held))
+        if new:
+            for piece, encoding in zip(new, self._tok.encode_batch(new, add_special_tokens=False)):
+                held[piece] = self._segments.store(piece, encoding.ids)
+        ids: list[int] = []
+        for piece in pieces:
+            ids.extend(held[piece])
+        return ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         """Text of `ids`; invalid UTF-8 becomes U+FFFD. `skip_special_tokens` drops control tokens."""
@@ -165,6 +214,12 @@ class Tokenizer:
                if i is not None and not 0 <= i < n_embedding_rows]
         if bad:
             raise ValueError(f"special token ids {sorted(bad)} are outside the {n_embedding_rows} embedding rows")
+
+
+def _pieces(text: str, mark: str) -> list[str]:
+    """`text` cut just before each occurrence of `mark` (no empty pieces)."""
+    first, *rest = text.split(mark)
+    return ([first] if first else []) + [mark + piece for piece in rest]
 
 
 def _optional_int(value: Any) -> int | None:
