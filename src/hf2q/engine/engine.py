@@ -70,7 +70,8 @@ class Engine:
         self.runner = ModelRunner(model.net, self.cache, mtp_rows=self.spec is not None and self.spec.mtp is not None,
                                   vision=getattr(model, "vision", None),
                                   short_prefill_graphs=config.short_prefill_graphs,
-                                  verify_seqs=config.spec.max_batch if self.spec is not None else 0)
+                                  verify_seqs=config.spec.max_batch if self.spec is not None else 0,
+                                  max_seqs=config.scheduler.max_num_seqs)
         if self.spec is not None and self.spec.mtp is not None:  # its catch-up and drafts in graphs where they run
             self.spec.mtp.graphs = lambda: self.runner.mtp_graphs(config.spec.num_tokens)
         if self.runner.use_graphs and config.short_prefill_graphs:

@@ -35,7 +35,7 @@ GRAPH_MAX_CONTEXT = 65536  # block-table width of the graphs; longer sequences d
 
 class ModelRunner:
     def __init__(self, net: Qwen35Model, cache: HybridCache, cuda_graphs: bool = True, mtp_rows: bool = False,
-                 vision=None, short_prefill_graphs: bool = False, verify_seqs: int = 0):
+                 vision=None, short_prefill_graphs: bool = False, verify_seqs: int = 0, max_seqs: int | None = None):
         self.net = net
         self.vision = vision  # the vision tower, for requests with images (hf2q.vision.request_inputs)
         self.cache = cache
@@ -48,6 +48,9 @@ class ModelRunner:
         # with short_prefill_graphs, steps with drafts of up to this many requests replay verify graphs too
         self.verify_seqs = verify_seqs
         self.verify_graphs = None
+        # the most sequences a step holds (the scheduler's max_num_seqs): a prefill graph gathers and writes back
+        # the DeltaNet state of every sequence it has room for, so it has room for no more
+        self.max_seqs = max_seqs
         self.mtp_draft_graphs = None  # MTPGraphs, with the MTP proposer (`mtp_graphs`)
 
     def build_batch(self, scheduled: list[tuple[Request, int]]) -> ForwardBatch:
@@ -215,8 +218,8 @@ class ModelRunner:
             decode = self._decode_graphs()
             if decode is None:
                 return None
-            from hf2q.engine.prefill_graphs import PrefillGraphs
-            self.prefill_graphs = PrefillGraphs(decode)
+            from hf2q.engine.prefill_graphs import MAX_SEQS, PrefillGraphs
+            self.prefill_graphs = PrefillGraphs(decode, max_seqs=min(MAX_SEQS, self.max_seqs or MAX_SEQS))
         return self.prefill_graphs
 
     def mtp_graphs(self, k: int):
