@@ -8,8 +8,12 @@ over a range of 256-value tiles; each tile is walked in eight groups of 32 value
 32-bit words they are stored in, split into bytes and nibbles by shifts, put back in value order with
 `tl.interleave` (no gathers, no shared-memory reshapes), scaled in fp32, rounded to the activations' dtype
 (as the dequantized copy is) and multiplied on tensor cores against the matching 32 columns of the
-activations. So the step costs one pass over the quantized bytes however many rows share it (the Marlin
-approach, on the blocks in the layout the other kernels read).
+activations. The dot is taken transposed, out^T = w @ x^T: the dequantized weight is its A operand,
+brought to the tensor cores' register layout once for all 16-row chunks (Hopper's wgmma reads A from
+registers, B, the activations, from shared memory, where they arrive by asynchronous copies); the
+activations' addresses are computed once a program and moved by a column offset. So the step costs one
+pass over the quantized bytes however many rows share it (the Marlin approach, on the blocks in the
+layout the other kernels read).
 
 Every 16 activation rows are their own dot with their own accumulator, and K is split over programs by
 the weight's shape alone, with fp32 partial sums added in a fixed order: a row's result depends on the
@@ -139,22 +143,36 @@ def _group(w8, w16, w32, row_base, t, nblk, G: tl.constexpr, QTYPE: tl.constexpr
 
 
 @triton.jit
-def _x_cols(x_ptr, m0, M, x_stride, k, K, EVEN_K: tl.constexpr):
-    """[16, 32] activations: rows m0.. (rows past M read the last one: their results are never stored),
-    columns k (masked past K unless every tile is whole, as K-quant rows are)."""
+def _x_ptrs(x_ptr, m0, M, x_stride):
+    """Pointers [32, 16] to columns 0-31 of activation rows m0.. laid out as x^T, computed once: the loop
+    adds a column offset. Rows past M read the last one (their results are never stored)."""
     m = tl.minimum(m0 + tl.arange(0, 16), M - 1)
-    ptrs = x_ptr + m.to(tl.int64)[:, None] * x_stride + k[None, :]
-    if EVEN_K:
-        return tl.load(ptrs)
-    return tl.load(ptrs, mask=(k < K)[None, :], other=0)
+    return x_ptr + m.to(tl.int64)[None, :] * x_stride + tl.arange(0, 32)[:, None]
 
 
 @triton.jit
-def _dot(x, w, acc, IEEE: tl.constexpr):
-    """acc + x @ w; w arrives in fp32 and is rounded to x's dtype first, as the dequantized copy would be."""
+def _x_cols(ptrs, k0, K, EVEN_K: tl.constexpr):
+    """x^T [32, 16] at columns k0.. (masked past K unless every tile is whole, as K-quant rows are)."""
+    if EVEN_K:
+        return tl.load(ptrs + k0)
+    return tl.load(ptrs + k0, mask=(k0 + tl.arange(0, 32) < K)[:, None], other=0)
+
+
+@triton.jit
+def _dot(w, xt, acc, IEEE: tl.constexpr):
+    """acc^T + w @ x^T; w arrives in fp32 and is rounded to x's dtype first, as the dequantized copy would
+    be. The weight is the A operand, which the tensor cores take from registers."""
     if IEEE:  # fp32 activations (tests, CPU): no tf32 rounding
-        return tl.dot(x, w, acc, input_precision="ieee")
-    return tl.dot(x, w.to(x.dtype), acc)
+        return tl.dot(w, xt, acc, input_precision="ieee")
+    return tl.dot(w.to(xt.dtype), xt, acc)
+
+
+@triton.jit
+def _store_t(out_ptr, acc, split, m0, M, N, rows, row_ok):
+    """Write accumulator acc^T [BLOCK_N, 16] of activation rows m0.. into split `split` of out."""
+    m = m0 + tl.arange(0, 16)
+    out = out_ptr + (split * M + m).to(tl.int64)[None, :] * N + rows[:, None]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(m < M)[None, :] & row_ok[:, None])
 
 
 @triton.jit
@@ -196,21 +214,30 @@ def _quant_mm_kernel(x_ptr, w8, w16, w32, out_ptr, M, N, K, x_stride, row_stride
     takes."""
     rows, row_ok, row_base, m0, split, first, last = program_block(N, row_stride, tiles_per_split, n_tiles, CHUNKS,
                                                                     BLOCK_N)
-    acc0 = tl.zeros((16, BLOCK_N), dtype=tl.float32)
-    acc1 = tl.zeros((16, BLOCK_N), dtype=tl.float32)
-    acc2 = tl.zeros((16, BLOCK_N), dtype=tl.float32)
-    acc3 = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+    acc0 = tl.zeros((BLOCK_N, 16), dtype=tl.float32)  # transposed: out^T of 16 activation rows
+    acc1 = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+    x0 = _x_ptrs(x_ptr, m0, M, x_stride)
+    x1 = _x_ptrs(x_ptr, m0 + 16, M, x_stride)
+    x2 = _x_ptrs(x_ptr, m0 + 32, M, x_stride)
+    x3 = _x_ptrs(x_ptr, m0 + 48, M, x_stride)
     for t in range(first, last):
         for g in tl.static_range(8):
-            w = tl.trans(_group(w8, w16, w32, row_base, t, nblk, g, QTYPE))  # [32, BLOCK_N]
-            k = t * 256 + 32 * g + tl.arange(0, 32)
-            acc0 = _dot(_x_cols(x_ptr, m0, M, x_stride, k, K, EVEN_K), w, acc0, IEEE)
+            w = _group(w8, w16, w32, row_base, t, nblk, g, QTYPE)  # [BLOCK_N, 32]
+            k0 = t * 256 + 32 * g
+            acc0 = _dot(w, _x_cols(x0, k0, K, EVEN_K), acc0, IEEE)
             if CHUNKS > 1:
-                acc1 = _dot(_x_cols(x_ptr, m0 + 16, M, x_stride, k, K, EVEN_K), w, acc1, IEEE)
+                acc1 = _dot(w, _x_cols(x1, k0, K, EVEN_K), acc1, IEEE)
             if CHUNKS > 2:
-                acc2 = _dot(_x_cols(x_ptr, m0 + 32, M, x_stride, k, K, EVEN_K), w, acc2, IEEE)
-                acc3 = _dot(_x_cols(x_ptr, m0 + 48, M, x_stride, k, K, EVEN_K), w, acc3, IEEE)
-    store_chunks(out_ptr, acc0, acc1, acc2, acc3, split, m0, M, N, rows, row_ok, CHUNKS)
+                acc2 = _dot(w, _x_cols(x2, k0, K, EVEN_K), acc2, IEEE)
+                acc3 = _dot(w, _x_cols(x3, k0, K, EVEN_K), acc3, IEEE)
+    _store_t(out_ptr, acc0, split, m0, M, N, rows, row_ok)
+    if CHUNKS > 1:
+        _store_t(out_ptr, acc1, split, m0 + 16, M, N, rows, row_ok)
+    if CHUNKS > 2:
+        _store_t(out_ptr, acc2, split, m0 + 32, M, N, rows, row_ok)
+        _store_t(out_ptr, acc3, split, m0 + 48, M, N, rows, row_ok)
 
 
 def chunks(m: int) -> int:
