@@ -5,16 +5,11 @@ dequantize-then-cuBLAS (dequant_triton, which writes and re-reads a bf16 copy of
 decode rows wants the quantized blocks read once for all its rows. A program takes BLOCK_N weight rows
 over a range of 256-value tiles; each tile is walked in eight groups of 32 values that share one scale
 (a K-quant sub-block, a Q8_0/Q4_0 block, half of two Q6_K sub-blocks). A group's quants are read as the
-32-bit words they are stored in; K-quant fields are masked in place (Q5_K/Q6_K put together a word at a
-time) and converted whole, each field's place undone by a power of two in its scale (no shift per
-value, the same rounding); the values are put back in order with `tl.interleave` (no gathers, no
-shared-memory reshapes), rounded to the activations' dtype (as the dequantized copy is) and multiplied
-on tensor cores against the matching 32 columns of the activations. The dot is taken transposed,
-out^T = w @ x^T: the dequantized weight is its A operand, brought to the tensor cores' register layout
-once for all 16-row chunks (Hopper's wgmma reads A from registers, B, the activations, from shared
-memory, where they arrive by asynchronous copies); the activations' addresses are computed once a
-program and moved by a column offset. So the step costs one pass over the quantized bytes however many
-rows share it (the Marlin approach, on the blocks in the layout the other kernels read).
+32-bit words they are stored in, split into bytes and nibbles by shifts, put back in value order with
+`tl.interleave` (no gathers, no shared-memory reshapes), scaled in fp32, rounded to the activations' dtype
+(as the dequantized copy is) and multiplied on tensor cores against the matching 32 columns of the
+activations. So the step costs one pass over the quantized bytes however many rows share it (the Marlin
+approach, on the blocks in the layout the other kernels read).
 
 Every 16 activation rows are their own dot with their own accumulator, and K is split over programs by
 the weight's shape alone, with fp32 partial sums added in a fixed order: a row's result depends on the
@@ -33,16 +28,14 @@ PROGRAMS = 264  # about two programs per SM of the largest cards: split K until 
 
 
 @triton.jit
-def _scaled_bytes(words, shift, mask, a, b):
-    """a * ((byte >> shift) & mask) + b [BN, 32] in byte order for words [BN, 8] (a, b [BN, 1] or [BN, 8]).
-    Each field is masked in place and converted whole (exact: at most 8 bits set), its place undone by a
-    power of two in the scale: no shift per value, and the same rounding as scaling the field itself."""
-    u = words.to(tl.uint32, bitcast=True)
-    v0 = (u & (mask << shift)).to(tl.float32) * (a * (1.0 / (1 << shift))) + b
-    v1 = (u & (mask << (8 + shift))).to(tl.float32) * (a * (1.0 / (1 << (8 + shift)))) + b
-    v2 = (u & (mask << (16 + shift))).to(tl.float32) * (a * (1.0 / (1 << (16 + shift)))) + b
-    v3 = (u & (mask << (24 + shift))).to(tl.float32) * (a * (1.0 / (1 << (24 + shift)))) + b
-    return tl.interleave(tl.interleave(v0, v2), tl.interleave(v1, v3))
+def _bytes_in_order(words, shift, mask):
+    """words [BN, 8] hold 32 bytes (byte 4w + b in bits 8b.. of word w); -> [BN, 32] int32 of
+    (byte >> shift) & mask in byte order."""
+    b0 = (words >> shift) & mask
+    b1 = (words >> (8 + shift)) & mask
+    b2 = (words >> (16 + shift)) & mask
+    b3 = (words >> (24 + shift)) & mask
+    return tl.interleave(tl.interleave(b0, b2), tl.interleave(b1, b3))
 
 
 @triton.jit
@@ -85,42 +78,36 @@ def _kquant45_group(w32, row_q, t, nblk, G: tl.constexpr, QTYPE: tl.constexpr):
     """fp32 values [BN, 32] of sub-block G of Q4_K/Q5_K block t: value 64g + 32h + l (G = 2g + h) is nibble h
     of nibble byte 32g + l, plus (Q5_K) bit G of fifth-bit byte l as 16; times d * scale, minus dmin * min."""
     QS: tl.constexpr = 4 if QTYPE == 2 else 12  # first word of the nibbles (after the header, Q5_K's fifth bits)
+    q = _bytes_in_order(_block_words(w32, row_q, QS + 8 * (G // 2), t, nblk), 4 * (G % 2), 15)
+    if QTYPE == 3:
+        q += _bytes_in_order(_block_words(w32, row_q, 4, t, nblk), G, 1) << 4
     header = w32 + (row_q + t) * 4  # quad 0 of block t: f16 d and dmin, then the 12 scale bytes
     h0 = tl.load(header)
     h1 = tl.load(header + 1)
     h2 = tl.load(header + 2)
     h3 = tl.load(header + 3)
     sc, mn = _scale_min(h1, h2, h3, G)
-    a, b = (f16_bits(h0) * sc)[:, None], -(f16_bits(h0 >> 16) * mn)[:, None]
-    q = _block_words(w32, row_q, QS + 8 * (G // 2), t, nblk)
-    if QTYPE == 2:
-        return _scaled_bytes(q, 4 * (G % 2), 15, a, b)
-    fifth = _block_words(w32, row_q, 4, t, nblk)  # bit G of each byte: 16 in value G
-    q = ((q >> (4 * (G % 2))) & 0x0F0F0F0F) | (((fifth >> G) << 4) & 0x10101010)
-    return _scaled_bytes(q, 0, 31, a, b)
+    return (f16_bits(h0) * sc)[:, None] * q.to(tl.float32) - (f16_bits(h0 >> 16) * mn)[:, None]
 
 
 @triton.jit
 def _q6k_group(w32, row_q, t, nblk, G: tl.constexpr):
     """fp32 values [BN, 32] of group G = 4h + j of Q6_K block t: value 128h + 32j + l has its low nibble in
     ql byte 64h + 32(j % 2) + l (shifted by 4(j // 2)), its top two bits in qh byte 32h + l (shifted by 2j),
-    and scale 8h + 2j + l // 16 (signed bytes in words 48-51); d sits in the row's plane after the quads.
-    The 6-bit quants are put together a word (four values) at a time."""
+    and scale 8h + 2j + l // 16 (signed bytes in words 48-51); d sits in the row's plane after the quads."""
     H: tl.constexpr = G // 4
     J: tl.constexpr = G % 4
-    lo = _block_words(w32, row_q, 16 * H + 8 * (J % 2), t, nblk) >> (4 * (J // 2))
-    hi = _block_words(w32, row_q, 32 + 8 * H, t, nblk)
-    hi = (hi << (4 - 2 * J)) if J < 2 else (hi >> (2 * J - 4))
-    q = (lo & 0x0F0F0F0F) | (hi & 0x30303030)
+    lo = _bytes_in_order(_block_words(w32, row_q, 16 * H + 8 * (J % 2), t, nblk), 4 * (J // 2), 15)
+    hi = _bytes_in_order(_block_words(w32, row_q, 32 + 8 * H, t, nblk), 2 * J, 3)
     S: tl.constexpr = 48 + 2 * H + J // 2  # the word holding scales 8h + 2j and 8h + 2j + 1
     sw = tl.load(w32 + (row_q + (S // 4) * nblk + t) * 4 + S % 4)
     B: tl.constexpr = 2 * (J % 2)  # their bytes in that word
+    sc0 = (sw << (24 - 8 * B)) >> 24
+    sc1 = (sw << (16 - 8 * B)) >> 24
+    sc = tl.where((tl.arange(0, 32) < 16)[None, :], sc0[:, None], sc1[:, None])
     dw = tl.load(w32 + row_q * 4 + 52 * nblk + t // 2)
     d = f16_bits(dw >> (16 * (t % 2)))
-    sc0 = d * ((sw << (24 - 8 * B)) >> 24).to(tl.float32)  # exact: 11 by 8 bits
-    sc1 = d * ((sw << (16 - 8 * B)) >> 24).to(tl.float32)
-    scale = tl.where((tl.arange(0, 32) < 16)[None, :], sc0[:, None], sc1[:, None])
-    return _scaled_bytes(q, 0, 255, 1.0, -32.0) * scale  # d * sc exact, so one rounding, as of d * (sc * q)
+    return d[:, None] * (sc * ((lo | (hi << 4)) - 32)).to(tl.float32)
 
 
 @triton.jit
@@ -152,36 +139,22 @@ def _group(w8, w16, w32, row_base, t, nblk, G: tl.constexpr, QTYPE: tl.constexpr
 
 
 @triton.jit
-def _x_ptrs(x_ptr, m0, M, x_stride):
-    """Pointers [32, 16] to columns 0-31 of activation rows m0.. laid out as x^T, computed once: the loop
-    adds a column offset. Rows past M read the last one (their results are never stored)."""
+def _x_cols(x_ptr, m0, M, x_stride, k, K, EVEN_K: tl.constexpr):
+    """[16, 32] activations: rows m0.. (rows past M read the last one: their results are never stored),
+    columns k (masked past K unless every tile is whole, as K-quant rows are)."""
     m = tl.minimum(m0 + tl.arange(0, 16), M - 1)
-    return x_ptr + m.to(tl.int64)[None, :] * x_stride + tl.arange(0, 32)[:, None]
-
-
-@triton.jit
-def _x_cols(ptrs, k0, K, EVEN_K: tl.constexpr):
-    """x^T [32, 16] at columns k0.. (masked past K unless every tile is whole, as K-quant rows are)."""
+    ptrs = x_ptr + m.to(tl.int64)[:, None] * x_stride + k[None, :]
     if EVEN_K:
-        return tl.load(ptrs + k0)
-    return tl.load(ptrs + k0, mask=(k0 + tl.arange(0, 32) < K)[:, None], other=0)
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=(k < K)[None, :], other=0)
 
 
 @triton.jit
-def _dot(w, xt, acc, IEEE: tl.constexpr):
-    """acc^T + w @ x^T; w arrives in fp32 and is rounded to x's dtype first, as the dequantized copy would
-    be. The weight is the A operand, which the tensor cores take from registers."""
+def _dot(x, w, acc, IEEE: tl.constexpr):
+    """acc + x @ w; w arrives in fp32 and is rounded to x's dtype first, as the dequantized copy would be."""
     if IEEE:  # fp32 activations (tests, CPU): no tf32 rounding
-        return tl.dot(w, xt, acc, input_precision="ieee")
-    return tl.dot(w.to(xt.dtype), xt, acc)
-
-
-@triton.jit
-def _store_t(out_ptr, acc, split, m0, M, N, rows, row_ok):
-    """Write accumulator acc^T [BLOCK_N, 16] of activation rows m0.. into split `split` of out."""
-    m = m0 + tl.arange(0, 16)
-    out = out_ptr + (split * M + m).to(tl.int64)[None, :] * N + rows[:, None]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(m < M)[None, :] & row_ok[:, None])
+        return tl.dot(x, w, acc, input_precision="ieee")
+    return tl.dot(x, w.to(x.dtype), acc)
 
 
 @triton.jit
@@ -223,30 +196,21 @@ def _quant_mm_kernel(x_ptr, w8, w16, w32, out_ptr, M, N, K, x_stride, row_stride
     takes."""
     rows, row_ok, row_base, m0, split, first, last = program_block(N, row_stride, tiles_per_split, n_tiles, CHUNKS,
                                                                     BLOCK_N)
-    acc0 = tl.zeros((BLOCK_N, 16), dtype=tl.float32)  # transposed: out^T of 16 activation rows
-    acc1 = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
-    acc3 = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
-    x0 = _x_ptrs(x_ptr, m0, M, x_stride)
-    x1 = _x_ptrs(x_ptr, m0 + 16, M, x_stride)
-    x2 = _x_ptrs(x_ptr, m0 + 32, M, x_stride)
-    x3 = _x_ptrs(x_ptr, m0 + 48, M, x_stride)
+    acc0 = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+    acc1 = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+    acc2 = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+    acc3 = tl.zeros((16, BLOCK_N), dtype=tl.float32)
     for t in range(first, last):
         for g in tl.static_range(8):
-            w = _group(w8, w16, w32, row_base, t, nblk, g, QTYPE)  # [BLOCK_N, 32]
-            k0 = t * 256 + 32 * g
-            acc0 = _dot(w, _x_cols(x0, k0, K, EVEN_K), acc0, IEEE)
+            w = tl.trans(_group(w8, w16, w32, row_base, t, nblk, g, QTYPE))  # [32, BLOCK_N]
+            k = t * 256 + 32 * g + tl.arange(0, 32)
+            acc0 = _dot(_x_cols(x_ptr, m0, M, x_stride, k, K, EVEN_K), w, acc0, IEEE)
             if CHUNKS > 1:
-                acc1 = _dot(w, _x_cols(x1, k0, K, EVEN_K), acc1, IEEE)
+                acc1 = _dot(_x_cols(x_ptr, m0 + 16, M, x_stride, k, K, EVEN_K), w, acc1, IEEE)
             if CHUNKS > 2:
-                acc2 = _dot(w, _x_cols(x2, k0, K, EVEN_K), acc2, IEEE)
-                acc3 = _dot(w, _x_cols(x3, k0, K, EVEN_K), acc3, IEEE)
-    _store_t(out_ptr, acc0, split, m0, M, N, rows, row_ok)
-    if CHUNKS > 1:
-        _store_t(out_ptr, acc1, split, m0 + 16, M, N, rows, row_ok)
-    if CHUNKS > 2:
-        _store_t(out_ptr, acc2, split, m0 + 32, M, N, rows, row_ok)
-        _store_t(out_ptr, acc3, split, m0 + 48, M, N, rows, row_ok)
+                acc2 = _dot(_x_cols(x_ptr, m0 + 32, M, x_stride, k, K, EVEN_K), w, acc2, IEEE)
+                acc3 = _dot(_x_cols(x_ptr, m0 + 48, M, x_stride, k, K, EVEN_K), w, acc3, IEEE)
+    store_chunks(out_ptr, acc0, acc1, acc2, acc3, split, m0, M, N, rows, row_ok, CHUNKS)
 
 
 def chunks(m: int) -> int:
@@ -255,12 +219,10 @@ def chunks(m: int) -> int:
     return 1 if m <= 16 else 2 if m <= 32 else 4
 
 
-def config(n: int, k: int, block_n: int = 128) -> tuple[int, int, int]:
+def config(n: int, k: int, block_n: int = 64) -> tuple[int, int, int]:
     """(BLOCK_N, warps, splits of K) for an [n, k] weight; it depends on the weight alone, so every row of
     a batch is computed the same way whatever the batch. Splits bring the grid to about PROGRAMS
-    programs of block_n weight rows. 128 weight rows share each activation tile and wgmma issue twice as
-    many values as 64 (sm_90 machine code, tools/quant_sass.py: Q4_K 5.75 instructions a weight value at
-    16 rows against 6.63, 7.86 against 10.32 at 64), without spills."""
+    programs of block_n weight rows."""
     n_tiles = triton.cdiv(k, 256)
     blocks = triton.cdiv(n, block_n)
     split = max(1, min(n_tiles, PROGRAMS // blocks, 16))
