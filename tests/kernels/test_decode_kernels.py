@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
 
 import pytest
 import torch
@@ -367,6 +368,80 @@ def test_fused_conv_gdn_decode_matches_two_triton_kernels(heads):
                        args["slots"], nk, args["dk"], args["eps"], torch.float32)
     assert torch.equal(args["conv_pool"], conv2)
     assert rel(out, out2) <= 1e-5 and rel(args["state_pool"], state2) <= 1e-6
+
+
+# ---- DeltaNet verify step: a few rows per sequence on the pools in place -------------------------------
+VERIFY_ROWS = [4, 0, 1, 3, 2, 6]  # each live sequence's rows (0: an empty one on the padding slot; 6: a prefill)
+VERIFY_SLOTS = [3, 8, 0, 5, 1, 7]
+PADDING_ROWS = [3]  # the padding sequence's, last, on the padding slot (8)
+
+
+def _verify_inputs(dev, dtype, real: bool, seed: int = 0) -> dict:
+    """A verify step's arguments; the kept buffers hold 7.0, so rows the step must not write stay so."""
+    gen = torch.Generator().manual_seed(seed)
+    nk, nv, d = (16, 32, 128) if real else (2, 4, 16)
+    c, lens, live = 2 * nk * d + nv * d, VERIFY_ROWS + PADDING_ROWS, len(VERIFY_ROWS)
+    t, cu = sum(lens), torch.tensor([0, *itertools.accumulate(lens)])
+    slots = torch.tensor(VERIFY_SLOTS + [8] * len(PADDING_ROWS))
+
+    def rand(*shape, dtype=torch.float32, scale=1.0):
+        return randn(*shape, dev=dev, dtype=dtype, gen=gen, scale=scale)
+
+    return dict(x=rand(t, c, dtype=dtype), conv_w=rand(c, 4, scale=0.5), conv_pool=rand(9, 3, c),
+                a_raw=rand(t, nv, dtype=dtype), b_raw=rand(t, nv, dtype=dtype),
+                A=-torch.rand(nv, generator=gen).to(dev) * 8, dt_bias=rand(nv), state_pool=rand(9, nv, d, d, scale=0.1),
+                slots=slots.to(dev), cu_seqlens=cu.to(dev), live=live,
+                kept_conv=torch.full((3 * live, 3, c), 7.0, device=dev),
+                kept_rec=torch.full((3 * live, nv, d, d), 7.0, device=dev), nk=nk, dk=d, eps=1e-6)
+
+
+def test_gdn_verify_matches_reference(env):
+    """The verify kernel against its reference, mixed row counts (0..4) and padding: the read-outs (zeros on
+    padding rows), every slot's recurrent and conv state after the step, and every row of the kept buffers
+    (the states after each kept position; the rest untouched)."""
+    from hf2q.kernels.gdn.verify_triton import gdn_verify_
+
+    dev, dtype, real = env
+    args = _verify_inputs(dev, dtype, real)
+    ref = _on_cpu(args)
+    o = gdn_verify_(**args)
+    ref_o = gdn_ops.gdn_verify_reference(**ref)
+    tol = 2e-3 if real else 1e-5
+    assert rel(o, ref_o) <= tol and not o[sum(VERIFY_ROWS):].any()
+    assert torch.equal(args["conv_pool"].cpu(), ref["conv_pool"])
+    assert torch.equal(args["kept_conv"].cpu(), ref["kept_conv"])
+    assert rel(args["state_pool"], ref["state_pool"]) <= tol and rel(args["kept_rec"], ref["kept_rec"]) <= tol
+
+
+def test_gdn_verify_reference_is_plain_decoding():
+    """The verify reference against one-row decode steps (the decode step's torch version) of each sequence:
+    each row's gated-normed read-out, the state kept after each row but the last (up to 3), the slot's
+    states after the last; the padding slot and the kept rows no position fills are left alone."""
+    from hf2q.kernels.norm import reference as norm_ref
+
+    args = _verify_inputs("cpu", torch.float32, False, seed=1)
+    nv, d = args["state_pool"].shape[1], args["dk"]
+    gen = torch.Generator().manual_seed(2)
+    z, norm_w = torch.randn(args["x"].shape[0], nv * d, generator=gen), torch.randn(d, generator=gen)
+    plain = _on_cpu(args)
+    with torch_only(), choose.fast_path("off"):
+        o = gdn_ops.gdn_verify_(**args)
+        got = norm_ref.gated_rms_norm(o, z, norm_w, args["eps"], torch.float32)
+        kept_conv, kept_rec = torch.full_like(args["kept_conv"], 7.0), torch.full_like(args["kept_rec"], 7.0)
+        cu = args["cu_seqlens"].tolist()
+        for i, slot in enumerate(VERIFY_SLOTS):
+            for t, row in enumerate(range(cu[i], cu[i + 1])):
+                one = slice(row, row + 1)
+                want = gdn_ops.gdn_conv_decode_(plain["x"][one], plain["conv_w"], plain["conv_pool"],
+                                                plain["a_raw"][one], plain["b_raw"][one], plain["A"], plain["dt_bias"],
+                                                z[one], norm_w, plain["state_pool"], torch.tensor([slot]),
+                                                plain["nk"], d, plain["eps"], torch.float32)
+                assert rel(got[one], want) <= 1e-5, (i, t)
+                if t < min(VERIFY_ROWS[i] - 1, 3):
+                    kept_conv[3 * i + t], kept_rec[3 * i + t] = plain["conv_pool"][slot], plain["state_pool"][slot]
+    assert torch.equal(args["conv_pool"], plain["conv_pool"]) and torch.equal(args["kept_conv"], kept_conv)
+    assert rel(args["state_pool"], plain["state_pool"]) <= 1e-6 and rel(args["kept_rec"], kept_rec) <= 1e-6
+    assert not o[sum(VERIFY_ROWS):].any()
 
 
 # ---- the GEMV in the model -------------------------------------------------------------------------------

@@ -9,8 +9,11 @@ paged decode kernel, causal by the context lengths), so the K/V written by the s
 The DeltaNet layers see 72 sequences: the real ones, empty ones on the decode graphs' private padding slot,
 and the padding rows, last, spread over PADDING_SEQS more on that slot too, so padding never touches a real
 state; their delta rule is fla's recurrent kernel, which reads the lengths from the device only and walks each
-sequence's rows in turn (spread, a lone short prefill in a large bucket does not wait for its padding). The
-logits are each sequence's last row's (a verify graph's: its last POSITIONS rows). Off CUDA a "graph" runs its
+sequence's rows in turn (spread, a lone short prefill in a large bucket does not wait for its padding). A verify
+graph's DeltaNet step is its own kernel (hf2q.kernels.gdn.verify_triton): it reads the same row offsets, walks
+each real sequence's rows on its slot in place, keeps the states after its first rows, and skips the padding
+sequences (their rows read out zeros). The logits are each sequence's last row's (a verify graph's: its last
+POSITIONS rows). Off CUDA a "graph" runs its
 step again on replay (`_StepAgain`), which is how the CPU tests check the buffers and the metadata.
 """
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch
 from hf2q.engine.cuda_graphs import DecodeGraphs, pack_decode_rows, record
 from hf2q.forward import ForwardBatch
 from hf2q.kernels.meta import FastMeta
-from hf2q.spec.states import POSITIONS, PREFIXES, KeptPositions
+from hf2q.spec.states import POSITIONS, KeptPositions
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +39,6 @@ VERIFY_BUCKETS = (4,) + PREFILL_BUCKETS
 MAX_ROWS = PREFILL_BUCKETS[-1] - 1  # the longest prefill chunk the scheduler sends to a graph
 MAX_SEQS = 64
 PADDING_SEQS = 8  # the padding rows' sequences: the delta rule walks each one's rows in turn
-PREFIX_ROWS = PREFIXES * (PREFIXES + 1) // 2  # a verify graph's kept prefixes' rows per sequence, at most
 
 
 def capturable(net, rows: int) -> bool:
@@ -82,19 +84,13 @@ class PrefillGraphs:
         n, s = self.buckets[-1], max_seqs + PADDING_SEQS
         # one int64 pack: ids, positions, (unused) row slots, slot mapping, context lengths, block tables, then
         # the sequences' slots (the padding sequences last), their row offsets and the rows whose logits are
-        # wanted (each sequence's last, or its last POSITIONS); a verify graph's row offsets go on with the
-        # kept prefixes', then come the prefixes' rows and the rows of each sequence's conv windows
+        # wanted (each sequence's last, or its last POSITIONS)
         self._logit_rows = max_seqs * (POSITIONS if verify else 1)
-        extra = (PREFIXES * max_seqs + PADDING_SEQS, PREFIX_ROWS * max_seqs, PREFIXES * max_seqs) if verify \
-            else (0, 0, 0)
-        self._sizes = (s, s + 1 + extra[0], self._logit_rows, extra[1], extra[2])
+        self._sizes = (s, s + 1, self._logit_rows)
         self._fields = 5 * n + n * self.width + sum(self._sizes)
         self._host = torch.zeros(self._fields, dtype=torch.long, pin_memory=dev.type == "cuda")
         self._dev = torch.zeros(self._fields, dtype=torch.long, device=dev)
-        self.kept = None
-        if verify:
-            *_, cu, _, rows, windows = self._views(self._dev, n)
-            self.kept = KeptPositions(self.cache, max_seqs, PADDING_SEQS, rows, cu, windows)
+        self.kept = KeptPositions(self.cache, max_seqs) if verify else None
         self.graphs: dict = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.hidden: dict[int, torch.Tensor] = {}
@@ -118,7 +114,7 @@ class PrefillGraphs:
 
     def _views(self, pack: torch.Tensor, b: int):
         """ids, positions, slot mapping, context lengths, block tables (b rows each), then the sequences' slots,
-        row offsets (a verify graph's with the kept prefixes'), logit rows, prefix rows and window rows."""
+        row offsets and logit rows."""
         n = self.buckets[-1]
         ids, pos, _, mapping, lens = (pack[i * n: i * n + b] for i in range(5))
         tail = 5 * n + n * self.width
@@ -153,26 +149,8 @@ class PrefillGraphs:
         k = self._logit_rows // self.max_seqs  # each sequence's last k rows (the first repeated where it has fewer)
         logit_rows = [max(first, first + len(new) - k + p) for (new, _, _), first in zip(seqs, cu)
                       for p in range(k)] + [b - 1] * (k * empty)
-        if not self.verify:
-            host[5 * n + n * self.width:] = slots + cu + logit_rows
-        else:
-            prefix_cu, rows, windows = self._verify_pack(b, lens[:len(seqs)], cu)
-            host[5 * n + n * self.width:] = slots + cu + prefix_cu + logit_rows + rows + windows
+        host[5 * n + n * self.width:] = slots + cu + logit_rows
         self._lens[b] = lens
-
-    def _verify_pack(self, b: int, lens: list[int], cu: list[int]) -> tuple[list[int], list[int], list[int]]:
-        """A verify graph's kept prefixes' row offsets (after the step's), their rows and each sequence's conv
-        window rows (hf2q.spec.states.KeptPositions), for sequences of `lens` rows at offsets `cu`."""
-        empty = self.max_seqs - len(lens)
-        prefix_lens = [m if m < length else 0 for length in lens for m in range(1, PREFIXES + 1)]
-        rows = [r for m, first in zip(prefix_lens, (f for f in cu[:len(lens)] for _ in range(PREFIXES)))
-                for r in range(first, first + m)]
-        pad = PREFIX_ROWS * self.max_seqs - len(rows)
-        prefix_lens += [0] * (PREFIXES * empty) + spread(pad)
-        self.kept.prefix_lens = prefix_lens
-        prefix_cu = [b + c for c in itertools.accumulate(prefix_lens)]
-        windows = [min(first + p, b - 1) for first in cu[:len(lens)] for p in range(PREFIXES)]
-        return prefix_cu, rows + [0] * pad, windows + [b - 1] * (PREFIXES * empty)
 
     def _batch(self, b: int) -> ForwardBatch:
         ids, pos, mapping, lens, tables, slots, cu = self._views(self._dev, b)[:7]

@@ -46,9 +46,10 @@ class GatedDeltaNet(nn.Module):
         return ((self.qkv, self.z, self.alpha, self.beta),)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """Every sequence at once: the fused decode step (conv, delta rule and gated norm) for decode, else
-        the varlen conv, the chunked delta rule and the gated norm; each operation's chooser runs the
-        kernel or its exact reference (kernels/<op>/ops.py)."""
+        """Every sequence at once: the fused decode step (conv, delta rule and gated norm) for decode, a
+        verify graph's step on the pools in place (conv and delta rule, keeping the states after each
+        sequence's first rows) then the gated norm, else the varlen conv, the chunked delta rule and the
+        gated norm; each operation's chooser runs the kernel or its exact reference (kernels/<op>/ops.py)."""
         meta, cache = fast_meta(batch), batch.cache
         mixed, z, alpha, beta_raw = linear_ops.packed_linear(x, (self.qkv, self.z, self.alpha, self.beta))
         j = cache.linear_index(self.layer_id) if cache is not None else None
@@ -57,13 +58,17 @@ class GatedDeltaNet(nn.Module):
                                             self.dt_bias, z, self.norm, cache.recurrent_state[j], meta.slots,
                                             self.nk, self.dk, self.eps, x.dtype, int8_reader(x, self.out.qtype))
             return self.out(core)
+        positions = meta.kept_positions  # a verify step's graph keeps every sequence's states per position
+        if positions is not None:
+            kept_conv, kept_rec = positions.layer(j)
+            o = gdn_ops.gdn_verify_(mixed, self.conv, cache.conv_state[j], alpha, beta_raw, self.a, self.dt_bias,
+                                    cache.recurrent_state[j], meta.slots, meta.cu_seqlens, positions.max_seqs,
+                                    kept_conv, kept_rec, self.nk, self.dk, self.eps)
+            return self.out(norm_ops.gated_rms_norm(o, z, self.norm, self.eps, x.dtype))
         n = len(meta.seq_lens)
         conv_pool, slots = (cache.conv_state[j], meta.slots) if cache is not None else (None, None)
         kept = batch.extras.get("kept_states", {}) if cache is not None else {}  # seq -> whom to hand states
         conv_before = {i: conv_pool[batch.slots[i]].clone() for i in kept}  # the conv writes over them
-        positions = meta.kept_positions  # a verify step's graph keeps every sequence's states per position
-        if positions is not None:
-            conv_before_all = conv_pool.index_select(0, meta.slots[:positions.max_seqs])
         conv_out = conv_ops.conv_varlen_(mixed, self.conv, conv_pool, slots, meta.cu_seqlens, meta.seq_lens)
         if cache is not None:
             rec = cache.recurrent_state[j][meta.slots].float()
@@ -77,11 +82,7 @@ class GatedDeltaNet(nn.Module):
         prefixes = self._prefixes(batch, kept)
         if prefixes:
             rule = self._with_prefixes(batch, prefixes, *rule)
-        if positions is not None:
-            rule = positions.extend(*rule[:6], rule[7])  # its row offsets replace the graph's own
         o, final = gdn_ops.chunk_gdn(*rule, self.dk ** -0.5, self.eps, recurrent=meta.rows_paged)
-        if positions is not None:
-            positions.keep(j, final, n, conv_before_all, mixed)
         states = dict(zip(prefixes, final[n:]))
         o, final = o[:t], final[:n]
         if kept:

@@ -47,46 +47,21 @@ class KeptPositions:
     in static buffers its DeltaNet layers write: a layout a captured graph can hold, whatever the step's rows.
 
     A settle needs the state after a row of a sequence's chunk other than its last (all accepted: the slot has
-    it already). So each of the graph's `max_seqs` sequences gets PREFIXES more delta-rule sequences, its first
-    m rows for m = 1..PREFIXES where it has more than m (else empty), each from its slot's state, and the
-    graph's padding sequences take the gather rows left. Row PREFIXES * i + t of the buffers is then the state after
-    position t of sequence i, for t < min(L - 1, PREFIXES) (L: its rows). The graph fills `rows`, `cu` (every
-    sequence's row offsets: the graph's own, then these) and `windows` (each sequence's first PREFIXES rows,
-    for its conv windows) before each replay, and `prefix_lens` on the host (what the CPU stand-in's
-    reference recurrence reads).
+    it already). The verify step's DeltaNet kernel (hf2q.kernels.gdn.verify_triton) walks each of the graph's
+    `max_seqs` sequences' rows on its slot in place and writes the states after each row t < min(L - 1,
+    PREFIXES) (L: its rows) to row PREFIXES * i + t of these buffers; the rest of a row is left as it was.
     """
 
-    def __init__(self, cache: HybridCache, max_seqs: int, padding_seqs: int, rows: torch.Tensor, cu: torch.Tensor,
-                 windows: torch.Tensor):
+    def __init__(self, cache: HybridCache, max_seqs: int):
         self.max_seqs = max_seqs
-        self.rows, self.cu, self.windows = rows, cu, windows  # views of the graph's device pack
-        # whose slot state each added sequence starts from: its sequence's; the padding ones the graph's first
-        # padding sequence's (index max_seqs, after its real and empty ones)
-        starts = [i // PREFIXES for i in range(PREFIXES * max_seqs)] + [max_seqs] * padding_seqs
-        self.starts = torch.tensor(starts, dtype=torch.long, device=rows.device)
-        self.prefix_lens = [0] * (PREFIXES * max_seqs) + [rows.shape[0]] + [0] * (padding_seqs - 1)
         self.conv, self.recurrent = cache.empty_linear_states(PREFIXES * max_seqs)
         self._seen: set[int] = set()
 
-    def extend(self, q, k, v, g, beta, rec, seq_lens: list[int]):
-        """The delta rule's arguments with the added sequences appended (rows gathered, start states)."""
-        rows = self.rows
-        return (*(torch.cat((x, x.index_select(0, rows))) for x in (q, k, v, g, beta)),
-                torch.cat((rec, rec.index_select(0, self.starts))), self.cu, [*seq_lens, *self.prefix_lens])
-
-    def keep(self, j: int, finals: torch.Tensor, n: int, conv_before: torch.Tensor, mixed: torch.Tensor) -> None:
-        """Layer j's states: `finals` the delta rule's final states (the graph's n sequences, then the added
-        ones), conv_before [max_seqs, K-1, C] the sequences' conv states before the step, mixed [T, C] the
-        step's conv inputs."""
-        s = self.max_seqs
-        self.recurrent[j].copy_(finals[n:n + PREFIXES * s])
-        km1 = self.conv.shape[2]
-        if km1:
-            firsts = mixed.index_select(0, self.windows).view(s, PREFIXES, -1)
-            inputs = torch.cat((conv_before.to(mixed.dtype), firsts), dim=1)  # [s, K-1 + PREFIXES, C]
-            windows = inputs.unfold(1, km1, 1)[:, 1:]  # [s, PREFIXES, C, K-1]: the window after each row
-            self.conv[j].view(s, PREFIXES, km1, -1).copy_(windows.transpose(2, 3))
+    def layer(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """DeltaNet layer j's buffers (conv [PREFIXES * max_seqs, K-1, C], recurrent [PREFIXES * max_seqs, h,
+        dk, dv]), for its verify step to write."""
         self._seen.add(j)
+        return self.conv[j], self.recurrent[j]
 
     def of(self, i: int) -> "KeptRow":
         return KeptRow(self, i)

@@ -1,5 +1,6 @@
 """The Gated DeltaNet's delta rule: one token per sequence (the fused Triton decode step, with the conv
-folded in) or many (fla's chunked kernel), else the reference."""
+folded in), a verify's few rows per sequence on the pools in place (the Triton verify step, conv folded
+in), or many (fla's chunked kernel), else the reference."""
 from __future__ import annotations
 
 import torch
@@ -7,6 +8,7 @@ import torch.nn.functional as F
 
 from hf2q.kernels.choose import kernels_on
 from hf2q.kernels.conv.ops import conv_decode_
+from hf2q.kernels.conv.reference import causal_conv1d_varlen
 from hf2q.kernels.gdn.reference import gated_delta_rule_ref, l2_normalize
 from hf2q.kernels.norm import reference as norm_ref
 
@@ -72,3 +74,46 @@ def chunk_gdn_reference(q, k, v, g, beta, initial_state, cu_seqlens, seq_lens: l
         out[r], row = o, row + n
         finals.append(s)
     return out, torch.stack(finals) if finals else initial_state.float()
+
+
+def gdn_verify_(x, conv_w, conv_pool, a_raw, b_raw, A, dt_bias, state_pool, slots, cu_seqlens, live: int, kept_conv,
+                kept_rec, nk: int, dk: int, eps: float) -> torch.Tensor:
+    """A verify step's conv and delta rule on the pools in place, keeping each sequence's states after its
+    first rows (the contract of verify_triton.gdn_verify_); returns the read-outs o [T, nv, dv] fp32."""
+    if (kernels_on(x) and conv_w.shape[1] == 4 and state_pool.dtype == torch.float32 and x.stride(1) == 1
+            and conv_pool.stride(2) == 1):
+        from hf2q.kernels.gdn.verify_triton import gdn_verify_ as kernel
+        return kernel(x, conv_w, conv_pool, a_raw, b_raw, A, dt_bias, state_pool, slots, cu_seqlens, live,
+                      kept_conv, kept_rec, nk, dk, eps)
+    return gdn_verify_reference(x, conv_w, conv_pool, a_raw, b_raw, A, dt_bias, state_pool, slots, cu_seqlens,
+                                live, kept_conv, kept_rec, nk, dk, eps)
+
+
+def gdn_verify_reference(x, conv_w, conv_pool, a_raw, b_raw, A, dt_bias, state_pool, slots, cu_seqlens, live: int,
+                         kept_conv, kept_rec, nk: int, dk: int, eps: float) -> torch.Tensor:
+    """`gdn_verify_` by the reference conv and recurrence, one sequence at a time, on any device (fp32 inside;
+    reads the row offsets on the host)."""
+    nv, dv = state_pool.shape[1], state_pool.shape[3]
+    prefixes, km1 = kept_rec.shape[0] // live, conv_pool.shape[1]
+    out = torch.zeros(x.shape[0], nv, dv, dtype=torch.float32, device=x.device)
+    cu = cu_seqlens.tolist()
+    for i, slot in enumerate(slots[:live].tolist()):
+        start, end = cu[i], cu[i + 1]
+        if start == end:
+            continue
+        n, old = end - start, conv_pool[slot:slot + 1]
+        y, conv_new = causal_conv1d_varlen(x[start:end], old, conv_w, [n])
+        q, k, v = torch.split(y, [nk * dk, nk * dk, nv * dv], dim=-1)
+        q = (l2_normalize(q.view(n, nk, dk), eps) * dk ** -0.5).repeat(1, nv // nk, 1)
+        k = l2_normalize(k.view(n, nk, dk), eps).repeat(1, nv // nk, 1)
+        g = A.float() * F.softplus(a_raw[start:end].float() + dt_bias.float())
+        o, final, states = gated_delta_rule_ref(q, k, v.view(n, nv, dv), g, torch.sigmoid(b_raw[start:end].float()),
+                                                state_pool[slot], capture=True)
+        inputs = torch.cat((old[0], x[start:end].to(old.dtype)))  # the conv's inputs: old state, then the rows
+        for t in range(min(n - 1, prefixes)):
+            kept_rec[prefixes * i + t] = states[t]
+            kept_conv[prefixes * i + t] = inputs[t + 1:t + 1 + km1]
+        out[start:end] = o
+        state_pool[slot] = final.to(state_pool.dtype)
+        conv_pool[slot] = conv_new[0].to(conv_pool.dtype)
+    return out

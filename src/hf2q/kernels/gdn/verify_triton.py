@@ -1,0 +1,162 @@
+"""Triton Gated DeltaNet step of a speculative verify: a few rows per sequence, on the slot pools in place,
+keeping the state after each of a sequence's first rows.
+
+A verify graph (hf2q.engine.prefill_graphs) feeds each sequence its last decided token and up to 3 drafts;
+a partial accept settles the slot from the state after one of those rows (hf2q.spec.states.KeptPositions).
+Two kernels, as the decode step (gdn/decode_triton.py) is split:
+
+The first runs one program per (sequence, value head, part of the head's columns): each column of the
+delta rule needs only its own column of the state, so a sequence's 2 MB of 9B state is walked by 128
+programs at batch 1. It walks the sequence's rows in order, the state in registers: the causal conv +
+SiLU of the row (from the slot's conv state and the step's earlier rows), L2-normalised q/k (key head
+h % n_k, the GGUF tiled order), decay and beta, the delta-rule update, the read-out; after each row but
+the last (up to `prefixes`) it writes the state into the kept buffer, and after the last into the pool.
+The conv state is only read here: every program of a key head reads its q/k channels.
+
+The second, one program per (sequence, block of channels), writes the conv windows after those rows into
+the kept buffer and shifts the slot's conv state past the step's rows, now that every reader has
+finished (a launch boundary is the only grid-wide barrier Triton has).
+
+Sequences with no rows do nothing. Sequences from `live` on (a graph's padding, on a shared padding slot)
+touch no state: their read-outs are zeros.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hf2q.kernels.gdn.decode_triton import SPLIT, _decay_beta
+from hf2q.kernels.tuning import pdl
+
+
+@triton.jit
+def _mask(cond, shape):
+    """A scalar condition as a mask of `shape` (the interpreter takes no scalar mask for a block of pointers)."""
+    return tl.zeros(shape, tl.int1) | cond
+
+
+@triton.jit
+def _conv_row(x_ptr, conv, w_ptr, start, t, c, stride_x, C):
+    """SiLU(causal conv, width 4) of channels c at row t of the sequence whose rows start at `start`; taps
+    before its first row read the slot's conv state rows [3, C]."""
+    acc = tl.zeros(c.shape, tl.float32)
+    for i in tl.static_range(4):
+        p = t - 3 + i
+        fresh = _mask(p >= 0, c.shape)
+        new = tl.load(x_ptr + (start + p) * stride_x + c, mask=fresh, other=0.0).to(tl.float32)
+        old = tl.load(conv + (3 + p) * C + c, mask=~fresh, other=0.0).to(tl.float32)
+        acc += (new + old) * tl.load(w_ptr + c * 4 + i).to(tl.float32)
+    return acc * tl.sigmoid(acc)
+
+
+@triton.jit
+def _verify_columns_kernel(x_ptr, cw_ptr, conv_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, state_ptr, slot_ptr, cu_ptr,
+                           o_ptr, kept_ptr, stride_x, stride_conv, stride_ab, stride_bb, C, NK, NV, LIVE, scale, eps,
+                           DK: tl.constexpr, DV: tl.constexpr, SPLIT: tl.constexpr, PREFIXES: tl.constexpr,
+                           PDL: tl.constexpr = False):
+    """Program (i, h, j): columns j·DV/SPLIT .. of value head h over sequence i's rows."""
+    pdl.enter(PDL)
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    j = tl.program_id(2)
+    BDV: tl.constexpr = DV // SPLIT
+    dv = j * BDV + tl.arange(0, BDV)
+    start = tl.load(cu_ptr + i).to(tl.int64)
+    n = tl.load(cu_ptr + i + 1).to(tl.int64) - start
+    if i >= LIVE:
+        for t in range(0, n):
+            tl.store(o_ptr + ((start + t) * NV + h) * DV + dv, tl.zeros([BDV], tl.float32))
+    elif n > 0:
+        kh = h % NK  # tiled order: value head h reads key head h % n_k
+        dk = tl.arange(0, DK)
+        slot = tl.load(slot_ptr + i).to(tl.int64)
+        conv = conv_ptr + slot * stride_conv
+        cols = dk[:, None] * DV + dv[None, :]
+        sp = state_ptr + (slot * NV + h) * (DK * DV) + cols
+        s = tl.load(sp)
+        for t in range(0, n):
+            q = _conv_row(x_ptr, conv, cw_ptr, start, t, kh * DK + dk, stride_x, C)
+            k = _conv_row(x_ptr, conv, cw_ptr, start, t, NK * DK + kh * DK + dk, stride_x, C)
+            v = _conv_row(x_ptr, conv, cw_ptr, start, t, 2 * NK * DK + h * DV + dv, stride_x, C)
+            q = q * tl.rsqrt(tl.sum(q * q, 0) + eps) * scale
+            k = k * tl.rsqrt(tl.sum(k * k, 0) + eps)
+            decay, beta = _decay_beta(a_ptr, b_ptr, A_ptr, dtb_ptr, start + t, h, stride_ab, stride_bb)
+            s = s * decay
+            delta = (v - tl.sum(s * k[:, None], 0)) * beta
+            s = s + k[:, None] * delta[None, :]
+            tl.store(o_ptr + ((start + t) * NV + h) * DV + dv, tl.sum(s * q[:, None], 0))
+            kept = _mask((t < PREFIXES) & (t < n - 1), cols.shape)
+            tl.store(kept_ptr + ((PREFIXES * i + t) * NV + h) * (DK * DV) + cols, s, mask=kept)
+        tl.store(sp, s)
+
+
+@triton.jit
+def _window_row(x_ptr, conv, start, p, c, stride_x, C, mask):
+    """Channels c of input p of a sequence (p < 0: row 3 + p of the slot's conv state), in the state's dtype."""
+    fresh = _mask(p >= 0, c.shape)
+    new = tl.load(x_ptr + (start + p) * stride_x + c, mask=mask & fresh, other=0.0).to(conv.dtype.element_ty)
+    old = tl.load(conv + (3 + p) * C + c, mask=mask & ~fresh, other=0.0)
+    return tl.where(fresh, new, old)
+
+
+@triton.jit
+def _verify_conv_kernel(x_ptr, conv_ptr, slot_ptr, cu_ptr, kept_ptr, stride_x, stride_conv, C,
+                        PREFIXES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (i, b): channels b·BLOCK .. of sequence i: its conv windows after each kept row, then the
+    slot's conv state after its last row (the last 3 of: the old state, the step's rows)."""
+    pdl.enter(PDL)
+    i = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = c < C
+    start = tl.load(cu_ptr + i).to(tl.int64)
+    n = tl.load(cu_ptr + i + 1).to(tl.int64) - start
+    if n > 0:
+        conv = conv_ptr + tl.load(slot_ptr + i).to(tl.int64) * stride_conv
+        for t in tl.static_range(PREFIXES):  # the window after row t: inputs t-2 .. t
+            kept = m & _mask(t < n - 1, c.shape)
+            for r in tl.static_range(3):
+                w = _window_row(x_ptr, conv, start, t - 2 + r, c, stride_x, C, kept)
+                tl.store(kept_ptr + ((PREFIXES * i + t) * 3 + r) * C + c, w, mask=kept)
+        r0 = _window_row(x_ptr, conv, start, n - 3, c, stride_x, C, m)
+        r1 = _window_row(x_ptr, conv, start, n - 2, c, stride_x, C, m)
+        r2 = _window_row(x_ptr, conv, start, n - 1, c, stride_x, C, m)
+        # Threads may hold copies of the same channel: all reads of the old rows finish before any is overwritten.
+        tl.debug_barrier()
+        tl.store(conv + c, r0, mask=m)
+        tl.store(conv + C + c, r1, mask=m)
+        tl.store(conv + 2 * C + c, r2, mask=m)
+
+
+def gdn_verify_(x: torch.Tensor, conv_w: torch.Tensor, conv_pool: torch.Tensor, a_raw: torch.Tensor,
+                b_raw: torch.Tensor, A: torch.Tensor, dt_bias: torch.Tensor, state_pool: torch.Tensor,
+                slots: torch.Tensor, cu_seqlens: torch.Tensor, live: int, kept_conv: torch.Tensor,
+                kept_rec: torch.Tensor, nk: int, dk: int, eps: float) -> torch.Tensor:
+    """x [T, C]: the qkv projection before the conv, sequences' rows end to end at cu_seqlens [N + 1] (read
+    on the device only); conv_w [C, 4]; conv_pool [S, 3, C] and state_pool [S, nv, dk, dv] fp32, updated in
+    place at slots [N]; sequences i >= live are padding. kept_conv [P * live, 3, C] and kept_rec
+    [P * live, nv, dk, dv]: row P * i + t gets sequence i's states after its row t, for t < min(rows - 1, P).
+    Returns the read-outs o [T, nv, dv] fp32 (before the gated RMSNorm)."""
+    t, c = x.shape
+    nv, dv = state_pool.shape[1], state_pool.shape[3]
+    prefixes = kept_rec.shape[0] // live
+    assert state_pool.dtype == torch.float32 and state_pool.is_contiguous() and state_pool.shape[2] == dk
+    assert nv % nk == 0 and c == 2 * nk * dk + nv * dv and x.stride(1) == 1
+    assert conv_w.shape == (c, 4) and conv_pool.shape[1:] == (3, c) and conv_pool.stride(2) == 1
+    assert conv_pool.stride(1) == c and a_raw.stride(1) == 1 and b_raw.stride(1) == 1
+    assert kept_rec.shape == (prefixes * live, nv, dk, dv) and kept_rec.is_contiguous()
+    assert kept_rec.dtype == torch.float32 and kept_conv.shape == (prefixes * live, 3, c) and kept_conv.is_contiguous()
+    o = torch.empty(t, nv, dv, dtype=torch.float32, device=x.device)
+    split = SPLIT if dv % SPLIT == 0 else 1
+    launch = pdl.launch_options(x.device)
+    _verify_columns_kernel[(slots.shape[0], nv, split)](
+        x, conv_w.contiguous(), conv_pool, a_raw, b_raw, A, dt_bias, state_pool, slots, cu_seqlens, o, kept_rec,
+        x.stride(0), conv_pool.stride(0), a_raw.stride(0), b_raw.stride(0), c, nk, nv, live, dk ** -0.5, eps,
+        DK=dk, DV=dv, SPLIT=split, PREFIXES=prefixes, num_warps=4, **launch)
+    _verify_conv_kernel[(live, triton.cdiv(c, CONV_BLOCK))](
+        x, conv_pool, slots, cu_seqlens, kept_conv, x.stride(0), conv_pool.stride(0), c, PREFIXES=prefixes,
+        BLOCK=CONV_BLOCK, num_warps=4, **launch)
+    return o
+
+
+CONV_BLOCK = 1024  # channels a program of the conv kernel writes (a 9B layer's 8192: 8 programs a sequence)
