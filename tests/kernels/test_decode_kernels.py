@@ -376,8 +376,9 @@ VERIFY_SLOTS = [3, 8, 0, 5, 1, 7]
 PADDING_ROWS = [3]  # the padding sequence's, last, on the padding slot (8)
 
 
-def _verify_inputs(dev, dtype, real: bool, seed: int = 0) -> dict:
-    """A verify step's arguments; the kept buffers hold 7.0, so rows the step must not write stay so."""
+def _verify_inputs(dev, dtype, real: bool, seed: int = 0, keep: bool = True) -> dict:
+    """A verify step's arguments; the kept buffers hold 7.0, so rows the step must not write stay so (none
+    without `keep`: a prefill graph's step)."""
     gen = torch.Generator().manual_seed(seed)
     nk, nv, d = (16, 32, 128) if real else (2, 4, 16)
     c, lens, live = 2 * nk * d + nv * d, VERIFY_ROWS + PADDING_ROWS, len(VERIFY_ROWS)
@@ -391,18 +392,19 @@ def _verify_inputs(dev, dtype, real: bool, seed: int = 0) -> dict:
                 a_raw=rand(t, nv, dtype=dtype), b_raw=rand(t, nv, dtype=dtype),
                 A=-torch.rand(nv, generator=gen).to(dev) * 8, dt_bias=rand(nv), state_pool=rand(9, nv, d, d, scale=0.1),
                 slots=slots.to(dev), cu_seqlens=cu.to(dev), live=live,
-                kept_conv=torch.full((3 * live, 3, c), 7.0, device=dev),
-                kept_rec=torch.full((3 * live, nv, d, d), 7.0, device=dev), nk=nk, dk=d, eps=1e-6)
+                kept_conv=torch.full((3 * live * keep, 3, c), 7.0, device=dev),
+                kept_rec=torch.full((3 * live * keep, nv, d, d), 7.0, device=dev), nk=nk, dk=d, eps=1e-6)
 
 
-def test_gdn_verify_matches_reference(env):
+@pytest.mark.parametrize("keep", [True, False], ids=["verify", "prefill"])
+def test_gdn_verify_matches_reference(env, keep):
     """The verify kernel against its reference, mixed row counts (0..4) and padding: the read-outs (zeros on
     padding rows), every slot's recurrent and conv state after the step, and every row of the kept buffers
     (the states after each kept position; the rest untouched)."""
     from hf2q.kernels.gdn.verify_triton import gdn_verify_
 
     dev, dtype, real = env
-    args = _verify_inputs(dev, dtype, real)
+    args = _verify_inputs(dev, dtype, real, keep=keep)
     ref = _on_cpu(args)
     o = gdn_verify_(**args)
     ref_o = gdn_ops.gdn_verify_reference(**ref)

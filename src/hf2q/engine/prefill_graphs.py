@@ -6,14 +6,13 @@ work under half of that), and every request decoding beside it waits for it: a f
 prefix-cache hit is such a step, and so is each new request's prefill in a busy server. The graph's rows are
 laid out as decode rows: each row's attention reads its sequence's block table up to its own position (the
 paged decode kernel, causal by the context lengths), so the K/V written by the step is read back within it.
-The DeltaNet layers see 72 sequences: the real ones, empty ones on the decode graphs' private padding slot,
-and the padding rows, last, spread over PADDING_SEQS more on that slot too, so padding never touches a real
-state; their delta rule is fla's recurrent kernel, which reads the lengths from the device only and walks each
-sequence's rows in turn (spread, a lone short prefill in a large bucket does not wait for its padding). A verify
-graph's DeltaNet step is its own kernel (hf2q.kernels.gdn.verify_triton): it reads the same row offsets, walks
-each real sequence's rows on its slot in place, keeps the states after its first rows, and skips the padding
-sequences (their rows read out zeros). The logits are each sequence's last row's (a verify graph's: its last
-POSITIONS rows). Off CUDA a "graph" runs its
+The DeltaNet layers see max_seqs + PADDING_SEQS sequences: the real ones, empty ones on the decode graphs'
+private padding slot, and the padding rows, last, spread over PADDING_SEQS more on that slot too. Their step
+is one kernel pair on the state pools in place (hf2q.kernels.gdn.verify_triton): it reads the row offsets from
+the device, walks each real sequence's rows on its slot (the state in registers, nothing gathered or written
+back for the empty ones) and skips the padding sequences (their rows read out zeros); a verify graph's also
+keeps the states after each sequence's first rows. The logits are each sequence's last row's (a verify
+graph's: its last POSITIONS rows). Off CUDA a "graph" runs its
 step again on replay (`_StepAgain`), which is how the CPU tests check the buffers and the metadata.
 """
 from __future__ import annotations
@@ -94,8 +93,8 @@ class PrefillGraphs:
         self.graphs: dict = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.hidden: dict[int, torch.Tensor] = {}
-        # The sequences' lengths on the host: a capture fixes only that all are short (fla's recurrent kernel);
-        # the CPU stand-in reads the real ones at every replay.
+        # The sequences' lengths on the host: a capture fixes none of them (the DeltaNet step reads the device's
+        # row offsets); the CPU stand-in reads the real ones at every replay.
         self._lens = {b: [1] + [0] * (max_seqs - 1) + spread(b - 1) for b in self.buckets}
         self._pool = None
         self.on_cuda = dev.type == "cuda"
@@ -158,7 +157,7 @@ class PrefillGraphs:
         starts = [0] * len(seq_lens)
         meta = FastMeta(decode=False, seq_lens=seq_lens, start_lens=starts, cu_seqlens=cu[:len(seq_lens) + 1],
                         slots=slots, slot_mapping=mapping, block_tables=tables, context_lens=lens,
-                        block_size=self.block_size, rows_paged=True, kept_positions=self.kept)
+                        block_size=self.block_size, rows_paged=True, kept_positions=self.kept, live_seqs=self.max_seqs)
         return ForwardBatch(ids, pos, seq_lens, starts, [self.pad_slot] * len(seq_lens), self.cache,
                             extras={"fast_meta": meta})
 

@@ -30,11 +30,15 @@ class FastMeta:
     block_size: int = 0
     # Every row reads the K/V of its own block-table row up to its own context length, as decode rows do: the
     # rows of a small prefill step replayed in a graph (engine/prefill_graphs.py), each a query at its position;
-    # such a step's delta rule takes fla's recurrent kernel, which reads the lengths from the device only.
+    # such a step's DeltaNet runs on the state pools in place (gdn_ops.gdn_verify_), reading the row offsets
+    # from the device only.
     rows_paged: bool = False
     # A verify step replayed in a graph keeps each sequence's DeltaNet states after each of its first rows
     # (hf2q.spec.states.KeptPositions), in a layout fixed at capture.
     kept_positions: Optional["KeptPositions"] = None
+    # A graph step's sequences before its padding ones (rows_paged steps): the DeltaNet step runs on the state
+    # pools in place for these and leaves the padding sequences' state alone.
+    live_seqs: int = 0
 
 
 def build_meta(batch: ForwardBatch) -> FastMeta:

@@ -47,9 +47,9 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Every sequence at once: the fused decode step (conv, delta rule and gated norm) for decode, a
-        verify graph's step on the pools in place (conv and delta rule, keeping the states after each
-        sequence's first rows) then the gated norm, else the varlen conv, the chunked delta rule and the
-        gated norm; each operation's chooser runs the kernel or its exact reference (kernels/<op>/ops.py)."""
+        graph-replayed small step's conv and delta rule on the pools in place (a verify graph's keeping the
+        states after each sequence's first rows) then the gated norm, else the varlen conv, the chunked delta
+        rule and the gated norm; each operation's chooser runs the kernel or its exact reference (kernels/<op>/ops.py)."""
         meta, cache = fast_meta(batch), batch.cache
         mixed, z, alpha, beta_raw = linear_ops.packed_linear(x, (self.qkv, self.z, self.alpha, self.beta))
         j = cache.linear_index(self.layer_id) if cache is not None else None
@@ -58,12 +58,14 @@ class GatedDeltaNet(nn.Module):
                                             self.dt_bias, z, self.norm, cache.recurrent_state[j], meta.slots,
                                             self.nk, self.dk, self.eps, x.dtype, int8_reader(x, self.out.qtype))
             return self.out(core)
-        positions = meta.kept_positions  # a verify step's graph keeps every sequence's states per position
-        if positions is not None:
-            kept_conv, kept_rec = positions.layer(j)
-            o = gdn_ops.gdn_verify_(mixed, self.conv, cache.conv_state[j], alpha, beta_raw, self.a, self.dt_bias,
-                                    cache.recurrent_state[j], meta.slots, meta.cu_seqlens, positions.max_seqs,
-                                    kept_conv, kept_rec, self.nk, self.dk, self.eps)
+        if meta.rows_paged and cache is not None:  # a graph-replayed step: a few rows a sequence, pools in place
+            positions = meta.kept_positions  # a verify step keeps every sequence's states per position
+            conv_pool, rec_pool = cache.conv_state[j], cache.recurrent_state[j]
+            kept_conv, kept_rec = positions.layer(j) if positions is not None else \
+                (conv_pool.new_empty(0, *conv_pool.shape[1:]), rec_pool.new_empty(0, *rec_pool.shape[1:]))
+            o = gdn_ops.gdn_verify_(mixed, self.conv, conv_pool, alpha, beta_raw, self.a, self.dt_bias, rec_pool,
+                                    meta.slots, meta.cu_seqlens, meta.live_seqs, kept_conv, kept_rec, self.nk,
+                                    self.dk, self.eps)
             return self.out(norm_ops.gated_rms_norm(o, z, self.norm, self.eps, x.dtype))
         n = len(meta.seq_lens)
         conv_pool, slots = (cache.conv_state[j], meta.slots) if cache is not None else (None, None)
@@ -82,7 +84,7 @@ class GatedDeltaNet(nn.Module):
         prefixes = self._prefixes(batch, kept)
         if prefixes:
             rule = self._with_prefixes(batch, prefixes, *rule)
-        o, final = gdn_ops.chunk_gdn(*rule, self.dk ** -0.5, self.eps, recurrent=meta.rows_paged)
+        o, final = gdn_ops.chunk_gdn(*rule, self.dk ** -0.5, self.eps)
         states = dict(zip(prefixes, final[n:]))
         o, final = o[:t], final[:n]
         if kept:

@@ -4,8 +4,8 @@ Sequences are laid end to end and separated by `cu_seqlens`; each starts from it
 final state is returned for the caller to scatter back. fla groups value heads as h // (n_v / n_k);
 GGUF files tile them (h % n_k), so q and k are expanded to n_v heads in tiled order first.
 
-Short batches (every sequence at most `RECURRENT_MAX_LEN` tokens: a follow-up turn after a prefix-cache hit,
-a speculative verify) take fla's fused recurrent kernel: one launch and no host synchronisation, where the
+Short batches (every sequence at most `RECURRENT_MAX_LEN` tokens: a follow-up turn after a prefix-cache hit
+run eagerly) take fla's fused recurrent kernel: one launch and no host synchronisation, where the
 chunked form launches about ten kernels and reads the sequence lengths back to the host, which costs more
 than the arithmetic at that length. Training (inputs that need a gradient) keeps the chunked form: fla's
 recurrent kernel has no backward.
@@ -21,11 +21,10 @@ RECURRENT_MAX_LEN = 64
 
 def chunk_gdn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
               initial_state: torch.Tensor, cu_seqlens: torch.Tensor, scale: float,
-              seq_lens: list[int] | None = None, recurrent: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+              seq_lens: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q, k: [T, nk, dk] raw (L2-normalised in the kernel); v: [T, nv, dv]; g: [T, nv] log-decay fp32;
     beta: [T, nv] fp32; initial_state: [N, nv, dk, dv] fp32; cu_seqlens: [N + 1] int64; seq_lens: the same
-    lengths on the host, when the caller has them (saves a device-to-host read); recurrent: the recurrent
-    kernel whatever the lengths (it reads only cu_seqlens, as a CUDA graph's replays need).
+    lengths on the host, when the caller has them (saves a device-to-host read).
     Returns (o [T, nv, dv], final state [N, nv, dk, dv] fp32)."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
@@ -39,7 +38,7 @@ def chunk_gdn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
                 cu_seqlens=cu_seqlens)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta, initial_state))
     short = seq_lens is not None and max(seq_lens, default=0) <= RECURRENT_MAX_LEN
-    if (recurrent or short) and not needs_grad:
+    if short and not needs_grad:
         o, final = fused_recurrent_gated_delta_rule(**args)
     else:
         cpu = torch.tensor([0, *itertools.accumulate(seq_lens)]) if seq_lens is not None else None

@@ -50,14 +50,12 @@ def gdn_decode_(qkv, a_raw, b_raw, A, dt_bias, z, norm_w, state_pool, slots, nk:
     return norm_ref.gated_rms_norm(o.view(bsz, nv, dv), z, norm_w, eps, out_dtype)
 
 
-def chunk_gdn(q, k, v, g, beta, initial_state, cu_seqlens, seq_lens: list[int], scale: float, eps: float,
-              recurrent: bool = False):
+def chunk_gdn(q, k, v, g, beta, initial_state, cu_seqlens, seq_lens: list[int], scale: float, eps: float):
     """q, k: [T, nk, dk] raw; v: [T, nv, dv]; g, beta: [T, nv]; initial_state: [N, nv, dk, dv].
-    Returns (o [T, nv, dv] in v's dtype, final states [N, nv, dk, dv] fp32). `recurrent`: on CUDA, fla's
-    recurrent kernel whatever the lengths (a CUDA graph's step, whose host lengths are the capture's)."""
+    Returns (o [T, nv, dv] in v's dtype, final states [N, nv, dk, dv] fp32)."""
     if q.is_cuda:
         from hf2q.kernels.gdn.chunked_fla import chunk_gdn as kernel
-        return kernel(q, k, v, g, beta, initial_state, cu_seqlens, scale, seq_lens, recurrent)
+        return kernel(q, k, v, g, beta, initial_state, cu_seqlens, scale, seq_lens)
     return chunk_gdn_reference(q, k, v, g, beta, initial_state, cu_seqlens, seq_lens, scale, eps)
 
 

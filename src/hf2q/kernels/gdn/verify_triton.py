@@ -1,8 +1,9 @@
-"""Triton Gated DeltaNet step of a speculative verify: a few rows per sequence, on the slot pools in place,
-keeping the state after each of a sequence's first rows.
+"""Triton Gated DeltaNet step of a graph-replayed small step: a few rows per sequence, on the slot pools in
+place, keeping (for a speculative verify) the state after each of a sequence's first rows.
 
-A verify graph (hf2q.engine.prefill_graphs) feeds each sequence its last decided token and up to 3 drafts;
-a partial accept settles the slot from the state after one of those rows (hf2q.spec.states.KeptPositions).
+A prefill graph (hf2q.engine.prefill_graphs) feeds each sequence up to 127 new rows, a verify graph its last
+decided token and up to 3 drafts; a partial accept settles the slot from the state after one of those rows
+(hf2q.spec.states.KeptPositions). With no kept buffer (`prefixes` 0) nothing is kept.
 Two kernels, as the decode step (gdn/decode_triton.py) is split:
 
 The first runs one program per (sequence, value head, part of the head's columns): each column of the
