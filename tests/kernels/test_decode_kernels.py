@@ -412,7 +412,8 @@ def test_gdn_verify_matches_reference(env, keep):
     assert rel(o, ref_o) <= tol and not o[sum(VERIFY_ROWS):].any()
     assert torch.equal(args["conv_pool"].cpu(), ref["conv_pool"])
     assert torch.equal(args["kept_conv"].cpu(), ref["kept_conv"])
-    assert rel(args["state_pool"], ref["state_pool"]) <= tol and rel(args["kept_rec"], ref["kept_rec"]) <= tol
+    assert rel(args["state_pool"], ref["state_pool"]) <= tol
+    assert rel(args["kept_rec"], ref["kept_rec"]) <= tol if keep else args["kept_rec"].numel() == 0
 
 
 def test_gdn_verify_reference_is_plain_decoding():
