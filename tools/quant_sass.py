@@ -3,11 +3,14 @@ with Triton's bundled ptxas, its main loop (the longest backward branch) counted
 the count turned into instructions per weight value (loop instructions x threads / weight values a loop
 trip reads), with ptxas' registers and spills.
 
-    python tools/quant_sass.py [--types Q4_K Q6_K] [--rows 16 64]
+    python tools/quant_sass.py [--types Q4_K Q6_K] [--rows 16 64] [--kernels tile mmq] [--launch]
 
 Compares the bf16 tile kernel (mm_triton) with the int8 tensor-core kernel (mmq_triton) in the
 configurations each takes for that many activation rows (sizes marked as multiples of 16, as the
-launcher finds the 9B shapes).
+launcher finds the 9B shapes). --launch also marks the activations' row stride a multiple of 16, as a
+real launch specialises it (the address arithmetic, and so the count, differ). ptxas' warnings (such as
+C7515, a serialized wgmma) and the loop's tensor-core instructions are printed too: the tile kernel is
+meant to keep mma.sync (HMMA).
 """
 from __future__ import annotations
 
@@ -29,9 +32,9 @@ BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin"
 SIZES = ("N", "K", "row_stride", "nblk")  # integers the launcher sees as multiples of 16 at 9B shapes
 
 
-def _compile(fn, sig: dict, const: dict, warps: int) -> str:
+def _compile(fn, sig: dict, const: dict, warps: int, sizes: tuple[str, ...]) -> str:
     names = list(sig) + list(const)
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in sig if sig[n].startswith("*") or n in SIZES}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in sig if sig[n].startswith("*") or n in sizes}
     src = ASTSource(fn=fn, signature={**sig, **{n: "constexpr" for n in const}}, constexprs=const, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["ptx"]
 
@@ -53,18 +56,19 @@ def _loop(sass: str) -> list[str]:
     return ops[best[0]:best[1]]
 
 
-def measure(fn, sig: dict, const: dict, warps: int, block_n: int) -> tuple[float, str, collections.Counter]:
-    """(instructions per weight value, ptxas' register and spill line, the loop's opcode counts)."""
+def measure(fn, sig: dict, const: dict, warps: int, block_n: int, sizes: tuple[str, ...] = SIZES,
+            ) -> tuple[float, str, collections.Counter]:
+    """(instructions per weight value, ptxas' register, spill and warning lines, the loop's opcode counts)."""
     with tempfile.TemporaryDirectory() as tmp:
         ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
         with open(ptx, "w") as f:
-            f.write(_compile(fn, sig, const, warps))
+            f.write(_compile(fn, sig, const, warps, sizes))
         done = subprocess.run([os.path.join(BIN, "ptxas-blackwell"), "-arch=sm_90a", "-v", ptx, "-o", cubin],
                               capture_output=True, text=True, check=True)
         sass = subprocess.run([os.path.join(BIN, "nvdisasm"), "-c", cubin], capture_output=True, text=True,
                               check=True).stdout
     info = " ".join(line.split(":", 1)[-1].strip() for line in done.stderr.splitlines()
-                    if "registers" in line or "spill" in line)
+                    if "registers" in line or "spill" in line or "warning" in line)
     ops = _loop(sass)
     return len(ops) * 32 * warps / (block_n * 256), info, collections.Counter(ops)
 
@@ -73,7 +77,10 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--types", nargs="+", default=list(mmq.TYPES), choices=list(mmq.TYPES))
     p.add_argument("--rows", type=int, nargs="+", default=[16, 64])
+    p.add_argument("--kernels", nargs="+", default=["tile", "mmq"], choices=["tile", "mmq"])
+    p.add_argument("--launch", action="store_true", help="also mark x_stride a multiple of 16, as launches do")
     args = p.parse_args()
+    sizes = SIZES + ("x_stride",) if args.launch else SIZES
     common = {"out_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32"}
     tail = {"row_stride": "i32", "nblk": "i32", "tiles_per_split": "i32", "n_tiles": "i32"}
     tile_sig = {"x_ptr": "*bf16", "w8": "*u8", "w16": "*fp16", "w32": "*i32", **common, "x_stride": "i32", **tail}
@@ -89,10 +96,13 @@ def main() -> None:
             cases.append(("mmq", mmq._mmq_kernel, mmq_sig, dict(QTYPE=mmq.QTYPE_ID[qtype], CHUNKS=c, BLOCK_N=block_n,
                                                                 EMULATE=False), warps, block_n))
             for name, fn, sig, const, warps, block_n in cases:
-                per_value, info, ops = measure(fn, sig, const, warps, block_n)
+                if name not in args.kernels:
+                    continue
+                per_value, info, ops = measure(fn, sig, const, warps, block_n, sizes)
                 top = ", ".join(f"{op} {n}" for op, n in ops.most_common(8))
+                mma = ", ".join(f"{op} {n}" for op, n in sorted(ops.items()) if "MMA" in op or "GMMA" in op)
                 print(f"{qtype} {m:2} rows {name:4} (BLOCK_N {block_n}, {warps} warps): {per_value:5.2f} instructions "
-                      f"a weight value; {info}; loop: {top}", flush=True)
+                      f"a weight value; {info}; loop: {top}; tensor cores: {mma}", flush=True)
 
 
 if __name__ == "__main__":
