@@ -139,14 +139,19 @@ def _group(w8, w16, w32, row_base, t, nblk, G: tl.constexpr, QTYPE: tl.constexpr
 
 
 @triton.jit
-def _x_cols(x_ptr, m0, M, x_stride, k, K, EVEN_K: tl.constexpr):
-    """[16, 32] activations: rows m0.. (rows past M read the last one: their results are never stored),
-    columns k (masked past K unless every tile is whole, as K-quant rows are)."""
+def _x_ptrs(x_ptr, m0, M, x_stride):
+    """Pointers [16, 32] to columns 0-31 of activation rows m0.., computed once a program: the loop only
+    adds a column offset. Rows past M read the last one (their results are never stored)."""
     m = tl.minimum(m0 + tl.arange(0, 16), M - 1)
-    ptrs = x_ptr + m.to(tl.int64)[:, None] * x_stride + k[None, :]
+    return x_ptr + m.to(tl.int64)[:, None] * x_stride + tl.arange(0, 32)[None, :]
+
+
+@triton.jit
+def _x_cols(ptrs, k0, K, EVEN_K: tl.constexpr):
+    """[16, 32] activations at columns k0.. (masked past K unless every tile is whole, as K-quant rows are)."""
     if EVEN_K:
-        return tl.load(ptrs)
-    return tl.load(ptrs, mask=(k < K)[None, :], other=0)
+        return tl.load(ptrs + k0)
+    return tl.load(ptrs + k0, mask=(k0 + tl.arange(0, 32) < K)[None, :], other=0)
 
 
 @triton.jit
@@ -200,16 +205,20 @@ def _quant_mm_kernel(x_ptr, w8, w16, w32, out_ptr, M, N, K, x_stride, row_stride
     acc1 = tl.zeros((16, BLOCK_N), dtype=tl.float32)
     acc2 = tl.zeros((16, BLOCK_N), dtype=tl.float32)
     acc3 = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+    x0 = _x_ptrs(x_ptr, m0, M, x_stride)
+    x1 = _x_ptrs(x_ptr, m0 + 16, M, x_stride)
+    x2 = _x_ptrs(x_ptr, m0 + 32, M, x_stride)
+    x3 = _x_ptrs(x_ptr, m0 + 48, M, x_stride)
     for t in range(first, last):
         for g in tl.static_range(8):
             w = tl.trans(_group(w8, w16, w32, row_base, t, nblk, g, QTYPE))  # [32, BLOCK_N]
-            k = t * 256 + 32 * g + tl.arange(0, 32)
-            acc0 = _dot(_x_cols(x_ptr, m0, M, x_stride, k, K, EVEN_K), w, acc0, IEEE)
+            k0 = t * 256 + 32 * g
+            acc0 = _dot(_x_cols(x0, k0, K, EVEN_K), w, acc0, IEEE)
             if CHUNKS > 1:
-                acc1 = _dot(_x_cols(x_ptr, m0 + 16, M, x_stride, k, K, EVEN_K), w, acc1, IEEE)
+                acc1 = _dot(_x_cols(x1, k0, K, EVEN_K), w, acc1, IEEE)
             if CHUNKS > 2:
-                acc2 = _dot(_x_cols(x_ptr, m0 + 32, M, x_stride, k, K, EVEN_K), w, acc2, IEEE)
-                acc3 = _dot(_x_cols(x_ptr, m0 + 48, M, x_stride, k, K, EVEN_K), w, acc3, IEEE)
+                acc2 = _dot(_x_cols(x2, k0, K, EVEN_K), w, acc2, IEEE)
+                acc3 = _dot(_x_cols(x3, k0, K, EVEN_K), w, acc3, IEEE)
     store_chunks(out_ptr, acc0, acc1, acc2, acc3, split, m0, M, N, rows, row_ok, CHUNKS)
 
 
