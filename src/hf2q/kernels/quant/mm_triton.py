@@ -5,10 +5,11 @@ dequantize-then-cuBLAS (dequant_triton, which writes and re-reads a bf16 copy of
 decode rows wants the quantized blocks read once for all its rows. A program takes BLOCK_N weight rows
 over a range of 256-value tiles; each tile is walked in eight groups of 32 values that share one scale
 (a K-quant sub-block, a Q8_0/Q4_0 block, half of two Q6_K sub-blocks). A group's quants are read as the
-32-bit words they are stored in, split into bytes and nibbles by shifts, put back in value order with
-`tl.interleave` (no gathers, no shared-memory reshapes), scaled in fp32, rounded to the activations' dtype
-(as the dequantized copy is) and multiplied on tensor cores against the matching 32 columns of the
-activations. So the step costs one pass over the quantized bytes however many rows share it (the Marlin
+32-bit words they are stored in; K-quant fields are masked in place (Q5_K/Q6_K put together a word at a
+time) and converted whole, each field's place undone by a power of two in its scale (no shift per
+value, the same rounding); the values are put back in order with `tl.interleave` (no gathers, no
+shared-memory reshapes), rounded to the activations' dtype (as the dequantized copy is) and multiplied
+on tensor cores against the matching 32 columns of the activations. So the step costs one pass over the quantized bytes however many rows share it (the Marlin
 approach, on the blocks in the layout the other kernels read).
 
 Every 16 activation rows are their own dot with their own accumulator, and K is split over programs by
@@ -28,14 +29,17 @@ PROGRAMS = 264  # about two programs per SM of the largest cards: split K until 
 
 
 @triton.jit
-def _bytes_in_order(words, shift, mask):
-    """words [BN, 8] hold 32 bytes (byte 4w + b in bits 8b.. of word w); -> [BN, 32] int32 of
-    (byte >> shift) & mask in byte order."""
-    b0 = (words >> shift) & mask
-    b1 = (words >> (8 + shift)) & mask
-    b2 = (words >> (16 + shift)) & mask
-    b3 = (words >> (24 + shift)) & mask
-    return tl.interleave(tl.interleave(b0, b2), tl.interleave(b1, b3))
+def _scaled_bytes(words, shift, mask, a, b):
+    """a * ((byte >> shift) & mask) + b [BN, 32] in byte order for words [BN, 8] holding 32 bytes (byte
+    4w + j in bits 8j.. of word w; a, b [BN, 1] or scalars). Each field is masked in place and converted
+    whole (exact: at most 8 bits set), its place undone by a power of two in the scale: no shift per
+    value, and the same rounding as scaling the field itself."""
+    u = words.to(tl.uint32, bitcast=True)
+    v0 = (u & (mask << shift)).to(tl.float32) * (a * (1.0 / (1 << shift))) + b
+    v1 = (u & (mask << (8 + shift))).to(tl.float32) * (a * (1.0 / (1 << (8 + shift)))) + b
+    v2 = (u & (mask << (16 + shift))).to(tl.float32) * (a * (1.0 / (1 << (16 + shift)))) + b
+    v3 = (u & (mask << (24 + shift))).to(tl.float32) * (a * (1.0 / (1 << (24 + shift)))) + b
+    return tl.interleave(tl.interleave(v0, v2), tl.interleave(v1, v3))
 
 
 @triton.jit
@@ -78,36 +82,42 @@ def _kquant45_group(w32, row_q, t, nblk, G: tl.constexpr, QTYPE: tl.constexpr):
     """fp32 values [BN, 32] of sub-block G of Q4_K/Q5_K block t: value 64g + 32h + l (G = 2g + h) is nibble h
     of nibble byte 32g + l, plus (Q5_K) bit G of fifth-bit byte l as 16; times d * scale, minus dmin * min."""
     QS: tl.constexpr = 4 if QTYPE == 2 else 12  # first word of the nibbles (after the header, Q5_K's fifth bits)
-    q = _bytes_in_order(_block_words(w32, row_q, QS + 8 * (G // 2), t, nblk), 4 * (G % 2), 15)
-    if QTYPE == 3:
-        q += _bytes_in_order(_block_words(w32, row_q, 4, t, nblk), G, 1) << 4
     header = w32 + (row_q + t) * 4  # quad 0 of block t: f16 d and dmin, then the 12 scale bytes
     h0 = tl.load(header)
     h1 = tl.load(header + 1)
     h2 = tl.load(header + 2)
     h3 = tl.load(header + 3)
     sc, mn = _scale_min(h1, h2, h3, G)
-    return (f16_bits(h0) * sc)[:, None] * q.to(tl.float32) - (f16_bits(h0 >> 16) * mn)[:, None]
+    a, b = (f16_bits(h0) * sc)[:, None], -(f16_bits(h0 >> 16) * mn)[:, None]
+    q = _block_words(w32, row_q, QS + 8 * (G // 2), t, nblk)
+    if QTYPE == 2:
+        return _scaled_bytes(q, 4 * (G % 2), 15, a, b)
+    fifth = _block_words(w32, row_q, 4, t, nblk)  # bit G of each byte: 16 in value G
+    q = ((q >> (4 * (G % 2))) & 0x0F0F0F0F) | (((fifth >> G) << 4) & 0x10101010)
+    return _scaled_bytes(q, 0, 31, a, b)
 
 
 @triton.jit
 def _q6k_group(w32, row_q, t, nblk, G: tl.constexpr):
     """fp32 values [BN, 32] of group G = 4h + j of Q6_K block t: value 128h + 32j + l has its low nibble in
     ql byte 64h + 32(j % 2) + l (shifted by 4(j // 2)), its top two bits in qh byte 32h + l (shifted by 2j),
-    and scale 8h + 2j + l // 16 (signed bytes in words 48-51); d sits in the row's plane after the quads."""
+    and scale 8h + 2j + l // 16 (signed bytes in words 48-51); d sits in the row's plane after the quads.
+    The 6-bit quants are put together a word (four values) at a time."""
     H: tl.constexpr = G // 4
     J: tl.constexpr = G % 4
-    lo = _bytes_in_order(_block_words(w32, row_q, 16 * H + 8 * (J % 2), t, nblk), 4 * (J // 2), 15)
-    hi = _bytes_in_order(_block_words(w32, row_q, 32 + 8 * H, t, nblk), 2 * J, 3)
+    lo = _block_words(w32, row_q, 16 * H + 8 * (J % 2), t, nblk) >> (4 * (J // 2))
+    hi = _block_words(w32, row_q, 32 + 8 * H, t, nblk)
+    hi = (hi << (4 - 2 * J)) if J < 2 else (hi >> (2 * J - 4))
+    q = (lo & 0x0F0F0F0F) | (hi & 0x30303030)
     S: tl.constexpr = 48 + 2 * H + J // 2  # the word holding scales 8h + 2j and 8h + 2j + 1
     sw = tl.load(w32 + (row_q + (S // 4) * nblk + t) * 4 + S % 4)
     B: tl.constexpr = 2 * (J % 2)  # their bytes in that word
-    sc0 = (sw << (24 - 8 * B)) >> 24
-    sc1 = (sw << (16 - 8 * B)) >> 24
-    sc = tl.where((tl.arange(0, 32) < 16)[None, :], sc0[:, None], sc1[:, None])
     dw = tl.load(w32 + row_q * 4 + 52 * nblk + t // 2)
     d = f16_bits(dw >> (16 * (t % 2)))
-    return d[:, None] * (sc * ((lo | (hi << 4)) - 32)).to(tl.float32)
+    sc0 = d * ((sw << (24 - 8 * B)) >> 24).to(tl.float32)  # exact: 11 by 8 bits
+    sc1 = d * ((sw << (16 - 8 * B)) >> 24).to(tl.float32)
+    scale = tl.where((tl.arange(0, 32) < 16)[None, :], sc0[:, None], sc1[:, None])
+    return _scaled_bytes(q, 0, 255, 1.0, -32.0) * scale  # d * sc exact, so one rounding, as of d * (sc * q)
 
 
 @triton.jit
