@@ -150,38 +150,18 @@ def _group(w8, w16, w32, row_base, t, nblk, G: tl.constexpr, QTYPE: tl.constexpr
 
 @triton.jit
 def _x_ptrs(x_ptr, m0, M, x_stride):
-    """Pointers to columns 0-31 of activation rows m0.., computed once a program: the loop only adds a
-    column offset. Rows past M read the last one (their results are never stored). 16-bit activations
-    are read as 32-bit words, [16, 8] pointers to words 0, 2, .. 14 (the odd words follow each)."""
+    """Pointers [16, 32] to columns 0-31 of activation rows m0.., computed once a program: the loop only
+    adds a column offset. Rows past M read the last one (their results are never stored)."""
     m = tl.minimum(m0 + tl.arange(0, 16), M - 1)
-    if x_ptr.dtype.element_ty.primitive_bitwidth == 16:
-        x32 = x_ptr.to(tl.pointer_type(tl.int32))
-        ptrs = x32 + m.to(tl.int64)[:, None] * (x_stride // 2) + 2 * tl.arange(0, 8)[None, :]
-    else:
-        ptrs = x_ptr + m.to(tl.int64)[:, None] * x_stride + tl.arange(0, 32)[None, :]
-    return ptrs
+    return x_ptr + m.to(tl.int64)[:, None] * x_stride + tl.arange(0, 32)[None, :]
 
 
 @triton.jit
-def _x_cols(x_ptr, ptrs, k0, K, EVEN_K: tl.constexpr):
-    """[16, 32] activations at columns k0.. (masked past K unless every tile is whole, as K-quant rows are).
-    16-bit ones are read as even and odd 32-bit words apart, so that each word is loaded into the register
-    the tensor-core instruction reads it from: a 64-bit load brings halves of two instructions' operands,
-    which then take register moves (about three a mma on sm_90)."""
-    if x_ptr.dtype.element_ty.primitive_bitwidth == 16:
-        w = k0 // 2
-        ok = (k0 + 4 * tl.arange(0, 8) < K)[None, :]
-        even = tl.load(ptrs + w) if EVEN_K else tl.load(ptrs + w, mask=ok, other=0)
-        odd = tl.load(ptrs + w + 1) if EVEN_K else tl.load(ptrs + w + 1, mask=ok, other=0)
-        words = tl.interleave(even, odd)
-        lo = words.to(tl.int16).to(x_ptr.dtype.element_ty, bitcast=True)
-        hi = (words >> 16).to(tl.int16).to(x_ptr.dtype.element_ty, bitcast=True)
-        x = tl.interleave(lo, hi)
-    elif EVEN_K:
-        x = tl.load(ptrs + k0)
-    else:
-        x = tl.load(ptrs + k0, mask=(k0 + tl.arange(0, 32) < K)[None, :], other=0)
-    return x
+def _x_cols(ptrs, k0, K, EVEN_K: tl.constexpr):
+    """[16, 32] activations at columns k0.. (masked past K unless every tile is whole, as K-quant rows are)."""
+    if EVEN_K:
+        return tl.load(ptrs + k0)
+    return tl.load(ptrs + k0, mask=(k0 + tl.arange(0, 32) < K)[None, :], other=0)
 
 
 @triton.jit
@@ -243,12 +223,12 @@ def _quant_mm_kernel(x_ptr, w8, w16, w32, out_ptr, M, N, K, x_stride, row_stride
         for g in tl.static_range(8):
             w = tl.trans(_group(w8, w16, w32, row_base, t, nblk, g, QTYPE))  # [32, BLOCK_N]
             k0 = t * 256 + 32 * g
-            acc0 = _dot(_x_cols(x_ptr, x0, k0, K, EVEN_K), w, acc0, IEEE)
+            acc0 = _dot(_x_cols(x0, k0, K, EVEN_K), w, acc0, IEEE)
             if CHUNKS > 1:
-                acc1 = _dot(_x_cols(x_ptr, x1, k0, K, EVEN_K), w, acc1, IEEE)
+                acc1 = _dot(_x_cols(x1, k0, K, EVEN_K), w, acc1, IEEE)
             if CHUNKS > 2:
-                acc2 = _dot(_x_cols(x_ptr, x2, k0, K, EVEN_K), w, acc2, IEEE)
-                acc3 = _dot(_x_cols(x_ptr, x3, k0, K, EVEN_K), w, acc3, IEEE)
+                acc2 = _dot(_x_cols(x2, k0, K, EVEN_K), w, acc2, IEEE)
+                acc3 = _dot(_x_cols(x3, k0, K, EVEN_K), w, acc3, IEEE)
     store_chunks(out_ptr, acc0, acc1, acc2, acc3, split, m0, M, N, rows, row_ok, CHUNKS)
 
 
@@ -290,8 +270,6 @@ def quant_mm(x: torch.Tensor, raw: torch.Tensor, qtype: str, n: int, cfg: tuple[
     m, k = x.shape
     check_layout(raw, qtype, k)
     x = x.contiguous()
-    if x.element_size() == 2 and x.data_ptr() % 4:  # 16-bit activations are read as 32-bit words
-        x = x.clone()
     row_stride, nblk, n_tiles = _geometry(qtype, k)
     block_n, warps, split = cfg or config(n, k)
     out, per_split, grid = split_launch(m, n, n_tiles, split, block_n, x.dtype, x.device)
