@@ -26,7 +26,7 @@
 # fla refuses its gated Triton backward (Hopper with Triton < 3.7.1), train.json's "gdn" says which ran; steps per
 # minute on that path are not measured yet), its acceptance and speed-up on held-out code and prose
 # (tools/spec_eval.py), and the forced-acceptance verify-cost curves; verify: those curves alone at batch 1 (9B
-# Q4_K_M, then bf16), each in a time cap of its own; matvec: the int8 mat-vec at 1, 2 and 4 rows per 9B Q4_K_M
+# Q4_K_M, then bf16), each in a time cap of its own, with the profile of a plain step and an L = 3 round; matvec: the int8 mat-vec at 1, 2 and 4 rows per 9B Q4_K_M
 # projection, every candidate timed (the served default) and then the first candidates (HF2Q_GEMV_TUNE=0); prefix: a follow-up turn over an
 # 8,000-token shared history, served with the prefix cache and without; soak: 64 streaming clients against a served
 # 9B Q4_K_M for SOAK_S seconds, RSS and GPU memory sampled (tools/soak.py). Figures also go to OUT_DIR/*.json.
@@ -82,7 +82,7 @@ case "$stage" in
          bench --shape 9b --quant q4_k_m --batch 1 4 16 --spec-accept 0 1 2 3 --spec-k 3 ;;
   verify) for quant in "--quant q4_k_m" ""; do
            timeout 270 python -m hf2q.bench --hf-new 0 --shape 9b $quant --batch 1 --prefill 512 --new 48 \
-             --spec-accept 0 1 2 3 --spec-k 3 --json "$out/verify_9b${quant:+_q4_k_m}.json" 2>&1 \
+             --spec-accept 0 1 2 3 --spec-k 3 --profile-spec --json "$out/verify_9b${quant:+_q4_k_m}.json" 2>&1 \
              | grep -v -e Warning -e _warn_once
          done ;;
   matvec) for tune in 1 0; do
