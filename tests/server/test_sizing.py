@@ -59,8 +59,9 @@ def test_cuda_context_shrinks_to_what_fits_unless_asked_for():
 
 
 def test_compressed_kv_formats_size_the_pool_by_their_bytes():
-    """tq8 and fp8 store 260 bytes per 256-channel vector against bf16's 512: ≈1.97× the tokens in the same memory,
-    and the log line names the format, its bytes per token and the sequences it holds."""
+    """tq8 and fp8 store 260 bytes per 256-channel vector (codes and an fp32 norm or scale) against bf16's 512:
+    ≈1.97× the tokens in the same memory, and the log line names the format, its bytes per token and the sequences
+    it holds."""
     per_token = {f: kv_bytes_per_token(CFG, f) for f in ("bfloat16", "fp8", "tq8")}
     assert per_token["tq8"] == per_token["fp8"] == CFG.num_kv_layers * 2 * CFG.num_kv_heads * (CFG.head_dim + 4)
     limits = {f: choose(CFG, "cuda", f, None, 32768, free_bytes=40 * GIB, total_bytes=140 * GIB) for f in per_token}

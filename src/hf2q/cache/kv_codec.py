@@ -119,6 +119,7 @@ class TurboQuantCodec:
 
     head_dim: int
     bits: int = 8
+    side_dtype = torch.float32
 
     def __post_init__(self):
         sign_vector(self.head_dim)
@@ -183,6 +184,7 @@ class Fp8Codec:
 
     head_dim: int
     name: str = "fp8"
+    side_dtype = torch.float32
 
     @property
     def fingerprint(self) -> str:
