@@ -57,10 +57,10 @@ def test_store_then_gather_is_the_codec_round_trip(fmt):
 
 @pytest.mark.parametrize("fmt", KV_FORMATS)
 def test_bytes_per_token_and_held_bytes_match_the_formula(fmt):
+    """Bytes per vector: fp8 head_dim + 1 (the scale exponent), TurboQuant head_dim + 4 (the fp32 norm), dense
+    head_dim values; payload rows are head_dim bytes or values, 16-byte aligned."""
     cache = cache_of(fmt)
-    """Bytes per vector: compressed head_dim + 4 (the fp32 scale or norm), dense head_dim values; payload rows are
-    head_dim bytes or values, 16-byte aligned."""
-    side = {"fp8": 4, "tq8": 4, "tq6": 4, "tq5": 4}
+    side = {"fp8": 1, "tq8": 4, "tq6": 4, "tq5": 4}
     row = MC.head_dim + side[fmt] if fmt in side else MC.head_dim * getattr(torch, fmt).itemsize
     per_token = MC.num_kv_layers * 2 * MC.num_kv_heads * row
     assert cache.bytes_per_token == kv_bytes_per_token(MC, fmt) == per_token
@@ -84,7 +84,8 @@ def test_fork_and_snapshot_move_compressed_rows_unchanged(fmt):
     cache.commit(a, 6)
     snap = cache.snapshot(a)
     assert snap.k.dtype == torch.uint8 and snap.k.shape == (MC.num_kv_layers, 6, MC.num_kv_heads, MC.head_dim)
-    assert snap.k_side.dtype == snap.v_side.dtype == torch.float32
+    side = torch.uint8 if fmt == "fp8" else torch.float32
+    assert snap.k_side.dtype == snap.v_side.dtype == side
     assert snap.k_side.shape == (MC.num_kv_layers, 6, MC.num_kv_heads)
     b = cache.acquire()
     cache.fork(a, b)
@@ -153,10 +154,13 @@ def test_checkpoint_files_of_another_kv_format_are_a_miss(tmp_path, gguf_dense_f
 
 
 def test_checkpoints_of_the_previous_layout_are_a_miss(tmp_path, gguf_dense_f32, monkeypatch):
-    """A checkpoint written before side values had their own plane (file format 1) carries another fingerprint: a
-    miss, not a misread."""
-    from hf2q.cache import prefix_store
+    """A checkpoint written before side values had their own plane (file format 1) or before fp8's scale became a
+    power of two (identity of the amax/448 rule) carries another fingerprint: a miss, not a misread."""
+    from hf2q.cache import kv_codec, prefix_store
     new = {f: fingerprint(gguf_dense_f32, "t", CacheConfig(kv_dtype=f), "cpu") for f in ("fp8", "tq8")}
+    old_fp8 = kv_codec._digest(f"fp8_e4m3fn:8:amax/{kv_codec.FP8_MAX}".encode())
+    assert format_identity("fp8") != old_fp8
+    monkeypatch.setattr(prefix_store, "format_identity", lambda fmt: old_fp8 if fmt == "fp8" else format_identity(fmt))
     monkeypatch.setattr(prefix_store, "FORMAT_VERSION", "1")
     for fmt in ("fp8", "tq8"):  # written and read back as the previous version did
         old = fingerprint(gguf_dense_f32, "t", CacheConfig(kv_dtype=fmt), "cpu")

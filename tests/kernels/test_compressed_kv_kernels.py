@@ -174,15 +174,15 @@ def test_paged_decode_in_half_precision_keeps_the_range(env, fmt):
 def test_paged_decode_reads_codes_through_the_pipeline(fmt, block_n, warps):
     """Compiled for Hopper at the 9B's heads: the codes reach shared memory by 16-byte cp.async (Triton's pipeline,
     as model-dtype rows do; fp8's value tiles by 8-byte ones, the width of the fp16 operand's shared layout), the
-    fp32 side values and block-table entries by 4-byte ones (before the side planes, the codes went 4 bytes at a
-    time: rows of head_dim + 4 bytes), no global load reads single bytes, and fp8 decodes by the hardware's e4m3 →
-    f16x2 conversion."""
+    side values and block-table entries by 4-byte ones (before the side planes, the codes went 4 bytes at a time:
+    rows of head_dim + 4 bytes), no global load reads single bytes, and fp8 decodes by the hardware's e4m3 → f16x2
+    conversion."""
     import re
 
     from hf2q.kernels.attention import paged_triton
     from tests.support.triton_targets import compile_for_hopper
 
-    side = "*fp32"
+    side = "*u8" if fmt == "fp8" else "*fp32"
     sig = {"q_ptr": "*bf16", "k_ptr": "*u8", "v_ptr": "*u8", "kside_ptr": side, "vside_ptr": side, "cb_ptr": "*fp16",
            "sign_ptr": "*fp32", "bt_ptr": "*i32", "len_ptr": "*i32", "o_ptr": "*fp32", "lse_ptr": "*fp32",
            "scale": "fp32"}

@@ -2,8 +2,8 @@
 
 A pool holds, per K and V, one payload tensor [layers, blocks, block_size, n_kv, head_dim]: the dense pool keeps the
 values themselves, the compressed pools keep each (token, head) vector's head_dim code bytes (u8), and beside it one
-side tensor [layers, blocks, block_size, n_kv] of each vector's scale or norm in the codec's side dtype (fp32).
-Keeping the side values apart leaves every payload row head_dim
+side tensor [layers, blocks, block_size, n_kv] of each vector's scale or norm in the codec's side dtype (fp8: the
+E8M0 exponent byte; TurboQuant: the fp32 norm). Keeping the side values apart leaves every payload row head_dim
 bytes, 16-byte aligned, so the kernels read codes 16 bytes at a time. Block copies, forks and snapshots move every
 plane (`planes`) as stored and never decode; layers write through `store` and read through `gather`, which decodes
 only the rows asked for.

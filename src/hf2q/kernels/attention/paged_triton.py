@@ -7,13 +7,13 @@ a weighted sum by a second small kernel, which also applies the gated attention'
 Splitting keeps the GPU busy at batch 1 with long contexts.
 
 A compressed pool (fp8, tq8/tq6/tq5) takes the same kernel with its rows decoded in registers (compressed_triton):
-the codes are read 16 bytes at a time from their own rows, the fp32 side values (scale or norm) from their plane (so
-Triton's pipeline prefetches them like model-dtype rows), each tile's unit values go through the tensor cores in
-fp16 (which holds every e4m3 value and the hardware converts two an instruction), and its per- row factors scale the
-scores and the probabilities; q and the probabilities times the value rows' factors enter fp16 as unit rows with a
-power-of-two factor, so no range is lost. TurboQuant attends in the rotated domain: the kernel rotates q (signs and
-Walsh–Hadamard butterflies, as the store rotates K/V), and the merge rotates the output back before the gate, so no
-other launch is needed.
+the codes are read 16 bytes at a time from their own rows, the side values (fp8's scale exponent, TurboQuant's norm)
+from their plane (so Triton's pipeline prefetches them like model-dtype rows), each tile's unit values go through
+the tensor cores in fp16 (which holds every e4m3 value and the hardware converts two an instruction), and its
+per-row factors scale the scores and the probabilities; q and the probabilities times the value rows' factors enter
+fp16 as unit rows with a power-of-two factor, so no range is lost. TurboQuant attends in the rotated domain: the
+kernel rotates q (signs and Walsh–Hadamard butterflies, as the store rotates K/V), and the merge rotates the output
+back before the gate, so no other launch is needed.
 """
 from __future__ import annotations
 
@@ -161,7 +161,8 @@ def paged_decode_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.
                            kv_format: str | None = None, k_side: torch.Tensor | None = None,
                            v_side: torch.Tensor | None = None) -> torch.Tensor:
     """q: [B, nh, hd]; k_rows/v_rows: [num_blocks * block_size, nkv, hd] (the flat pool), or with kv_format (fp8,
-    tq8, tq6, tq5) a compressed pool's u8 payload rows and k_side/v_side its fp32 side values [.., nkv];
+    tq8, tq6, tq5) a compressed pool's u8 payload rows and k_side/v_side its side values [.., nkv] (fp8: u8
+    exponents, TurboQuant: fp32 norms);
     block_tables: [B, max_blocks] int32;
     context_lens: [B] int32 (>= 1); gate: [B, nh, hd] or None.
     Returns [B, nh, hd] in q's dtype, times sigmoid(gate) when given. num_splits, block_n (keys a
@@ -186,7 +187,7 @@ def paged_decode_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.
     if coded != VALUES:  # payload rows of hd bytes, hd a power of two ≥ 16: the kernel takes strides in vectors
         assert k_rows.dtype == torch.uint8 and k_rows.is_contiguous() and v_rows.is_contiguous() and hd % 16 == 0
         assert k_side.is_contiguous() and v_side.is_contiguous() and k_side.shape == k_rows.shape[:2]
-        assert k_side.dtype == v_side.dtype == torch.float32
+        assert k_side.dtype == v_side.dtype == (torch.uint8 if coded == FP8 else torch.float32)
         unit = hd
     else:
         k_side = v_side = k_rows  # unread
