@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf2q.cache.hybrid import HybridCache, kv_bytes_per_token
+from hf2q.cache.hybrid import CacheSnapshot, HybridCache, kv_bytes_per_token
 from hf2q.cache.kv_codec import Fp8Codec, TurboQuantCodec
 from hf2q.cache.kv_pool import KV_FORMATS, CompressedKVPool, DenseKVPool, format_identity, kv_cache_format
 from hf2q.cache.prefix_store import PrefixStore, fingerprint
@@ -52,16 +52,25 @@ def test_store_then_gather_is_the_codec_round_trip(fmt):
     assert torch.equal(got_v, codec.decode(*codec.encode(v)))
     # the other layer and the rest of the pool were not written
     assert not cache.kv.k_layers[0].any() and cache.kv.rows(1)[0].flatten(1).any(1).sum().item() == 7
+    assert not cache.kv.k_side[0].any() and cache.kv.sides(1)[0].ne(0).any(1).sum().item() == 7
 
 
 @pytest.mark.parametrize("fmt", KV_FORMATS)
 def test_bytes_per_token_and_held_bytes_match_the_formula(fmt):
+    """Bytes per vector: fp8 head_dim + 1 (the scale exponent), TurboQuant head_dim + 4 (the fp32 norm), dense
+    head_dim values; payload rows are head_dim bytes or values, 16-byte aligned."""
     cache = cache_of(fmt)
-    row = MC.head_dim + 4 if fmt in ("fp8", "tq8", "tq6", "tq5") else MC.head_dim * getattr(torch, fmt).itemsize
+    side = {"fp8": 1, "tq8": 4, "tq6": 4, "tq5": 4}
+    row = MC.head_dim + side[fmt] if fmt in side else MC.head_dim * getattr(torch, fmt).itemsize
     per_token = MC.num_kv_layers * 2 * MC.num_kv_heads * row
     assert cache.bytes_per_token == kv_bytes_per_token(MC, fmt) == per_token
-    held = sum(t.numel() * t.element_size() for t in (cache.kv.k, cache.kv.v))
+    held = sum(t.numel() * t.element_size() for t in cache.kv.planes)
     assert held == per_token * cache.num_blocks * cache.block_size
+    assert len(cache.kv.planes) == (4 if fmt in side else 2)
+    for layer in range(MC.num_kv_layers):
+        for rows in cache.kv.rows(layer):
+            assert rows.shape[1:] == (MC.num_kv_heads, MC.head_dim) and rows.is_contiguous()
+            assert rows.data_ptr() % 16 == 0 and rows.stride(1) * rows.element_size() % 16 == 0
 
 
 @pytest.mark.parametrize("fmt", ["tq8", "fp8"])
@@ -74,7 +83,10 @@ def test_fork_and_snapshot_move_compressed_rows_unchanged(fmt):
         cache.kv.store(layer, cache.token_indices(a, 0, 6), k, v)
     cache.commit(a, 6)
     snap = cache.snapshot(a)
-    assert snap.k.dtype == torch.uint8 and snap.k.shape == (MC.num_kv_layers, 6, MC.num_kv_heads, MC.head_dim + 4)
+    assert snap.k.dtype == torch.uint8 and snap.k.shape == (MC.num_kv_layers, 6, MC.num_kv_heads, MC.head_dim)
+    side = torch.uint8 if fmt == "fp8" else torch.float32
+    assert snap.k_side.dtype == snap.v_side.dtype == side
+    assert snap.k_side.shape == (MC.num_kv_layers, 6, MC.num_kv_heads)
     b = cache.acquire()
     cache.fork(a, b)
     c = cache.acquire()
@@ -133,4 +145,30 @@ def test_checkpoint_files_of_another_kv_format_are_a_miss(tmp_path, gguf_dense_f
         assert PrefixStore(tmp_path, 1 << 30, prints[fmt]).lookup([1, 2, 3, 4, 5, 6]) is None
     same = PrefixStore(tmp_path, 1 << 30, prints["tq8"])
     assert same.lookup([1, 2, 3, 4, 5, 6]) == (1, 2, 3, 4, 5)
-    assert torch.equal(same.load((1, 2, 3, 4, 5)).k, cache.snapshot(slot).k)
+    loaded, want = same.load((1, 2, 3, 4, 5)), cache.snapshot(slot)
+    assert all(torch.equal(a, b) for a, b in zip(loaded.kv_planes, want.kv_planes)) and len(loaded.kv_planes) == 4
+    other = cache.acquire()
+    cache.restore(other, loaded)
+    assert all(torch.equal(a, b) for a, b in zip(cache.kv.gather(0, cache.token_indices(other, 0, 5), torch.float32),
+                                                  cache.kv.gather(0, cache.token_indices(slot, 0, 5), torch.float32)))
+
+
+def test_checkpoints_of_the_previous_layout_are_a_miss(tmp_path, gguf_dense_f32, monkeypatch):
+    """A checkpoint written before side values had their own plane (file format 1) or before fp8's scale became a
+    power of two (identity of the amax/448 rule) carries another fingerprint: a miss, not a misread."""
+    from hf2q.cache import kv_codec, prefix_store
+    new = {f: fingerprint(gguf_dense_f32, "t", CacheConfig(kv_dtype=f), "cpu") for f in ("fp8", "tq8")}
+    old_fp8 = kv_codec._digest(f"fp8_e4m3fn:8:amax/{kv_codec.FP8_MAX}".encode())
+    assert format_identity("fp8") != old_fp8
+    monkeypatch.setattr(prefix_store, "format_identity", lambda fmt: old_fp8 if fmt == "fp8" else format_identity(fmt))
+    monkeypatch.setattr(prefix_store, "FORMAT_VERSION", "1")
+    for fmt in ("fp8", "tq8"):  # written and read back as the previous version did
+        old = fingerprint(gguf_dense_f32, "t", CacheConfig(kv_dtype=fmt), "cpu")
+        writer = PrefixStore(tmp_path / fmt, 1 << 30, old)
+        writer.put((1, 2, 3), CacheSnapshot(3, *(torch.zeros(1, 3, 2, 68, dtype=torch.uint8) for _ in range(2)),
+                                            torch.zeros(1), torch.zeros(1)))
+        writer.flush()
+        assert old != new[fmt] and PrefixStore(tmp_path / fmt, 1 << 30, old).lookup([1, 2, 3, 4]) == (1, 2, 3)
+    monkeypatch.undo()
+    for fmt in ("fp8", "tq8"):
+        assert PrefixStore(tmp_path / fmt, 1 << 30, new[fmt]).lookup([1, 2, 3, 4]) is None

@@ -37,17 +37,16 @@ def _shape(real: bool):
     return (16, 4, 256, 16, 96) if real else (6, 2, 32, 4, 24)
 
 
-def _assert_same_rows(got: torch.Tensor, want: torch.Tensor, fmt: str, hd: int) -> None:
-    """FP8 rows bitwise; TurboQuant codes equal but for channels on a boundary (one index off, ≤ 1% of them), norms
-    within 1e-6."""
-    got, want = got.cpu(), want.cpu()
+def _assert_same_rows(got: tuple, want: tuple, fmt: str) -> None:
+    """(payload rows, side values) of a layer's K or V. FP8 bitwise; TurboQuant codes equal but for channels on a
+    boundary (one index off, ≤ 1% of them), norms within 1e-6."""
+    (got_codes, got_side), (want_codes, want_side) = ((t.cpu() for t in pair) for pair in (got, want))
     if fmt == "fp8":
-        assert torch.equal(got, want)
+        assert torch.equal(got_codes, want_codes) and torch.equal(got_side, want_side)
         return
-    codes = (got[..., :hd].int() - want[..., :hd].int()).abs()
+    codes = (got_codes.int() - want_codes.int()).abs()
     assert codes.max() <= 1 and (codes > 0).float().mean() <= 0.01
-    norms = [r[..., hd:].contiguous().view(torch.float32) for r in (got, want)]
-    assert rel(norms[0], norms[1]) <= 1e-6
+    assert rel(got_side, want_side) <= 1e-6
 
 
 @triton.jit
@@ -95,10 +94,10 @@ def test_store_writes_the_pools_encoding(env, fmt):
     pool, want = (make_pool(fmt, 2, blocks, bs, nkv, hd, torch.device(dev)) for _ in range(2))
     want.store(1, mapping, k, v)
     from hf2q.kernels.attention.compressed_triton import store
-    store(fmt, k, v, *pool.rows(1), mapping)
-    for got_rows, want_rows in zip(pool.rows(1), want.rows(1)):
-        _assert_same_rows(got_rows, want_rows, fmt, hd)
-    assert not pool.k[0].any() and not pool.v[0].any()
+    store(fmt, k, v, *pool.rows(1), *pool.sides(1), mapping)
+    for got, expected in zip(zip(pool.rows(1), pool.sides(1)), zip(want.rows(1), want.sides(1))):
+        _assert_same_rows(got, expected, fmt)
+    assert not any(plane[0].any() for plane in pool.planes)
 
 
 def _filled_pool(fmt, dev, dtype, real, lens, gen, k_scale=2.0, v_scale=1.0):
@@ -134,12 +133,13 @@ def test_paged_decode_reads_compressed_rows(env, fmt, gated, one):
     gate = randn(b, nh, 2 * hd, dev=dev, dtype=dtype, gen=gen)[..., hd:] if gated else None
     context = torch.tensor(lens, dtype=torch.int32)
     k_rows, v_rows = pool.rows(0)
+    sides = pool.sides(0)
     out = attention_ops.paged_decode_attention(q, k_rows, v_rows, tables.to(dev), context.to(dev), bs, hd ** -0.5,
-                                          gate=gate, pool=pool)
+                                               gate=gate, pool=pool, sides=sides)
     with torch_only():
         want = attention_ops.paged_decode_attention(q.cpu().float(), k_rows.cpu(), v_rows.cpu(), tables, context, bs,
-                                               hd ** -0.5, gate=None if gate is None else gate.cpu().float(),
-                                               pool=pool)
+                                                    hd ** -0.5, gate=None if gate is None else gate.cpu().float(),
+                                                    pool=pool, sides=tuple(t.cpu() for t in sides))
     assert out.dtype == dtype and out.shape == (b, nh, hd)
     assert rel(out, want) <= (2e-2 if real else 2e-5)
 
@@ -159,33 +159,42 @@ def test_paged_decode_in_half_precision_keeps_the_range(env, fmt):
     q = randn(len(lens), nh, hd, dev=dev, dtype=torch.bfloat16, gen=gen, scale=1e6)
     context = torch.tensor(lens, dtype=torch.int32)
     k_rows, v_rows = pool.rows(0)
+    sides = pool.sides(0)
     out = attention_ops.paged_decode_attention(q, k_rows, v_rows, tables.to(dev), context.to(dev), bs, hd ** -0.5,
-                                               pool=pool)
+                                               pool=pool, sides=sides)
     with torch_only():
         want = attention_ops.paged_decode_attention(q.cpu().float(), k_rows.cpu(), v_rows.cpu(), tables, context, bs,
-                                                    hd ** -0.5, pool=pool)
+                                                    hd ** -0.5, pool=pool, sides=tuple(t.cpu() for t in sides))
     assert out.dtype == torch.bfloat16 and bool(torch.isfinite(out).all())
     assert rel(out, want) <= 5e-3
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "tq8"])
-def test_paged_decode_reads_codes_through_the_pipeline(fmt):
-    """Compiled for Hopper at the 9B's heads: the codes reach shared memory by 4-byte cp.async (Triton's pipeline,
-    as model-dtype rows do), no global load reads single bytes, and fp8 decodes by the hardware's e4m3 → f16x2
-    conversion (the kernel used to read each code byte with its own load and decode e4m3 by integer arithmetic)."""
+@pytest.mark.parametrize("block_n,warps", [(32, 8), (64, 4)])
+def test_paged_decode_reads_codes_through_the_pipeline(fmt, block_n, warps):
+    """Compiled for Hopper at the 9B's heads: the codes reach shared memory by 16-byte cp.async (Triton's pipeline,
+    as model-dtype rows do; fp8's value tiles by 8-byte ones, the width of the fp16 operand's shared layout), the
+    side values and block-table entries by 4-byte ones (before the side planes, the codes went 4 bytes at a time:
+    rows of head_dim + 4 bytes), no global load reads single bytes, and fp8 decodes by the hardware's e4m3 → f16x2
+    conversion."""
     import re
 
     from hf2q.kernels.attention import paged_triton
     from tests.support.triton_targets import compile_for_hopper
 
-    sig = {"q_ptr": "*bf16", "k_ptr": "*u8", "v_ptr": "*u8", "cb_ptr": "*fp16", "sign_ptr": "*fp32", "bt_ptr": "*i32",
-           "len_ptr": "*i32", "o_ptr": "*fp32", "lse_ptr": "*fp32", "scale": "fp32"}
+    side = "*u8" if fmt == "fp8" else "*fp32"
+    sig = {"q_ptr": "*bf16", "k_ptr": "*u8", "v_ptr": "*u8", "kside_ptr": side, "vside_ptr": side, "cb_ptr": "*fp16",
+           "sign_ptr": "*fp32", "bt_ptr": "*i32", "len_ptr": "*i32", "o_ptr": "*fp32", "lse_ptr": "*fp32",
+           "scale": "fp32"}
     sig.update({p.name: "i32" for p in paged_triton._paged_decode_kernel.params
                 if p.name.startswith("stride_")})
-    const = dict(REP=4, REP_PAD=16, HD=256, BLOCK_SIZE=16, BLOCK_N=32, NSPLIT=8,
+    const = dict(REP=4, REP_PAD=16, HD=256, BLOCK_SIZE=16, BLOCK_N=block_n, NSPLIT=8,
                  CODED=paged_triton.FP8.value if fmt == "fp8" else paged_triton.TURBOQUANT.value)
-    ptx = compile_for_hopper(paged_triton._paged_decode_kernel, sig, const, 8)
-    assert re.search(r"cp\.async\.c[ag]\.shared\.global[^\n]*, 0x4", ptx)
+    ptx = compile_for_hopper(paged_triton._paged_decode_kernel, sig, const, warps)
+    sizes = re.findall(r"cp\.async\.c[ag]\.shared\.global[^\n]*, (0x\w+)", ptx)
+    words = sizes.count("0x4")
+    assert "0x10" in sizes and set(sizes) <= ({"0x4", "0x8", "0x10"} if fmt == "fp8" else {"0x4", "0x10"})
+    assert words <= 10, words  # the block table's entries and the side values, not the codes
     assert not re.search(r"ld\.global[.\w]*\.[usb]8\b", ptx)
     assert ("cvt.rn.f16x2.e4m3x2" in ptx) == (fmt == "fp8")
 

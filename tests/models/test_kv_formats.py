@@ -65,11 +65,16 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def test_logits_with_compressed_kv_stay_close_to_fp32_kv(model):
     """Relative logit error over 24 decode steps fed the same tokens (fp32 K/V's greedy run). Measured: dense tq8
-    0.0018, fp8 0.0074, bf16 0.0005; MoE tq8 0.0039, fp8 0.014, bf16 0.0010 (bounds leave ~2× room)."""
+    0.0018, fp8 0.0076, bf16 0.0005; MoE tq8 0.0039, fp8 0.054, bf16 0.0010 (bounds leave ~2× room, fp8's on the
+    MoE ~1.5×). The MoE's fp8 figure is one step: at the prompt's last token one routing choice flips (experts 5, 4
+    → 5, 0), 0.25 at that step, the 23 others 0.007–0.032; any fp8 scale that does not put each vector's amax
+    exactly at 448 flips it (measured with fp32 scales amax/416, /300, /272, /240), so the E8M0 scale, whose amax
+    lands in (224, 448], does too. With the amax/448 scale it measured 0.014 under a bound of 0.03."""
     tokens, base = greedy(model, "float32", 24)
     errors = {fmt: rel(greedy(model, fmt, 24, tokens)[1], base) for fmt in ("bfloat16", "fp8", "tq8")}
     print("relative logit error vs fp32 K/V:", errors)
-    assert errors["tq8"] < 0.008 and errors["fp8"] < 0.03 and errors["bfloat16"] < 0.003
+    fp8_bound = 0.08 if model.config.arch.endswith("moe") else 0.015
+    assert errors["tq8"] < 0.008 and errors["fp8"] < fp8_bound and errors["bfloat16"] < 0.003
 
 
 @pytest.mark.slow

@@ -42,11 +42,16 @@ def bench_shape(shape: str, context: int, batch: int = 1,
     copies = max(2, min(32, math.ceil(256e6 / pool_bytes)))
     coder = make_pool(kv_format, 1, 1, BLOCK_SIZE, nkv, hd, torch.device("cuda")) if coded else None
 
-    def stored_rows():
-        x = torch.randn(blocks * BLOCK_SIZE, nkv, hd, device="cuda", dtype=torch.bfloat16, generator=gen)
-        return coder.encode(x) if coded else x
+    def stored():
+        """A pool's K and V as the kernel reads them: (k rows, v rows, k side, v side); dense: no side values."""
+        k, v = (torch.randn(blocks * BLOCK_SIZE, nkv, hd, device="cuda", dtype=torch.bfloat16, generator=gen)
+                for _ in range(2))
+        if not coded:
+            return k, v, None, None
+        (k, k_side), (v, v_side) = coder.encode(k), coder.encode(v)
+        return k, v, k_side, v_side
 
-    pools = [(stored_rows(), stored_rows()) for _ in range(copies)]
+    pools = [stored() for _ in range(copies)]
     q = torch.randn(batch, nh, hd, device="cuda", dtype=torch.bfloat16, generator=gen)
     gate = torch.randn(batch, nh, hd, device="cuda", dtype=torch.bfloat16, generator=gen)
     tables = torch.randperm(blocks, device="cuda", generator=gen).view(batch, -1).to(torch.int32)
@@ -56,7 +61,7 @@ def bench_shape(shape: str, context: int, batch: int = 1,
         splits, block_n, warps = config
         return paged_decode_attention(q, kv[0], kv[1], tables, lens, BLOCK_SIZE, hd ** -0.5, num_splits=splits,
                                       gate=gate, block_n=block_n, num_warps=warps,
-                                      kv_format=kv_format if coded else None)
+                                      kv_format=kv_format if coded else None, k_side=kv[2], v_side=kv[3])
 
     want = run(pools[0], served_config).float()
     times = time_configs(itertools.product(SPLITS, BLOCK_N, WARPS),

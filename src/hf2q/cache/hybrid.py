@@ -63,19 +63,27 @@ class CacheSnapshot:
     """A deep copy of one slot's prefix: K/V of positions [0, num_tokens) and the DeltaNet state there."""
 
     num_tokens: int
-    k: torch.Tensor  # [num_kv_layers, num_tokens, n_kv, row]: the pool's stored rows (row = head_dim when dense)
-    v: torch.Tensor  # [num_kv_layers, num_tokens, n_kv, row]
+    k: torch.Tensor  # [num_kv_layers, num_tokens, n_kv, head_dim]: the pool's stored payload (codes, or values)
+    v: torch.Tensor  # [num_kv_layers, num_tokens, n_kv, head_dim]
     conv: torch.Tensor  # [num_linear_layers, conv_kernel - 1, conv_channels]
     recurrent: torch.Tensor  # [num_linear_layers, n_v_heads, k_head_dim, v_head_dim]
+    k_side: torch.Tensor | None = None  # [num_kv_layers, num_tokens, n_kv]: a compressed pool's scales or norms
+    v_side: torch.Tensor | None = None
+
+    @property
+    def kv_planes(self) -> tuple[torch.Tensor, ...]:
+        """The K/V tensors in the order of the pool's `planes`."""
+        return (self.k, self.v) if self.k_side is None else (self.k, self.v, self.k_side, self.v_side)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.conv, self.recurrent))
+        return sum(t.numel() * t.element_size() for t in self.kv_planes + (self.conv, self.recurrent))
 
     def to(self, device: str | torch.device) -> "CacheSnapshot":
         """Same snapshot on another device (e.g. host memory for an LRU of prefixes)."""
+        sides = (None, None) if self.k_side is None else (self.k_side.to(device), self.v_side.to(device))
         return CacheSnapshot(self.num_tokens, self.k.to(device), self.v.to(device),
-                             self.conv.to(device), self.recurrent.to(device))
+                             self.conv.to(device), self.recurrent.to(device), *sides)
 
 
 @dataclass(frozen=True)
@@ -110,7 +118,7 @@ class HybridCache:
         st_dt, n_lin = _dtype(cc.state_dtype), len(mc.linear_layers)
         self.kv: KVPool = make_pool(cc.kv_dtype, mc.num_kv_layers, cc.num_blocks, cc.block_size, mc.num_kv_heads,
                                     mc.head_dim, self.device)
-        self._k, self._v = self.kv.k, self.kv.v  # stored rows, moved as is by forks, snapshots and block copies
+        self._planes = self.kv.planes  # stored K/V, moved as is by forks, snapshots and block copies
         self._conv = torch.zeros((n_lin, cc.num_slots, mc.conv_kernel - 1, mc.conv_channels),
                                  dtype=st_dt, device=self.device)
         self._rec = torch.zeros((n_lin, cc.num_slots, mc.linear_num_v_heads, mc.linear_k_head_dim,
@@ -236,8 +244,8 @@ class HybridCache:
         self._check(slot)
         n, (conv, rec) = self._prefix_of(slot, n, states)
         idx = self.token_indices(slot, 0, n)
-        return CacheSnapshot(n, self._flat(self._k).index_select(1, idx), self._flat(self._v).index_select(1, idx),
-                             conv.clone(), rec.clone())
+        k, v, *sides = (self._flat(plane).index_select(1, idx) for plane in self._planes)
+        return CacheSnapshot(n, k, v, conv.clone(), rec.clone(), *sides)
 
     def restore(self, slot: int, snap: CacheSnapshot) -> None:
         """Make the slot exactly the snapshot's prefix; CacheFull (nothing changed) if blocks run short."""
@@ -250,8 +258,8 @@ class HybridCache:
         self._index_memo.pop(slot, None)
         self.blocks.allocate_for(slot, snap.num_tokens)
         idx = self.token_indices(slot, 0, snap.num_tokens)
-        self._flat(self._k).index_copy_(1, idx, snap.k.to(self.device, self._k.dtype))
-        self._flat(self._v).index_copy_(1, idx, snap.v.to(self.device, self._v.dtype))
+        for plane, saved in zip(self._planes, snap.kv_planes):
+            self._flat(plane).index_copy_(1, idx, saved.to(self.device, plane.dtype))
         self._conv[:, slot].copy_(snap.conv)
         self._rec[:, slot].copy_(snap.recurrent)
         self._lens[slot] = snap.num_tokens
@@ -378,12 +386,15 @@ class HybridCache:
             raise SlotError(f"slot {slot} is not acquired")
 
     def _check_snapshot(self, snap: CacheSnapshot) -> None:
-        mc = self.model_config
-        want = (mc.num_kv_layers, snap.num_tokens, mc.num_kv_heads, self._k.shape[-1])
-        if tuple(snap.k.shape) != want or tuple(snap.v.shape) != want:
-            raise ValueError(f"snapshot K/V shape {tuple(snap.k.shape)} does not match {want}")
-        if (snap.k.dtype == torch.uint8) != (self._k.dtype == torch.uint8):  # compressed rows vs values
-            raise ValueError(f"snapshot K/V is {snap.k.dtype}, this cache stores {self.cache_config.kv_dtype}")
+        saved = snap.kv_planes
+        mismatch = [t.dtype == torch.uint8 for t in saved] != [p.dtype == torch.uint8 for p in self._planes]
+        if len(saved) != len(self._planes) or mismatch:  # codes and side values vs values
+            raise ValueError(f"snapshot K/V is {[s.dtype for s in saved]}, this cache stores "
+                             f"{self.cache_config.kv_dtype} as {[p.dtype for p in self._planes]}")
+        for s, p in zip(saved, self._planes):
+            want = (p.shape[0], snap.num_tokens) + tuple(p.shape[3:])
+            if tuple(s.shape) != want:
+                raise ValueError(f"snapshot K/V shape {tuple(s.shape)} does not match {want}")
         if snap.conv.shape != self._conv[:, 0].shape or snap.recurrent.shape != self._rec[:, 0].shape:
             raise ValueError("snapshot DeltaNet state does not match this model")
 
@@ -397,13 +408,13 @@ class HybridCache:
         self._rec[:, slot].zero_()
         self._lens[slot] = 0
 
-    def _flat(self, pool: torch.Tensor) -> torch.Tensor:
-        return pool.view(pool.shape[0], -1, *pool.shape[3:])  # [L, num_blocks * block_size, n_kv, row]
+    def _flat(self, plane: torch.Tensor) -> torch.Tensor:
+        return plane.view(plane.shape[0], -1, *plane.shape[3:])  # [L, num_blocks * block_size, n_kv, ...]
 
     def _copy_blocks(self, pairs: CopyPairs) -> None:
         if not pairs:
             return
         src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=self.device)
         dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=self.device)
-        for pool in (self._k, self._v):
-            pool.index_copy_(1, dst, pool.index_select(1, src))
+        for plane in self._planes:
+            plane.index_copy_(1, dst, plane.index_select(1, src))

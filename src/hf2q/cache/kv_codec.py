@@ -10,7 +10,9 @@ The codebooks are the exact Lloyd-Max optimum for N(0, 1), derived here (8-bit e
 NRMSE ≈ 0.0065); the reference system's shipped tables differ (±5.0653), so every stored form carries the codebook in
 its fingerprint and a different table never reads another's codes.
 
-FP8 stores each vector as e4m3 values with one fp32 scale (amax / 448) per (position, head).
+FP8 stores each vector as e4m3 values with one power-of-two scale per (position, head), kept as its 8-bit exponent
+(E8M0, as the OCP MX formats keep theirs): one side byte where an fp32 scale took four, and dividing by the scale
+rounds nothing, so the only rounding is e4m3's.
 """
 from __future__ import annotations
 
@@ -119,6 +121,7 @@ class TurboQuantCodec:
 
     head_dim: int
     bits: int = 8
+    side_dtype = torch.float32
 
     def __post_init__(self):
         sign_vector(self.head_dim)
@@ -179,28 +182,49 @@ class TurboQuantCodec:
 
 @dataclass(frozen=True)
 class Fp8Codec:
-    """FP8 e4m3 values with one fp32 scale (amax/448) per vector; a zero vector stores scale 1."""
+    """FP8 e4m3 values with one E8M0 scale per vector: scale = 2^ceil(log2(amax/448)), the smallest power of two
+    that puts amax at or below 448 (so the largest value lands in (224, 448]); a zero vector stores scale 1.
+
+    The exponent is found from amax's bits alone (integer arithmetic, no rounding), so every device and the Triton
+    store find the same one. Against an amax/448 scale the relative rounding of each value is the same (a power of
+    two moves no mantissa bit); what is lost is up to one bit of headroom at the bottom of the range: e4m3's
+    subnormal step times the scale, at most twice what it was, bounds the error of values below 2^-6 · scale."""
 
     head_dim: int
     name: str = "fp8"
+    side_dtype = torch.uint8
 
     @property
     def fingerprint(self) -> str:
-        return _digest(f"fp8_e4m3fn:{self.head_dim}:amax/{FP8_MAX}".encode())
+        return _digest(f"fp8_e4m3fn:{self.head_dim}:e8m0 scale 2^ceil(log2(amax/{FP8_MAX}))".encode())
 
     def bytes_per_vector(self) -> int:
-        return self.head_dim + 4
+        return self.head_dim + 1
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[..., D] → (e4m3 values [..., D], biased scale exponents u8 [...]: scale = 2^(e − 127))."""
         x = x.float()
         amax = x.abs().amax(dim=-1)
-        # amax times the fp32 reciprocal, not a division: torch on CUDA divides by a scalar that way, on the CPU it
-        # divides, so only the product gives the same scales (and codes) on every device and in the Triton store
-        scale = torch.where(amax > 0, amax * (1.0 / FP8_MAX), torch.ones_like(amax))
-        return (x / scale.unsqueeze(-1)).to(torch.float8_e4m3fn), scale
+        exponent = fp8_scale_exponent(amax)
+        inverse = ((254 - exponent) << 23).view(torch.float32)  # 1/scale, exactly
+        return (x * inverse.unsqueeze(-1)).to(torch.float8_e4m3fn), exponent.to(torch.uint8)
 
-    def decode(self, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        return values.float() * scales.unsqueeze(-1)
+    def decode(self, values: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
+        return values.float() * fp8_scale(exponents).unsqueeze(-1)
+
+
+def fp8_scale_exponent(amax: torch.Tensor) -> torch.Tensor:
+    """The biased E8M0 exponent (int32, in [1, 248]) of the smallest power of two s with amax ≤ 448·s; 127 (s = 1)
+    for amax 0. With amax = m·2^E (m in [1, 2)) and 448 = 1.75·2^8: s = 2^(E−8) when m ≤ 1.75, else 2^(E−7).
+    Clamped below at 2^-126 (fp32's smallest normal), which only vectors of amax ≤ 448·2^-127 reach."""
+    bits = amax.float().view(torch.int32)
+    exponent = (bits >> 23) - 8 + ((bits & 0x7FFFFF) > 0x600000).to(torch.int32)
+    return torch.where(amax > 0, exponent.clamp(min=1), torch.full_like(exponent, 127))
+
+
+def fp8_scale(exponents: torch.Tensor) -> torch.Tensor:
+    """fp32 scales 2^(e − 127) of biased E8M0 exponents (1 ≤ e ≤ 254)."""
+    return (exponents.to(torch.int32) << 23).view(torch.float32)
 
 
 def tq_attention(q: torch.Tensor, k: tuple[torch.Tensor, torch.Tensor], v: tuple[torch.Tensor, torch.Tensor],

@@ -1,11 +1,11 @@
 """The on-disk store of prefix checkpoints, so retained prefixes outlive the process.
 
-One safetensors file per checkpoint: the token ids, the K/V rows of the prefix and the DeltaNet conv and
-recurrent state at its last token, with a header (format version, model fingerprint, token count, sha256 of
-the tensors). Files are written by one background thread from a bounded queue (a full queue drops the
-write: a checkpoint is an optimisation), to a temp file that is fsynced and renamed, so a reader sees a
-whole file or none. A file that does not load, does not match its checksum or comes from another model is
-a miss and one log line; a write that fails (full disk, read-only directory) never fails a request.
+One safetensors file per checkpoint: the token ids, the K/V of the prefix as the pool stores it (payloads, and for a
+compressed pool its side values) and the DeltaNet conv and recurrent state at its last token, with a header (format
+version, model fingerprint, token count, sha256 of the tensors). Files are written by one background thread from a
+bounded queue (a full queue drops the write: a checkpoint is an optimisation), to a temp file that is fsynced and
+renamed, so a reader sees a whole file or none. A file that does not load, does not match its checksum or comes from
+another model is a miss and one log line; a write that fails (full disk, read-only directory) never fails a request.
 """
 from __future__ import annotations
 
@@ -27,8 +27,9 @@ from hf2q.config import CacheConfig
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"  # 2: a compressed pool's side values in their own tensors (k_side, v_side)
 _NAMES = ("tokens", "k", "v", "conv", "recurrent")
+_SIDES = ("k_side", "v_side")  # present for a compressed pool
 _EDGE = 1 << 20  # bytes read at each end of the GGUF for its fingerprint
 
 
@@ -54,7 +55,7 @@ def fingerprint(model_path: str | os.PathLike, chat_template: str, cache_config:
 
 def _digest(tensors: dict[str, torch.Tensor]) -> str:
     h = hashlib.sha256()
-    for name in _NAMES:
+    for name in _NAMES + tuple(n for n in _SIDES if n in tensors):
         h.update(tensors[name].contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
@@ -147,7 +148,7 @@ class PrefixStore:
         try:
             with safe_open(str(path), framework="pt") as f:
                 meta = f.metadata() or {}
-                t = {name: f.get_tensor(name) for name in _NAMES}
+                t = {name: f.get_tensor(name) for name in _NAMES + tuple(n for n in _SIDES if n in f.keys())}
             if meta.get("fingerprint") != self.fingerprint or tuple(t["tokens"].tolist()) != tokens:
                 raise ValueError("header does not match")
             if meta.get("sha256") != _digest(t) or int(meta.get("num_tokens", -1)) != len(tokens):
@@ -158,7 +159,7 @@ class PrefixStore:
                 self._index.pop(tokens, None)
             return None
         self._touch(path)
-        return CacheSnapshot(len(tokens), t["k"], t["v"], t["conv"], t["recurrent"])
+        return CacheSnapshot(len(tokens), t["k"], t["v"], t["conv"], t["recurrent"], t.get("k_side"), t.get("v_side"))
 
     # ---- writing --------------------------------------------------------------------------------
     def put(self, tokens: tuple[int, ...], snapshot: CacheSnapshot) -> None:
@@ -204,6 +205,8 @@ class PrefixStore:
         t = {"tokens": torch.tensor(tokens, dtype=torch.int64), "k": snap.k.cpu().contiguous(),
              "v": snap.v.cpu().contiguous(), "conv": snap.conv.cpu().contiguous(),
              "recurrent": snap.recurrent.cpu().contiguous()}
+        if snap.k_side is not None:
+            t.update(k_side=snap.k_side.cpu().contiguous(), v_side=snap.v_side.cpu().contiguous())
         meta = {"format": FORMAT_VERSION, "fingerprint": self.fingerprint, "num_tokens": str(len(tokens)),
                 "sha256": _digest(t)}
         data = save(t, metadata=meta)

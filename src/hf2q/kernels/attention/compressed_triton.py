@@ -1,13 +1,15 @@
 """Triton side of the compressed K/V pools (fp8, tq8/tq6/tq5): the store kernel that encodes new rows into the pool,
 and the in-register decoding of stored rows that the paged decode attention (paged_triton) uses.
 
-A stored row is head_dim payload bytes and the vector's fp32 side value (scale or norm) as 4 little-endian bytes
-(cache.kv_pool). Writing and reading compute what the codecs (cache.kv_codec) compute:
+A vector is stored as head_dim payload bytes (a row of its own, 16-byte aligned: the codes load 16 at a time) and
+its side value at the same vector index in a separate plane: fp8's scale exponent (one byte), TurboQuant's fp32
+norm (cache.kv_pool). Writing and reading compute what the codecs (cache.kv_codec) compute:
 
-- FP8: scale = amax × fp32(1/448) (as the codec computes it), values x/scale rounded to e4m3 (nearest, ties
-  to even). The e4m3 bits are made with integer arithmetic, which rounds as torch does on every device (Triton's
-  own fp32 → fp8 casts differ between the GPU and its interpreter); reading them is the hardware's exact e4m3 →
-  fp16 conversion, two values an instruction.
+- FP8: the scale is the power of two 2^ceil(log2(amax/448)), found from amax's bits and stored as its biased
+  exponent (E8M0); values x/scale (exact: a power of two) rounded to e4m3 (nearest, ties to even). The e4m3 bits
+  are made with integer arithmetic, which rounds as torch does on every device (Triton's own fp32 → fp8 casts
+  differ between the GPU and its interpreter); reading them is the hardware's exact e4m3 → fp16 conversion, two
+  values an instruction, and the exponent byte becomes the scale by a shift.
 - TurboQuant: the store applies the signs and the normalised Walsh–Hadamard transform by butterflies in the same
   order as `kv_codec.fwht`, takes the L2 norm and finds each channel's codebook cell by binary search over the
   boundaries. Reading, the codes become centroids (a gather from the codebook in shared memory) and the norm a
@@ -66,12 +68,13 @@ def _e4m3_bits(x):
     return tl.where(x.to(tl.int32, bitcast=True) < 0, mag + 128, mag)  # the sign bit: -0.0 too
 
 
-# ---- side value: 4 little-endian bytes after the payload ----------------------------------------------------------
 @triton.jit
-def _store_side(ptr, value):
-    bits = value.to(tl.int32, bitcast=True)
-    j = tl.arange(0, 4)
-    tl.store(ptr + j, ((bits >> (j * 8)) & 255).to(tl.uint8))
+def _fp8_scale_exponent(amax):
+    """kv_codec.fp8_scale_exponent: the biased exponent (int32) of the smallest power of two s with amax ≤ 448·s
+    (448 = 1.75·2^8), at least 1; 127 for amax 0."""
+    bits = amax.to(tl.int32, bitcast=True)
+    exponent = (bits >> 23) - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    return tl.where(amax > 0, tl.maximum(exponent, 1), 127)
 
 
 # ---- store ---------------------------------------------------------------------------------------------------------
@@ -88,10 +91,11 @@ def fwht(x, inv_sqrt_d, ROWS: tl.constexpr, HD: tl.constexpr, LOG2: tl.constexpr
 
 
 @triton.jit
-def _encode_row(x_ptr, dst_ptr, sign_ptr, bound_ptr, sqrt_d, inv_sqrt_d, HD: tl.constexpr, LOG2: tl.constexpr,
-                TQ: tl.constexpr):
-    """One vector's stored row, with the codec's roundings: divisions and square roots rounded to nearest (Triton's
-    `/` and sqrt are approximate on the GPU), the codec's constants rounded from double as torch rounds them."""
+def _encode_row(x_ptr, dst_ptr, side_ptr, sign_ptr, bound_ptr, sqrt_d, inv_sqrt_d, HD: tl.constexpr,
+                LOG2: tl.constexpr, TQ: tl.constexpr):
+    """One vector's codes and side value, with the codec's roundings: divisions and square roots rounded to nearest
+    (Triton's `/` and sqrt are approximate on the GPU), the codec's constants rounded from double as torch rounds
+    them."""
     d = tl.arange(0, HD)
     x = tl.load(x_ptr + d).to(tl.float32)
     if TQ:
@@ -106,45 +110,50 @@ def _encode_row(x_ptr, dst_ptr, sign_ptr, bound_ptr, sqrt_d, inv_sqrt_d, HD: tl.
             pos = tl.where(below, pos + step, pos)
             step = step // 2
         tl.store(dst_ptr + d, pos.to(tl.uint8))
-        _store_side(dst_ptr + HD, norm)
+        tl.store(side_ptr, norm)
     else:
-        amax = tl.max(tl.abs(x), 0)
-        scale = tl.where(amax > 0, amax * (1.0 / 448.0), 1.0)  # as the codec: times the fp32 reciprocal
-        tl.store(dst_ptr + d, _e4m3_bits(tl.div_rn(x, scale)).to(tl.uint8))
-        _store_side(dst_ptr + HD, scale)
+        exponent = _fp8_scale_exponent(tl.max(tl.abs(x), 0))
+        inverse = ((254 - exponent) << 23).to(tl.float32, bitcast=True)  # 1/scale, exactly
+        tl.store(dst_ptr + d, _e4m3_bits(x * inverse).to(tl.uint8))
+        tl.store(side_ptr, exponent.to(tl.uint8))
 
 
 @triton.jit
-def _store_kernel(k_ptr, v_ptr, map_ptr, kstore_ptr, vstore_ptr, sign_ptr, bound_ptr, NKV, stride_kt, stride_kh,
-                  stride_vt, stride_vh, stride_pool_row, sqrt_d, inv_sqrt_d, HD: tl.constexpr, LOG2: tl.constexpr,
-                  TQ: tl.constexpr, PDL: tl.constexpr = False):
+def _store_kernel(k_ptr, v_ptr, map_ptr, kstore_ptr, vstore_ptr, kside_ptr, vside_ptr, sign_ptr, bound_ptr, NKV,
+                  stride_kt, stride_kh, stride_vt, stride_vh, sqrt_d, inv_sqrt_d, HD: tl.constexpr,
+                  LOG2: tl.constexpr, TQ: tl.constexpr, PDL: tl.constexpr = False):
     pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     row = tl.load(map_ptr + t).to(tl.int64)
     if h < NKV:
-        _encode_row(k_ptr + t * stride_kt + h * stride_kh, kstore_ptr + row * stride_pool_row + h * (HD + 4),
-                    sign_ptr, bound_ptr, sqrt_d, inv_sqrt_d, HD, LOG2, TQ)
+        vec = row * NKV + h  # the vector's index: its payload row and its side value
+        _encode_row(k_ptr + t * stride_kt + h * stride_kh, kstore_ptr + vec * HD, kside_ptr + vec, sign_ptr,
+                    bound_ptr, sqrt_d, inv_sqrt_d, HD, LOG2, TQ)
     else:
         vh = h - NKV
-        _encode_row(v_ptr + t * stride_vt + vh * stride_vh, vstore_ptr + row * stride_pool_row + vh * (HD + 4),
-                    sign_ptr, bound_ptr, sqrt_d, inv_sqrt_d, HD, LOG2, TQ)
+        vec = row * NKV + vh
+        _encode_row(v_ptr + t * stride_vt + vh * stride_vh, vstore_ptr + vec * HD, vside_ptr + vec, sign_ptr,
+                    bound_ptr, sqrt_d, inv_sqrt_d, HD, LOG2, TQ)
 
 
 def store(fmt: str, k: torch.Tensor, v: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,
-          slot_mapping: torch.Tensor) -> None:
-    """Encode K/V [T, nkv, hd] (last dim contiguous) into the u8 pool rows [rows, nkv, hd + 4] at slot_mapping [T],
-    as CompressedKVPool.store does."""
+          k_side: torch.Tensor, v_side: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Encode K/V [T, nkv, hd] (last dim contiguous) into a layer's u8 payload rows [rows, nkv, hd] and side values
+    [rows, nkv] (fp8: u8 exponents; TurboQuant: fp32 norms) at slot_mapping [T], as CompressedKVPool.store does."""
     t, nkv, hd = k.shape
-    assert k.stride(2) == 1 and v.stride(2) == 1 and k_rows.is_contiguous() and v_rows.is_contiguous()
-    assert k_rows.shape[1:] == (nkv, hd + 4) and k_rows.dtype == torch.uint8
+    assert k.stride(2) == 1 and v.stride(2) == 1
+    for rows, side in ((k_rows, k_side), (v_rows, v_side)):
+        assert rows.is_contiguous() and side.is_contiguous() and rows.dtype == torch.uint8
+        assert rows.shape[1:] == (nkv, hd) and side.shape == rows.shape[:2]
     tq = fmt != "fp8"
+    assert k_side.dtype == (torch.float32 if tq else torch.uint8)
     if tq:
         signs, bounds = device_tables(fmt, hd, str(k.device))
     else:
         signs = bounds = k_rows  # unread
-    _store_kernel[(t, 2 * nkv)](k, v, slot_mapping, k_rows, v_rows, signs, bounds, nkv, k.stride(0), k.stride(1),
-                                v.stride(0), v.stride(1), k_rows.stride(0), math.sqrt(hd), 1.0 / math.sqrt(hd), HD=hd,
+    _store_kernel[(t, 2 * nkv)](k, v, slot_mapping, k_rows, v_rows, k_side, v_side, signs, bounds, nkv, k.stride(0),
+                                k.stride(1), v.stride(0), v.stride(1), math.sqrt(hd), 1.0 / math.sqrt(hd), HD=hd,
                                 LOG2=hd.bit_length() - 1, TQ=tq, num_warps=1 if hd <= 128 else 2,
                                 **pdl.launch_options(k.device))
 
@@ -164,19 +173,24 @@ def unit_rows(x, DOT: tl.constexpr):
 
 
 @triton.jit
-def decoded_tile(ptr, off, valid, cb_ptr, HD: tl.constexpr, TQ: tl.constexpr, DOT: tl.constexpr):
+def decoded_tile(ptr, side_ptr, vec, valid, cb_ptr, HD: tl.constexpr, TQ: tl.constexpr, DOT: tl.constexpr):
     """A tile's unit values [N, HD] in DOT (e4m3 values, or centroids from the table at cb_ptr, held in DOT by the
-    caller so the lookup converts nothing) and per-row factors [N] in fp32 (scale, or norm/√D). off [N] are the
-    rows' byte offsets, multiples of 4 (rows of head_dim + 4 bytes, head_dim a power of two ≥ 4): the codes load
-    4 at a time and the side value in one word."""
+    caller so the lookup converts nothing) and per-row factors [N] in fp32 (scale, or norm/√D). vec [N] are the
+    vectors' indices: payload rows of HD bytes at ptr + vec·HD (HD a power of two ≥ 16: the codes load 16 at a
+    time), side values at side_ptr + vec (fp8: u8 exponents, TurboQuant: fp32 norms; a layer's u8 plane a whole
+    number of 4-byte words)."""
     d = tl.arange(0, HD)
-    codes = tl.load(ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0)
-    side = tl.load((ptr + off + HD).to(tl.pointer_type(tl.int32)), mask=valid, other=0)
-    side = side.to(tl.float32, bitcast=True)
+    codes = tl.load(ptr + vec[:, None] * HD + d[None, :], mask=valid[:, None], other=0)
     if TQ:
+        norm = tl.load(side_ptr + vec, mask=valid, other=0.0)
         # a gather from the table in shared memory: a 32-bit address a value, against 64-bit ones from global memory
         table = tl.load(cb_ptr + tl.arange(0, 256)).to(DOT)  # the codebook padded to 256 (centroid_table)
         flat = tl.reshape(codes.to(tl.int32), [codes.shape[0] * HD])
         unit = tl.reshape(tl.gather(table, flat, 0), [codes.shape[0], HD])
-        return unit, side * (1.0 / tl.sqrt(HD * 1.0))
-    return codes.to(tl.float8e4nv, bitcast=True).to(DOT), side
+        return unit, norm * (1.0 / tl.sqrt(HD * 1.0))
+    # the exponent byte from its aligned 4-byte word (the neighbouring heads' bytes): one word load a row, which the
+    # pipeline copies like the codes, where a byte load would wait in the loop; the planes are whole words
+    word = tl.load((side_ptr + (vec - vec % 4)).to(tl.pointer_type(tl.int32)), mask=valid, other=0)
+    exponent = (word >> ((vec % 4) * 8).to(tl.int32)) & 255
+    scale = (exponent << 23).to(tl.float32, bitcast=True)  # 2^(e − 127); 0 for the masked rows
+    return codes.to(tl.float8e4nv, bitcast=True).to(DOT), scale

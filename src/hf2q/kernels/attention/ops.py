@@ -19,13 +19,15 @@ if TYPE_CHECKING:
 
 
 class LayerKV(NamedTuple):
-    """One attention layer's K/V in the batch's cache: the pool, the layer's index in it and its flat rows
-    (`pool.rows(index)`), and the cache that maps a slot's positions to rows."""
+    """One attention layer's K/V in the batch's cache: the pool, the layer's index in it, its flat payload rows
+    (`pool.rows(index)`) and side values (`pool.sides(index)`, None for a dense pool), and the cache that maps a
+    slot's positions to rows."""
     cache: HybridCache
     pool: KVPool
     index: int
     k_rows: torch.Tensor
     v_rows: torch.Tensor
+    sides: tuple[torch.Tensor, torch.Tensor] | None
 
 
 def layer_kv(batch: ForwardBatch, layer_id: int) -> LayerKV | None:
@@ -34,7 +36,7 @@ def layer_kv(batch: ForwardBatch, layer_id: int) -> LayerKV | None:
     if cache is None:
         return None
     index = cache.kv_index(layer_id)
-    return LayerKV(cache, cache.kv, index, *cache.kv.rows(index))
+    return LayerKV(cache, cache.kv, index, *cache.kv.rows(index), cache.kv.sides(index))
 
 
 def gated_causal_attention(q, k, v, gate, batch: ForwardBatch, kv: LayerKV | None, scale: float) -> torch.Tensor:
@@ -50,7 +52,7 @@ def gated_causal_attention(q, k, v, gate, batch: ForwardBatch, kv: LayerKV | Non
     meta = fast_meta(batch)
     if kv is not None and (meta.decode or meta.rows_paged):
         out = paged_decode_attention(q, kv.k_rows, kv.v_rows, meta.block_tables, meta.context_lens,
-                                     meta.block_size, scale, gate=gate, pool=kv.pool)
+                                     meta.block_size, scale, gate=gate, pool=kv.pool, sides=kv.sides)
         return out.reshape(t, -1)
     out = _each_sequence(q, k, v, batch, kv, scale, fused=True)
     return out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
@@ -93,21 +95,22 @@ def _over_prefix_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start:
 
 
 def paged_decode_attention(q, k_rows, v_rows, block_tables, context_lens, block_size: int, scale: float,
-                           gate=None, pool=None):
-    """q: [B, nh, hd]; k_rows/v_rows: flat stored rows [rows, nkv, row] of `pool` (None: dense rows [rows, nkv,
-    hd]); a compressed pool's rows are decoded as its `decode` does. Returns [B, nh, hd], times sigmoid(gate)
-    ([B, nh, hd]) when given."""
+                           gate=None, pool=None, sides=None):
+    """q: [B, nh, hd]; k_rows/v_rows: flat payload rows [rows, nkv, hd] of `pool` (None: a dense pool's rows) and,
+    for a compressed pool, sides = its (K, V) side values [rows, nkv]; a compressed pool's rows are decoded as its
+    `decode` does. Returns [B, nh, hd], times sigmoid(gate) ([B, nh, hd]) when given."""
     compressed = pool is not None and not pool.is_dense
+    k_side, v_side = sides if compressed else (None, None)
     if triton_runs(q):
         from hf2q.kernels.attention.paged_triton import paged_decode_attention as kernel
         return kernel(q, k_rows, v_rows, block_tables, context_lens, block_size, scale, gate=gate,
-                      kv_format=pool.format if compressed else None)
+                      kv_format=pool.format if compressed else None, k_side=k_side, v_side=v_side)
     longest = block_tables.shape[1] * block_size
     pos = torch.arange(longest, device=q.device)
     rows = block_tables.long()[:, pos // block_size] * block_size + pos % block_size  # [B, L]
-    keys, values = k_rows[rows], v_rows[rows]  # [B, L, nkv, row]
+    keys, values = k_rows[rows], v_rows[rows]  # [B, L, nkv, hd]
     if compressed:
-        keys, values = pool.decode(keys), pool.decode(values)
+        keys, values = pool.decode(keys, k_side[rows]), pool.decode(values, v_side[rows])
     keys, values = keys.to(q.dtype), values.to(q.dtype)
     mask = (pos[None, :] < context_lens[:, None].long())[:, None, None, :]  # [B, 1, 1, L]
     o = F.scaled_dot_product_attention(q[:, :, None], keys.transpose(1, 2), values.transpose(1, 2),
@@ -120,5 +123,5 @@ def store_compressed_kv(pool, layer: int, slot_mapping: torch.Tensor, k: torch.T
     Triton store where it runs, the pool's own `store` elsewhere)."""
     if triton_runs(k) and k.stride(-1) == 1 and v.stride(-1) == 1:
         from hf2q.kernels.attention.compressed_triton import store
-        return store(pool.format, k, v, *pool.rows(layer), slot_mapping)
+        return store(pool.format, k, v, *pool.rows(layer), *pool.sides(layer), slot_mapping)
     pool.store(layer, slot_mapping, k, v)

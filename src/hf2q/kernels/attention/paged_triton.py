@@ -6,14 +6,14 @@ table with an online softmax, and writes a partial output and log-sum-exp; the s
 a weighted sum by a second small kernel, which also applies the gated attention's sigmoid output gate.
 Splitting keeps the GPU busy at batch 1 with long contexts.
 
-A compressed pool (fp8, tq8/tq6/tq5) takes the same kernel with its rows decoded in registers
-(compressed_triton): the codes are read 4 bytes at a time (so Triton's pipeline prefetches them like
-model-dtype rows), each tile's unit values go through the tensor cores in fp16 (which holds every e4m3
-value and the hardware converts two an instruction), and its per-row factors scale the scores and the
-probabilities; q and the probabilities times the value rows' factors enter fp16 as unit rows with a
-power-of-two factor, so no range is lost. TurboQuant attends in the rotated domain: the kernel rotates q
-(signs and Walsh–Hadamard butterflies, as the store rotates K/V), and the merge rotates the output back
-before the gate, so no other launch is needed.
+A compressed pool (fp8, tq8/tq6/tq5) takes the same kernel with its rows decoded in registers (compressed_triton):
+the codes are read 16 bytes at a time from their own rows, the side values (fp8's scale exponent, TurboQuant's norm)
+from their plane (so Triton's pipeline prefetches them like model-dtype rows), each tile's unit values go through
+the tensor cores in fp16 (which holds every e4m3 value and the hardware converts two an instruction), and its
+per-row factors scale the scores and the probabilities; q and the probabilities times the value rows' factors enter
+fp16 as unit rows with a power-of-two factor, so no range is lost. TurboQuant attends in the rotated domain: the
+kernel rotates q (signs and Walsh–Hadamard butterflies, as the store rotates K/V), and the merge rotates the output
+back before the gate, so no other launch is needed.
 """
 from __future__ import annotations
 
@@ -33,9 +33,9 @@ VALUES, FP8, TURBOQUANT = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 
 @triton.jit
-def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, cb_ptr, sign_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, scale,
-                         stride_qb, stride_qh, stride_kr, stride_kh, stride_bt, stride_ob, stride_oh, stride_os,
-                         stride_lb, stride_lh, REP: tl.constexpr, REP_PAD: tl.constexpr, HD: tl.constexpr,
+def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, kside_ptr, vside_ptr, cb_ptr, sign_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr,
+                         scale, stride_qb, stride_qh, stride_kr, stride_kh, stride_bt, stride_ob, stride_oh,
+                         stride_os, stride_lb, stride_lh, REP: tl.constexpr, REP_PAD: tl.constexpr, HD: tl.constexpr,
                          BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr,
                          CODED: tl.constexpr = 0, DOT: tl.constexpr = tl.float16, LOG2_HD: tl.constexpr = 0,
                          INV_SQRT_HD: tl.constexpr = 1.0, PDL: tl.constexpr = False):
@@ -72,9 +72,9 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, cb_ptr, sign_ptr, bt_ptr, len_ptr,
             off = rows[:, None] * stride_kr + g * stride_kh + d[None, :]
             k = tl.load(k_ptr + off, mask=valid[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k))  # [REP_PAD, BLOCK_N]
-        else:  # unit values and a factor per row: scale, or norm/√D; strides in 4-byte words (loads 4 codes wide)
-            off = (rows * stride_kr + g * stride_kh) * 4
-            k, k_factor = decoded_tile(k_ptr, off, valid, cb_ptr, HD, CODED == TURBOQUANT, DOT)
+        else:  # unit values and a factor per row: scale, or norm/√D; strides in vectors (payload rows of HD bytes)
+            off = rows * stride_kr + g * stride_kh
+            k, k_factor = decoded_tile(k_ptr, kside_ptr, off, valid, cb_ptr, HD, CODED == TURBOQUANT, DOT)
             s = tl.dot(q, tl.trans(k)) * q_factor[:, None] * k_factor[None, :]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -85,7 +85,7 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, cb_ptr, sign_ptr, bt_ptr, len_ptr,
             v = tl.load(v_ptr + off, mask=valid[:, None], other=0.0)
             pv = tl.dot(p.to(v.dtype), v)
         else:
-            v, v_factor = decoded_tile(v_ptr, off, valid, cb_ptr, HD, CODED == TURBOQUANT, DOT)
+            v, v_factor = decoded_tile(v_ptr, vside_ptr, off, valid, cb_ptr, HD, CODED == TURBOQUANT, DOT)
             w, w_factor = unit_rows(p * v_factor[None, :], DOT)  # the value rows' factors go on p's columns
             pv = tl.dot(w, v) * w_factor[:, None]
         acc = acc * alpha[:, None] + pv
@@ -158,9 +158,12 @@ def paged_decode_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.
                            block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
                            scale: float, num_splits: int | None = None, gate: Optional[torch.Tensor] = None,
                            block_n: int | None = None, num_warps: int | None = None,
-                           kv_format: str | None = None) -> torch.Tensor:
-    """q: [B, nh, hd]; k_rows/v_rows: [num_blocks * block_size, nkv, hd] (the flat pool), or u8 [.., nkv, hd + 4]
-    with kv_format (fp8, tq8, tq6, tq5) a compressed pool's stored rows; block_tables: [B, max_blocks] int32;
+                           kv_format: str | None = None, k_side: torch.Tensor | None = None,
+                           v_side: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [B, nh, hd]; k_rows/v_rows: [num_blocks * block_size, nkv, hd] (the flat pool), or with kv_format (fp8,
+    tq8, tq6, tq5) a compressed pool's u8 payload rows and k_side/v_side its side values [.., nkv] (fp8: u8
+    exponents, TurboQuant: fp32 norms);
+    block_tables: [B, max_blocks] int32;
     context_lens: [B] int32 (>= 1); gate: [B, nh, hd] or None.
     Returns [B, nh, hd] in q's dtype, times sigmoid(gate) when given. num_splits, block_n (keys a
     step) and num_warps shape the first kernel (default: config_for(B, coded); bench.attention times them)."""
@@ -181,13 +184,17 @@ def paged_decode_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.
     signs = device_tables(kv_format, hd, str(q.device))[0] if rotated else k_rows
     log2_hd, inv_sqrt_hd = hd.bit_length() - 1, 1.0 / math.sqrt(hd)
     unit = 1
-    if coded != VALUES:  # rows of hd + 4 bytes, hd a power of two ≥ 4: the kernel takes strides in words
-        assert k_rows.dtype == torch.uint8 and k_rows.shape[2] == hd + 4 and hd % 4 == 0
-        unit = 4
+    if coded != VALUES:  # payload rows of hd bytes, hd a power of two ≥ 16: the kernel takes strides in vectors
+        assert k_rows.dtype == torch.uint8 and k_rows.is_contiguous() and v_rows.is_contiguous() and hd % 16 == 0
+        assert k_side.is_contiguous() and v_side.is_contiguous() and k_side.shape == k_rows.shape[:2]
+        assert k_side.dtype == v_side.dtype == (torch.uint8 if coded == FP8 else torch.float32)
+        unit = hd
+    else:
+        k_side = v_side = k_rows  # unread
     parts = torch.empty(bsz, nh, num_splits, hd, dtype=torch.float32, device=q.device)
     lse = torch.empty(bsz, nh, num_splits, dtype=torch.float32, device=q.device)
     _paged_decode_kernel[(bsz, nkv, num_splits)](
-        q, k_rows, v_rows, codebook, signs, block_tables, context_lens, parts, lse, scale,
+        q, k_rows, v_rows, k_side, v_side, codebook, signs, block_tables, context_lens, parts, lse, scale,
         q.stride(0), q.stride(1), k_rows.stride(0) // unit, k_rows.stride(1) // unit, block_tables.stride(0),
         parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0), lse.stride(1),
         REP=rep, REP_PAD=max(16, triton.next_power_of_2(rep)), HD=hd, BLOCK_SIZE=block_size, BLOCK_N=block_n,
