@@ -66,8 +66,8 @@ class KVPool:
 
     def rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Flat payload rows of a layer, [num_blocks * block_size, n_kv, head_dim] for K and for V."""
-        return (self.k[layer].view(-1, self.num_kv_heads, self.head_dim),
-                self.v[layer].view(-1, self.num_kv_heads, self.head_dim))
+        return (self.k_layers[layer].view(-1, self.num_kv_heads, self.head_dim),
+                self.v_layers[layer].view(-1, self.num_kv_heads, self.head_dim))
 
     def sides(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Flat side values of a layer, [num_blocks * block_size, n_kv] for K and for V; None for a dense pool."""

@@ -37,7 +37,7 @@ PREFILL_BUCKETS = (8, 16, 32, 64, 128)
 VERIFY_BUCKETS = (4,) + PREFILL_BUCKETS
 MAX_ROWS = PREFILL_BUCKETS[-1] - 1  # the longest prefill chunk the scheduler sends to a graph
 MAX_SEQS = 64
-PADDING_SEQS = 8  # the padding rows' sequences: the delta rule walks each one's rows in turn
+PADDING_SEQS = 8  # the padding rows' sequences: each one's rows are zeroed by programs of its own
 
 
 def capturable(net, rows: int) -> bool:

@@ -48,8 +48,8 @@ class ModelRunner:
         # with short_prefill_graphs, steps with drafts of up to this many requests replay verify graphs too
         self.verify_seqs = verify_seqs
         self.verify_graphs = None
-        # the most sequences a step holds (the scheduler's max_num_seqs): a prefill graph gathers and writes back
-        # the DeltaNet state of every sequence it has room for, so it has room for no more
+        # the most sequences a step holds (the scheduler's max_num_seqs): a prefill graph has room for no more
+        # (each sequence it has room for is a field of its pack and programs of its DeltaNet step)
         self.max_seqs = max_seqs
         self.mtp_draft_graphs = None  # MTPGraphs, with the MTP proposer (`mtp_graphs`)
 

@@ -1,6 +1,7 @@
 """The Gated DeltaNet's delta rule: one token per sequence (the fused Triton decode step, with the conv
-folded in), a verify's few rows per sequence on the pools in place (the Triton verify step, conv folded
-in), or many (fla's chunked kernel), else the reference."""
+folded in), a graph-replayed step's few rows per sequence on the pools in place (the Triton verify step,
+conv folded in; a verify keeps the states after its first rows), or many (fla's chunked kernel), else the
+reference."""
 from __future__ import annotations
 
 import torch
@@ -76,8 +77,9 @@ def chunk_gdn_reference(q, k, v, g, beta, initial_state, cu_seqlens, seq_lens: l
 
 def gdn_verify_(x, conv_w, conv_pool, a_raw, b_raw, A, dt_bias, state_pool, slots, cu_seqlens, live: int, kept_conv,
                 kept_rec, nk: int, dk: int, eps: float) -> torch.Tensor:
-    """A verify step's conv and delta rule on the pools in place, keeping each sequence's states after its
-    first rows (the contract of verify_triton.gdn_verify_); returns the read-outs o [T, nv, dv] fp32."""
+    """A graph-replayed step's conv and delta rule on the pools in place, keeping each sequence's states after
+    its first rows where the kept buffers have room (a verify; empty buffers for a prefill graph's step), the
+    contract of verify_triton.gdn_verify_; returns the read-outs o [T, nv, dv] fp32."""
     if (kernels_on(x) and conv_w.shape[1] == 4 and state_pool.dtype == torch.float32 and x.stride(1) == 1
             and conv_pool.stride(2) == 1):
         from hf2q.kernels.gdn.verify_triton import gdn_verify_ as kernel

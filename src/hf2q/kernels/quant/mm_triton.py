@@ -9,8 +9,9 @@ over a range of 256-value tiles; each tile is walked in eight groups of 32 value
 time) and converted whole, each field's place undone by a power of two in its scale (no shift per
 value, the same rounding); the values are put back in order with `tl.interleave` (no gathers, no
 shared-memory reshapes), rounded to the activations' dtype (as the dequantized copy is) and multiplied
-on tensor cores against the matching 32 columns of the activations. So the step costs one pass over the quantized bytes however many rows share it (the Marlin
-approach, on the blocks in the layout the other kernels read).
+on tensor cores against the matching 32 columns of the activations. So the step costs one pass over the
+quantized bytes however many rows share it (the Marlin approach, on the blocks in the layout the other
+kernels read).
 
 Every 16 activation rows are their own dot with their own accumulator, and K is split over programs by
 the weight's shape alone, with fp32 partial sums added in a fixed order: a row's result depends on the
