@@ -40,3 +40,11 @@ def test_profile_says_where_a_round_goes():
     for prof in profiles.values():
         assert prof["wall_ms"] > 0 and prof["gpu_busy_ms"] == 0 and prof["gpu_top"] == []
         assert any("linear" in name or "mm" in name for name, _, _ in prof["host_top"])
+
+
+def test_profile_spec_alone_is_refused(capsys):
+    """`--profile-spec` without `--spec-accept` would profile nothing: refused by name, not ignored."""
+    from hf2q.bench import main
+
+    assert main(["--profile-spec"]) == 2
+    assert "--spec-accept" in capsys.readouterr().out

@@ -269,6 +269,9 @@ def format_table(r: dict, batches) -> str:
 
 
 def run_bench(args) -> int:
+    if getattr(args, "profile_spec", False) and not args.spec_accept:
+        print("hf2q bench: --profile-spec profiles the --spec-accept rounds; give --spec-accept too")
+        return 2
     if not torch.cuda.is_available():
         print("hf2q bench needs a CUDA GPU")
         return 2
