@@ -103,8 +103,8 @@ case "$stage" in
              python -m hf2q.cli bench serve --url "http://127.0.0.1:$port" --no-progress --endpoint chat --multi-turn 2 \
                --shared-prefix-tokens 8000 --prompt-tokens 32 --max-tokens 16 --clients 1 \
                --json "$out/prefix_8k_$mix$cache.json"
-             # the served load with multi-turn conversations: hit rate and throughput
-             python -m hf2q.cli bench serve --url "http://127.0.0.1:$port" --no-progress --endpoint chat --multi-turn 4 \
+             # the served load with multi-turn conversations: hit rate and throughput (PREFIX_LOAD=0 skips it)
+             [ "${PREFIX_LOAD:-1}" = 0 ] || python -m hf2q.cli bench serve --url "http://127.0.0.1:$port" --no-progress --endpoint chat --multi-turn 4 \
                --prompt-tokens 256 --max-tokens 64 --clients 16 --json "$out/prefix_multiturn_$mix$cache.json"
              kill -INT $pid; wait $pid
            done
