@@ -18,6 +18,7 @@ import torch
 from hf2q.cache.hybrid import CacheError, HybridCache
 from hf2q.forward import ForwardBatch
 from hf2q.kernels.meta import FastMeta
+from hf2q.kernels.tuning.timing import SPENT
 from hf2q.models.qwen35 import Qwen35Model
 
 log = logging.getLogger(__name__)
@@ -133,12 +134,13 @@ class DecodeGraphs:
         by default. Graphs share one memory pool and never run concurrently."""
         stream = torch.cuda.Stream() if self.on_cuda else None
         for b in sorted(self.buckets if buckets is None else buckets, reverse=True):
-            t0 = time.monotonic()
+            t0, spent = time.monotonic(), SPENT.snapshot()
             self._fill_host(b, [0] * b, [0] * b, [self.pad_slot] * b)
             self._dev.copy_(self._host)
             record(self, b, stream)
             if stream is not None:
-                log.info("decode graph for %d sequences captured in %.1f s", b, time.monotonic() - t0)
+                log.info("decode graph for %d sequences captured in %.1f s (%s)", b, time.monotonic() - t0,
+                         SPENT.since(spent))
 
     def bucket(self, n: int) -> int:
         for b in self.buckets:

@@ -24,6 +24,7 @@ from hf2q.cache.state_at import StateAt
 from hf2q.engine.overlap import upload
 from hf2q.engine.request import Request
 from hf2q.forward import ForwardBatch
+from hf2q.kernels.tuning.timing import SPENT
 from hf2q.models.qwen35 import Qwen35Model
 from hf2q.spec.speculator import Verify
 from hf2q.spec.states import POSITIONS, PositionStates
@@ -328,7 +329,7 @@ class ModelRunner:
         `prefill_tokens` tokens (compiles the prefill kernels) in a scratch slot, then, on CUDA, the
         decode graphs of every bucket up to `max_batch` sequences (compiles, times and captures the decode
         kernels). The scratch slot is released; the graphs keep their padding slot."""
-        t0 = time.monotonic()
+        t0, spent = time.monotonic(), SPENT.snapshot()
         slot = self.cache.acquire()
         try:
             self.cache.reserve(slot, prefill_tokens)
@@ -338,7 +339,8 @@ class ModelRunner:
                 torch.cuda.synchronize(self.device)
         finally:
             self.cache.release(slot)
-        log.info("warm-up: a %d-token prefill in %.1f s", prefill_tokens, time.monotonic() - t0)
+        log.info("warm-up: a %d-token prefill in %.1f s (%s)", prefill_tokens, time.monotonic() - t0,
+                 SPENT.since(spent))
         if self.use_graphs:
             graphs = self._decode_graphs()
             if graphs is not None:

@@ -272,8 +272,10 @@ def build_state(args):
         log.info("warming up: compiling, tuning and capturing decode graphs for up to %d sequences ...",
                  args.max_num_seqs)
         t0 = time.monotonic()
+        from hf2q.kernels.tuning.timing import SPENT, Spent
         engine.warm_up()
-        log.info("warmed up in %.1f s", time.monotonic() - t0)
+        log.info("warmed up in %.1f s (%s; timed choices kept in %s)", time.monotonic() - t0, SPENT.since(Spent()),
+                 envs.tune_cache() or "memory only")
         aengine = AsyncEngine(engine)
     config = ServerConfig(model_name=_model_name(args, model, is_demo), is_demo=is_demo, api_key=args.api_key,
                           default_chat_template_kwargs=dict(args.default_chat_template_kwargs),

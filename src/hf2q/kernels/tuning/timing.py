@@ -4,8 +4,43 @@ rest of the model's weights pass between two uses of it)."""
 from __future__ import annotations
 
 import math
+import time
+from dataclasses import dataclass
 
 import torch
+
+
+@dataclass
+class Spent:
+    """What timing configurations has cost this process so far: shapes timed, seconds compiling their
+    candidates, seconds timing them. A start's log shows it beside each warm-up phase, so a slow first
+    start says whether compiling or timing took the time."""
+    shapes: int = 0
+    compile_s: float = 0.0
+    timing_s: float = 0.0
+
+    def since(self, before: "Spent") -> str:
+        return (f"{self.shapes - before.shapes} mat-vec shapes timed: compiling {self.compile_s - before.compile_s:.1f} s, "
+                f"timing {self.timing_s - before.timing_s:.1f} s")
+
+    def snapshot(self) -> "Spent":
+        return Spent(self.shapes, self.compile_s, self.timing_s)
+
+
+SPENT = Spent()
+
+
+class clock:
+    """Adds the seconds of its block to SPENT's `field`."""
+
+    def __init__(self, field: str):
+        self.field = field
+
+    def __enter__(self):
+        self.t0 = time.monotonic()
+
+    def __exit__(self, *exc):
+        setattr(SPENT, self.field, getattr(SPENT, self.field) + time.monotonic() - self.t0)
 
 
 def cold_copies(w: torch.Tensor, limit_bytes: float = 512e6) -> list[torch.Tensor]:
