@@ -49,7 +49,7 @@ from hf2q.kernels.quant.dequant_triton import QTYPE_ID, check_layout
 from hf2q.kernels.quant import dp4a_blocks, int8_rows
 from hf2q.kernels.quant.dp4a_blocks import below, row_products
 from hf2q.kernels.quant.int8_rows import blocked_for, quantize_rows
-from hf2q.kernels.tuning.timing import cold_copies, graph_time_us
+from hf2q.kernels.tuning.timing import SPENT, clock, cold_copies, graph_time_us
 from hf2q.quant import KQUANTS, block_layout, gpu_row_words
 
 EMULATE = envs.triton_interpret()  # the interpreter runs no PTX: dp4a in plain integer ops
@@ -156,8 +156,10 @@ _TUNE = envs.gemv_tune()
 
 
 def candidates(qtype: str, rows: int = 1) -> list[tuple]:
-    """Configurations for `rows` activation rows (their BLOCK_M), default first: for K-quants at 2-4 rows the
-    shared-rows ones."""
+    """Configurations for `rows` activation rows (their BLOCK_M), default first; for K-quants at 2-4 rows the
+    shared-rows ones only. The units of one row each, which they replaced, cost 1.28x (2 rows) and 2.5x
+    (4 rows) at the first candidates; timing them too made a first start compile and time four times the
+    candidates at 4 rows (on an H100, the 2- and 4-sequence decode graphs of 9B Q4_K_M took 141 s and 187 s)."""
     bm = _block_m(rows, None)
     if qtype in ("Q8_0", "Q4_0"):
         fit = [c for c in _B_CANDIDATES if bm * c[0] * c[1] * 2 <= MAX_PARTS * 32 * c[2]]
@@ -166,7 +168,8 @@ def candidates(qtype: str, rows: int = 1) -> list[tuple]:
     fit = fit or [min(_K_CANDIDATES, key=lambda c: c[0] * c[1] / c[2])]
     if not 2 <= bm <= 4:
         return fit
-    return [c for c in _K_SHARED if 32 * c[2] <= c[0] * c[1] and bm * c[0] * c[1] <= MAX_UNITS * 32 * c[2]] + fit
+    shared = [c for c in _K_SHARED if 32 * c[2] <= c[0] * c[1] and bm * c[0] * c[1] <= MAX_UNITS * 32 * c[2]]
+    return shared or fit
 
 
 def _block_m(m: int, experts) -> int:
@@ -206,14 +209,18 @@ def best_config(xs, raw, qtype: str, n: int, experts, second=None, rows_per_x: i
             return cfg
         if torch.cuda.is_current_stream_capturing():
             return ok[0]
-        _precompile(lambda c: _launch(xs, raw, qtype, n, experts, c, second=second, rows_per_x=rows_per_x,
-                                      warmup=True), ok, xq.device)
-        copies = cold_copies(raw, 256e6)
-        seconds = [second] + [(second[0].clone(), *second[1:]) for _ in copies[1:]] if second else [None] * len(copies)
-        weights = list(zip(copies, seconds))
-        timed = [(graph_time_us(lambda w, c=c: _launch(xs, w[0], qtype, n, experts, c, second=w[1],
-                                                       rows_per_x=rows_per_x), weights), c) for c in ok]
-        del copies, seconds, weights
+        SPENT.shapes += 1
+        with clock("compile_s"):
+            _precompile(lambda c: _launch(xs, raw, qtype, n, experts, c, second=second, rows_per_x=rows_per_x,
+                                          warmup=True), ok, xq.device)
+        with clock("timing_s"):
+            copies = cold_copies(raw, 256e6)
+            seconds = [second] + [(second[0].clone(), *second[1:]) for _ in copies[1:]] if second \
+                else [None] * len(copies)
+            weights = list(zip(copies, seconds))
+            timed = [(graph_time_us(lambda w, c=c: _launch(xs, w[0], qtype, n, experts, c, second=w[1],
+                                                           rows_per_x=rows_per_x), weights), c) for c in ok]
+            del copies, seconds, weights
         cfg = _TUNED[key] = min(timed)[1]
         tune_cache.store(scope, _key_text(key), cfg)
     return cfg
