@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks behind BENCHMARKS.md, in stages that each fit a few minutes:
-#   tools/gpu_check.sh tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu|mm|serve|peer|ttft|kv|mtp|verify|matvec|prefix|soak [OUT_DIR]
+#   tools/gpu_check.sh tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu|mm|serve|peer|ttft|kv|mtp|verify|matvec|prefix|warmup|soak [OUT_DIR]
 # tests: every GPU-marked test (the quantized greedy-token test first) and the Triton kernel tests on the device;
 # quant: 9B Q4_K_M end to end and per projection; bf16: 9B and 2B; moe: 35B-A3B bf16 and Q4_K_M;
 # decode (bf16: 35B-A3B, 2B, 9B), decode-q (9B Q4_K_M) and decode-q-moe (35B-A3B Q4_K_M): batch-1
@@ -28,11 +28,12 @@
 # (tools/spec_eval.py), and the forced-acceptance verify-cost curves; verify: those curves alone at batch 1 (9B
 # Q4_K_M, then bf16), each in a time cap of its own, with the profile of a plain step and an L = 3 round; matvec: the int8 mat-vec at 1, 2 and 4 rows per 9B Q4_K_M
 # projection, every candidate timed (the served default) and then the first candidates (HF2Q_GEMV_TUNE=0); prefix: a follow-up turn over an
-# 8,000-token shared history, served with the prefix cache and without; soak: 64 streaming clients against a served
+# 8,000-token shared history, served with the prefix cache and without; warmup: one start of hf2q serve under
+# cProfile (the warm-up's top functions); soak: 64 streaming clients against a served
 # 9B Q4_K_M for SOAK_S seconds, RSS and GPU memory sampled (tools/soak.py). Figures also go to OUT_DIR/*.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?stage: tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu|mm|serve|peer|ttft|kv|mtp|verify|matvec|prefix|soak}
+stage=${1:?stage: tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu|mm|serve|peer|ttft|kv|mtp|verify|matvec|prefix|warmup|soak}
 out=${2:-.}
 mkdir -p "$out"
 bench() { python -m hf2q.bench --hf-new 0 "$@"; }
@@ -161,6 +162,19 @@ case "$stage" in
          python -m hf2q.cli bench serve --url "http://127.0.0.1:$port" --no-progress --clients 1 16 64 \
            --prompt-tokens 64 --max-tokens 256 --json "$out/peer_$mix.json"
          kill $pid; wait $pid ;;
+  warmup) # where a start's warm-up goes: hf2q serve under cProfile until /health says 200, then Ctrl-C; the
+         # functions with the most cumulative and own time (main thread; compiles run in worker threads)
+         model=${MODEL_DIR:-/tmp}/hf2q-9b-${MIX:-q4_k_m}.gguf; port=8090
+         [ -f "$model" ] || python tools/random_gguf.py --shape 9b --mix "${MIX:-q4_k_m}" -o "$model"
+         python -m cProfile -o "$out/warmup.prof" -m hf2q.cli serve --model "$model" --port $port \
+           --max-num-seqs ${MAX_NUM_SEQS:-64} --log-level info ${SERVE_FLAGS:-} > "$out/serve_warmup.log" 2>&1 &
+         pid=$!
+         until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do
+           kill -0 $pid 2> /dev/null || { tail -30 "$out/serve_warmup.log"; exit 1; }; sleep 0.5; done
+         kill -INT $pid; wait $pid
+         grep -e "warm" -e "captured" -e "loaded" "$out/serve_warmup.log" | cut -c1-220
+         python -c "import pstats, sys; p = pstats.Stats(sys.argv[1]); p.sort_stats('cumulative').print_stats(40); \
+           p.sort_stats('tottime').print_stats(25)" "$out/warmup.prof" | cut -c1-200 ;;
   soak)  # issue 26: 64 streaming clients against a 9B Q4_K_M served on the GPU (SOAK_S seconds, 540 by default to fit
          # one device call with the first start); RSS and GPU memory sampled every 10 s
          model=${MODEL_DIR:-/tmp}/hf2q-9b-q4_k_m.gguf; port=8090

@@ -6,6 +6,8 @@
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 export TRITON_CACHE_DIR=$PWD/.triton-cache PYTHONUNBUFFERED=1
+# the mat-vec choices beside it, so a later call on the same machine finds them as a later start would
+export HF2Q_TUNE_CACHE=${HF2Q_TUNE_CACHE:-$PWD/.triton-cache/hf2q_matvec_configs.json}
 export HF2Q_TEST_CACHE=${HF2Q_TEST_CACHE:-$HOME/.cache/hf2q-tests}
 mkdir -p "$HF2Q_TEST_CACHE"
 tar xzf .cache/qwen35_tokenizer.tgz -C "$HF2Q_TEST_CACHE"
