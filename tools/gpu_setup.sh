@@ -1,13 +1,18 @@
 # Sourced first in a GPU call (`source tools/gpu_setup.sh`), with .whl/ and .cache/ carried (tools/gpu_carry.sh made
 # them): installs the wheels where Python finds them, puts the test tokenizer and the trimmed llama.cpp sdist where
-# the tests look, and sets what the runs share (Triton's cache beside the tree, unbuffered output). With
+# the tests look, and sets what the runs share (Triton's cache and the mat-vec choices under /tmp, unbuffered output). With
 # LLAMA_CPP=1 it also starts building llama-server, llama-bench and llama-quantize in the background
 # (about 5 minutes; tools/gpu_check.sh peer waits for it).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}
-export TRITON_CACHE_DIR=$PWD/.triton-cache PYTHONUNBUFFERED=1
-# the mat-vec choices beside it, so a later call on the same machine finds them as a later start would
-export HF2Q_TUNE_CACHE=${HF2Q_TUNE_CACHE:-$PWD/.triton-cache/hf2q_matvec_configs.json}
+# Triton's cache (compiled kernels, kept autotuning results) and the mat-vec choices under /tmp, which a warm
+# machine keeps from one call to the next (the tree's ignored folders seemed not to be: a second call compiled
+# again); a cache brought back from an earlier session (.cache/triton-cache.tgz) seeds it
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache} PYTHONUNBUFFERED=1
+export HF2Q_TUNE_CACHE=${HF2Q_TUNE_CACHE:-$TRITON_CACHE_DIR/hf2q_matvec_configs.json}
+if [ ! -d "$TRITON_CACHE_DIR" ] && [ -f .cache/triton-cache.tgz ]; then
+  mkdir -p "$TRITON_CACHE_DIR" && tar xzf .cache/triton-cache.tgz -C "$TRITON_CACHE_DIR"
+fi
 export HF2Q_TEST_CACHE=${HF2Q_TEST_CACHE:-$HOME/.cache/hf2q-tests}
 mkdir -p "$HF2Q_TEST_CACHE"
 tar xzf .cache/qwen35_tokenizer.tgz -C "$HF2Q_TEST_CACHE"
