@@ -81,6 +81,16 @@ def summarize_minutes(done: list[tuple[float, object]], bucket_s: float) -> list
     return rows
 
 
+def progress_line(t: float, done: list[tuple[float, object]], kib: int, mib: Optional[int]) -> str:
+    """So far: requests completed, errors, 429s, RSS, GPU memory, p99 inter-token latency of the whole run."""
+    ok = [r for _, r in done if r.error is None]
+    itl = [r.itl for r in ok if r.itl is not None]
+    rejected = sum(1 for _, r in done if r.error and r.error.startswith("HTTP 429"))
+    return (f"soak {t:.0f} s: {len(ok)} completed, {len(done) - len(ok) - rejected} errors, {rejected} rejected (429), "
+            f"RSS {kib / 1024:.0f} MiB" + ("" if mib is None else f", GPU {mib} MiB")
+            + f", ITL p99 {_ms(percentile(itl, 99))} ms")
+
+
 async def soak(url: str, pid: int, clients: int, duration: float, prompt_tokens: int, max_tokens: int,
                sample_s: float = 10.0, bucket_s: float = 60.0, seed: int = 0) -> dict:
     """Drive `clients` streaming clients until `duration` seconds have passed; sample RSS every sample_s."""
@@ -99,10 +109,14 @@ async def soak(url: str, pid: int, clients: int, duration: float, prompt_tokens:
             done.append((time.monotonic() - start, result))
 
     async def sampler() -> None:
+        report_at = bucket_s
         while time.monotonic() < deadline:
             await asyncio.sleep(min(sample_s, max(0.0, deadline - time.monotonic())))
             rss.append((time.monotonic() - start, rss_kib(pid)))
             gpu.append((time.monotonic() - start, gpu_mib(pid)))
+            if rss[-1][0] >= report_at:  # a line a bucket as it goes: a run cut short still tells its figures
+                report_at += bucket_s
+                print(progress_line(rss[-1][0], done, rss[-1][1], gpu[-1][1]), file=sys.stderr, flush=True)
 
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=httpx.Timeout(300, connect=30)) as c:

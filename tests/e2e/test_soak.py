@@ -34,11 +34,17 @@ def load_server(server_factory):
     return server_factory(*LOAD_FLAGS)
 
 
-def test_short_soak(load_server):
+def test_short_soak(load_server, capsys):
     soak = load_soak()
     pid = load_server.proc.pid
     asyncio.run(soak.soak(load_server.url, pid, CLIENTS, 2.0, 8, MAX_TOKENS))  # warm-up
-    report = asyncio.run(soak.soak(load_server.url, pid, CLIENTS, 6.0, 8, MAX_TOKENS, sample_s=2.0))
+    capsys.readouterr()
+    report = asyncio.run(soak.soak(load_server.url, pid, CLIENTS, 6.0, 8, MAX_TOKENS, sample_s=2.0, bucket_s=2.0))
+    progress = [line for line in capsys.readouterr().err.splitlines() if line.startswith("soak ")]
+    assert 2 <= len(progress) <= 3, progress  # a line a bucket while it runs
+    counts = [int(line.split(": ")[1].split(" completed")[0]) for line in progress]
+    assert counts == sorted(counts) and 0 < counts[-1] <= report["completed"], (progress, report["completed"])
+    assert all(", 0 errors," in line for line in progress), progress
 
     assert report["other_errors"] == 0, report["first_other_error"]
     assert report["completed"] > CLIENTS, report
