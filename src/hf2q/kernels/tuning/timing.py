@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -20,27 +21,24 @@ class Spent:
     timing_s: float = 0.0
 
     def since(self, before: "Spent") -> str:
-        return (f"{self.shapes - before.shapes} mat-vec shapes timed: compiling {self.compile_s - before.compile_s:.1f} s, "
-                f"timing {self.timing_s - before.timing_s:.1f} s")
+        return (f"{self.shapes - before.shapes} mat-vec shapes timed: "
+                f"compiling {self.compile_s - before.compile_s:.1f} s, timing {self.timing_s - before.timing_s:.1f} s")
 
     def snapshot(self) -> "Spent":
-        return Spent(self.shapes, self.compile_s, self.timing_s)
+        return replace(self)
 
 
 SPENT = Spent()
 
 
-class clock:
+@contextmanager
+def clock(field: str):
     """Adds the seconds of its block to SPENT's `field`."""
-
-    def __init__(self, field: str):
-        self.field = field
-
-    def __enter__(self):
-        self.t0 = time.monotonic()
-
-    def __exit__(self, *exc):
-        setattr(SPENT, self.field, getattr(SPENT, self.field) + time.monotonic() - self.t0)
+    t0 = time.monotonic()
+    try:
+        yield
+    finally:
+        setattr(SPENT, field, getattr(SPENT, field) + time.monotonic() - t0)
 
 
 def cold_copies(w: torch.Tensor, limit_bytes: float = 512e6) -> list[torch.Tensor]:
