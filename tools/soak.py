@@ -63,6 +63,11 @@ def _ms(v: Optional[float]) -> Optional[float]:
     return None if v is None else round(v * 1000, 3)
 
 
+def rejected(result) -> bool:
+    """Whether a request was turned away with a 429 (the server full), which a soak counts apart from errors."""
+    return bool(result.error) and result.error.startswith("HTTP 429")
+
+
 def summarize_minutes(done: list[tuple[float, object]], bucket_s: float) -> list[dict]:
     """Per bucket of finish time: requests completed, errors, 429s, p50/p99 ITL and p99 chunk gap (ms)."""
     buckets: dict[int, list] = {}
@@ -75,7 +80,7 @@ def summarize_minutes(done: list[tuple[float, object]], bucket_s: float) -> list
         itl = [r.itl for r in ok if r.itl is not None]
         gaps = [g for r in ok for g in r.gaps]
         rows.append({"minute": k + 1, "completed": len(ok), "errors": len(rs) - len(ok),
-                     "rejected_429": sum(1 for r in rs if r.error and r.error.startswith("HTTP 429")),
+                     "rejected_429": sum(1 for r in rs if rejected(r)),
                      "itl_p50_ms": _ms(percentile(itl, 50)), "itl_p99_ms": _ms(percentile(itl, 99)),
                      "gap_p99_ms": _ms(percentile(gaps, 99))})
     return rows
@@ -85,9 +90,9 @@ def progress_line(t: float, done: list[tuple[float, object]], kib: int, mib: Opt
     """So far: requests completed, errors, 429s, RSS, GPU memory, p99 inter-token latency of the whole run."""
     ok = [r for _, r in done if r.error is None]
     itl = [r.itl for r in ok if r.itl is not None]
-    rejected = sum(1 for _, r in done if r.error and r.error.startswith("HTTP 429"))
-    return (f"soak {t:.0f} s: {len(ok)} completed, {len(done) - len(ok) - rejected} errors, {rejected} rejected (429), "
-            f"RSS {kib / 1024:.0f} MiB" + ("" if mib is None else f", GPU {mib} MiB")
+    turned_away = sum(1 for _, r in done if rejected(r))
+    return (f"soak {t:.0f} s: {len(ok)} completed, {len(done) - len(ok) - turned_away} errors, "
+            f"{turned_away} rejected (429), RSS {kib / 1024:.0f} MiB" + ("" if mib is None else f", GPU {mib} MiB")
             + f", ITL p99 {_ms(percentile(itl, 99))} ms")
 
 
@@ -126,14 +131,14 @@ async def soak(url: str, pid: int, clients: int, duration: float, prompt_tokens:
     rss.append((time.monotonic() - start, rss_kib(pid)))
     gpu.append((time.monotonic() - start, gpu_mib(pid)))
     errors = [r for _, r in done if r.error is not None]
-    rejected = [r for r in errors if r.error.startswith("HTTP 429")]
+    turned_away = [r for r in errors if rejected(r)]
     values = [v for _, v in rss]
     return {
         "url": url, "pid": pid, "clients": clients, "duration_s": duration, "wall_s": round(wall, 1),
         "prompt_tokens": prompt_tokens, "max_tokens": max_tokens,
-        "requests": len(done), "completed": len(done) - len(errors), "rejected_429": len(rejected),
-        "other_errors": len(errors) - len(rejected),
-        "first_other_error": next((r.error for r in errors if not r.error.startswith("HTTP 429")), None),
+        "requests": len(done), "completed": len(done) - len(errors), "rejected_429": len(turned_away),
+        "other_errors": len(errors) - len(turned_away),
+        "first_other_error": next((r.error for r in errors if not rejected(r)), None),
         "short_completions": sum(1 for _, r in done if r.error is None and r.completion_tokens != max_tokens),
         "rss_kib": {"start": values[0], "min": min(values), "max": max(values), "end": values[-1]},
         "rss_samples": [{"t_s": round(t, 1), "kib": v} for t, v in rss],
