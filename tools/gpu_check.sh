@@ -12,7 +12,8 @@
 # step's other kernels at batch 1 (paged attention, the DeltaNet step, the MoE expert kernels); ncu: Nsight Compute's view (bandwidth,
 # occupancy, stall reasons) of the int8 mat-vec on a small and a large 9B projection, at the default
 # configuration; mm: the batched-decode kernels' tests on the device, the tile kernel against the int8
-# tensor-core kernel (HF2Q_QUANT_MM=mmq) and dequantize + cuBLAS (tools/quant_mm_sweep.py); serve: a random 9B GGUF (MIX=q4_k_m or bf16,
+# tensor-core kernel (HF2Q_QUANT_MM=mmq) and dequantize + cuBLAS (tools/quant_mm_sweep.py; SWEEP_FLAGS adds
+# flags, e.g. SWEEP_FLAGS=--gemlite for GemLite's kernels, carried as a wheel); serve: a random 9B GGUF (MIX=q4_k_m or bf16,
 # tools/random_gguf.py) served by hf2q serve and measured by hf2q bench serve at 1, 4, 16 and 64 clients (64-token
 # prompts, 256 new tokens), then 16 clients with 2048-token prompts, then a second start (warm caches) and 1 client
 # (HF2Q_QUANT_MM=mmq in the environment serves 5-64 rows on the int8 tensor-core kernel; SERVE_FLAGS adds
@@ -118,7 +119,7 @@ case "$stage" in
            python -m hf2q.bench.quant --no-prefill --only gdn.out ffn.gate+up ;;
   mm)    python -m pytest -q -p no:cacheprovider tests/quant/test_kernels.py tests/quant/test_mmq.py \
            -k "quant_mm or quant_linear or mmq"
-         timeout 400 python tools/quant_mm_sweep.py --rows 16 32 64 --configs 64,4 --no-split-variants \
+         timeout 400 python tools/quant_mm_sweep.py --rows 16 32 64 --configs 64,4 --no-split-variants ${SWEEP_FLAGS:-} \
            | tee "$out/quant_mm_sweep.txt" ;;
   serve) mix=${MIX:-q4_k_m}; mtp=${MTP:+-mtp}; model=${MODEL_DIR:-/tmp}/hf2q-9b-$mix$mtp.gguf; port=8090
          [ -f "$model" ] || python tools/random_gguf.py --shape 9b --mix "$mix" ${MTP:+--mtp} -o "$model"

@@ -26,3 +26,14 @@ for sdist in .cache/llama_cpp_python-*.tar.gz; do
       -j 10 --target llama-bench llama-quantize llama-server >> build.log 2>&1; echo $? > build.done' > /dev/null 2>&1 &)
   fi
 done
+# pack_triton_cache FILE: what Triton reads back from its cache (each kernel's metadata and group files, its cubin
+# and PTX, kept autotuning results) and the mat-vec choices, for `.cache/triton-cache.tgz` in a later session; the
+# intermediate IR is left out, then the PTX too if the archive is over the 16 MiB a returned file may have
+pack_triton_cache() {
+  local keep=(-type f ! -name '*.source' ! -name '*.ttir' ! -name '*.ttgir' ! -name '*.llir')
+  (cd "$TRITON_CACHE_DIR" && find . "${keep[@]}" | tar czf "$1" -T -)
+  if [ "$(stat -c %s "$1")" -gt 16000000 ]; then
+    (cd "$TRITON_CACHE_DIR" && find . "${keep[@]}" ! -name '*.ptx' | tar czf "$1" -T -)
+  fi
+  ls -la "$1"
+}

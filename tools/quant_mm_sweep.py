@@ -1,8 +1,11 @@
 """Batched decode on Q4_K_M weights: the tensor-core kernel (mm_triton) in several configurations
 against the int8 tensor-core kernel (mmq_triton, HF2Q_QUANT_MM=mmq; Q8_0 and K-quants), the int8
-mat-vec and dequantize + cuBLAS, per 9B projection and row count (CUDA only).
+mat-vec and dequantize + cuBLAS, per 9B projection and row count (CUDA only); with --gemlite, also GemLite's
+weight-only int4/int8 kernels (a Triton low-bit library, carried as a wheel) on the same weights in their affine
+groups of 32 (hf2q.quant.affine_groups: Q4_K and Q4_0 as 4-bit codes, Q5_K and Q8_0 as 8-bit; Q6_K stays on the
+tile kernel in the "gemlite path" total).
 
-    python tools/quant_mm_sweep.py [--rows 8 16 32 64]
+    python tools/quant_mm_sweep.py [--rows 8 16 32 64] [--gemlite]
 
 mmq is timed on activations already in int8 rows (as a producer that writes them would leave them) and
 with their quantization (quantize_rows) in the timed call; its error is relative (Frobenius) to
@@ -23,7 +26,7 @@ from hf2q.bench.quant import LAYER_SET
 from hf2q.kernels.quant.dp4a_triton import gemv
 from hf2q.kernels.quant.ops import dequantize, scratch
 from hf2q.kernels.tuning.timing import cold_copies, graph_time_us
-from hf2q.quant import keep_blocks, random_blocks
+from hf2q.quant import AFFINE_TYPES, affine_groups, keep_blocks, random_blocks
 
 
 def _us(fn, weights) -> float:
@@ -36,6 +39,24 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
+def _gemlite_layers(raw: torch.Tensor, qtype: str, n: int, k: int, count: int, dtype: torch.dtype) -> list:
+    """`count` GemLite layers of one ggml-order weight (each its own memory, to overflow L2 as the copies do), taking
+    and giving `dtype` (their scales and zeros in it too). Packed with zero zeros, then given the exact offsets:
+    GemLite's fused form is codes · scales + zeros."""
+    import gemlite
+
+    codes, scale, offset = affine_groups(raw, qtype, (n, k))
+    kind = {torch.bfloat16: gemlite.DType.BF16, torch.float16: gemlite.DType.FP16}[dtype]
+    layers = []
+    for _ in range(count):
+        layer = gemlite.GemLiteLinear(AFFINE_TYPES[qtype], group_size=32, in_features=k, out_features=n,
+                                      input_dtype=kind, output_dtype=kind)
+        layer.pack(codes.cuda(), scale.to("cuda", dtype), torch.zeros_like(scale, dtype=dtype, device="cuda"))
+        layer.zeros.data.copy_(offset.t().to(layer.zeros.device, layer.zeros.dtype))
+        layers.append(layer)
+    return layers
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rows", type=int, nargs="+", default=[8, 16, 32, 64])
@@ -43,12 +64,19 @@ def main() -> None:
     p.add_argument("--configs", nargs="+", default=["64,4", "64,8", "128,8"], metavar="BLOCK_N,WARPS",
                    help="tile configurations to time (each at the default split of K and twice it)")
     p.add_argument("--no-split-variants", action="store_true", help="time each configuration at the default split only")
+    p.add_argument("--gemlite", action="store_true", help="also time GemLite's kernels on the affine groups")
+    p.add_argument("--gemlite-dtype", choices=["bf16", "fp16"], default="bf16",
+                   help="GemLite's activations, scales and zeros (fp16: the bf16 activations cast in the timed call)")
     args = p.parse_args()
     configs = [tuple(int(v) for v in c.split(",")) for c in args.configs]
+    gl_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.gemlite_dtype]
     totals: dict[tuple, float] = {}
     for name, n, k, qtype, times in LAYER_SET:
-        raw = keep_blocks(random_blocks(qtype, n, k, std=0.02, seed=n + k), qtype, "cuda")
+        ggml = random_blocks(qtype, n, k, std=0.02, seed=n + k)
+        raw = keep_blocks(ggml, qtype, "cuda")
         copies = cold_copies(raw)
+        gl = _gemlite_layers(ggml, qtype, n, k, len(copies), gl_dtype) \
+            if args.gemlite and qtype in AFFINE_TYPES else None
         for m in args.rows:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             row = {}
@@ -72,22 +100,30 @@ def main() -> None:
                 mmq_note = (f", mmq {row['mmq']:8.1f} (+quantize {row['mmq+quantize']:8.1f}), error mmq "
                             f"{_rel(mmq.quant_mmq(rows8, raw, qtype, n), ref):.1e} tile "
                             f"{_rel(mm.quant_mm(x, raw, qtype, n), ref):.1e}")
+            gl_note = ""
+            if gl is not None:
+                row["gemlite"] = _us(lambda layer: layer(x.to(gl_dtype)), gl)
+                ref = torch.nn.functional.linear(x, dequantize(raw, qtype, (n, k), x.dtype))
+                gl_note = f", gemlite {row['gemlite']:8.1f} (error {_rel(gl[0](x.to(gl_dtype)), ref):.1e})"
+            row["gemlite path"] = row.get("gemlite", row["default"])
             for path in ("mmq", "mmq+quantize"):  # the step with HF2Q_QUANT_MM=mmq: other types on the tile kernel
                 row[path + " path"] = row.get(path, row["default"])
             best = min((v, c) for c, v in row.items() if isinstance(c, tuple))
             print(f"{name:12} {qtype} {n}x{k} m={m:3}: default {row['default']:8.1f} us, best {best[0]:8.1f} "
                   f"{best[1]}, dequant+cublas {row['dequant+cublas']:8.1f}" + mmq_note
-                  + (f", int8 mat-vec {row['int8 mat-vec']:8.1f}" if "int8 mat-vec" in row else ""), flush=True)
+                  + (f", int8 mat-vec {row['int8 mat-vec']:8.1f}" if "int8 mat-vec" in row else "") + gl_note,
+                  flush=True)
             for c, v in row.items():
                 totals[(m, c)] = totals.get((m, c), 0.0) + v * times
-        del raw, copies
+        del raw, copies, gl
     for m in args.rows:
         per = {c: v for (mm_, c), v in totals.items() if mm_ == m}
         best = min((v, c) for c, v in per.items() if isinstance(c, tuple))
         print(f"9B step, m={m}: default {per['default'] / 1e3:.3f} ms; best single config {best[0] / 1e3:.3f} ms "
               f"{best[1]}; dequant+cublas {per['dequant+cublas'] / 1e3:.3f} ms; HF2Q_QUANT_MM=mmq "
               f"{per['mmq path'] / 1e3:.3f} ms (with quantization {per['mmq+quantize path'] / 1e3:.3f} ms)"
-              + (f"; int8 mat-vec {per['int8 mat-vec'] / 1e3:.3f} ms" if "int8 mat-vec" in per else ""), flush=True)
+              + (f"; int8 mat-vec {per['int8 mat-vec'] / 1e3:.3f} ms" if "int8 mat-vec" in per else "")
+              + (f"; gemlite path {per['gemlite path'] / 1e3:.3f} ms" if args.gemlite else ""), flush=True)
 
 
 if __name__ == "__main__":

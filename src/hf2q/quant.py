@@ -154,3 +154,44 @@ def random_blocks(qtype: str, rows: int, in_features: int, std: float = 0.02, se
     blocks = np.concatenate(parts, axis=1)
     assert blocks.shape == (n, nbytes)
     return torch.from_numpy(blocks.reshape(rows, -1).copy())
+
+
+# ---- Affine groups of 32: the form Triton low-bit libraries take -------------------------------------
+AFFINE_TYPES = {"Q8_0": 8, "Q4_0": 4, "Q4_K": 4, "Q5_K": 8}  # type -> bits a code is stored in
+
+
+def _k_scale_mins(field: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K 6-bit scales and mins [blocks, 8] from their 12-byte field (ggml's get_scale_min_k4)."""
+    lo, mid, hi = field[:, 0:4], field[:, 4:8], field[:, 8:12]
+    sc = np.concatenate([lo & 63, (hi & 15) | ((lo >> 6) << 4)], axis=1)
+    mn = np.concatenate([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], axis=1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def affine_groups(raw: torch.Tensor, qtype: str, shape: tuple[int, int]):
+    """ggml-order rows as codes [n, k] (uint8), scale and offset [n, k / 32] (fp32) with value = scale · code +
+    offset in every 32-value group: a Q8_0/Q4_0 block, a Q4_K/Q5_K sub-block. (Q6_K's 16-value groups have no
+    such form.) The weight-only int4/int8 kernels of low-bit libraries read this, their zero being -offset / scale."""
+    if qtype not in AFFINE_TYPES:
+        raise ValueError(f"{qtype} has no affine form in groups of 32 (types with one: {', '.join(AFFINE_TYPES)})")
+    n, k = shape
+    elems, nbytes = block_layout(qtype)
+    b = raw.detach().cpu().numpy().reshape(-1, nbytes)
+    f16 = lambda lo: b[:, lo:lo + 2].copy().view(np.float16).astype(np.float32)  # noqa: E731  [blocks, 1]
+    if qtype == "Q8_0":
+        codes = (b[:, 2:34].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        scale, offset = f16(0), -128 * f16(0)
+    elif qtype == "Q4_0":
+        codes = np.concatenate([b[:, 2:18] & 15, b[:, 2:18] >> 4], axis=1)
+        scale, offset = f16(0), -8 * f16(0)
+    else:  # sub-block j: nibbles of bytes 32(j // 2).., low (j even) or high; Q5_K's fifth bit j of qh
+        sc, mn = _k_scale_mins(b[:, 4:16])
+        qs = b[:, -128:].reshape(-1, 4, 1, 32)
+        codes = ((qs >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 15).reshape(-1, 8, 32)
+        if qtype == "Q5_K":
+            fifth = (b[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+            codes = codes | (fifth << 4)
+        scale, offset = f16(0) * sc, -(f16(2) * mn)
+    codes = np.ascontiguousarray(codes).reshape(n, k)
+    return (torch.from_numpy(codes), torch.from_numpy(np.ascontiguousarray(scale, np.float32)).reshape(n, k // 32),
+            torch.from_numpy(np.ascontiguousarray(offset, np.float32)).reshape(n, k // 32))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hf2q.layers.linear import Linear
-from hf2q.quant import QUANT_TYPES, block_layout, dequantize_ref, random_blocks, row_bytes
+from hf2q.quant import AFFINE_TYPES, QUANT_TYPES, affine_groups, block_layout, dequantize_ref, random_blocks, row_bytes
 
 
 @pytest.mark.parametrize("qtype", QUANT_TYPES)
@@ -29,6 +29,24 @@ def test_k_scales_round_trip_through_gguf():
     sc, mn = Q4_K.get_scale_min(raw[:, 4:16].copy())
     assert sc.min() >= 40 and sc.max() <= 63 and mn.min() >= 40 and mn.max() <= 63
     assert len(np.unique(sc)) > 10
+
+
+@pytest.mark.parametrize("qtype", AFFINE_TYPES)
+def test_affine_groups_are_gguf_values_exactly(qtype):
+    """scale · code + offset per 32-value group is gguf's dequantization bit for bit, on blocks of random bytes
+    (every scale, min and fifth-bit pattern, zero scales too) with finite half-precision d (and dmin)."""
+    elems, nbytes = block_layout(qtype)
+    rng = np.random.default_rng(7)
+    blocks = rng.integers(0, 256, (24 * 512 // elems, nbytes), dtype=np.uint8)
+    for lo in (0, 2) if qtype in ("Q4_K", "Q5_K") else (0,):
+        blocks[:, lo:lo + 2] = rng.uniform(1e-4, 1e-2, (len(blocks), 1)).astype(np.float16).view(np.uint8)
+    raw = torch.from_numpy(blocks.reshape(24, -1))
+    codes, scale, offset = affine_groups(raw, qtype, (24, 512))
+    assert codes.dtype == torch.uint8 and int(codes.max()) < 1 << AFFINE_TYPES[qtype]
+    values = codes.float().view(24, 16, 32) * scale[..., None] + offset[..., None]
+    assert torch.equal(values.view(24, 512), dequantize_ref(raw, qtype, (24, 512)))
+    with pytest.raises(ValueError, match="Q6_K"):
+        affine_groups(random_blocks("Q6_K", 2, 256), "Q6_K", (2, 256))
 
 
 def test_row_bytes_refuses_partial_blocks():
