@@ -16,6 +16,7 @@ token's projections (hf2q.bench.quant.LAYER_SET); the last lines give the step t
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 
@@ -67,9 +68,15 @@ def main() -> None:
     p.add_argument("--gemlite", action="store_true", help="also time GemLite's kernels on the affine groups")
     p.add_argument("--gemlite-dtype", choices=["bf16", "fp16"], default="bf16",
                    help="GemLite's activations, scales and zeros (fp16: the bf16 activations cast in the timed call)")
+    p.add_argument("--gemlite-configs", metavar="FILE", help="GemLite's autotuned configurations: read first if the "
+                   "file exists, written after each projection (its autotuning takes most of a first sweep)")
     args = p.parse_args()
     configs = [tuple(int(v) for v in c.split(",")) for c in args.configs]
     gl_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.gemlite_dtype]
+    if args.gemlite and args.gemlite_configs and os.path.exists(args.gemlite_configs):
+        import gemlite
+
+        gemlite.load_config(args.gemlite_configs)
     totals: dict[tuple, float] = {}
     for name, n, k, qtype, times in LAYER_SET:
         ggml = random_blocks(qtype, n, k, std=0.02, seed=n + k)
@@ -116,6 +123,10 @@ def main() -> None:
             for c, v in row.items():
                 totals[(m, c)] = totals.get((m, c), 0.0) + v * times
         del raw, copies, gl
+        if args.gemlite and args.gemlite_configs:
+            import gemlite
+
+            gemlite.cache_config(args.gemlite_configs)
     for m in args.rows:
         per = {c: v for (mm_, c), v in totals.items() if mm_ == m}
         best = min((v, c) for c, v in per.items() if isinstance(c, tuple))
