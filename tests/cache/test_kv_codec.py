@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from hf2q.cache.kv_codec import (Fp8Codec, TurboQuantCodec, codebook, fwht, lloyd_max_normal, sign_vector,
+from hf2q.kv_codec import (Fp8Codec, TurboQuantCodec, codebook, fwht, lloyd_max_normal, sign_vector,
                                  tq_attention)
 
 # The 9B shape's full-attention layers: 16 query heads over 4 K/V heads of 256 channels.

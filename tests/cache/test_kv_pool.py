@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from hf2q.cache.hybrid import CacheSnapshot, HybridCache, kv_bytes_per_token
-from hf2q.cache.kv_codec import Fp8Codec, TurboQuantCodec
+from hf2q.kv_codec import Fp8Codec, TurboQuantCodec
 from hf2q.cache.kv_pool import KV_FORMATS, CompressedKVPool, DenseKVPool, format_identity, kv_cache_format
 from hf2q.cache.prefix_store import PrefixStore, fingerprint
 from hf2q.config import CacheConfig, ModelConfig
@@ -156,7 +156,8 @@ def test_checkpoint_files_of_another_kv_format_are_a_miss(tmp_path, gguf_dense_f
 def test_checkpoints_of_the_previous_layout_are_a_miss(tmp_path, gguf_dense_f32, monkeypatch):
     """A checkpoint written before side values had their own plane (file format 1) or before fp8's scale became a
     power of two (identity of the amax/448 rule) carries another fingerprint: a miss, not a misread."""
-    from hf2q.cache import kv_codec, prefix_store
+    from hf2q import kv_codec
+    from hf2q.cache import prefix_store
     new = {f: fingerprint(gguf_dense_f32, "t", CacheConfig(kv_dtype=f), "cpu") for f in ("fp8", "tq8")}
     old_fp8 = kv_codec._digest(f"fp8_e4m3fn:8:amax/{kv_codec.FP8_MAX}".encode())
     assert format_identity("fp8") != old_fp8

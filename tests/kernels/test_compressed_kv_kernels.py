@@ -205,7 +205,7 @@ def test_paged_decode_reads_codes_through_the_pipeline(fmt, block_n, warps):
 def test_tables_keep_the_codec():
     """The padded tables the kernels read keep the codec's signs, boundaries and centroids (the decode's centroids
     in its tensor-core dtype: fp32, or fp16 rounded from them)."""
-    from hf2q.cache.kv_codec import TurboQuantCodec, codebook
+    from hf2q.kv_codec import TurboQuantCodec, codebook
     from hf2q.kernels.attention.compressed_triton import centroid_table, device_tables
     signs, bounds = device_tables("tq6", 64, "cpu")
     assert torch.equal(signs, TurboQuantCodec(64, 6).signs)

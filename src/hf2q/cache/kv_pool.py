@@ -14,7 +14,7 @@ from functools import cached_property
 
 import torch
 
-from hf2q.cache.kv_codec import Fp8Codec, TurboQuantCodec
+from hf2q.kv_codec import Fp8Codec, TurboQuantCodec
 
 DENSE_FORMATS = ("float32", "bfloat16", "float16")
 COMPRESSED_FORMATS = ("fp8", "tq8", "tq6", "tq5")

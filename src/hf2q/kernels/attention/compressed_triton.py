@@ -3,7 +3,7 @@ and the in-register decoding of stored rows that the paged decode attention (pag
 
 A vector is stored as head_dim payload bytes (a row of its own, 16-byte aligned: the codes load 16 at a time) and
 its side value at the same vector index in a separate plane: fp8's scale exponent (one byte), TurboQuant's fp32
-norm (cache.kv_pool). Writing and reading compute what the codecs (cache.kv_codec) compute:
+norm (cache.kv_pool). Writing and reading compute what the codecs (hf2q.kv_codec) compute:
 
 - FP8: the scale is the power of two 2^ceil(log2(amax/448)), found from amax's bits and stored as its biased
   exponent (E8M0); values x/scale (exact: a power of two) rounded to e4m3 (nearest, ties to even). The e4m3 bits
@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf2q.cache.kv_codec import TurboQuantCodec, codebook
+from hf2q.kv_codec import TurboQuantCodec, codebook
 from hf2q.kernels.tuning import pdl
 
 _TABLE = 256  # codebook and boundary tables padded to the 8-bit size: one binary search serves every width
