@@ -1,7 +1,7 @@
 """Frozen configuration objects, layered by consumer (model, cache, scheduler, server)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 SUPPORTED_ARCHITECTURES = ("qwen35", "qwen35moe")

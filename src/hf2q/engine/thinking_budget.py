@@ -5,7 +5,7 @@ Active only when the prompt leaves reasoning open (Qwen3.5's template pre-opens 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import json
-import time
 import uuid
 from contextlib import aclosing
 from typing import AsyncIterator, Optional

@@ -17,7 +17,7 @@ import torch
 
 from hf2q.cache.hybrid import HybridCache
 from hf2q.engine.overlap import upload
-from hf2q.engine.request import Request, RequestOutput
+from hf2q.engine.request import Request
 from hf2q.spec.cost import CostController
 from hf2q.spec.mtp import MTPProposer
 from hf2q.spec.ngram import NgramProposer

@@ -7,7 +7,6 @@ and size limits (text/template_limits.py), and the same globals and filters HF p
 from __future__ import annotations
 
 import json
-import os
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
