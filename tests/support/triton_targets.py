@@ -107,3 +107,30 @@ def compile_for_hopper(fn, sig: dict, const: dict, warps: int, multiples_of_16=(
             pytest.skip(f"no ptxas: {err}")
         raise
     return compiled.asm["ptx"]
+
+
+@contextlib.contextmanager
+def hopper_driver():
+    """Triton's active driver replaced by one that reports an sm_90 CUDA device and stream 0: JIT functions then
+    bind, specialise and compile for Hopper (their `warmup`) on a machine without a GPU, and cannot launch."""
+    if INTERPRET:
+        pytest.skip("compiles natively")
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.driver import driver
+
+    class Hopper:
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+    before = driver._active  # None until something asked for a driver (on a machine without a GPU, none exists)
+    driver.set_active(Hopper())
+    try:
+        yield
+    finally:
+        driver._active = before

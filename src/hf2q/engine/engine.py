@@ -165,7 +165,15 @@ class Engine:
 
     def warm_up(self) -> None:
         """Compile, tune and capture everything a first request would wait for (see ModelRunner.warm_up);
-        call before taking requests."""
+        call before taking requests. Autotuned kernels compile their candidates side by side meanwhile."""
+        if self.runner.device.type != "cuda":  # nothing compiles
+            return self._warm_up()
+        from hf2q.kernels.tuning.parallel_compile import compile_candidates_in_parallel
+
+        with compile_candidates_in_parallel():
+            self._warm_up()
+
+    def _warm_up(self) -> None:
         sched = self.config.scheduler
         # On CUDA a whole chunk, so the prefill kernels meet their largest shape; elsewhere nothing compiles.
         chunk = min(sched.prefill_chunk, sched.max_num_batched_tokens, self.max_model_len - 1)
