@@ -49,6 +49,7 @@ from hf2q.kernels.quant.dequant_triton import QTYPE_ID, check_layout
 from hf2q.kernels.quant import dp4a_blocks, int8_rows
 from hf2q.kernels.quant.dp4a_blocks import below, row_products
 from hf2q.kernels.quant.int8_rows import blocked_for, quantize_rows
+from hf2q.kernels.tuning.parallel_compile import compile_side_by_side
 from hf2q.kernels.tuning.timing import SPENT, clock, cold_copies, graph_time_us
 from hf2q.quant import KQUANTS, block_layout, gpu_row_words
 
@@ -212,7 +213,7 @@ def best_config(xs, raw, qtype: str, n: int, experts, second=None, rows_per_x: i
         SPENT.shapes += 1
         with clock("compile_s"):
             _precompile(lambda c: _launch(xs, raw, qtype, n, experts, c, second=second, rows_per_x=rows_per_x,
-                                          warmup=True), ok, xq.device)
+                                          warmup=True), ok)
         with clock("timing_s"):
             copies = cold_copies(raw, 256e6)
             seconds = [second] + [(second[0].clone(), *second[1:]) for _ in copies[1:]] if second \
@@ -226,22 +227,16 @@ def best_config(xs, raw, qtype: str, n: int, experts, second=None, rows_per_x: i
     return cfg
 
 
-def _precompile(warm, configs, device) -> None:
+def _precompile(warm, configs) -> None:
     """Compile the kernels of every candidate configuration before they are timed, several at once on the
-    host's cores (Triton's compiler releases the GIL for most of its work; one after another, the first
-    start of a 9B Q4_K_M model spent over two minutes compiling). warm(config) compiles without launching.
-    Best effort: on an error the launches compile what is missing, one by one, as before."""
+    host's cores (kernels/tuning/parallel_compile.py; one after another, the first start of a 9B Q4_K_M model
+    spent over two minutes compiling). warm(config) compiles without launching. Best effort: on an error the
+    launches compile what is missing, one by one."""
     if len(configs) < 2:
         return
-
-    def build(config):
-        torch.cuda.set_device(device)  # a worker thread starts on device 0
-        warm(config)
-
     try:
-        warm(configs[0])  # the kernel's per-device cache exists before the workers fill it
-        with ThreadPoolExecutor(min(len(configs) - 1, os.cpu_count() or 1)) as pool:
-            list(pool.map(build, configs[1:]))
+        with ThreadPoolExecutor(min(len(configs), os.cpu_count() or 1)) as pool:
+            compile_side_by_side(warm, configs, pool)
     except Exception as err:  # noqa: BLE001 - only a speed-up; the launches compile for themselves
         warnings.warn(f"compiling mat-vec candidates in parallel failed ({type(err).__name__}: {err}); "
                       "they compile one by one as they are timed", stacklevel=2)

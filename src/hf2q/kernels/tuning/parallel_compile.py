@@ -36,13 +36,24 @@ def _hooks():
     return Autotuner, AsyncCompileMode
 
 
-def compile_all(tuner, configs, args: tuple, meta: dict, pool, async_mode) -> None:
-    """Compile `tuner`'s kernel for each of `configs` with the call's arguments, all submitted to `pool` at once;
-    returns when every compilation has ended. Each compiled kernel lands in the kernel's own cache under the key
-    the timing's launch looks up (same arguments, same meta-parameters)."""
-    with async_mode(pool, ignore_errors=True):
+def compile_side_by_side(warm, configs, pool) -> bool:
+    """warm(config) for every config, where warm compiles a kernel without launching it (a JIT function's
+    `warmup`), with the compilations submitted to `pool` at once; returns when all have ended. Each compiled kernel
+    lands in its function's own cache under the key a launch with the same arguments looks up. A compilation that
+    fails is left to that launch. False (nothing done) where this Triton has no asynchronous compile mode."""
+    hooks = _hooks()
+    if hooks is None:
+        return False
+    with hooks[1](pool, ignore_errors=True):
         for config in configs:
-            tuner.fn.warmup(*args, grid=(1,), **meta, **config.all_kwargs())
+            warm(config)
+    return True
+
+
+def compile_all(tuner, configs, args: tuple, meta: dict, pool) -> None:
+    """Compile `tuner`'s kernel for each of `configs` with a call's arguments and meta-parameters, side by side."""
+    compile_side_by_side(lambda config: tuner.fn.warmup(*args, grid=(1,), **meta, **config.all_kwargs()), configs,
+                         pool)
 
 
 @contextlib.contextmanager
@@ -54,7 +65,7 @@ def compile_candidates_in_parallel(workers: int | None = None):
     if hooks is None or not _LOCK.acquire(blocking=False):
         yield
         return
-    tuner_class, async_mode = hooks
+    tuner_class = hooks[0]
     prune_configs, bench = tuner_class.prune_configs, tuner_class._bench
     pool = ThreadPoolExecutor(workers or os.cpu_count() or 1, thread_name_prefix="triton-compile")
     failed = []
@@ -68,7 +79,7 @@ def compile_candidates_in_parallel(workers: int | None = None):
         pending = self.__dict__.pop("_hf2q_uncompiled", None)
         if pending is not None and len(pending) > 1 and not failed:
             try:
-                compile_all(self, pending, args, meta, pool, async_mode)
+                compile_all(self, pending, args, meta, pool)
             except Exception as err:  # noqa: BLE001 - only an overlap: the timing compiles what is missing
                 failed.append(err)
                 warnings.warn(f"compiling autotuner candidates side by side failed ({type(err).__name__}: {err}); "
