@@ -109,10 +109,15 @@ def compile_for_hopper(fn, sig: dict, const: dict, warps: int, multiples_of_16=(
     return compiled.asm["ptx"]
 
 
+class NoLaunch(AttributeError):
+    """What hopper_driver's stand-in raises where a launch asks it for anything."""
+
+
 @contextlib.contextmanager
 def hopper_driver():
     """Triton's active driver replaced by one that reports an sm_90 CUDA device and stream 0: JIT functions then
-    bind, specialise and compile for Hopper (their `warmup`) on a machine without a GPU, and cannot launch."""
+    bind, specialise and compile for Hopper (their `warmup`) on a machine without a GPU; a launch raises NoLaunch
+    when it asks the driver for more."""
     if INTERPRET:
         pytest.skip("compiles natively")
     from triton.backends.compiler import GPUTarget
@@ -127,6 +132,9 @@ def hopper_driver():
 
         def get_current_stream(self, device=None):
             return 0
+
+        def __getattr__(self, name):
+            raise NoLaunch(f"no launches on the stand-in driver (asked for {name})")
 
     before = driver._active  # None until something asked for a driver (on a machine without a GPU, none exists)
     driver.set_active(Hopper())

@@ -51,9 +51,12 @@ def compile_side_by_side(warm, configs, pool) -> bool:
 
 
 def compile_all(tuner, configs, args: tuple, meta: dict, pool) -> None:
-    """Compile `tuner`'s kernel for each of `configs` with a call's arguments and meta-parameters, side by side."""
-    compile_side_by_side(lambda config: tuner.fn.warmup(*args, grid=(1,), **meta, **config.all_kwargs()), configs,
-                         pool)
+    """Compile `tuner`'s kernel for each of `configs` with a call's arguments and keywords (a launch's carry its
+    grid and `warmup=False`), side by side: the call each timing makes, with `warmup=True`."""
+    def warm(config):
+        tuner.fn.run(*args, **{"grid": (1,), **meta, **config.all_kwargs(), "warmup": True})
+
+    compile_side_by_side(warm, configs, pool)
 
 
 @contextlib.contextmanager
