@@ -11,7 +11,10 @@ mmq is timed on activations already in int8 rows (as a producer that writes them
 with their quantization (quantize_rows) in the timed call; its error is relative (Frobenius) to
 dequantize + cuBLAS on the same bf16 activations, beside the tile kernel's.
 Times are CUDA-graph replays over weight copies that overflow L2 (kernels/tuning/timing.py), summed over a 9B
-token's projections (hf2q.bench.quant.LAYER_SET); the last lines give the step time of each path.
+token's projections (hf2q.bench.quant.LAYER_SET); the last lines give the step time of each path. The row counts
+take the first rows of one activation matrix, and a line per projection says whether activation row 0's result is
+bitwise the same at every count (the tile kernel's is by design; a kernel whose split of K follows the row count's
+tuning is not, and then a request's tokens depend on how many others share its step).
 """
 from __future__ import annotations
 
@@ -84,8 +87,10 @@ def main() -> None:
         copies = cold_copies(raw)
         gl = _gemlite_layers(ggml, qtype, n, k, len(copies), gl_dtype) \
             if args.gemlite and qtype in AFFINE_TYPES else None
+        rows_all = torch.randn(max(args.rows), k, device="cuda", dtype=torch.bfloat16)
+        first_rows: dict[str, list] = {}  # path -> its result for activation row 0 at each row count
         for m in args.rows:
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            x = rows_all[:m]  # the same first rows at every count: does a row's result depend on the batch?
             row = {}
             _, _, auto_split = mm.config(n, k)
             for bn, warps in configs:
@@ -107,8 +112,10 @@ def main() -> None:
                 mmq_note = (f", mmq {row['mmq']:8.1f} (+quantize {row['mmq+quantize']:8.1f}), error mmq "
                             f"{_rel(mmq.quant_mmq(rows8, raw, qtype, n), ref):.1e} tile "
                             f"{_rel(mm.quant_mm(x, raw, qtype, n), ref):.1e}")
+            first_rows.setdefault("tile", []).append(mm.quant_mm(x, raw, qtype, n)[0].clone())
             gl_note = ""
             if gl is not None:
+                first_rows.setdefault("gemlite", []).append(gl[0](x.to(gl_dtype))[0].clone())
                 row["gemlite"] = _us(lambda layer: layer(x.to(gl_dtype)), gl)
                 ref = torch.nn.functional.linear(x, dequantize(raw, qtype, (n, k), x.dtype))
                 gl_note = f", gemlite {row['gemlite']:8.1f} (error {_rel(gl[0](x.to(gl_dtype)), ref):.1e})"
@@ -122,6 +129,10 @@ def main() -> None:
                   flush=True)
             for c, v in row.items():
                 totals[(m, c)] = totals.get((m, c), 0.0) + v * times
+        if len(args.rows) > 1:
+            print(f"{name:12} row 0 the same at {', '.join(map(str, args.rows))} rows: " + ", ".join(
+                f"{path} {'yes' if all(torch.equal(r, got[0]) for r in got) else 'no'}"
+                for path, got in first_rows.items()), flush=True)
         del raw, copies, gl
         if args.gemlite and args.gemlite_configs:
             import gemlite
