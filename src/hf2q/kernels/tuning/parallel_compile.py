@@ -1,8 +1,9 @@
 """Autotuned Triton kernels compile their candidate configurations on all the host's cores at once.
 
-Triton's autotuner compiles each candidate when it first times it, one after another. fla's chunked delta
-rule alone autotunes a few hundred candidates over its kernels, so the first prefill on a fresh machine spent a
-minute and a half mostly compiling (9B Q4_K_M on an H100: 85.8 s; 16.4 s once Triton's cache held them). Inside
+Triton's autotuner compiles each candidate when it first times it, one after another. The kernels of fla's
+chunked delta-rule forward carry about a hundred candidates (a third of a second each to compile on a CPU core), and
+the first prefill on a fresh machine took a minute and a half (9B Q4_K_M on an H100: 85.8 s; 16.4 s once Triton's
+cache held its kernels). Inside
 `compile_candidates_in_parallel()`, an autotuner about to time the candidates of a new key first hands all their
 compilations to a thread pool through Triton's own asynchronous compile mode (`AsyncCompileMode`, which
 `JITFunction.warmup` honours: compile, do not launch), then times them as before: the same candidates timed the
