@@ -3,12 +3,11 @@
 Triton's autotuner compiles each candidate when it first times it, one after another. The kernels of fla's
 chunked delta-rule forward carry about a hundred candidates (a third of a second each to compile on a CPU core), and
 the first prefill on a fresh machine took a minute and a half (9B Q4_K_M on an H100: 85.8 s; 16.4 s once Triton's
-cache held its kernels). Inside
-`compile_candidates_in_parallel()`, an autotuner about to time the candidates of a new key first hands all their
-compilations to a thread pool through Triton's own asynchronous compile mode (`AsyncCompileMode`, which
-`JITFunction.warmup` honours: compile, do not launch), then times them as before: the same candidates timed the
-same way, the same choice, only their compilation overlapped. A compilation that fails is left to the timing,
-which reports it as Triton always has.
+cache held its kernels). Inside `compile_candidates_in_parallel()`, an autotuner about to time the candidates of a
+new key first hands all their compilations to a thread pool through Triton's own asynchronous compile mode
+(`AsyncCompileMode`: a JIT function run with `warmup=True` compiles there and launches nothing), then times them as
+before: the same candidates timed the same way, the same choice, only their compilation overlapped. A compilation
+that fails is left to the timing, which reports it as Triton always has.
 
 The autotuner is reached through two of its methods (`prune_configs`, which lists a key's candidates, and
 `_bench`, which times one): a Triton without them, or without the asynchronous mode, compiles one by one as
