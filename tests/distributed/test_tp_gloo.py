@@ -35,11 +35,11 @@ def one_device(model) -> list[list[int]]:
     return [out[r.request_id] for r in reqs]
 
 
-def _rank(rank, world, group, models, result_path):
+def _rank(rank, world, group, models, result_path, warm_up=False):
     torch.set_num_threads(1)
     results = {}
     for kind, model in models.items():
-        tokens = generate_tp(model, rank, world, group, PROMPTS, PARAMS, CONFIG)
+        tokens = generate_tp(model, rank, world, group, PROMPTS, PARAMS, CONFIG, warm_up=warm_up)
         logits = shard_model(model, rank, world, group).net.logits(LOGIT_PROMPT)  # a collective on every rank
         results[kind] = (tokens, logits)
     if rank == 0:
@@ -61,3 +61,15 @@ def test_tp_greedy_tokens_and_logits_match_one_device(tp_models, expected, world
         assert got[kind][0] == tokens, kind
         rel = ((got[kind][1] - logits).abs().max() / logits.abs().max()).item()
         assert rel <= 1e-5, (kind, rel)
+
+
+def _warmed_rank(rank, world, group, models, result_path):
+    _rank(rank, world, group, {"dense": models["dense"]}, result_path, warm_up=True)
+
+
+def test_tp_warm_up_requests_run_on_every_rank_and_leave_nothing_behind(tp_models, expected, tmp_path):
+    """The server's tensor-parallel warm-up (throwaway requests stepped by every rank together: a whole prefill
+    chunk, a batch of two, sixteen short prompts) ends on every rank, and the group then gives one device's tokens."""
+    path = tmp_path / "results.pt"
+    run_ranks(_warmed_rank, 2, tp_models, path, start_method="fork", timeout_s=120)
+    assert torch.load(path)["dense"][0] == expected["dense"][0]

@@ -172,13 +172,41 @@ class TPEngine(Engine):
             raise ValueError("images are not supported with tensor parallelism")
         return super().add_request(prompt_ids, params, request_id, options)
 
+    def warm_up(self) -> None:
+        """On CUDA, throwaway requests that every rank steps through together (the group captures no decode
+        graphs): a whole prefill chunk, so the prefill kernels meet their largest shape, then the single-device
+        warm-up's prompts; rank 0 compiles autotuner candidates side by side meanwhile (the other ranks for as long
+        as they serve). Elsewhere nothing compiles."""
+        if self.runner.device.type != "cuda":
+            return
+        from hf2q.kernels.tuning.parallel_compile import compile_candidates_in_parallel
+
+        with compile_candidates_in_parallel():
+            self._warm_up_requests(self.warm_up_prompts())
+
+    def warm_up_prompts(self) -> tuple:
+        """The warm-up's batches of prompt lengths: a whole prefill chunk, then the single-device warm-up's."""
+        sched = self.config.scheduler
+        return ((min(sched.prefill_chunk, sched.max_num_batched_tokens, self.max_model_len - 2),),) \
+            + self.WARM_UP_PROMPTS
+
     def close(self) -> None:
         broadcast(None, self.group)
 
 
 @torch.inference_mode()
 def serve_worker(model: Model, config: EngineConfig = EngineConfig(), group=None) -> None:
-    """Loop of a rank other than 0: replay, forward, repeat until rank 0 closes."""
+    """Loop of a rank other than 0: replay, forward, repeat until rank 0 closes. On CUDA its autotuners compile
+    their candidates side by side (the first steps are rank 0's warm-up)."""
+    if model.device.type == "cuda":
+        from hf2q.kernels.tuning.parallel_compile import compile_candidates_in_parallel
+
+        with compile_candidates_in_parallel():
+            return _serve_steps(model, config, group)
+    return _serve_steps(model, config, group)
+
+
+def _serve_steps(model: Model, config: EngineConfig, group) -> None:
     cache = HybridCache(model.config, config.cache, device=model.device)
     net, device = model.net, model.device
     while (msg := broadcast(None, group)) is not None:

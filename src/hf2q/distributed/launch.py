@@ -51,14 +51,17 @@ def _entry(rank: int, world: int, port: int, backend: str, timeout_s: float, fn,
 
 
 def generate_tp(model: Model, rank: int, world: int, group, prompts: list[list[int]], params: SamplingParams,
-                config: EngineConfig = EngineConfig()) -> list[list[int]] | None:
-    """Shard `model` for this rank and run the prompts together; rank 0 returns each one's tokens."""
+                config: EngineConfig = EngineConfig(), warm_up: bool = False) -> list[list[int]] | None:
+    """Shard `model` for this rank and run the prompts together; rank 0 returns each one's tokens. With
+    `warm_up`, the group first serves the server warm-up's throwaway requests (on every device)."""
     local = shard_model(model, rank, world, group)
     if rank != 0:
         serve_worker(local, config, group)
         return None
     engine = TPEngine(local, config, group)
     try:
+        if warm_up:
+            engine._warm_up_requests(engine.warm_up_prompts())
         reqs = [engine.add_request(p, params, request_id=str(i)) for i, p in enumerate(prompts)]
         tokens: dict[str, list[int]] = {r.request_id: [] for r in reqs}
         while engine.has_work():

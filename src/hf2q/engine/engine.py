@@ -193,12 +193,13 @@ class Engine:
     # 16 short prompts 5.7 s, before the lone and the 16 short prompts were added here).
     WARM_UP_PROMPTS = ((67,), (33, 50), (40,), (20,) * 16)
 
-    def _warm_up_requests(self) -> None:
+    def _warm_up_requests(self, prompts: tuple = WARM_UP_PROMPTS) -> None:
         """Serve a few throwaway requests end to end (scheduler, runner, sampler, greedy and sampled), so the
-        first real request finds everything on its path compiled. They leave nothing in the prefix cache."""
+        first real request finds everything on its path compiled: each entry of `prompts` is a batch of prompt
+        lengths. They leave nothing in the prefix cache."""
         prefix, self.scheduler.prefix = self.scheduler.prefix, None
         try:
-            for lengths in self.WARM_UP_PROMPTS:
+            for lengths in prompts:
                 reqs = []
                 for i, n in enumerate(lengths):
                     n = max(1, min(n, self.max_model_len - 2))

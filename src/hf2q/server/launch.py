@@ -267,15 +267,18 @@ def build_state(args):
     max_len, cache = engine_config.max_model_len, engine_config.cache
     if workers is not None:  # this process is rank 0
         aengine = workers.start_engine(model, engine_config)
+        engine = aengine.engine
+        log.info("warming up: throwaway requests through the %d ranks (no decode graphs) ...", tp)
     else:
-        engine = Engine(model, engine_config)
+        engine, aengine = Engine(model, engine_config), None
         log.info("warming up: compiling, tuning and capturing decode graphs for up to %d sequences ...",
                  args.max_num_seqs)
-        t0 = time.monotonic()
-        from hf2q.kernels.tuning.timing import SPENT, Spent
-        engine.warm_up()
-        log.info("warmed up in %.1f s (%s; timed choices kept in %s)", time.monotonic() - t0, SPENT.since(Spent()),
-                 envs.tune_cache() or "memory only")
+    t0 = time.monotonic()
+    from hf2q.kernels.tuning.timing import SPENT, Spent
+    engine.warm_up()
+    log.info("warmed up in %.1f s (%s; timed choices kept in %s)", time.monotonic() - t0, SPENT.since(Spent()),
+             envs.tune_cache() or "memory only")
+    if aengine is None:
         aengine = AsyncEngine(engine)
     config = ServerConfig(model_name=_model_name(args, model, is_demo), is_demo=is_demo, api_key=args.api_key,
                           default_chat_template_kwargs=dict(args.default_chat_template_kwargs),
