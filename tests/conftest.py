@@ -8,6 +8,7 @@ import os
 
 os.environ["OMP_NUM_THREADS"] = "1"
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
@@ -15,3 +16,18 @@ from tests.support.fixtures import (  # noqa: F401  (pytest finds fixtures by na
     gguf_dense_bf16, gguf_dense_f32, gguf_dense_q4_k_m, gguf_dense_q8_0, gguf_moe_f32, gguf_moe_q4_k_m, gguf_moe_q8_0,
     hf_dense_dir, hf_model_dense, hf_model_moe, hf_moe_dir,
 )
+
+
+def pytest_addoption(parser):
+    parser.addoption("--shard", default=None, metavar="I/N",
+                     help="run only every N-th selected test, from the I-th (0-based): the interpreter children of "
+                          "tests/support/triton_targets.py split a file over the machine's cores this way")
+
+
+@pytest.hookimpl(trylast=True)  # after -k and -m have deselected theirs, so the shards are even
+def pytest_collection_modifyitems(config, items):
+    shard = config.getoption("--shard")
+    if shard:
+        index, count = (int(v) for v in shard.split("/"))
+        config.hook.pytest_deselected(items=[item for k, item in enumerate(items) if k % count != index])
+        items[:] = [item for k, item in enumerate(items) if k % count == index]

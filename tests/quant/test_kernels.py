@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from hf2q.quant import KQUANTS, QUANT_TYPES, dequantize_ref, random_blocks, to_gpu_rows
-from tests.support.triton_targets import compile_for_hopper
+from tests.support.triton_targets import compile_for_hopper, run_under_interpreter
 
 CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -46,12 +44,7 @@ def test_interpreter_child_process():
     if CUDA or INTERPRET:
         pytest.skip("kernels run directly here")
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", __file__, "-k", "not child_process and not hopper"],
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    summary = done.stdout.splitlines()[-1]
-    assert " passed" in summary and "skipped" not in summary, summary
+    run_under_interpreter(__file__, "not child_process and not hopper")
 
 
 @kernels

@@ -60,18 +60,35 @@ def target(name: str) -> tuple[str, torch.dtype, bool]:
     return ("cuda", torch.bfloat16, True) if name == "cuda" else ("cpu", torch.float32, False)
 
 
+def run_under_interpreter(path: str, keyword: str, timeout: int = 300) -> None:
+    """Run the tests of `path` that `keyword` (pytest's -k) selects in child processes under Triton's interpreter,
+    split over up to two of the machine's cores (--shard; the parent only waits), and assert that every one passed
+    and none was skipped."""
+    shards = max(1, min(2, os.cpu_count() or 1))
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    procs = [subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", path, "-k", keyword,
+                               "--shard", f"{i}/{shards}"], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(shards)]
+    try:
+        outputs = [proc.communicate(timeout=timeout) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for proc, (out, err) in zip(procs, outputs):
+        assert proc.returncode == 0, out[-3000:] + err[-2000:]
+        summary = out.strip().splitlines()[-1]
+        assert " passed" in summary and "skipped" not in summary, summary
+
+
 def interpreter_child(path: str, timeout: int = 300):
-    """A test that runs the file's interpreter cases in a child process (collected under the name it is
+    """A test that runs the file's interpreter cases in child processes (collected under the name it is
     assigned to)."""
 
     @pytest.mark.skipif(INTERPRET, reason="this is the interpreter run")
     def test_kernels_under_the_interpreter():
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", path, "-k",
-                               "interpret and not under_the_interpreter"],
-                              env=env, capture_output=True, text=True, timeout=timeout)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-        assert " passed" in proc.stdout and "skipped" not in proc.stdout.split("\n")[-2], proc.stdout[-500:]
+        run_under_interpreter(path, "interpret and not under_the_interpreter", timeout)
 
     return test_kernels_under_the_interpreter
 
