@@ -118,7 +118,10 @@ def main() -> None:
                 first_rows.setdefault("gemlite", []).append(gl[0](x.to(gl_dtype))[0].clone())
                 row["gemlite"] = _us(lambda layer: layer(x.to(gl_dtype)), gl)
                 ref = torch.nn.functional.linear(x, dequantize(raw, qtype, (n, k), x.dtype))
-                gl_note = f", gemlite {row['gemlite']:8.1f} (error {_rel(gl[0](x.to(gl_dtype)), ref):.1e})"
+                once = gl[0](x.to(gl_dtype))
+                again = all(torch.equal(once, gl[0](x.to(gl_dtype))) for _ in range(3))  # split-K adds by atomics
+                gl_note = (f", gemlite {row['gemlite']:8.1f} (error {_rel(once, ref):.1e}, "
+                           f"{'the same' if again else 'NOT the same'} on repeats)")
             row["gemlite path"] = row.get("gemlite", row["default"])
             for path in ("mmq", "mmq+quantize"):  # the step with HF2Q_QUANT_MM=mmq: other types on the tile kernel
                 row[path + " path"] = row.get(path, row["default"])
