@@ -9,6 +9,7 @@ DeltaNet state never do.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -176,12 +177,12 @@ class TPEngine(Engine):
         """On CUDA, throwaway requests that every rank steps through together (the group captures no decode
         graphs): a whole prefill chunk, so the prefill kernels meet their largest shape, then the single-device
         warm-up's prompts; rank 0 compiles autotuner candidates side by side meanwhile (the other ranks for as long
-        as they serve). Elsewhere nothing compiles."""
+        as they serve), each rank on its share of the host's cores. Elsewhere nothing compiles."""
         if self.runner.device.type != "cuda":
             return
         from hf2q.kernels.tuning.parallel_compile import compile_candidates_in_parallel
 
-        with compile_candidates_in_parallel():
+        with compile_candidates_in_parallel(_compile_workers(self.group)):
             self._warm_up_requests(self.warm_up_prompts())
 
     def warm_up_prompts(self) -> tuple:
@@ -201,9 +202,14 @@ def serve_worker(model: Model, config: EngineConfig = EngineConfig(), group=None
     if model.device.type == "cuda":
         from hf2q.kernels.tuning.parallel_compile import compile_candidates_in_parallel
 
-        with compile_candidates_in_parallel():
+        with compile_candidates_in_parallel(_compile_workers(group)):
             return _serve_steps(model, config, group)
     return _serve_steps(model, config, group)
+
+
+def _compile_workers(group) -> int:
+    """Compile threads for one rank: the host's cores shared by the group's ranks (each compiles the same kernels)."""
+    return max(1, (os.cpu_count() or 1) // dist.get_world_size(group))
 
 
 def _serve_steps(model: Model, config: EngineConfig, group) -> None:
