@@ -171,11 +171,15 @@ def _k_scale_mins(field: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def affine_groups(raw: torch.Tensor, qtype: str, shape: tuple[int, int]):
     """ggml-order rows as codes [n, k] (uint8), scale and offset [n, k / 32] (fp32) with value = scale · code +
     offset in every 32-value group: a Q8_0/Q4_0 block, a Q4_K/Q5_K sub-block. (Q6_K's 16-value groups have no
-    such form.) The weight-only int4/int8 kernels of low-bit libraries read this, their zero being -offset / scale."""
+    such form.) The weight-only int4/int8 kernels of low-bit libraries read this, their zero being -offset / scale.
+    CPU tensors; interleaved rows (from_gpu_rows gives ggml's order back) and wrong sizes are refused."""
     if qtype not in AFFINE_TYPES:
         raise ValueError(f"{qtype} has no affine form in groups of 32 (types with one: {', '.join(AFFINE_TYPES)})")
     n, k = shape
-    elems, nbytes = block_layout(qtype)
+    if raw.dtype != torch.uint8 or raw.numel() != n * row_bytes(qtype, k):
+        raise ValueError(f"{qtype} rows of shape {tuple(shape)} are {n * row_bytes(qtype, k)} bytes in ggml's order, "
+                         f"got {raw.dtype} {tuple(raw.shape)}")
+    nbytes = block_layout(qtype)[1]
     b = raw.detach().cpu().numpy().reshape(-1, nbytes)
     f16 = lambda lo: b[:, lo:lo + 2].copy().view(np.float16).astype(np.float32)  # noqa: E731  [blocks, 1]
     if qtype == "Q8_0":

@@ -47,6 +47,8 @@ def test_affine_groups_are_gguf_values_exactly(qtype):
     assert torch.equal(values.view(24, 512), dequantize_ref(raw, qtype, (24, 512)))
     with pytest.raises(ValueError, match="Q6_K"):
         affine_groups(random_blocks("Q6_K", 2, 256), "Q6_K", (2, 256))
+    with pytest.raises(ValueError, match="ggml's order"):
+        affine_groups(raw, qtype, (24, 256))
 
 
 def test_row_bytes_refuses_partial_blocks():
