@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks behind BENCHMARKS.md, in stages that each fit a few minutes:
-#   tools/gpu_check.sh tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu|mm|serve|peer|ttft|kv|mtp|verify|matvec|prefix|warmup|soak [OUT_DIR]
+#   tools/gpu_check.sh tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu|mm|serve|peer|ttft|kv|mtp|verify|matvec|prefix|warmup|soak|soak-start|soak-finish [OUT_DIR]
 # tests: every GPU-marked test (the quantized greedy-token test first) and the Triton kernel tests on the device;
 # quant: 9B Q4_K_M end to end and per projection; bf16: 9B and 2B; moe: 35B-A3B bf16 and Q4_K_M;
 # decode (bf16: 35B-A3B, 2B, 9B), decode-q (9B Q4_K_M) and decode-q-moe (35B-A3B Q4_K_M): batch-1
@@ -31,10 +31,11 @@
 # projection, every candidate timed (the served default) and then the first candidates (HF2Q_GEMV_TUNE=0); prefix: a follow-up turn over an
 # 8,000-token shared history, served with the prefix cache and without; warmup: one start of hf2q serve under
 # cProfile (the warm-up's top functions); soak: 64 streaming clients against a served
-# 9B Q4_K_M for SOAK_S seconds, RSS and GPU memory sampled (tools/soak.py). Figures also go to OUT_DIR/*.json.
+# 9B Q4_K_M for SOAK_S seconds, RSS and GPU memory sampled (tools/soak.py); soak-start and soak-finish: the same
+# for SOAK_S (600) seconds over two chained calls. Figures also go to OUT_DIR/*.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?stage: tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu|mm|serve|peer|ttft|kv|mtp|verify|matvec|prefix|warmup|soak}
+stage=${1:?stage: tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu|mm|serve|peer|ttft|kv|mtp|verify|matvec|prefix|warmup|soak|soak-start|soak-finish}
 out=${2:-.}
 mkdir -p "$out"
 bench() { python -m hf2q.bench --hf-new 0 "$@"; }
@@ -187,5 +188,33 @@ case "$stage" in
          python tools/soak.py --url "http://127.0.0.1:$port" --pid $pid --clients 64 --duration "${SOAK_S:-540}" \
            --prompt-tokens 64 --max-tokens 256 --json "$out/soak.json"
          kill -INT $pid; wait $pid ;;
+  soak-start) # issue 26's ten minutes, over two chained calls: the server and tools/soak.py start in process sessions
+         # of their own (setsid), which the device machine lets outlive the command while it stays held (a next call
+         # within its idle time); this call follows the soak's per-minute lines until FOLLOW_S, soak-finish the rest
+         model=${MODEL_DIR:-/tmp}/hf2q-9b-q4_k_m.gguf; port=8090; keep=/tmp/hf2q-soak
+         [ -f "$model" ] || python tools/random_gguf.py --shape 9b --mix q4_k_m -o "$model"
+         rm -rf "$keep"; mkdir -p "$keep"
+         setsid python -m hf2q.cli serve --model "$model" --port $port --max-num-seqs 64 > "$keep/serve.log" 2>&1 \
+           < /dev/null &
+         pid=$!; echo $pid > "$keep/serve.pid"
+         until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do
+           kill -0 $pid 2> /dev/null || { tail -30 "$keep/serve.log"; exit 1; }; sleep 0.5; done
+         grep -e "warmed up" -e "loaded" "$keep/serve.log" | cut -c1-220
+         setsid python tools/soak.py --url "http://127.0.0.1:$port" --pid $pid --clients 64 \
+           --duration "${SOAK_S:-600}" --prompt-tokens 64 --max-tokens 256 --json "$keep/soak.json" \
+           > "$keep/soak.log" 2>&1 < /dev/null &
+         echo "soak started for ${SOAK_S:-600} s; following it for ${FOLLOW_S:-400} s"
+         timeout "${FOLLOW_S:-400}" tail -n +1 -f "$keep/soak.log"; true ;;
+  soak-finish) # the end of soak-start's run: waits for its report (at most WAIT_S), then stops the server
+         keep=/tmp/hf2q-soak
+         [ -f "$keep/serve.pid" ] || { echo "no soak-start on this machine (it went back?)"; exit 1; }
+         deadline=$(( $(date +%s) + ${WAIT_S:-480} ))
+         until [ -f "$keep/soak.json" ] || [ "$(date +%s)" -ge $deadline ]; do sleep 5; done
+         cat "$keep/soak.log"
+         pid=$(cat "$keep/serve.pid"); kill -INT $pid 2> /dev/null
+         for _ in $(seq 60); do kill -0 $pid 2> /dev/null || break; sleep 0.5; done
+         tail -5 "$keep/serve.log"
+         cp "$keep"/soak.json "$keep"/soak.log "$keep"/serve.log "$out"/ 2> /dev/null
+         [ -f "$out/soak.json" ] ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
