@@ -4,6 +4,7 @@ when each candidate was timed and launches nothing."""
 from __future__ import annotations
 
 import pytest
+import torch
 import triton
 import triton.language as tl
 
@@ -33,8 +34,6 @@ def _tuner(seen: list):
 
 class _Pointer:  # what the binder specialises a tensor argument on: its address and dtype
     def __init__(self, address: int):
-        import torch
-
         self.address, self.dtype = address, torch.float16
 
     def data_ptr(self) -> int:
