@@ -57,8 +57,10 @@ def test_candidates_are_compiled_before_the_first_is_timed(parallel, tmp_path, m
     tuner = _tuner(seen)
     with hopper_driver():
         if parallel:
-            with compile_candidates_in_parallel(workers=2):
+            with compile_candidates_in_parallel(workers=2) as compiled:
                 _time_candidates(tuner)
+            assert (compiled.keys, compiled.candidates) == (1, len(CONFIGS)) and compiled.seconds > 0
+            assert "4 autotuner candidates of 1 kernel keys" in str(compiled)
         else:
             _time_candidates(tuner)
     assert len(seen) == len(CONFIGS)  # every candidate timed

@@ -277,8 +277,9 @@ def run_bench(args) -> int:
         return 2
     from hf2q.kernels.tuning.parallel_compile import compile_candidates_in_parallel
 
-    with compile_candidates_in_parallel():  # a fresh machine's first prefill compiles fla's candidates side by side
+    with compile_candidates_in_parallel() as compiled:  # a fresh machine's first prefill: fla's candidates
         report = bench_shape(args.shape, args)
+    print(compiled, flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

@@ -9,6 +9,7 @@ DeltaNet state never do.
 """
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 
@@ -22,6 +23,8 @@ from hf2q.engine.request import Request, RequestOptions
 from hf2q.engine.runner import ModelRunner
 from hf2q.forward import ForwardBatch
 from hf2q.model import Model
+
+log = logging.getLogger(__name__)
 
 _LOGGED = ("acquire", "release", "reset", "reserve", "commit", "truncate", "fork", "retain", "resume", "drop")
 
@@ -182,8 +185,9 @@ class TPEngine(Engine):
             return
         from hf2q.kernels.tuning.parallel_compile import compile_candidates_in_parallel
 
-        with compile_candidates_in_parallel(_compile_workers(self.group)):
+        with compile_candidates_in_parallel(_compile_workers(self.group)) as compiled:
             self._warm_up_requests(self.warm_up_prompts())
+        log.info("warm-up: %s (rank 0)", compiled)
 
     def warm_up_prompts(self) -> tuple:
         """The warm-up's batches of prompt lengths: a whole prefill chunk, then the single-device warm-up's."""

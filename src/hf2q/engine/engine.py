@@ -170,8 +170,9 @@ class Engine:
             return self._warm_up()
         from hf2q.kernels.tuning.parallel_compile import compile_candidates_in_parallel
 
-        with compile_candidates_in_parallel():
+        with compile_candidates_in_parallel() as compiled:
             self._warm_up()
+        log.info("warm-up: %s", compiled)
 
     def _warm_up(self) -> None:
         sched = self.config.scheduler

@@ -18,8 +18,10 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 _LOCK = threading.Lock()
 
@@ -59,14 +61,28 @@ def compile_all(tuner, configs, args: tuple, meta: dict, pool) -> None:
     compile_side_by_side(warm, configs, pool)
 
 
+@dataclass
+class Compiled:
+    """What an opening of compile_candidates_in_parallel did: autotuner keys whose candidates it compiled, how many
+    candidates, the seconds the callers waited for them. A warm-up logs it."""
+    keys: int = 0
+    candidates: int = 0
+    seconds: float = 0.0
+
+    def __str__(self) -> str:
+        return (f"{self.candidates} autotuner candidates of {self.keys} kernel keys compiled side by side in "
+                f"{self.seconds:.1f} s")
+
+
 @contextlib.contextmanager
 def compile_candidates_in_parallel(workers: int | None = None):
     """While open, every Triton autotuner compiles a new key's candidates side by side before timing them (see
-    the module's docstring). Meant for a warm-up, where the first calls of every kernel happen; not reentrant
-    across threads (a second opening while one is open does nothing more)."""
+    the module's docstring); yields a Compiled that counts them. Meant for a warm-up, where the first calls of
+    every kernel happen; not reentrant across threads (a second opening while one is open does nothing more)."""
+    done = Compiled()
     hooks = _hooks()
     if hooks is None or not _LOCK.acquire(blocking=False):
-        yield
+        yield done
         return
     tuner_class = hooks[0]
     prune_configs, bench = tuner_class.prune_configs, tuner_class._bench
@@ -81,17 +97,20 @@ def compile_candidates_in_parallel(workers: int | None = None):
     def timing(self, *args, config, **meta):
         pending = self.__dict__.pop("_hf2q_uncompiled", None)
         if pending is not None and len(pending) > 1 and not failed:
+            t0 = time.monotonic()
             try:
                 compile_all(self, pending, args, meta, pool)
+                done.keys, done.candidates = done.keys + 1, done.candidates + len(pending)
             except Exception as err:  # noqa: BLE001 - only an overlap: the timing compiles what is missing
                 failed.append(err)
                 warnings.warn(f"compiling autotuner candidates side by side failed ({type(err).__name__}: {err}); "
                               "they compile one by one as they are timed", stacklevel=2)
+            done.seconds += time.monotonic() - t0
         return bench(self, *args, config=config, **meta)
 
     tuner_class.prune_configs, tuner_class._bench = listing, timing
     try:
-        yield
+        yield done
     finally:
         tuner_class.prune_configs, tuner_class._bench = prune_configs, bench
         pool.shutdown(wait=True)
