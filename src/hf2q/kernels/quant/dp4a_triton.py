@@ -236,7 +236,7 @@ def _precompile(warm, configs) -> None:
         return
     try:
         with ThreadPoolExecutor(min(len(configs), os.cpu_count() or 1)) as pool:
-            compile_side_by_side(warm, configs, pool)
+            compile_side_by_side(warm, configs, pool, _gemv_dp4a_kernel)
     except Exception as err:  # noqa: BLE001 - only a speed-up; the launches compile for themselves
         warnings.warn(f"compiling mat-vec candidates in parallel failed ({type(err).__name__}: {err}); "
                       "they compile one by one as they are timed", stacklevel=2)

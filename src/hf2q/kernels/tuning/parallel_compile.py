@@ -38,18 +38,37 @@ def _hooks():
     return Autotuner, AsyncCompileMode
 
 
-def compile_side_by_side(warm, configs, pool) -> bool:
-    """warm(config) for every config, where warm compiles a kernel without launching it (a JIT function's
-    `warmup`), with the compilations submitted to `pool` at once; returns when all have ended. Each compiled kernel
-    lands in its function's own cache under the key a launch with the same arguments looks up. A compilation that
-    fails is left to that launch. False (nothing done) where this Triton has no asynchronous compile mode."""
+def compile_side_by_side(warm, configs, pool, kernel) -> bool:
+    """warm(config) for every config, where warm compiles `kernel` (a JIT function, or a wrapper of one) without
+    launching it (a run with `warmup=True`), with the compilations submitted to `pool` at once; returns when all
+    have ended. Each compiled kernel lands in the function's own cache under the key a launch with the same
+    arguments looks up. A compilation that failed leaves nothing there, so that launch compiles it again (and
+    reports what fails): some Triton versions keep the failed placeholder, and on Python before 3.11.8 (3.12.2)
+    `ast.parse`, which Triton's compiler calls, can fail spuriously when two threads parse at once. False (nothing
+    done) where this Triton has no asynchronous compile mode."""
     hooks = _hooks()
     if hooks is None:
         return False
-    with hooks[1](pool, ignore_errors=True):
-        for config in configs:
-            warm(config)
+    try:
+        with hooks[1](pool, ignore_errors=True):
+            for config in configs:
+                warm(config)
+    finally:
+        _drop_failed(kernel)
     return True
+
+
+def _drop_failed(kernel) -> None:
+    """Remove from the JIT function's caches the placeholders of compilations that failed."""
+    while not hasattr(kernel, "device_caches") and hasattr(kernel, "fn"):
+        kernel = kernel.fn
+    for caches in getattr(kernel, "device_caches", {}).values():
+        cache = caches[0]
+        for key, compiled in list(cache.items()):
+            fields = getattr(compiled, "__dict__", {})  # a placeholder's own fields: never ask it for its result
+            future = fields.get("future")
+            if future is not None and fields.get("kernel") is None and future.done() and future.exception() is not None:
+                del cache[key]
 
 
 def compile_all(tuner, configs, args: tuple, meta: dict, pool) -> None:
@@ -58,7 +77,7 @@ def compile_all(tuner, configs, args: tuple, meta: dict, pool) -> None:
     def warm(config):
         tuner.fn.run(*args, **{"grid": (1,), **meta, **config.all_kwargs(), "warmup": True})
 
-    compile_side_by_side(warm, configs, pool)
+    compile_side_by_side(warm, configs, pool, tuner.fn)
 
 
 @dataclass
