@@ -160,14 +160,6 @@ def random_blocks(qtype: str, rows: int, in_features: int, std: float = 0.02, se
 AFFINE_TYPES = {"Q8_0": 8, "Q4_0": 4, "Q4_K": 4, "Q5_K": 8}  # type -> bits a code is stored in
 
 
-def _k_scale_mins(field: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K/Q5_K 6-bit scales and mins [blocks, 8] from their 12-byte field (ggml's get_scale_min_k4)."""
-    lo, mid, hi = field[:, 0:4], field[:, 4:8], field[:, 8:12]
-    sc = np.concatenate([lo & 63, (hi & 15) | ((lo >> 6) << 4)], axis=1)
-    mn = np.concatenate([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], axis=1)
-    return sc.astype(np.float32), mn.astype(np.float32)
-
-
 def affine_groups(raw: torch.Tensor, qtype: str, shape: tuple[int, int]):
     """ggml-order rows as codes [n, k] (uint8), scale and offset [n, k / 32] (fp32) with value = scale · code +
     offset in every 32-value group: a Q8_0/Q4_0 block, a Q4_K/Q5_K sub-block. (Q6_K's 16-value groups have no
@@ -189,7 +181,9 @@ def affine_groups(raw: torch.Tensor, qtype: str, shape: tuple[int, int]):
         codes = np.concatenate([b[:, 2:18] & 15, b[:, 2:18] >> 4], axis=1)
         scale, offset = f16(0), -8 * f16(0)
     else:  # sub-block j: nibbles of bytes 32(j // 2).., low (j even) or high; Q5_K's fifth bit j of qh
-        sc, mn = _k_scale_mins(b[:, 4:16])
+        from gguf.quants import Q4_K  # Q5_K's 12-byte scale field is Q4_K's
+
+        sc, mn = (v.astype(np.float32) for v in Q4_K.get_scale_min(b[:, 4:16]))
         qs = b[:, -128:].reshape(-1, 4, 1, 32)
         codes = ((qs >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 15).reshape(-1, 8, 32)
         if qtype == "Q5_K":
