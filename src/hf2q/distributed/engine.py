@@ -9,7 +9,6 @@ DeltaNet state never do.
 """
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass, field
 
@@ -23,8 +22,6 @@ from hf2q.engine.request import Request, RequestOptions
 from hf2q.engine.runner import ModelRunner
 from hf2q.forward import ForwardBatch
 from hf2q.model import Model
-
-log = logging.getLogger(__name__)
 
 _LOGGED = ("acquire", "release", "reset", "reserve", "commit", "truncate", "fork", "retain", "resume", "drop")
 
@@ -176,24 +173,19 @@ class TPEngine(Engine):
             raise ValueError("images are not supported with tensor parallelism")
         return super().add_request(prompt_ids, params, request_id, options)
 
-    def warm_up(self) -> None:
-        """On CUDA, throwaway requests that every rank steps through together (the group captures no decode
-        graphs): a whole prefill chunk, so the prefill kernels meet their largest shape, then the single-device
-        warm-up's prompts; rank 0 compiles autotuner candidates side by side meanwhile (the other ranks for as long
-        as they serve), each rank on its share of the host's cores. Elsewhere nothing compiles."""
-        if self.runner.device.type != "cuda":
-            return
-        from hf2q.kernels.tuning.parallel_compile import compile_candidates_in_parallel
+    def _warm_up(self) -> None:
+        """On CUDA, warm_up_requests (the group captures no decode graphs); elsewhere nothing compiles."""
+        if self.runner.device.type == "cuda":
+            self.warm_up_requests()
 
-        with compile_candidates_in_parallel(_compile_workers(self.group)) as compiled:
-            self._warm_up_requests(self.warm_up_prompts())
-        log.info("warm-up: %s (rank 0)", compiled)
+    def warm_up_requests(self) -> None:
+        """Throwaway requests that every rank steps through together: a whole prefill chunk, then the single-device
+        warm-up's prompts."""
+        self._warm_up_requests(((self._warm_up_chunk(),),) + self.WARM_UP_PROMPTS)
 
-    def warm_up_prompts(self) -> tuple:
-        """The warm-up's batches of prompt lengths: a whole prefill chunk, then the single-device warm-up's."""
-        sched = self.config.scheduler
-        return ((min(sched.prefill_chunk, sched.max_num_batched_tokens, self.max_model_len - 2),),) \
-            + self.WARM_UP_PROMPTS
+    def _compile_workers(self) -> int:
+        """Each rank compiles on its share of the host's cores."""
+        return _compile_workers(self.group)
 
     def close(self) -> None:
         broadcast(None, self.group)

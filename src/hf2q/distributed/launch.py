@@ -61,7 +61,7 @@ def generate_tp(model: Model, rank: int, world: int, group, prompts: list[list[i
     engine = TPEngine(local, config, group)
     try:
         if warm_up:
-            engine._warm_up_requests(engine.warm_up_prompts())
+            engine.warm_up_requests()
         reqs = [engine.add_request(p, params, request_id=str(i)) for i, p in enumerate(prompts)]
         tokens: dict[str, list[int]] = {r.request_id: [] for r in reqs}
         while engine.has_work():

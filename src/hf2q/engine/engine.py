@@ -170,15 +170,23 @@ class Engine:
             return self._warm_up()
         from hf2q.kernels.tuning.parallel_compile import compile_candidates_in_parallel
 
-        with compile_candidates_in_parallel() as compiled:
+        with compile_candidates_in_parallel(self._compile_workers()) as compiled:
             self._warm_up()
         log.info("warm-up: %s", compiled)
 
-    def _warm_up(self) -> None:
+    def _compile_workers(self) -> int | None:
+        """Threads for the warm-up's side-by-side compiles: None, as many as the host has cores."""
+        return None
+
+    def _warm_up_chunk(self) -> int:
+        """A whole prefill chunk: the warm-up's prefill meets the prefill kernels' largest shape."""
         sched = self.config.scheduler
-        # On CUDA a whole chunk, so the prefill kernels meet their largest shape; elsewhere nothing compiles.
-        chunk = min(sched.prefill_chunk, sched.max_num_batched_tokens, self.max_model_len - 1)
-        self.runner.warm_up(sched.max_num_seqs, max(1, chunk if self.runner.device.type == "cuda" else 16))
+        return min(sched.prefill_chunk, sched.max_num_batched_tokens, self.max_model_len - 1)
+
+    def _warm_up(self) -> None:
+        # On CUDA a whole chunk; elsewhere nothing compiles.
+        self.runner.warm_up(self.config.scheduler.max_num_seqs,
+                            max(1, self._warm_up_chunk() if self.runner.device.type == "cuda" else 16))
         mtp_graphs = self.spec.mtp.graphs() if self.spec is not None and self.spec.mtp is not None else None
         if mtp_graphs is not None:
             mtp_graphs.capture()
