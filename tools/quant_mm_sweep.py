@@ -102,13 +102,13 @@ def main() -> None:
                 x, dequantize(w, qtype, (n, k), x.dtype, out=scratch("sweep", n * k, x.dtype, x.device))), copies)
             if args.matvec and m <= 16:
                 row["int8 mat-vec"] = _us(lambda w: gemv(x, w, qtype, n), copies)
+            ref = torch.nn.functional.linear(x, dequantize(raw, qtype, (n, k), x.dtype))  # the errors' reference
             mmq_note = ""
             if qtype in mmq.TYPES:
                 rows8 = int8_rows.quantize_rows(x, blocked=True)
                 row["mmq"] = _us(lambda w: mmq.quant_mmq(rows8, w, qtype, n, out_dtype=x.dtype), copies)
                 # a new view of x each call: quantize_rows finds no earlier result, the graph holds its launch
                 row["mmq+quantize"] = _us(lambda w: mmq.quant_mmq(x.view_as(x), w, qtype, n), copies)
-                ref = torch.nn.functional.linear(x, dequantize(raw, qtype, (n, k), x.dtype))
                 mmq_note = (f", mmq {row['mmq']:8.1f} (+quantize {row['mmq+quantize']:8.1f}), error mmq "
                             f"{_rel(mmq.quant_mmq(rows8, raw, qtype, n), ref):.1e} tile "
                             f"{_rel(mm.quant_mm(x, raw, qtype, n), ref):.1e}")
@@ -117,7 +117,6 @@ def main() -> None:
             if gl is not None:
                 first_rows.setdefault("gemlite", []).append(gl[0](x.to(gl_dtype))[0].clone())
                 row["gemlite"] = _us(lambda layer: layer(x.to(gl_dtype)), gl)
-                ref = torch.nn.functional.linear(x, dequantize(raw, qtype, (n, k), x.dtype))
                 once = gl[0](x.to(gl_dtype))
                 again = all(torch.equal(once, gl[0](x.to(gl_dtype))) for _ in range(3))  # split-K adds by atomics
                 gl_note = (f", gemlite {row['gemlite']:8.1f} (error {_rel(once, ref):.1e}, "
