@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from hf2q.bench.profiling import profile_steps
 from hf2q.bench_shapes import QUANT_MIXES, SHAPES, matrix_elems, random_model, random_quant_model, weight_bytes
 
 
@@ -123,7 +124,7 @@ def bench_ours(net, cfg, args, report: dict) -> None:
         _prefill(net, cache, slot, long_ids)
     _put(report, "prefill_tok_s", args.prefill / _sync_time(prefill_once, 3))
     if getattr(args, "profile_prefill", False):
-        report["profile_prefill"] = _profile(prefill_once, reps=1, top=30)
+        report["profile_prefill"] = profile_steps(prefill_once, reps=1, top=30)["gpu_top"]
         for row in report["profile_prefill"]:
             print("prefill kernel", row, flush=True)
     cache.release(slot)
@@ -153,7 +154,7 @@ def bench_ours(net, cfg, args, report: dict) -> None:
         _put(report, f"decode_b{b}_tok_s", b * (args.new - 3) / (time.perf_counter() - t))
         _put(report, f"decode_b{b}_eager_tok_s", b * 8 / _eager_steps(net, cache, slots, pos, ids, 8))
         if b == args.batch[0]:
-            report[f"profile_b{b}"] = _profile(lambda: graphs.step(ids, pos, slots))
+            report[f"profile_b{b}"] = profile_steps(lambda: graphs.step(ids, pos, slots), reps=5, top=15)["gpu_top"]
             for row in report[f"profile_b{b}"]:
                 print(f"decode b={b} kernel", row, flush=True)
         for s in slots:
@@ -170,18 +171,6 @@ def _eager_steps(net, cache, slots, pos, ids, n) -> float:
         pos = [p + 1 for p in pos]
     torch.cuda.synchronize()
     return time.perf_counter() - t
-
-
-def _profile(step, reps: int = 5, top: int = 15) -> list:
-    """GPU time per kernel name per call of step (ms, launches): where a step's time goes."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            step()
-        torch.cuda.synchronize()
-    rows = [(e.key, e.device_time_total / reps / 1e3, e.count // reps) for e in prof.key_averages()]
-    rows.sort(key=lambda r: -r[1])
-    return [[name[:60], round(ms, 4), n] for name, ms, n in rows[:top]]
 
 
 def hf_config(shape: str):

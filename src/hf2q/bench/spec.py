@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from hf2q.bench.profiling import profile_steps
 from hf2q.cache.hybrid import HybridCache
 from hf2q.config import CacheConfig
 from hf2q.engine.request import Request
@@ -64,7 +65,7 @@ def spec_curve(net, cfg, batches: list[int], accepts: list[int], k: int = 3, pro
             _sync(device)
             report[f"spec_b{b}_{name}_tok_s"] = emitted / (time.perf_counter() - t)
             if profile and b == batches[0] and name in ("plain", f"L{max(accepts)}"):
-                report[f"spec_b{b}_{name}_profile"] = _profile_rounds(lambda: _round(runner, reqs, k, length, gen))
+                report[f"spec_b{b}_{name}_profile"] = profile_steps(lambda: _round(runner, reqs, k, length, gen))
             for req in reqs:
                 cache.release(req.slot)
     return report
@@ -94,30 +95,6 @@ def _round(runner: ModelRunner, reqs: list[Request], k: int, length, gen: torch.
         req.draft_ids = []
         emitted += length + 1
     return emitted
-
-
-def _profile_rounds(round_once, reps: int = 4, top: int = 20) -> dict:
-    """Per round: wall ms, the GPU's busy ms (kernels and copies), and the top ops by GPU and by host time."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=activities) as prof:
-        t = time.perf_counter()
-        for _ in range(reps):
-            round_once()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        wall = time.perf_counter() - t
-    events = prof.key_averages()
-    gpu = [(e.key[:70], e.self_device_time_total / reps / 1e3, e.count // reps) for e in events
-           if e.device_type == DeviceType.CUDA]  # kernels and copies themselves, not the host ops launching them
-    host = [(e.key[:70], e.self_cpu_time_total / reps / 1e3, e.count // reps) for e in events
-            if e.device_type == DeviceType.CPU]
-    gpu.sort(key=lambda r: -r[1])
-    host.sort(key=lambda r: -r[1])
-    return {"wall_ms": round(wall / reps * 1e3, 3), "gpu_busy_ms": round(sum(r[1] for r in gpu), 3),
-            "gpu_top": [[n, round(ms, 4), c] for n, ms, c in gpu[:top]],
-            "host_top": [[n, round(ms, 4), c] for n, ms, c in host[:top]]}
 
 
 def format_curve(report: dict, batches: list[int], accepts: list[int]) -> str:
