@@ -38,6 +38,10 @@ cd "$(dirname "$0")/.."
 stage=${1:?stage: tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu|mm|serve|peer|ttft|kv|mtp|verify|matvec|prefix|warmup|soak|soak-start|soak-finish}
 out=${2:-.}
 mkdir -p "$out"
+# healthy PID PORT LOG: wait until the server on PORT answers /health with 200; if PID ends first, LOG's tail, exit 1
+healthy() {
+  until curl -sf "http://127.0.0.1:$2/health" > /dev/null; do
+    kill -0 "$1" 2> /dev/null || { tail -30 "$3"; exit 1; }; sleep 0.2; done; }
 bench() { python -m hf2q.bench --hf-new 0 "$@"; }
 # one CAP_S ARGS...: a batch-1 decode bench ended by its own cap, so one slow start does not take the rest
 one() { timeout "$1" python -m hf2q.bench --hf-new 0 --batch 1 --prefill 512 --new 48 "${@:2}" \
@@ -99,8 +103,7 @@ case "$stage" in
              python -m hf2q.cli serve --model "$model" --port $port --max-model-len 16384 --max-num-seqs 16 $cache ${SERVE_FLAGS:-} \
                > "$out/serve_prefix_$mix$cache.log" 2>&1 &
              pid=$!
-             until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do
-               kill -0 $pid 2> /dev/null || { tail -30 "$out/serve_prefix_$mix$cache.log"; exit 1; }; sleep 0.5; done
+             healthy $pid $port "$out/serve_prefix_$mix$cache.log"
              echo "## $mix ${cache:-with the prefix cache}"
              # a follow-up turn over an 8,000-token shared history (its TTFT: hit against cold)
              python -m hf2q.cli bench serve --url "http://127.0.0.1:$port" --no-progress --endpoint chat --multi-turn 2 \
@@ -129,8 +132,7 @@ case "$stage" in
            python -m hf2q.cli serve --model "$model" --port $port --max-num-seqs 64 --log-level info ${SERVE_FLAGS:-} \
              > "$1" 2>&1 &
            pid=$!
-           until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do
-             kill -0 $pid 2> /dev/null || { tail -30 "$1"; exit 1; }; sleep 0.2; done
+           healthy $pid $port "$1"
            echo "start to /health 200: $(( ($(date +%s%N) - t0) / 1000000 )) ms"
            grep -e "loaded" -e "warmed" "$1" | cut -c1-160; }
          load() { python -m hf2q.cli bench serve --url "http://127.0.0.1:$port" --no-progress "$@"; }
@@ -145,8 +147,7 @@ case "$stage" in
          [ -f "$model" ] || python tools/random_gguf.py --shape 9b --mix q4_k_m -o "$model"
          python -m hf2q.cli serve --model "$model" --port $port --max-num-seqs 4 > "$out/serve_ttft.log" 2>&1 &
          pid=$!
-         until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do
-           kill -0 $pid 2> /dev/null || { tail -30 "$out/serve_ttft.log"; exit 1; }; sleep 0.5; done
+         healthy $pid $port "$out/serve_ttft.log"
          python tools/ttft_trace.py --url "http://127.0.0.1:$port" --prompt-tokens 64 --max-tokens 64
          kill $pid; wait $pid
          python tools/ttft_trace.py --model "$model" --max-num-seqs 4 --profile ;;
@@ -159,8 +160,7 @@ case "$stage" in
          /tmp/llama.cpp/build/bin/llama-server -m "$model" -ngl 99 -fa on -np 64 -c 65536 --port $port \
            > "$out/llama_server_$mix.log" 2>&1 &
          pid=$!
-         until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do
-           kill -0 $pid 2> /dev/null || { tail -30 "$out/llama_server_$mix.log"; exit 1; }; sleep 0.5; done
+         healthy $pid $port "$out/llama_server_$mix.log"
          python -m hf2q.cli bench serve --url "http://127.0.0.1:$port" --no-progress --clients 1 16 64 \
            --prompt-tokens 64 --max-tokens 256 --json "$out/peer_$mix.json"
          kill $pid; wait $pid ;;
@@ -171,8 +171,7 @@ case "$stage" in
          python -m cProfile -o "$out/warmup.prof" -m hf2q.cli serve --model "$model" --port $port \
            --max-num-seqs ${MAX_NUM_SEQS:-64} --log-level info ${SERVE_FLAGS:-} > "$out/serve_warmup.log" 2>&1 &
          pid=$!
-         until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do
-           kill -0 $pid 2> /dev/null || { tail -30 "$out/serve_warmup.log"; exit 1; }; sleep 0.5; done
+         healthy $pid $port "$out/serve_warmup.log"
          kill -INT $pid; wait $pid
          grep -e "warm" -e "captured" -e "loaded" "$out/serve_warmup.log" | cut -c1-220
          python -c "import pstats, sys; p = pstats.Stats(sys.argv[1]); p.sort_stats('cumulative').print_stats(40); \
@@ -183,8 +182,7 @@ case "$stage" in
          [ -f "$model" ] || python tools/random_gguf.py --shape 9b --mix q4_k_m -o "$model"
          python -m hf2q.cli serve --model "$model" --port $port --max-num-seqs 64 > "$out/serve_soak.log" 2>&1 &
          pid=$!
-         until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do
-           kill -0 $pid 2> /dev/null || { tail -30 "$out/serve_soak.log"; exit 1; }; sleep 0.5; done
+         healthy $pid $port "$out/serve_soak.log"
          python tools/soak.py --url "http://127.0.0.1:$port" --pid $pid --clients 64 --duration "${SOAK_S:-540}" \
            --prompt-tokens 64 --max-tokens 256 --json "$out/soak.json"
          kill -INT $pid; wait $pid ;;
@@ -197,8 +195,7 @@ case "$stage" in
          setsid python -m hf2q.cli serve --model "$model" --port $port --max-num-seqs 64 > "$keep/serve.log" 2>&1 \
            < /dev/null &
          pid=$!; echo $pid > "$keep/serve.pid"
-         until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do
-           kill -0 $pid 2> /dev/null || { tail -30 "$keep/serve.log"; exit 1; }; sleep 0.5; done
+         healthy $pid $port "$keep/serve.log"
          grep -e "warmed up" -e "loaded" "$keep/serve.log" | cut -c1-220
          setsid python tools/soak.py --url "http://127.0.0.1:$port" --pid $pid --clients 64 \
            --duration "${SOAK_S:-600}" --prompt-tokens 64 --max-tokens 256 --json "$keep/soak.json" \
