@@ -126,19 +126,24 @@ def _type_groups(linears) -> dict[str | None, list[int]]:
 def _dense_pack(linears) -> torch.Tensor:
     """The dense projections' weights concatenated (made by `pack`; each weight a view of it); a lone
     projection's own weight."""
-    first = linears[0]
-    if len(linears) == 1:
-        return first.weight
-    packed = getattr(first, "_packed", None)
-    weights = [lin.weight for lin in linears]
-    if packed is None or packed.device != weights[0].device or not _views_of(packed, weights):
-        packed = torch.cat([w.data for w in weights])
+    return _concatenated(linears, "weight", "_packed", lambda rows: torch.nn.Parameter(rows, requires_grad=False))
+
+
+def _concatenated(linears, attr: str, kept_as: str, wrap) -> torch.Tensor:
+    """The `attr` tensors of `linears` (rows on dim 0) concatenated once and kept on the first as `kept_as`,
+    each Linear's `attr` then `wrap` of its rows of it; made again where the kept one is not, in order, what
+    the Linears hold (moved since, or built by hand). A lone Linear's own tensor."""
+    parts = [getattr(lin, attr) for lin in linears]
+    if len(parts) == 1:
+        return parts[0]
+    packed = getattr(linears[0], kept_as, None)
+    if packed is None or packed.device != parts[0].device or not _views_of(packed, parts):
+        packed = torch.cat([part.data for part in parts])
         row = 0
-        for lin in linears:
-            n = lin.weight.shape[0]
-            lin.weight = torch.nn.Parameter(packed[row:row + n], requires_grad=False)
-            row += n
-        first._packed = packed
+        for lin, part in zip(linears, parts):
+            setattr(lin, attr, wrap(packed[row:row + part.shape[0]]))
+            row += part.shape[0]
+        setattr(linears[0], kept_as, packed)
     return packed
 
 
@@ -196,17 +201,4 @@ def _packed_quant_linear(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
 def _packed_raw(linears) -> torch.Tensor:
     """The block rows of projections quantized as one type, concatenated once (made by `pack`; each
     Linear's qweight then a view of the packed blocks); a lone projection's own blocks."""
-    first = linears[0]
-    if len(linears) == 1:
-        return first.qweight
-    packed = getattr(first, "_qpacked", None)
-    parts = [lin.qweight for lin in linears]
-    if packed is None or packed.device != parts[0].device or not _views_of(packed, parts):
-        packed = torch.cat(parts)
-        row = 0
-        for lin in linears:
-            n = lin.out_features
-            lin.qweight = packed[row:row + n]
-            row += n
-        first._qpacked = packed
-    return packed
+    return _concatenated(linears, "qweight", "_qpacked", lambda rows: rows)
