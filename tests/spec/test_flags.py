@@ -34,7 +34,6 @@ def test_metrics_count_drafts_and_accepted_tokens():
         spec = type("Spec", (), {"stats": SpecStats(rounds=2, drafted=6, accepted=4)})()
 
     metrics = Metrics("m")
-    metrics.observe_engine = lambda engine: None
     engine = FakeEngine()
     metrics.observe_step(engine)
     engine.spec.stats.drafted, engine.spec.stats.accepted = 9, 5

@@ -73,7 +73,9 @@ class Metrics:
             lambda: time.monotonic() - self.started)
 
     def observe_step(self, engine) -> None:
-        """After an engine step: its batch size, then the gauges."""
+        """After an engine step: its batch size and the counters that step moved. The gauges are read at
+        scrape time (observe_engine): refreshing them every step cost the engine thread about a tenth of its
+        host time a step at 64 streams (the cache's byte counts), with the GIL held."""
         seqs, tokens = engine.last_batch
         if seqs:
             self.batch_seqs.observe(seqs)
@@ -85,10 +87,9 @@ class Metrics:
         spec = getattr(engine, "spec", None)
         if spec is not None:
             self.spec.observe(spec.stats)
-        self.observe_engine(engine)
 
     def observe_engine(self, engine) -> None:
-        """Refresh the queue and cache gauges (called after every engine step and at scrape time)."""
+        """Refresh the queue and cache gauges and the prefix cache's counters (at scrape time)."""
         self.running.set(engine.scheduler.num_running)
         self.waiting.set(engine.scheduler.num_waiting)
         usage = engine.cache.usage()
