@@ -54,6 +54,12 @@ def test_health_only_after_warm_up(own_server):
     assert text.index("warmed up in") < text.index("serving "), text
 
 
+def test_serves_on_uvloop(own_server):
+    """The event loop is uvloop's (a dependency, which uvicorn picks by itself): asyncio's own loop costs a
+    streamed token about a third more GIL time (BENCHMARKS.md)."""
+    assert "event loop: uvloop" in own_server.log_path.read_text()
+
+
 def test_ctrl_c_ends_a_running_stream_cleanly(own_server):
     """Ctrl-C (SIGINT, no --shutdown-timeout): the running stream ends with an error event and [DONE] instead of
     a dropped connection, and the process exits 130 within seconds, without a traceback."""

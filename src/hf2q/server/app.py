@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import time
 from contextlib import asynccontextmanager
 
@@ -21,6 +22,8 @@ from hf2q.server.serving_embeddings import EmbeddingServing
 from hf2q.server.serving_responses import ResponsesServing
 from hf2q.server.serving_tokens import detokenize, tokenize, tokenizer_info
 from hf2q.server.state import ServerState
+
+log = logging.getLogger("hf2q.serve")
 
 
 class _RequestMetrics:
@@ -57,6 +60,8 @@ def build_app(state: ServerState) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
+        # uvloop where installed (a dependency; uvicorn picks it): a streamed token costs it less GIL time
+        log.info("event loop: %s", type(asyncio.get_running_loop()).__module__.split(".")[0])
         yield
         state.engine.shutdown()
 
