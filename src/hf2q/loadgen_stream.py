@@ -6,9 +6,10 @@ Shared by the fixed-prompt levels (`hf2q.loadgen`) and the multi-turn conversati
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterable, Callable, Optional
+from typing import AsyncIterable, AsyncIterator, Callable, Optional
 
 import httpx
 
@@ -43,6 +44,25 @@ class RequestResult:
 
 
 # ---------------------------------------------------------------- prompts
+
+
+_LINE_END = re.compile(rb"\r\n|\r|\n")
+
+
+async def sse_lines(chunks: AsyncIterable[bytes]) -> AsyncIterator[str]:
+    """An SSE body's lines, ended where the SSE standard ends them (CR LF, LF or CR) and nowhere else: a
+    reader that follows `str.splitlines` (httpx's `aiter_lines`) also splits at U+2028, U+2029 and U+0085,
+    which JSON and so a server's `data:` payload may carry raw."""
+    pending = b""
+    async for chunk in chunks:
+        pending += chunk
+        held = 1 if pending.endswith(b"\r") else 0  # a CR may be the first half of a CR LF
+        *lines, rest = _LINE_END.split(pending[:len(pending) - held])
+        pending = rest + pending[len(pending) - held:]
+        for line in lines:
+            yield line.decode("utf-8", errors="replace")
+    if pending:
+        yield pending.rstrip(b"\r").decode("utf-8", errors="replace")
 
 
 def parse_sse_line(line: str):
@@ -118,7 +138,7 @@ async def send(client: httpx.AsyncClient, path: str, body: dict) -> RequestResul
                 text = (await response.aread()).decode("utf-8", errors="replace")
                 return RequestResult(error=f"HTTP {response.status_code}: {text[:300]}",
                                      latency=time.perf_counter() - start)
-            return await read_stream(response.aiter_lines(), time.perf_counter, start)
+            return await read_stream(sse_lines(response.aiter_bytes()), time.perf_counter, start)
     except httpx.HTTPError as exc:
         return RequestResult(error=f"{type(exc).__name__}: {exc}", latency=time.perf_counter() - start)
 

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from hf2q.loadgen import RequestResult, load_dataset, percentile, read_stream, summarize
+from hf2q.loadgen_stream import sse_lines
 
 from .conftest import free_port
 
@@ -75,6 +76,30 @@ def test_sse_stream_without_usage_or_with_an_error_is_an_error():
     assert no_usage.error == "the stream ended without usage"
     error = _run_canned("data: " + json.dumps({"error": {"message": "boom"}}), "data: [DONE]")
     assert error.error == "error in stream: boom"
+
+
+def test_sse_lines_end_only_at_cr_and_lf():
+    # text that `str.splitlines` would cut (U+2028, U+2029, U+0085), a CR LF split between reads, a bare CR, a
+    # multi-byte character split between reads, and a last line without its end
+    text = "a\u2028b\u2029c\x85d \u00e9"
+    body = ("data: " + json.dumps({"choices": [{"index": 0, "text": text}]}, ensure_ascii=False) + "\r\n\r\n"
+            + "data: " + json.dumps({"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 1}})
+            + "\r\rdata: [DONE]").encode()
+    cuts = sorted([body.index(b"\r\n") + 1, body.index("\u00e9".encode()) + 1, len(body) - 3])
+
+    async def reads():
+        for start, end in zip([0] + cuts, cuts + [len(body)]):
+            yield body[start:end]
+
+    async def collect():
+        return [line async for line in sse_lines(reads())]
+
+    lines = asyncio.run(collect())
+    assert lines[0] == "data: " + json.dumps({"choices": [{"index": 0, "text": text}]}, ensure_ascii=False)
+    assert lines[1:] == ["", lines[2], "", "data: [DONE]"] and lines[2].startswith("data: {")
+    ticks = iter(range(1, 100))
+    result = asyncio.run(read_stream(sse_lines(reads()), lambda: float(next(ticks)), 0.0))
+    assert result.error is None and result.text == text
 
 
 def test_dataset_takes_the_first_user_turn_and_the_reply_length(tmp_path):

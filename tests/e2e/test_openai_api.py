@@ -1,6 +1,7 @@
 """The OpenAI API through a real `hf2q serve` process and the official `openai` client."""
 from __future__ import annotations
 
+import json
 import re
 import time
 
@@ -121,6 +122,19 @@ def test_metrics_scrape(client, plain_server):
         assert re.search(rf"^{gauge} ", text, re.M), gauge
     steps = float(re.search(r"^hf2q_batch_size_sequences_count (\S+)$", text, re.M).group(1))
     assert steps >= 2  # a prefill step and at least one decode step
+
+
+def test_streamed_text_with_unicode_line_separators_survives_line_readers(plain_server):
+    # httpx's iter_lines splits as `str.splitlines` does, at U+2028, U+2029 and U+0085 too: each event's JSON
+    # must still be one line (the echoed prompt carries the characters)
+    prompt = "a\u2028b\u2029c\x85d"
+    body = {"model": MODEL, "prompt": prompt, "echo": True, "max_tokens": 1, "stream": True}
+    with httpx.stream("POST", plain_server.url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        events = [line for line in r.iter_lines() if line]
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(line.removeprefix("data: ")) for line in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]).startswith(prompt)
 
 
 def test_disconnect_mid_stream_aborts(plain_server):

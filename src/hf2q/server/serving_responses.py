@@ -8,7 +8,6 @@ stream events they imply, so the streamed and the non-streamed Response are buil
 from __future__ import annotations
 
 import copy
-import json
 import uuid
 from contextlib import aclosing
 from typing import AsyncIterator, Optional
@@ -27,7 +26,7 @@ from hf2q.server.response_store import ResponseStore, input_items
 from hf2q.server.schemas import (ChatCompletionRequest, FunctionCallItem, FunctionCallOutputItem, InputMessage,
                                  ReasoningItem, ResponsesRequest)
 from hf2q.server.serving_chat import ChatServing
-from hf2q.server.sse import unless_disconnected
+from hf2q.server.sse import json_data, unless_disconnected
 from hf2q.server.state import ServerState
 
 def _text(content, where: str) -> str:
@@ -358,7 +357,7 @@ class _Run:
             nonlocal seq
             payload = {**payload, "sequence_number": seq}
             seq += 1
-            return f"event: {payload['type']}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
+            return f"event: {payload['type']}\ndata: {json_data(payload)}\n\n"
 
         yield frame({"type": "response.created", "response": copy.deepcopy(self.response)})
         yield frame({"type": "response.in_progress", "response": copy.deepcopy(self.response)})

@@ -12,8 +12,21 @@ T = TypeVar("T")
 DONE = "data: [DONE]\n\n"
 
 
+# JSON leaves U+0085, U+2028 and U+2029 raw, and line readers that follow `str.splitlines` (httpx's
+# `iter_lines` among them) end a line there, cutting an event's JSON in two; escaped, the payload is the same
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def json_data(payload: dict) -> str:
+    """`payload` as JSON for an event's `data:` field: UTF-8 text kept as is, nothing a line reader splits on."""
+    text = json.dumps(payload, ensure_ascii=False)
+    if "\u2028" in text or "\u2029" in text or "\x85" in text:
+        text = text.translate(_LINE_BREAKS)
+    return text
+
+
 def event(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    return f"data: {json_data(payload)}\n\n"
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> Optional[T]:
