@@ -95,3 +95,29 @@ def test_fp8_holds_1_9_times_the_32k_sequences_of_bf16_on_an_h200():
     free, total = int(121.5 * GIB), int(139.8 * GIB)
     seqs = {f: capacity(CFG, f, free, total, 32768)["max_seqs"] for f in ("bfloat16", "fp8")}
     assert seqs["fp8"] >= 1.9 * seqs["bfloat16"] > 0, seqs
+
+
+def test_the_prefix_cache_budget_comes_out_of_free_memory_once(monkeypatch):
+    """The pool, the slots' states, the reserve and the retained prefixes' budget (their K/V borrowed from free
+    pool blocks, their states allocated beside the pool) fit the free memory together."""
+    import argparse
+    import types
+
+    import torch
+
+    from hf2q.cache.hybrid import state_bytes_per_slot
+    from hf2q.server.launch import add_serve_args, sized_engine_config
+    from hf2q.server.sizing import RESERVE_FRACTION
+
+    free, total = 120 * GIB, 140 * GIB
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, total))
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    args = parser.parse_args(["--prefix-cache-gb", "12"])
+    cache = sized_engine_config(args, types.SimpleNamespace(config=CFG), torch.device("cuda"), torch.bfloat16,
+                                None).cache
+    assert cache.prefix_cache_bytes == 12 * GIB
+    pool = cache.num_blocks * BLOCK * kv_bytes_per_token(CFG, "bfloat16")
+    states = cache.num_slots * state_bytes_per_slot(CFG, "float32")
+    assert pool > 80 * GIB
+    assert pool + states + cache.prefix_cache_bytes + RESERVE_FRACTION * total <= free

@@ -333,24 +333,20 @@ def prefix_budget(args, device) -> int:
 
 
 def with_prefix_cache(cache, args, model, nbytes: int):
-    """The sized cache plus the pool blocks retained prefixes keep their K/V in (at most 4x the sequences'
-    own): keeping prefixes never shrinks the room of requests. Their DeltaNet states are allocated as
-    checkpoints are taken."""
+    """The sized cache with the prefix cache's settings. Checkpoints keep their K/V in pool blocks no request
+    holds (admission evicts checkpoints when a request needs the blocks) and their DeltaNet states in
+    memory allocated as they are taken, which the budget bounds and the sizing left out of the pool."""
     import dataclasses
-
-    from hf2q.cache.hybrid import kv_bytes_per_token
 
     stride = getattr(args, "prefix_checkpoint_stride", 1024)
     if nbytes <= 0:
         return dataclasses.replace(cache, prefix_cache_bytes=0, prefix_checkpoint_stride=stride)
     disk_dir = getattr(args, "prefix_cache_dir", None)
     disk_bytes = max(int(getattr(args, "prefix_cache_disk_gb", 10.0) * (1 << 30)), 0)
-    per_block = kv_bytes_per_token(model.config, cache.kv_dtype) * cache.block_size
-    blocks = min(nbytes // per_block, 4 * cache.num_blocks) if per_block else 0
-    log.info("prefix cache: %.2f GB budget, %d K/V blocks of pool", nbytes / (1 << 30), blocks)
-    return dataclasses.replace(cache, num_blocks=cache.num_blocks + blocks, prefix_cache_bytes=nbytes,
-                               prefix_checkpoint_stride=stride, prefix_cache_dir=disk_dir,
-                               prefix_cache_disk_bytes=disk_bytes)
+    log.info("prefix cache: %.2f GiB budget (K/V in free pool blocks, DeltaNet states outside the pool)",
+             nbytes / (1 << 30))
+    return dataclasses.replace(cache, prefix_cache_bytes=nbytes, prefix_checkpoint_stride=stride,
+                               prefix_cache_dir=disk_dir, prefix_cache_disk_bytes=disk_bytes)
 
 
 def run_serve(args: argparse.Namespace) -> int:
