@@ -199,3 +199,14 @@ def test_short_prefill_graphs_are_refused_where_no_graph_would_run():
     for device, tp, why in ((cpu, 1, "needs a CUDA device"), (cuda, 2, "--tensor-parallel-size")):
         with pytest.raises(ValueError, match=why):
             check_short_prefill_graphs(True, device, tp)
+
+
+def test_event_json_holds_no_character_a_line_reader_splits_on():
+    from hf2q.server.sse import event, json_data
+
+    payload = {"text": "a\u2028b\u2029c\x85d \u00e9\u4e2d", "n": 1}
+    frame = event(payload)
+    assert frame.startswith("data: ") and frame.endswith("\n\n")
+    assert len(frame[:-2].splitlines()) == 1  # str.splitlines also ends lines at U+2028, U+2029, U+0085
+    assert json.loads(frame[len("data: "):]) == payload
+    assert "\u00e9\u4e2d" in json_data(payload)  # other text stays UTF-8, not escaped
