@@ -120,12 +120,14 @@ def test_tool_calling_chat_hits_from_turn_two_and_matches_cache_off(model, think
         for rid in turn:
             got, want = got_both[rid], want_both[rid]
             assert got[0] == want[0], (i, rid)
-            if rid.startswith("s"):  # queued beside the greedy one: it waits for that prefill's anchor and resumes
-                assert got[1] == anchor, (i, got[1], anchor)
-                continue
             # The longest earlier checkpoint it extends: a turn anchor, or the re-rendered history.
             best = max([a for p, a, _ in turns[:i] if a and _common(p, ids) >= a] +
                        [len(r) for _, _, r in turns[:i] if r and ids[:len(r)] == r], default=0)
+            if rid.startswith("s"):  # queued beside the greedy one: where the rest fits the step's room beside
+                rest = len(ids) - best  # the greedy one's chunk, it computes it too; else it waits for that
+                fits = rest <= min(256, 512 - min(rest, 256))  # prefill's anchor and resumes there
+                assert got[1] == (best if fits else anchor), (i, got[1], best, anchor)
+                continue
             assert got[1] == best, (i, got[1], best)
             if i == USER_AFTER_LOOP:
                 # Qwen3.5 renders an agent loop's messages with a think block until a user speaks, then
@@ -258,6 +260,32 @@ def test_user_request_extending_a_running_background_prefill_resumes_at_its_end(
     got = run(engine, {"u": (follow, GREEDY, None)})["u"]
     assert got == (want, len(history)) and engine.prefix.stats.rerenders == 1
     assert engine.prefix.stats.hits == 1 and engine.prefix.stats.misses == 0  # the background's own admission: neither
+
+
+def test_request_whose_rest_fits_one_step_does_not_wait_for_a_longer_checkpoint(model):
+    """A running prefill will retain a longer checkpoint of the next turn's prompt, but the turn can compute
+    what the held checkpoints leave in one step of its own: it is admitted at once (a wait could only delay
+    its first token) and gives a cache-off engine's tokens."""
+    history = list(range(4000, 4100))
+    follow = history + [7, 8, 9]
+    want = run(make_engine(model, prefix_bytes=0), {"u": (follow, GREEDY, None)})["u"][0]
+    engine = make_engine(model, chunk=16)
+    background = engine.prefill_in_background(history)
+    engine.step()
+    assert background.num_computed == 16
+    part = engine.add_request(history[:96], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    while not part.finished:  # the background prefill waits meanwhile
+        engine.step()
+    assert engine.prefix.holds(history[:96]) and background.num_computed == 16
+    engine.add_request(follow, GREEDY, request_id="u")
+    tokens, cached, steps = [], 0, 0
+    while engine.has_work():
+        outputs = engine.step()
+        steps += not tokens
+        for o in outputs:
+            if o.request_id == "u":
+                tokens, cached = tokens + o.new_token_ids, max(cached, o.num_cached_tokens)
+    assert (tokens, cached, steps) == (want, 96, 1)
 
 
 def test_next_turn_finding_its_history_still_queued_computes_it_itself(model):

@@ -84,11 +84,11 @@ class Scheduler:
                 budget = self._take(batch, req, budget)
         while self.waiting and budget > 0:
             req = self.waiting[0]
-            awaited = self._awaits_checkpoint(req)
+            awaited = self._awaits_checkpoint(req, budget)
             while any(awaited is r for r in self.background):  # queued, not started: the request computes them
                 self.background.remove(awaited)
                 self._count_absorbed(awaited)
-                awaited = self._awaits_checkpoint(req)
+                awaited = self._awaits_checkpoint(req, budget)
             if awaited is not None:
                 awaited.awaited = awaited.background
                 break
@@ -239,16 +239,21 @@ class Scheduler:
         self.running.append(sib)
         return True
 
-    def _awaits_checkpoint(self, req: Request) -> Request | None:
+    def _awaits_checkpoint(self, req: Request, budget: int) -> Request | None:
         """The running prefill that will soon retain a longer checkpoint of this prompt than any held now
         (requests sharing a document, sent together; a background prefill of this conversation's history),
         or None: admitted later, the request resumes there instead of computing the shared part again. The
-        prefill progresses every step (a background one too, once awaited), so the wait is bounded."""
+        prefill progresses every step (a background one too, once awaited), so the wait is bounded. A request
+        that can compute what the held checkpoints leave in this step (`budget` tokens are left in it) never
+        waits: that would only delay its first token (the next turn arriving while its history's background
+        prefill is in flight)."""
         if self.prefix is None or req.keeps_hidden:
             return None
         mine = req.key(0, len(req.prompt_ids))  # as the prefix cache keys it (images by their hashes)
         held = self.prefix.lookup(mine)
         reuse = len(held.tokens) if held is not None else 0
+        if self._one_step(reuse, len(mine), budget):  # a wait could only add steps before its first token
+            return None
         for other in (*self.running, *self.background):
             done, n = other.num_computed, len(other.prompt_ids)
             if done >= n:
@@ -264,6 +269,13 @@ class Scheduler:
             if max(bounds, default=0) > max(reuse, done):
                 return other
         return None
+
+    def _one_step(self, start: int, end: int, budget: int) -> bool:
+        """Whether a prefill from `start` to `end` fits this step: within a chunk and the step's `budget` of
+        tokens, across no stride boundary."""
+        if end - start > min(self.config.prefill_chunk, budget):
+            return False
+        return self.stride <= 0 or start // self.stride == (end - 1) // self.stride
 
     def _admit(self, req: Request) -> bool:
         """Give the request a slot and cache room, resuming from the longest retained prefix of its prompt;
