@@ -247,9 +247,9 @@ def test_background_prefill_never_delays_or_changes_a_user_request(model):
         assert (engine.prefill_in_background(history) is None) is not started
 
 
-def test_user_request_extending_a_running_background_prefill_resumes_at_its_end(model):
-    """The next turn arrives while its history is still being prefilled: it waits for that checkpoint (which
-    goes on though a user request now waits) instead of computing the history itself."""
+def _history_in_background(model):
+    """A 100-token history one step (16 tokens) into its background prefill, the next turn extending it by
+    three tokens, and that turn's tokens from a cache-off engine."""
     history = list(range(4000, 4100))
     follow = history + [7, 8, 9]
     want = run(make_engine(model, prefix_bytes=0), {"u": (follow, GREEDY, None)})["u"][0]
@@ -257,6 +257,13 @@ def test_user_request_extending_a_running_background_prefill_resumes_at_its_end(
     background = engine.prefill_in_background(history)
     engine.step()
     assert background.num_computed == 16
+    return history, follow, want, engine, background
+
+
+def test_user_request_extending_a_running_background_prefill_resumes_at_its_end(model):
+    """The next turn arrives while its history is still being prefilled: it waits for that checkpoint (which
+    goes on though a user request now waits) instead of computing the history itself."""
+    history, follow, want, engine, background = _history_in_background(model)
     got = run(engine, {"u": (follow, GREEDY, None)})["u"]
     assert got == (want, len(history)) and engine.prefix.stats.rerenders == 1
     assert engine.prefix.stats.hits == 1 and engine.prefix.stats.misses == 0  # the background's own admission: neither
@@ -266,13 +273,7 @@ def test_request_whose_rest_fits_one_step_does_not_wait_for_a_longer_checkpoint(
     """A running prefill will retain a longer checkpoint of the next turn's prompt, but the turn can compute
     what the held checkpoints leave in one step of its own: it is admitted at once (a wait could only delay
     its first token) and gives a cache-off engine's tokens."""
-    history = list(range(4000, 4100))
-    follow = history + [7, 8, 9]
-    want = run(make_engine(model, prefix_bytes=0), {"u": (follow, GREEDY, None)})["u"][0]
-    engine = make_engine(model, chunk=16)
-    background = engine.prefill_in_background(history)
-    engine.step()
-    assert background.num_computed == 16
+    history, follow, want, engine, background = _history_in_background(model)
     part = engine.add_request(history[:96], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
     while not part.finished:  # the background prefill waits meanwhile
         engine.step()
