@@ -165,6 +165,26 @@ def test_shared_document_sent_with_eight_questions_at_once_reuses_the_stride_che
     assert engine.prefix.stats.hits == 7 and engine.prefix.stats.tokens_reused == 7 * 2560
 
 
+def test_stride_checkpoints_inside_a_chunk_cost_no_step(model):
+    """Stride boundaries inside a prefill chunk keep their states instead of cutting it: a 100-token prompt
+    (chunks of 64, stride 16) takes the two steps a cache-off engine takes to its first token, holds a
+    checkpoint at every boundary, and a prompt departing after token 50 resumes at 48 with cache-off tokens."""
+    prompt = list(range(5000, 5100))
+    other = prompt[:50] + [7, 8, 9]
+    want = run(make_engine(model, prefix_bytes=0), {"a": (prompt, GREEDY, None), "b": (other, GREEDY, None)})
+    engine = make_engine(model, stride=16)
+    engine.add_request(prompt, GREEDY, request_id="a")
+    steps, tokens = 0, []
+    while not tokens:
+        steps += 1
+        tokens = [t for o in engine.step() for t in o.new_token_ids]
+    assert steps == 2 and all(engine.prefix.holds(prompt[:b]) for b in range(16, 100, 16))
+    while engine.has_work():
+        tokens += [t for o in engine.step() for t in o.new_token_ids]
+    assert tokens == want["a"][0]
+    assert run(engine, {"b": (other, GREEDY, None)})["b"] == (want["b"][0], 48)
+
+
 def test_eviction_under_a_tiny_budget_never_breaks_a_running_request(model):
     """64 conversations at once, with room for 4 checkpoints."""
     convs = {f"c{c}": ([2000 + 97 * c + i for i in range(30)], GREEDY, 20) for c in range(64)}

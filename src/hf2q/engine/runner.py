@@ -104,11 +104,13 @@ class ModelRunner:
                 states = PositionStates(self.cache, n)
                 kept.setdefault(i, []).append(states)
                 verifies[req.request_id] = Verify(req.num_computed, n - len(drafts), drafts, states)
-            at = req.extras.pop("checkpoint_inside", None)
-            if at is not None:  # and the state at a checkpoint inside the chunk, for the prefix cache
+            inside = []
+            for at in req.extras.pop("checkpoints_inside", ()):  # and the states at checkpoints inside the chunk
                 state = StateAt(self.cache, at - req.num_computed)
                 kept.setdefault(i, []).append(state)
-                req.extras["kept_state"] = (at, state)
+                inside.append((at, state))
+            if inside:
+                req.extras["kept_inside"] = inside
         batch.extras["kept_states"] = kept
         hidden = self.net(batch, input_embeds=self._image_embeds(batch, scheduled))
         rows, draft_rows, sampling = [], [], []
@@ -204,7 +206,7 @@ class ModelRunner:
     def _graphable(scheduled: list[tuple[Request, int]]) -> bool:
         """Whether a graph could compute every request's rows: none keeps its hidden rows, has images or a
         checkpoint inside its chunk (those need the eager forward's extras)."""
-        return not any(req.keeps_hidden or req.mrope is not None or "checkpoint_inside" in req.extras
+        return not any(req.keeps_hidden or req.mrope is not None or "checkpoints_inside" in req.extras
                        for req, _ in scheduled)
 
     def _serving(self, graphs, scheduled: list[tuple[Request, int]]):

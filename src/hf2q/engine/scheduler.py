@@ -102,13 +102,34 @@ class Scheduler:
 
     def _take(self, batch: list[tuple[Request, int]], req: Request, budget: int) -> int:
         n = self._limit(req, min(self._need(req), budget, self.config.prefill_chunk))
-        req.extras.pop("checkpoint_inside", None)
+        req.extras.pop("checkpoints_inside", None)
         if n > 0:
             batch.append((req, n))
             budget -= n
-            if self._keeps_inside(req) and req.num_computed < req.anchor < req.num_computed + n:
-                req.extras["checkpoint_inside"] = req.anchor  # the runner keeps the state there
+            inside = self._checkpoints_inside(req, n)
+            if inside:
+                req.extras["checkpoints_inside"] = inside  # the runner keeps the states there
         return budget
+
+    def _checkpoints_inside(self, req: Request, n: int) -> list[int]:
+        """Checkpoint positions strictly inside the chunk of n tokens from the request's next one, whose states
+        the forward keeps instead of the chunk being cut there: its anchor (see _keeps_inside) and the stride
+        boundaries of its prompt (each one more chunk prefix in the DeltaNet layers' delta-rule call)."""
+        start = req.num_computed
+        inside = []
+        if self._keeps_inside(req) and start < req.anchor < start + n:
+            inside.append(req.anchor)
+        if self._strides_inside(req):
+            end = min(start + n - 1, len(req.prompt_ids))
+            inside += range((start // self.stride + 1) * self.stride, end + 1, self.stride)
+        return sorted(set(inside))
+
+    def _strides_inside(self, req: Request) -> bool:
+        """Whether the request's stride checkpoints come from inside chunks rather than cutting them (two steps
+        where one would do: a long prompt's first token came after twice the steps with the prefix cache on);
+        not where the rest of the prompt fits a prefill graph, as for the anchor."""
+        return (self.prefix is not None and self.stride > 0 and self.cache.keeps_states_inside_a_chunk
+                and req.num_tokens - req.num_computed > self.graphed_prefill_rows)
 
     def _keeps_inside(self, req: Request) -> bool:
         """Whether the request's anchor checkpoint comes from inside a chunk rather than cutting it: not where
@@ -191,7 +212,7 @@ class Scheduler:
         start, prompt_len = req.num_computed, len(req.prompt_ids)
         anchor = None if self._keeps_inside(req) else req.anchor
         bounds = [b for b in (anchor,) if b is not None and start < b <= prompt_len]
-        if self.stride > 0 and (start // self.stride + 1) * self.stride <= prompt_len:
+        if self.stride > 0 and not self._strides_inside(req) and (start // self.stride + 1) * self.stride <= prompt_len:
             bounds.append((start // self.stride + 1) * self.stride)
         return min([n] + [b - start for b in bounds])
 
@@ -200,10 +221,9 @@ class Scheduler:
         if self.prefix is None:
             return
         for req, _ in scheduled:
-            kept = req.extras.pop("kept_state", None)
-            if kept is not None and req.slot is not None:  # the anchor, inside the chunk just computed
-                n, at = kept
-                self.prefix.store(req.slot, req.key(0, n), at.states)
+            for n, at in req.extras.pop("kept_inside", ()):  # inside the chunk just computed
+                if req.slot is not None:
+                    self.prefix.store(req.slot, req.key(0, n), at.states)
             k = req.num_computed
             if req.slot is not None and k <= len(req.prompt_ids) and (k == req.anchor or (
                     self.stride > 0 and k % self.stride == 0) or (req.background and k == len(req.prompt_ids))):
@@ -252,7 +272,7 @@ class Scheduler:
         mine = req.key(0, len(req.prompt_ids))  # as the prefix cache keys it (images by their hashes)
         held = self.prefix.lookup(mine)
         reuse = len(held.tokens) if held is not None else 0
-        if self._one_step(reuse, len(mine), budget):  # a wait could only add steps before its first token
+        if self._one_step(req, reuse, len(mine), budget):  # a wait could only add steps before its first token
             return None
         for other in (*self.running, *self.background):
             done, n = other.num_computed, len(other.prompt_ids)
@@ -270,12 +290,12 @@ class Scheduler:
                 return other
         return None
 
-    def _one_step(self, start: int, end: int, budget: int) -> bool:
-        """Whether a prefill from `start` to `end` fits this step: within a chunk and the step's `budget` of
-        tokens, across no stride boundary."""
+    def _one_step(self, req: Request, start: int, end: int, budget: int) -> bool:
+        """Whether the request's prefill from `start` to `end` fits this step: within a chunk and the step's
+        `budget` of tokens, cut at no stride boundary."""
         if end - start > min(self.config.prefill_chunk, budget):
             return False
-        return self.stride <= 0 or start // self.stride == (end - 1) // self.stride
+        return self.stride <= 0 or self._strides_inside(req) or start // self.stride == (end - 1) // self.stride
 
     def _admit(self, req: Request) -> bool:
         """Give the request a slot and cache room, resuming from the longest retained prefix of its prompt;
