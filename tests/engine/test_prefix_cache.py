@@ -169,6 +169,17 @@ def test_stride_checkpoints_inside_a_chunk_cost_no_step(model):
     """Stride boundaries inside a prefill chunk keep their states instead of cutting it: a 100-token prompt
     (chunks of 64, stride 16) takes the two steps a cache-off engine takes to its first token, holds a
     checkpoint at every boundary, and a prompt departing after token 50 resumes at 48 with cache-off tokens."""
+    _check_strides_inside(model)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_stride_checkpoints_inside_a_chunk_on_cuda(request):
+    """The same through fla's kernels (the kept prefixes ride as more sequences of the delta-rule call)."""
+    _check_strides_inside(hf2q.load(request.getfixturevalue("gguf_dense_f32"), device="cuda"))
+
+
+def _check_strides_inside(model) -> None:
     prompt = list(range(5000, 5100))
     other = prompt[:50] + [7, 8, 9]
     want = run(make_engine(model, prefix_bytes=0), {"a": (prompt, GREEDY, None), "b": (other, GREEDY, None)})
