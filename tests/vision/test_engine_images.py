@@ -85,8 +85,8 @@ def test_queued_request_waits_only_for_a_checkpoint_of_its_own_image(dense_vl):
     engine.step()  # the first 8 prompt tokens; the image's pad rows are still ahead
     same = engine.add_request(ids, params, "same", RequestOptions(images=(a,)))
     other = engine.add_request(ids, params, "other", RequestOptions(images=(b,)))
-    assert engine.scheduler._awaits_checkpoint(same)
-    assert not engine.scheduler._awaits_checkpoint(other)
+    assert engine.scheduler._awaits_checkpoint(same, budget=64)
+    assert not engine.scheduler._awaits_checkpoint(other, budget=64)
 
 
 def test_bad_image_requests_are_refused(dense_vl):
