@@ -126,15 +126,18 @@ class Scheduler:
 
     def _strides_inside(self, req: Request) -> bool:
         """Whether the request's stride checkpoints come from inside chunks rather than cutting them (two steps
-        where one would do: a long prompt's first token came after twice the steps with the prefix cache on);
-        not where the rest of the prompt fits a prefill graph, as for the anchor."""
-        return (self.prefix is not None and self.stride > 0 and self.cache.keeps_states_inside_a_chunk
-                and req.num_tokens - req.num_computed > self.graphed_prefill_rows)
+        where one would do: a long prompt's first token came after twice the steps with the prefix cache on)."""
+        return self.stride > 0 and self._states_inside(req)
 
     def _keeps_inside(self, req: Request) -> bool:
-        """Whether the request's anchor checkpoint comes from inside a chunk rather than cutting it: not where
-        the rest of the prompt fits a prefill graph (two replays cost less than one eager step)."""
-        return (self.prefix is not None and req.anchor is not None and self.cache.keeps_states_inside_a_chunk
+        """Whether the request's anchor checkpoint comes from inside a chunk rather than cutting it."""
+        return req.anchor is not None and self._states_inside(req)
+
+    def _states_inside(self, req: Request) -> bool:
+        """Whether the forward may keep the request's checkpoint states inside its chunk: a prefix cache on a
+        cache that can, and not where the rest of the prompt fits a prefill graph (two replays cost less than
+        one eager step)."""
+        return (self.prefix is not None and self.cache.keeps_states_inside_a_chunk
                 and req.num_tokens - req.num_computed > self.graphed_prefill_rows)
 
     def _admit_user(self, req: Request) -> bool:
