@@ -159,7 +159,7 @@ def test_disk_budget_evicts_least_recently_used(tmp_path):
     assert len(PrefixStore(tmp_path / "s", int(2.5 * size), "fp")) == 2  # a restart reads the same index
 
 
-def test_serve_flags_reach_the_cache_config(model, tmp_path):
+def test_serve_flags_reach_the_cache_config(tmp_path):
     import argparse
 
     from hf2q.server.launch import add_serve_args, with_prefix_cache
@@ -167,9 +167,9 @@ def test_serve_flags_reach_the_cache_config(model, tmp_path):
     p = argparse.ArgumentParser()
     add_serve_args(p)
     args = p.parse_args(["--prefix-cache-dir", str(tmp_path), "--prefix-cache-disk-gb", "0.5"])
-    cc = with_prefix_cache(CacheConfig(), args, model, 1 << 20)
+    cc = with_prefix_cache(CacheConfig(), args, 1 << 20)
     assert cc.prefix_cache_dir == str(tmp_path) and cc.prefix_cache_disk_bytes == 1 << 29
-    assert with_prefix_cache(CacheConfig(), p.parse_args([]), model, 1 << 20).prefix_cache_dir is None
+    assert with_prefix_cache(CacheConfig(), p.parse_args([]), 1 << 20).prefix_cache_dir is None
 
 
 def test_a_full_disk_never_fails_a_request(model, cold, tmp_path, caplog, monkeypatch):

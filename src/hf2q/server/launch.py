@@ -307,7 +307,7 @@ def sized_engine_config(args, model, device, dtype, spec):
     limits = _limits(args, model, device, dtype, prefix_bytes)
     log.info("sized: %s", limits.why)
     args.max_num_seqs = limits.max_num_seqs
-    cache = with_prefix_cache(limits.cache, args, model, prefix_bytes)
+    cache = with_prefix_cache(limits.cache, args, prefix_bytes)
     sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                             prefill_chunk=args.prefill_chunk, max_waiting=args.max_waiting)
     return EngineConfig(max_model_len=limits.max_model_len, scheduler=sched, cache=cache, spec=spec,
@@ -332,7 +332,7 @@ def prefix_budget(args, device) -> int:
     return 1 << 30
 
 
-def with_prefix_cache(cache, args, model, nbytes: int):
+def with_prefix_cache(cache, args, nbytes: int):
     """The sized cache with the prefix cache's settings. Checkpoints keep their K/V in pool blocks no request
     holds (admission evicts checkpoints when a request needs the blocks) and their DeltaNet states in
     memory allocated as they are taken, which the budget bounds and the sizing left out of the pool."""
