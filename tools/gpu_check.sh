@@ -21,8 +21,9 @@
 # mtp" against the same file without the flag); peer: llama-server on the same file under the same load (the serve
 # stage's table's peer row); serve-ab: the serve stage's load at 1, 16 and 64 clients and 16 x 2048-token prompts
 # with the default flags, then with FLAGS_B (default --short-prefill-graphs), same GGUF, same run, each server's
-# threads sampled by py-spy (carried) throughout (OUT_DIR/spy_a.txt, spy_b.txt: py-spy's raw format); ttft: one served request's chunk timeline and the engine's
-# step times and profile for a 64-token prompt (tools/ttft_trace.py); kv: the compressed K/V kernels' tests and
+# threads sampled by py-spy (carried) throughout (OUT_DIR/spy_a.txt, spy_b.txt: py-spy's raw format); ttft: one
+# served request's chunk timeline and the engine's step times and profile for a 64-token prompt
+# (tools/ttft_trace.py); kv: the compressed K/V kernels' tests and
 # model-level GPU tests, the paged decode configurations over fp8 and tq8 rows, and bench.kv's formats at the 9B
 # shape; mtp: train the small Qwen3.5 with its MTP head for 5 minutes (tools/train_mtp.py; carry the test
 # tokenizer as .cache/qwen35_tokenizer.tgz; its DeltaNet delta rule is --gdn auto: fla's PyTorch chunked form where
@@ -45,6 +46,17 @@ healthy() {
   until curl -sf "http://127.0.0.1:$2/health" > /dev/null; do
     kill -0 "$1" 2> /dev/null || { tail -30 "$3"; exit 1; }; sleep 0.2; done; }
 bench() { python -m hf2q.bench --hf-new 0 "$@"; }
+# start LOG FLAGS...: hf2q serve on $model and $port (64 sequences) in the background ($pid), waited for until
+# /health is 200; prints how long that took and the load and warm-up lines
+start() {
+  local t0; t0=$(date +%s%N)
+  python -m hf2q.cli serve --model "$model" --port $port --max-num-seqs 64 --log-level info "${@:2}" > "$1" 2>&1 &
+  pid=$!
+  healthy $pid $port "$1"
+  echo "start to /health 200: $(( ($(date +%s%N) - t0) / 1000000 )) ms"
+  grep -e "loaded" -e "warmed" "$1" | cut -c1-160; }
+# load ARGS...: hf2q bench serve against the server started on $port
+load() { python -m hf2q.cli bench serve --url "http://127.0.0.1:$port" --no-progress "$@"; }
 # one CAP_S ARGS...: a batch-1 decode bench ended by its own cap, so one slow start does not take the rest
 one() { timeout "$1" python -m hf2q.bench --hf-new 0 --batch 1 --prefill 512 --new 48 "${@:2}" \
           2>&1 | grep -v -e Warning -e _warn_once; }
@@ -129,20 +141,11 @@ case "$stage" in
            | tee "$out/quant_mm_sweep.txt" ;;
   serve) mix=${MIX:-q4_k_m}; mtp=${MTP:+-mtp}; model=${MODEL_DIR:-/tmp}/hf2q-9b-$mix$mtp.gguf; port=8090
          [ -f "$model" ] || python tools/random_gguf.py --shape 9b --mix "$mix" ${MTP:+--mtp} -o "$model"
-         start() {  # start hf2q serve, wait for /health 200, print how long that took and the load/warm-up lines
-           t0=$(date +%s%N)
-           python -m hf2q.cli serve --model "$model" --port $port --max-num-seqs 64 --log-level info ${SERVE_FLAGS:-} \
-             > "$1" 2>&1 &
-           pid=$!
-           healthy $pid $port "$1"
-           echo "start to /health 200: $(( ($(date +%s%N) - t0) / 1000000 )) ms"
-           grep -e "loaded" -e "warmed" "$1" | cut -c1-160; }
-         load() { python -m hf2q.cli bench serve --url "http://127.0.0.1:$port" --no-progress "$@"; }
-         start "$out/serve_$mix.log"
+         start "$out/serve_$mix.log" ${SERVE_FLAGS:-}
          load --clients 1 4 16 64 --prompt-tokens 64 --max-tokens 256 --json "$out/serve_${mix}.json"
          load --clients 16 --prompt-tokens 2048 --max-tokens 64 --json "$out/serve_${mix}_16x2048.json"
          kill -INT $pid; wait $pid
-         start "$out/serve2_$mix.log"  # a second start: Triton's cache and the tune file are warm
+         start "$out/serve2_$mix.log" ${SERVE_FLAGS:-}  # a second start: Triton's cache and the tune file are warm
          load --clients 1 --prompt-tokens 64 --max-tokens 256
          kill -INT $pid; wait $pid ;;
   serve-ab)
@@ -150,17 +153,13 @@ case "$stage" in
          [ -f "$model" ] || python tools/random_gguf.py --shape 9b --mix q4_k_m -o "$model"
          for tag in a b; do
            flags=""; [ $tag = b ] && flags=${FLAGS_B:---short-prefill-graphs}
-           python -m hf2q.cli serve --model "$model" --port $port --max-num-seqs 64 $flags > "$out/serve_$tag.log" 2>&1 &
-           pid=$!
-           healthy $pid $port "$out/serve_$tag.log"
-           echo "## ${flags:-default flags}"; grep -e "warmed up" "$out/serve_$tag.log" | cut -c1-200
+           echo "## ${flags:-default flags}"
+           start "$out/serve_$tag.log" $flags
            spy=$(command -v py-spy || echo /tmp/site/bin/py-spy)
            "$spy" record -p $pid --threads --nonblocking -r 100 -f raw -o "$out/spy_$tag.txt" > /dev/null 2>&1 &
            spy_pid=$!
-           python -m hf2q.cli bench serve --url "http://127.0.0.1:$port" --no-progress --clients 1 16 64 \
-             --prompt-tokens 64 --max-tokens 256 --json "$out/ab_$tag.json"
-           python -m hf2q.cli bench serve --url "http://127.0.0.1:$port" --no-progress --clients 16 \
-             --prompt-tokens 2048 --max-tokens 64 | tail -1
+           load --clients 1 16 64 --prompt-tokens 64 --max-tokens 256 --json "$out/ab_$tag.json"
+           load --clients 16 --prompt-tokens 2048 --max-tokens 64 | tail -1
            kill -INT $spy_pid 2> /dev/null; wait $spy_pid
            kill -INT $pid; wait $pid
          done ;;
