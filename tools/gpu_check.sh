@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks behind BENCHMARKS.md, in stages that each fit a few minutes:
-#   tools/gpu_check.sh tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu|mm|serve|serve-ab|peer|ttft|kv|mtp|verify|matvec|prefix|warmup|soak|soak-start|soak-finish [OUT_DIR]
+#   tools/gpu_check.sh tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu|mm|serve|serve-ab|peer|ttft|kv|mtp|spec-serve|verify|matvec|prefix|warmup|soak|soak-start|soak-finish [OUT_DIR]
 # tests: every GPU-marked test (the quantized greedy-token test first) and the Triton kernel tests on the device;
 # quant: 9B Q4_K_M end to end and per projection; bf16: 9B and 2B; moe: 35B-A3B bf16 and Q4_K_M;
 # decode (bf16: 35B-A3B, 2B, 9B), decode-q (9B Q4_K_M) and decode-q-moe (35B-A3B Q4_K_M): batch-1
@@ -101,6 +101,32 @@ case "$stage" in
            --max-tokens 128 -- --max-num-seqs 4 > "$out/spec_q8.json"
          bench --shape 9b --batch 1 4 16 --spec-accept 0 1 2 3 --spec-k 3
          bench --shape 9b --quant q4_k_m --batch 1 4 16 --spec-accept 0 1 2 3 --spec-k 3 ;;
+  spec-serve) # issue 22 served: the mtp stage's trained model ($MTP_DIR) on its held-out prompts with speculation
+         # (the default, mtp+ngram) and off, at 1 stream (8 requests in turn) and 64; then a random-weight 9B Q4_K_M with
+         # an MTP head, whose drafts are never accepted, at 1 stream with --speculative mtp and off (the cost controller)
+         port=8090; dir=${MTP_DIR:-/tmp/hf2q-mtp}
+         python -c "import json, sys; kinds = json.load(open(sys.argv[1])).values(); \
+           print('\n'.join(json.dumps({'messages': [{'role': 'user', 'content': p['text']}]}) for k in kinds for p in k))" \
+           "$dir/heldout.json" > "$out/heldout.jsonl"
+         model=$dir/model-bf16.gguf
+         for spec in mtp+ngram off; do
+           echo "## trained model, --speculative $spec"
+           start "$out/serve_spec_$spec.log" --speculative $spec
+           load --dataset "$out/heldout.jsonl" --max-tokens 128 --clients 1 --requests-per-client 8 \
+             --json "$out/spec_serve_1_$spec.json"
+           load --dataset "$out/heldout.jsonl" --max-tokens 128 --clients 64 --json "$out/spec_serve_64_$spec.json"
+           curl -s "http://127.0.0.1:$port/metrics" | grep -e "^hf2q_spec_decode[a-z_]*_total" -e "^hf2q_spec_decode_acceptance_length_sum"
+           kill -INT $pid; wait $pid
+         done
+         [ "${SPEC_9B:-1}" = 0 ] && exit 0
+         model=${MODEL_DIR:-/tmp}/hf2q-9b-q4_k_m-mtp.gguf
+         [ -f "$model" ] || python tools/random_gguf.py --shape 9b --mix q4_k_m --mtp -o "$model"
+         for spec in mtp off; do
+           echo "## random-weight 9B Q4_K_M with MTP, --speculative $spec"
+           start "$out/serve_spec9b_$spec.log" --speculative $spec
+           load --clients 1 --requests-per-client 4 --prompt-tokens 64 --max-tokens 256 --json "$out/spec9b_$spec.json"
+           kill -INT $pid; wait $pid
+         done ;;
   verify) for quant in "--quant q4_k_m" ""; do
            timeout 270 python -m hf2q.bench --hf-new 0 --shape 9b $quant --batch 1 --prefill 512 --new 48 \
              --spec-accept 0 1 2 3 --spec-k 3 --profile-spec --json "$out/verify_9b${quant:+_q4_k_m}.json" 2>&1 \
