@@ -101,30 +101,35 @@ case "$stage" in
            --max-tokens 128 -- --max-num-seqs 4 > "$out/spec_q8.json"
          bench --shape 9b --batch 1 4 16 --spec-accept 0 1 2 3 --spec-k 3
          bench --shape 9b --quant q4_k_m --batch 1 4 16 --spec-accept 0 1 2 3 --spec-k 3 ;;
-  spec-serve) # issue 22 served: the mtp stage's trained model ($MTP_DIR) on its held-out prompts with speculation
-         # (the default, mtp+ngram) and off, at 1 stream (8 requests in turn) and 64; then a random-weight 9B Q4_K_M with
-         # an MTP head, whose drafts are never accepted, at 1 stream with --speculative mtp and off (the cost controller)
+  spec-serve) # issue 22 served: the mtp stage's trained model ($MTP_DIR, where it is) on its held-out prompts with
+         # speculation (mtp+ngram) and off, at 1 stream (8 requests in turn) and 64; then a random-weight 9B Q4_K_M with
+         # an MTP head, whose drafts are never accepted, with --speculative mtp and off at 1 stream (the cost
+         # controller's job) and 64 (the batch rule's)
          port=8090; dir=${MTP_DIR:-/tmp/hf2q-mtp}
-         python -c "import json, sys; kinds = json.load(open(sys.argv[1])).values(); \
-           print('\n'.join(json.dumps({'messages': [{'role': 'user', 'content': p['text']}]}) for k in kinds for p in k))" \
-           "$dir/heldout.json" > "$out/heldout.jsonl"
-         model=$dir/model-bf16.gguf
-         for spec in mtp+ngram off; do
-           echo "## trained model, --speculative $spec"
-           start "$out/serve_spec_$spec.log" --speculative $spec
-           load --dataset "$out/heldout.jsonl" --max-tokens 128 --clients 1 --requests-per-client 8 \
-             --json "$out/spec_serve_1_$spec.json"
-           load --dataset "$out/heldout.jsonl" --max-tokens 128 --clients 64 --json "$out/spec_serve_64_$spec.json"
-           curl -s "http://127.0.0.1:$port/metrics" | grep -e "^hf2q_spec_decode[a-z_]*_total" -e "^hf2q_spec_decode_acceptance_length_sum"
-           kill -INT $pid; wait $pid
-         done
+         if [ -f "$dir/heldout.json" ]; then
+           python -c "import json, sys; kinds = json.load(open(sys.argv[1])).values(); \
+             print('\n'.join(json.dumps({'messages': [{'role': 'user', 'content': p['text']}]}) for k in kinds for p in k))" \
+             "$dir/heldout.json" > "$out/heldout.jsonl"
+           model=$dir/model-bf16.gguf
+           for spec in mtp+ngram off; do
+             echo "## trained model, --speculative $spec"
+             start "$out/serve_spec_$spec.log" --speculative $spec
+             load --dataset "$out/heldout.jsonl" --max-tokens 128 --clients 1 --requests-per-client 8 \
+               --json "$out/spec_serve_1_$spec.json"
+             load --dataset "$out/heldout.jsonl" --max-tokens 128 --clients 64 --json "$out/spec_serve_64_$spec.json"
+             curl -s "http://127.0.0.1:$port/metrics" | grep -e "^hf2q_spec_decode[a-z_]*_total" -e "^hf2q_spec_decode_acceptance_length_sum"
+             kill -INT $pid; wait $pid
+           done
+         fi
          [ "${SPEC_9B:-1}" = 0 ] && exit 0
          model=${MODEL_DIR:-/tmp}/hf2q-9b-q4_k_m-mtp.gguf
-         [ -f "$model" ] || python tools/random_gguf.py --shape 9b --mix q4_k_m --mtp -o "$model"
+         [ -f "$model" ] || python tools/random_gguf.py --shape 9b --mix q4_k_m --mtp -o "$model" > /dev/null
          for spec in mtp off; do
            echo "## random-weight 9B Q4_K_M with MTP, --speculative $spec"
            start "$out/serve_spec9b_$spec.log" --speculative $spec
-           load --clients 1 --requests-per-client 4 --prompt-tokens 64 --max-tokens 256 --json "$out/spec9b_$spec.json"
+           load --clients 1 --requests-per-client 4 --prompt-tokens 64 --max-tokens 256 --json "$out/spec9b_1_$spec.json"
+           load --clients 64 --prompt-tokens 64 --max-tokens 256 --json "$out/spec9b_64_$spec.json"
+           curl -s "http://127.0.0.1:$port/metrics" | grep -e "^hf2q_spec_decode[a-z_]*_total" -e "^hf2q_spec_decode_acceptance_length_sum"
            kill -INT $pid; wait $pid
          done ;;
   verify) for quant in "--quant q4_k_m" ""; do
