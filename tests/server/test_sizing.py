@@ -29,17 +29,20 @@ def test_cuda_pool_from_free_memory_and_the_model_context_by_default():
 
 
 def test_states_the_verify_graphs_hold_come_out_of_the_pool():
-    """With --short-prefill-graphs and --speculative the verify graphs hold 3 DeltaNet states per request of up to
-    --spec-max-batch besides the slots: the pool is that much smaller, and without both flags it is not."""
+    """With --speculative on CUDA the verify graphs hold 3 DeltaNet states per request of up to --spec-max-batch
+    besides the slots: the pool is that much smaller; without speculation, or off CUDA, it is not."""
     import argparse
+
+    import torch
 
     from hf2q.cache.hybrid import state_bytes_per_slot
     from hf2q.server.launch import verify_graph_states
 
-    args = argparse.Namespace(short_prefill_graphs=True, speculative="ngram", spec_max_batch=8)
-    assert verify_graph_states(args) == 24
-    assert verify_graph_states(argparse.Namespace(short_prefill_graphs=False, speculative="ngram")) == 0
-    assert verify_graph_states(argparse.Namespace(short_prefill_graphs=True, speculative="off")) == 0
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    args = argparse.Namespace(speculative="ngram", spec_max_batch=8)
+    assert verify_graph_states(args, cuda) == 24
+    assert verify_graph_states(args, cpu) == 0
+    assert verify_graph_states(argparse.Namespace(speculative="off", spec_max_batch=8), cuda) == 0
     free = dict(free_bytes=20 * GIB, total_bytes=40 * GIB)
     plain = choose(CFG, "cuda", "bfloat16", 4, None, **free).cache.num_blocks
     held = choose(CFG, "cuda", "bfloat16", 4, None, held_states=24, **free).cache.num_blocks

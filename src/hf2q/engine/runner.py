@@ -4,8 +4,8 @@ On CUDA a batch of pure decode rows (one new token per request, each then sample
 too, its token rotated by index + delta) replays a captured CUDA graph of its batch-size bucket (captured on
 first use); with `short_prefill_graphs`, so does a small step with prefill rows (up to 127 rows over up to 64
 requests, hf2q.engine.prefill_graphs); every other batch, and every batch on CPU, runs eagerly.
-A speculating request (drafts after its known tokens, see hf2q.spec) runs eagerly too, or with
-`short_prefill_graphs` in a verify graph of up to `verify_seqs` requests; its draft rows' logits and the
+A speculating request (drafts after its known tokens, see hf2q.spec) replays a verify graph on CUDA where
+the step has up to `verify_seqs` requests (else it runs eagerly); its draft rows' logits and the
 DeltaNet state after each of its positions go to its `Verify`, and its cache and `num_computed` are settled
 by the engine once it has decided.
 With the MTP proposer each request keeps its rows of the forward's hidden states (`extras["mtp_rows"]`, a
@@ -46,7 +46,7 @@ class ModelRunner:
         self.graphs = None  # DecodeGraphs, made on the first decode batch (it holds one padding slot)
         self.short_prefill_graphs = short_prefill_graphs  # small prefill steps replay graphs too, where graphs run
         self.prefill_graphs = None  # PrefillGraphs, made on the first such step (on the decode graphs' padding)
-        # with short_prefill_graphs, steps with drafts of up to this many requests replay verify graphs too
+        # steps with drafts of up to this many requests replay verify graphs (0: no speculation)
         self.verify_seqs = verify_seqs
         self.verify_graphs = None
         # the most sequences a step holds (the scheduler's max_num_seqs): a prefill graph has room for no more
@@ -173,7 +173,7 @@ class ModelRunner:
         `verify_seqs` requests and 3 drafts each): the logits of each request's drafts and the row before
         them, and its DeltaNet states after each of those rows (hf2q.spec.states.KeptPositions, read by the
         engine's settle before the next step). None where no graph serves it, as `_run_prefill_graph`."""
-        if not (self.use_graphs and self.short_prefill_graphs and self.verify_seqs) or len(scheduled) > self.verify_seqs:
+        if not (self.use_graphs and self.verify_seqs) or len(scheduled) > self.verify_seqs:
             return None
         drafts = [drafts_in(req, n) for req, n in scheduled]
         if not any(drafts) or any(d and n > POSITIONS for (_, n), d in zip(scheduled, drafts)):
@@ -228,7 +228,7 @@ class ModelRunner:
     def mtp_graphs(self, k: int):
         """The MTP head's draft graphs for k drafts (hf2q.spec.mtp_graphs), made on first use, where verify steps
         replay graphs; else None."""
-        if not (self.use_graphs and self.short_prefill_graphs and self.verify_seqs):
+        if not (self.use_graphs and self.verify_seqs):
             return None
         if self.mtp_draft_graphs is None:
             decode = self._decode_graphs()
@@ -350,7 +350,7 @@ class ModelRunner:
             prefill = self._prefill_graphs() if self.short_prefill_graphs else None
             if prefill is not None:
                 prefill.capture()
-            verify = self._verify_graphs() if self.short_prefill_graphs and self.verify_seqs else None
+            verify = self._verify_graphs() if self.verify_seqs else None
             if verify is not None:
                 verify.capture()
         if self.device.type == "cuda":

@@ -177,15 +177,15 @@ def _limits(args, model, device, dtype, prefix_bytes: int = 0):
     max_len = min(args.max_model_len, model.config.context_length) if args.max_model_len else None
     kv_format = kv_cache_format(getattr(args, "kv_cache_dtype", "auto"), dtype_name(dtype))
     return choose(model.config, device.type, kv_format, args.max_num_seqs, max_len, free, total,
-                  held_states=verify_graph_states(args))
+                  held_states=verify_graph_states(args, device))
 
 
-def verify_graph_states(args) -> int:
+def verify_graph_states(args, device) -> int:
     """DeltaNet states the verify graphs hold besides the slots (hf2q.spec.states.KeptPositions): with
-    --short-prefill-graphs and --speculative, PREFIXES per request of up to --spec-max-batch."""
+    --speculative on CUDA, PREFIXES per request of up to --spec-max-batch."""
     from hf2q.spec.states import PREFIXES
 
-    if not getattr(args, "short_prefill_graphs", False) or getattr(args, "speculative", "off") == "off":
+    if getattr(args, "speculative", "off") == "off" or device.type != "cuda":
         return 0
     return PREFIXES * args.spec_max_batch
 

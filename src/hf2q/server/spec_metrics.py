@@ -27,8 +27,11 @@ class SpecMetrics:
                                    "Accepted draft tokens by proposer", labels, registry=r)
         self.disabled = Counter("hf2q_spec_decode_cost_disabled",
                                 "Requests whose proposer the cost control switched off", labels, registry=r)
+        self.batch_disabled = Counter("hf2q_spec_decode_batch_disabled",
+                                      "Requests whose MTP head went off in a batch too large to draft", registry=r)
         self._hist: list[int] = []
         self._totals = (0, 0, 0)
+        self._batch_disabled = 0
         self._by: dict[str, tuple[int, ...]] = {}
 
     def observe(self, stats) -> None:
@@ -54,3 +57,6 @@ class SpecMetrics:
                 if new > was:
                     counter.labels(proposer=name).inc(new - was)
             self._by[name] = now
+        if stats.batch_disabled > self._batch_disabled:
+            self.batch_disabled.inc(stats.batch_disabled - self._batch_disabled)
+        self._batch_disabled = stats.batch_disabled

@@ -48,6 +48,7 @@ class SpecStats:
     by_proposer: dict[str, list[int]] = field(  # proposer -> [rounds, drafted, accepted]
         default_factory=lambda: {name: [0, 0, 0] for name in PROPOSERS})
     cost_disabled: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PROPOSERS, 0))  # requests
+    batch_disabled: int = 0  # requests whose MTP head went off in a batch too large to draft
 
     @property
     def acceptance_rate(self) -> float:
@@ -57,7 +58,8 @@ class SpecStats:
 class Speculator:
     """Drafts for the running requests, and the cost control that decides who may draft (hf2q.spec.cost):
     each request has a controller per proposer, fed with the step times this engine measures; no request
-    drafts while `max_batch` or more requests decode (a large batch is already compute-bound)."""
+    drafts while `max_batch` or more requests decode (a large batch is already compute-bound), and the MTP head
+    goes off for good for the requests of such a batch (`_batch_off`)."""
 
     def __init__(self, config: SpecConfig, cache: HybridCache, net=None,
                  clock: Callable[[], float] = time.perf_counter):
@@ -86,6 +88,8 @@ class Speculator:
             req.draft_ids = []
             if not req.finished and "cost" not in req.extras:  # built once per request, not every step
                 req.extras["cost"] = {name: CostController(self.config.cost_window) for name in PROPOSERS}
+        if self.mtp is not None and not small:
+            self._batch_off(live)
         by_mtp = []  # (request, k) the head drafts for, all at once
         for req in live:
             costs = req.extras["cost"]
@@ -102,6 +106,17 @@ class Speculator:
             drafted = self.mtp.catch_up_and_draft([req for req in live if req.extras["cost"]["mtp"].enabled], by_mtp)
             for req, k in by_mtp:
                 req.draft_ids = drafted[req.request_id][:k]
+
+    def _batch_off(self, reqs: list[Request]) -> None:
+        """A batch of `max_batch` or more drafts nothing, and keeping the MTP head in step would cost every
+        step a head forward over every row (at 64 streams that halved the output rate on an H100): the head is
+        off for the rest of these requests, as when its cost control turns it off; n-gram drafts are unaffected."""
+        for req in reqs:
+            mtp = req.extras["cost"]["mtp"]
+            if mtp.enabled:
+                mtp.enabled = False
+                req.extras.pop("mtp_rows", None)
+                self.stats.batch_disabled += 1
 
     def catch_up_queued(self, reqs: list[Request], next_ids: torch.Tensor) -> None:
         """Before a decode step of `reqs` is queued ahead of the host (async scheduling, where nobody drafts):
