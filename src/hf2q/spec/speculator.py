@@ -69,7 +69,7 @@ class Speculator:
         self.stats = SpecStats(accepted_hist=[0] * (config.num_tokens + 1))
         self.mtp = MTPProposer(net, cache) if "mtp" in config.method else None
         self.ngram = "ngram" in config.method
-        self._step_start, self._decoding, self._rounds = 0.0, set(), {}
+        self._step_start, self._decoding, self._first_decode, self._rounds = 0.0, set(), set(), {}
 
     def new_proposer(self) -> Proposer:
         return NgramProposer(self.config.ngram_min, self.config.ngram_max)
@@ -82,6 +82,7 @@ class Speculator:
         Also starts the step's clock."""
         self._step_start, self._rounds = self.clock(), {}
         self._decoding = {id(r) for r in running if r.output_ids and not r.finished}
+        self._first_decode = {id(r) for r in running if len(r.output_ids) == 1 and not r.finished}
         small = len(self._decoding) < self.config.max_batch
         live = [req for req in running if not req.finished]
         for req in running:
@@ -133,7 +134,9 @@ class Speculator:
 
     def observe_step(self, sampled: list[Request]) -> None:
         """Feed the step's time (taken once the device is done) to the cost controllers of the requests that
-        decoded in it: a round for the proposer that drafted, a plain step for both otherwise."""
+        decoded in it: a round for the proposer that drafted, a plain step for both otherwise. A request's first
+        decode step is no baseline: it carries one-off work (the MTP head's catch-up over the whole prompt), and
+        on an H100 a baseline that included it kept a head whose drafts were never accepted drafting."""
         if self.cache.device.type == "cuda":
             torch.cuda.synchronize(self.cache.device)
         elapsed = self.clock() - self._step_start
@@ -143,6 +146,8 @@ class Speculator:
             costs = req.extras["cost"]
             tokens = self._rounds.get(id(req))
             if tokens is None:
+                if id(req) in self._first_decode:
+                    continue
                 for cost in costs.values():
                     cost.observe_plain(elapsed)
             else:
