@@ -217,8 +217,8 @@ case "$stage" in
          kill $pid; wait $pid ;;
   warmup) # where a start's warm-up goes: hf2q serve under cProfile until /health says 200, then Ctrl-C; the
          # functions with the most cumulative and own time (main thread; compiles run in worker threads)
-         model=${MODEL_DIR:-/tmp}/hf2q-9b-${MIX:-q4_k_m}.gguf; port=8090
-         [ -f "$model" ] || python tools/random_gguf.py --shape 9b --mix "${MIX:-q4_k_m}" -o "$model"
+         shape=${SHAPE:-9b}; model=${MODEL_DIR:-/tmp}/hf2q-$shape-${MIX:-q4_k_m}.gguf; port=8090
+         [ -f "$model" ] || python tools/random_gguf.py --shape $shape --mix "${MIX:-q4_k_m}" -o "$model" > /dev/null
          python -m cProfile -o "$out/warmup.prof" -m hf2q.cli serve --model "$model" --port $port \
            --max-num-seqs ${MAX_NUM_SEQS:-64} --log-level info ${SERVE_FLAGS:-} > "$out/serve_warmup.log" 2>&1 &
          pid=$!
