@@ -9,7 +9,8 @@ then every prompt of each kind in the prompts file (`tools/train_mtp.py` writes 
 stdlib code and pydoc prose) is decoded greedily at batch 1. Per kind and mode: the mean acceptance length
 (accepted drafts + 1 per verify round), rounds, drafts and acceptances per proposer, tokens per decode step,
 decode tok/s (after each request's first token), its speed-up over `off` and whether every output equals
-`off`'s token for token (and the start of one plain output, to tell real text from repetition). JSON on
+`off`'s token for token (where one does not: its first differing position and the plain logits' top-2 gap there),
+and the start of one plain output, to tell real text from repetition. JSON on
 stdout; exit status 1 when any output differs.
 """
 from __future__ import annotations
@@ -87,6 +88,16 @@ def run_mode(engine, prompts: list[list[int]], max_tokens: int, sync) -> dict:
     return row, outputs
 
 
+def divergence(model, prompt: list[int], got: list[int], plain: list[int]) -> dict:
+    """Where an output parts from plain decoding's: the first differing position, both tokens, and the gap
+    between the two largest logits a cache-free forward over the prompt and the plain tokens before it gives
+    there (a gap near zero is a near-tie that other kernels' rounding can flip; a wide one is a defect)."""
+    at = next((i for i, (a, b) in enumerate(zip(got, plain)) if a != b), min(len(got), len(plain)))
+    top = model.net.logits(prompt + plain[:at])[-1].topk(2).values.tolist()
+    return {"position": at, "token": got[at] if at < len(got) else None,
+            "plain_token": plain[at] if at < len(plain) else None, "top2_gap": round(top[0] - top[1], 4)}
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     serve_flags = argv[argv.index("--") + 1:] if "--" in argv else []
@@ -125,6 +136,9 @@ def main(argv=None) -> int:
             else:
                 same = [o == r for o, r in zip(outputs, table["_reference"])]
                 row["identical"] = all(same)
+                row["first_differences"] = [divergence(model, prompt, out, ref)
+                                            for prompt, out, ref, ok in zip(ids, outputs, table["_reference"], same)
+                                            if not ok]
                 plain = table["off"]["decode_tok_s"]
                 row["speedup"] = round(row["decode_tok_s"] / plain, 3) if plain and row["decode_tok_s"] else None
                 mismatches += same.count(False)

@@ -77,6 +77,12 @@ def test_train_write_load_and_speculate(train_mtp, tmp_path, capsys):
         assert report["kinds"][kind]["sample"]  # the start of the plain output, as text
         row = report["kinds"][kind]["mtp+ngram k=2"]
         assert row["identical"] and row["by_proposer"]["mtp"]["rounds"] > 0  # the head drafted, the engine verified
+        assert row["first_differences"] == []
+    plain = [int(t) for t in loaded.net.logits(ids).argmax(-1)[-1:]] + [5, 6]
+    got = plain[:1] + [7, 6]
+    gap = spec_eval.divergence(loaded, ids, got, plain)
+    top = loaded.net.logits(ids + plain[:1])[-1].topk(2).values
+    assert gap == {"position": 1, "token": 7, "plain_token": 5, "top2_gap": round(float(top[0] - top[1]), 4)}
 
 
 @pytest.fixture(scope="module")
