@@ -121,6 +121,28 @@ def test_head_is_off_for_requests_of_a_batch_too_large_to_draft(model, overlap):
     assert (engine.steps_queued_ahead > 0) == overlap
 
 
+def test_a_queued_step_of_a_large_batch_turns_the_head_off():
+    """A batch may reach `max_batch` in steps queued ahead, where `propose` does not run: the queued catch-up
+    turns the head off for those requests instead of running it; below `max_batch` the head catches up."""
+    from hf2q.spec.cost import CostController
+    from hf2q.spec.speculator import Speculator
+
+    spec = Speculator(SpecConfig(method="ngram", max_batch=2), cache=None)
+    caught_up = []
+    spec.mtp = SimpleNamespace(catch_up_queued=lambda reqs, ids: caught_up.append(len(reqs)))
+
+    def requests(n):
+        return [SimpleNamespace(extras={"cost": {"mtp": CostController(), "ngram": CostController()}})
+                for _ in range(n)]
+
+    large, small = requests(2), requests(1)
+    spec.catch_up_queued(large, torch.zeros(2, dtype=torch.long))
+    assert not caught_up and spec.stats.batch_disabled == 2
+    assert not any(req.extras["cost"]["mtp"].enabled for req in large)
+    spec.catch_up_queued(small, torch.zeros(1, dtype=torch.long))
+    assert caught_up == [1] and small[0].extras["cost"]["mtp"].enabled
+
+
 def test_head_catches_up_on_graph_replays(model):
     """The verify steps, the head's catch-up and drafts and the decode steps replay graphs (on the CPU their
     stand-in, on the vectorised path that their metadata is for): the drafts are the head's argmax over the

@@ -122,8 +122,13 @@ class Speculator:
     def catch_up_queued(self, reqs: list[Request], next_ids: torch.Tensor) -> None:
         """Before a decode step of `reqs` is queued ahead of the host (async scheduling, where nobody drafts):
         the MTP head takes their rows of the step before it, fed that step's tokens still on the device
-        (`next_ids`), so its K/V stays in step with the target's for when drafting resumes."""
+        (`next_ids`), so its K/V stays in step with the target's for when drafting resumes. A step of `max_batch`
+        or more requests turns the head off for them instead (`_batch_off`): a batch can grow that large in steps
+        that are queued ahead, with no `propose` in between."""
         if self.mtp is None:
+            return
+        if len(reqs) >= self.config.max_batch:  # a batch that drafts nothing: the head goes off, as in `propose`
+            self._batch_off([req for req in reqs if "cost" in req.extras])
             return
         on = [i for i, req in enumerate(reqs) if "cost" not in req.extras or req.extras["cost"]["mtp"].enabled]
         if len(on) < len(reqs):
