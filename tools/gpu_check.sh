@@ -25,20 +25,21 @@
 # served request's chunk timeline and the engine's step times and profile for a 64-token prompt
 # (tools/ttft_trace.py); kv: the compressed K/V kernels' tests and
 # model-level GPU tests, the paged decode configurations over fp8 and tq8 rows, and bench.kv's formats at the 9B
-# shape; mtp: train the small Qwen3.5 with its MTP head for 5 minutes (tools/train_mtp.py; carry the test
-# tokenizer as .cache/qwen35_tokenizer.tgz; its DeltaNet delta rule is --gdn auto: fla's PyTorch chunked form where
-# fla refuses its gated Triton backward (Hopper with Triton < 3.7.1), train.json's "gdn" says which ran; steps per
-# minute on that path are not measured yet), its acceptance and speed-up on held-out code and prose
-# (tools/spec_eval.py), and the forced-acceptance verify-cost curves; verify: those curves alone at batch 1 (9B
+# shape; mtp: train the small Qwen3.5 with its MTP head for MINUTES (5) minutes into MTP_DIR (tools/train_mtp.py;
+# carry the test tokenizer as .cache/qwen35_tokenizer.tgz; its DeltaNet delta rule is --gdn auto: fla's PyTorch chunked
+# form where fla refuses its gated Triton backward (Hopper with Triton < 3.7.1), train.json's "gdn" says which ran),
+# then its acceptance and speed-up on held-out code and prose at K (3) drafts (tools/spec_eval.py); spec-serve: that
+# model served with speculation and without at 1 and 64 streams, then a random 9B with an MTP head (SPEC_9B=0 skips
+# it); verify: the forced-acceptance verify-cost curves at batch 1 (9B
 # Q4_K_M, then bf16), each in a time cap of its own, with the profile of a plain step and an L = 3 round; matvec: the int8 mat-vec at 1, 2 and 4 rows per 9B Q4_K_M
 # projection, every candidate timed (the served default) and then the first candidates (HF2Q_GEMV_TUNE=0); prefix: a follow-up turn over an
 # 8,000-token shared history, served with the prefix cache and without; warmup: one start of hf2q serve under
-# cProfile (the warm-up's top functions); soak: 64 streaming clients against a served
+# cProfile (the warm-up's top functions) on a random SHAPE (9b) model; soak: 64 streaming clients against a served
 # 9B Q4_K_M for SOAK_S seconds, RSS and GPU memory sampled (tools/soak.py); soak-start and soak-finish: the same
 # for SOAK_S (600) seconds over two chained calls. Figures also go to OUT_DIR/*.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?stage: tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu|mm|serve|serve-ab|peer|ttft|kv|mtp|verify|matvec|prefix|warmup|soak|soak-start|soak-finish}
+stage=${1:?stage: tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu|mm|serve|serve-ab|peer|ttft|kv|mtp|spec-serve|verify|matvec|prefix|warmup|soak|soak-start|soak-finish}
 out=${2:-.}
 mkdir -p "$out"
 # healthy PID PORT LOG: wait until the server on PORT answers /health with 200; if PID ends first, LOG's tail, exit 1
@@ -57,6 +58,9 @@ start() {
   grep -e "loaded" -e "warmed" "$1" | cut -c1-160; }
 # load ARGS...: hf2q bench serve against the server started on $port
 load() { python -m hf2q.cli bench serve --url "http://127.0.0.1:$port" --no-progress "$@"; }
+# spec_counts: the speculation counters of the server on $port (totals and the acceptance-length sum)
+spec_counts() { curl -s "http://127.0.0.1:$port/metrics" \
+  | grep -e "^hf2q_spec_decode[a-z_]*_total" -e "^hf2q_spec_decode_acceptance_length_sum"; }
 # one CAP_S ARGS...: a batch-1 decode bench ended by its own cap, so one slow start does not take the rest
 one() { timeout "$1" python -m hf2q.bench --hf-new 0 --batch 1 --prefill 512 --new 48 "${@:2}" \
           2>&1 | grep -v -e Warning -e _warn_once; }
@@ -114,7 +118,7 @@ case "$stage" in
              load --dataset "$out/heldout.jsonl" --max-tokens 128 --clients 1 --requests-per-client 8 \
                --json "$out/spec_serve_1_$spec.json"
              load --dataset "$out/heldout.jsonl" --max-tokens 128 --clients 64 --json "$out/spec_serve_64_$spec.json"
-             curl -s "http://127.0.0.1:$port/metrics" | grep -e "^hf2q_spec_decode[a-z_]*_total" -e "^hf2q_spec_decode_acceptance_length_sum"
+             spec_counts
              kill -INT $pid; wait $pid
            done
          fi
@@ -126,7 +130,7 @@ case "$stage" in
            start "$out/serve_spec9b_$spec.log" --speculative $spec
            load --clients 1 --requests-per-client 4 --prompt-tokens 64 --max-tokens 256 --json "$out/spec9b_1_$spec.json"
            load --clients 64 --prompt-tokens 64 --max-tokens 256 --json "$out/spec9b_64_$spec.json"
-           curl -s "http://127.0.0.1:$port/metrics" | grep -e "^hf2q_spec_decode[a-z_]*_total" -e "^hf2q_spec_decode_acceptance_length_sum"
+           spec_counts
            kill -INT $pid; wait $pid
          done ;;
   verify) for quant in "--quant q4_k_m" ""; do
