@@ -69,7 +69,7 @@ class Speculator:
         self.stats = SpecStats(accepted_hist=[0] * (config.num_tokens + 1))
         self.mtp = MTPProposer(net, cache) if "mtp" in config.method else None
         self.ngram = "ngram" in config.method
-        self._step_start, self._decoding, self._first_decode, self._rounds = 0.0, set(), set(), {}
+        self._step_start, self._decoding, self._rounds = 0.0, {}, {}
 
     def new_proposer(self) -> Proposer:
         return NgramProposer(self.config.ngram_min, self.config.ngram_max)
@@ -81,8 +81,8 @@ class Speculator:
         the MTP head drafts; the head sees every forward either way while it is on, to keep its K/V in step.
         Also starts the step's clock."""
         self._step_start, self._rounds = self.clock(), {}
-        self._decoding = {id(r) for r in running if r.output_ids and not r.finished}
-        self._first_decode = {id(r) for r in running if len(r.output_ids) == 1 and not r.finished}
+        # the decoding requests (id -> whether this is their first decode step)
+        self._decoding = {id(r): len(r.output_ids) == 1 for r in running if r.output_ids and not r.finished}
         small = len(self._decoding) < self.config.max_batch
         live = [req for req in running if not req.finished]
         for req in running:
@@ -151,8 +151,8 @@ class Speculator:
             costs = req.extras["cost"]
             tokens = self._rounds.get(id(req))
             if tokens is None:
-                if id(req) in self._first_decode:
-                    continue
+                if self._decoding[id(req)]:
+                    continue  # its first decode step: no baseline
                 for cost in costs.values():
                     cost.observe_plain(elapsed)
             else:
