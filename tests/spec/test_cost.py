@@ -133,3 +133,52 @@ def test_no_speculation_in_a_large_batch(model):
         engine = speculating(model, verify=0.008, max_batch=max_batch)
         run(engine, [PROMPT, PROMPT[1:]], max_tokens=7)
         assert engine.spec.stats.rounds == rounds, max_batch
+
+
+def test_a_proposer_that_lost_for_the_requests_before_starts_off(model):
+    """Four requests in a row turn a losing proposer off: later requests start with it off, but for one in
+    PROBE_EVERY, which tries it; a window that probe wins lets the next requests draft again."""
+    from hf2q.spec.speculator import PROBE_EVERY, STREAK_TO_START_OFF
+
+    engine = speculating(model, verify=0.050)
+    stats, window = engine.spec.stats, CostController().window
+    for _ in range(STREAK_TO_START_OFF):
+        run(engine, [PROMPT])
+    assert stats.cost_disabled["ngram"] == STREAK_TO_START_OFF and stats.rounds == STREAK_TO_START_OFF * 2 * window
+    for _ in range(PROBE_EVERY - 1):
+        (req,) = run(engine, [PROMPT])
+        assert not req.extras["cost"]["ngram"].enabled
+    assert stats.started_off["ngram"] == PROBE_EVERY - 1 and stats.rounds == STREAK_TO_START_OFF * 2 * window
+    engine.spec.clock.verify = 0.008  # the probe's rounds gain
+    (probe,) = run(engine, [PROMPT])
+    assert probe.extras["cost"]["ngram"].enabled and stats.rounds > STREAK_TO_START_OFF * 2 * window
+    rounds = stats.rounds
+    (req,) = run(engine, [PROMPT])
+    assert req.extras["cost"]["ngram"].enabled and stats.rounds > rounds
+
+
+def test_the_heads_catch_up_in_a_plain_step_is_no_baseline(model):
+    """With the MTP head on, a plain step also runs the head's catch-up (eager, 40 ms here), which plain
+    decoding with the head off does not pay: 35-ms rounds must lose against the 10-ms plain step, not win
+    against 50 ms."""
+    engine = Engine(model, EngineConfig(
+        max_model_len=128, spec=SpecConfig(method="mtp", num_tokens=3),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, prefill_chunk=32),
+        cache=CacheConfig(num_slots=8, num_blocks=128, block_size=8)))
+    spec, now = engine.spec, [0.0]
+    spec.clock = lambda: now[0]
+    head, observe = spec.mtp.catch_up_and_draft, spec.observe_step
+
+    def catch_up_and_draft(reqs, wanted):
+        if reqs and not wanted:
+            now[0] += 0.040
+        return head(reqs, wanted)
+
+    def observe_step(sampled):
+        now[0] += 0.035 if any(r.draft_ids for r in engine.scheduler.running) else 0.010
+        return observe(sampled)
+
+    spec.mtp.catch_up_and_draft, spec.observe_step = catch_up_and_draft, observe_step
+    (req,) = run(engine, [PROMPT], max_tokens=40)
+    assert not req.extras["cost"]["mtp"].enabled
+    assert spec.stats.rounds == 2 * CostController().window

@@ -27,6 +27,9 @@ class SpecMetrics:
                                    "Accepted draft tokens by proposer", labels, registry=r)
         self.disabled = Counter("hf2q_spec_decode_cost_disabled",
                                 "Requests whose proposer the cost control switched off", labels, registry=r)
+        self.started_off = Counter("hf2q_spec_decode_started_off",
+                                   "Requests that started with a proposer off, the cost control having turned it "
+                                   "off for the requests before them", labels, registry=r)
         self.batch_disabled = Counter("hf2q_spec_decode_batch_disabled",
                                       "Requests whose MTP head went off in a batch too large to draft", registry=r)
         self._hist: list[int] = []
@@ -50,10 +53,10 @@ class SpecMetrics:
                     self.per_pos.labels(position=str(pos)).inc(new - old)
         self._hist = hist
         for name, counts in stats.by_proposer.items():
-            now = (*counts, stats.cost_disabled.get(name, 0))
+            now = (*counts, stats.cost_disabled.get(name, 0), stats.started_off.get(name, 0))
             old = self._by.get(name, (0,) * len(now))
-            for counter, new, was in zip((self.by_drafts, self.by_draft_tokens, self.by_accepted, self.disabled),
-                                         now, old):
+            for counter, new, was in zip((self.by_drafts, self.by_draft_tokens, self.by_accepted, self.disabled,
+                                          self.started_off), now, old):
                 if new > was:
                     counter.labels(proposer=name).inc(new - was)
             self._by[name] = now

@@ -20,6 +20,7 @@ class CostController:
         self._plain_total, self._plain_steps = 0.0, 0  # the baseline: every timed plain step
         self._rounds, self._spec_time, self._plain_equivalent = 0, 0.0, 0.0  # the open window
         self._losing_windows = 0
+        self.windows_won = 0  # windows that showed a gain (the speculator's memory across requests reads it)
 
     def may_speculate(self) -> bool:
         """On, and a plain step has been timed (no baseline, no judgement: the first decode step is plain)."""
@@ -44,5 +45,6 @@ class CostController:
                 self.enabled = self._losing_windows < self.patience
             else:
                 self._losing_windows = 0
+                self.windows_won += 1
             self._rounds, self._spec_time, self._plain_equivalent = 0, 0.0, 0.0
         return self.enabled

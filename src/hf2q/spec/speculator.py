@@ -37,6 +37,10 @@ class Verify:
 
 
 PROPOSERS = ("ngram", "mtp")
+# A proposer the cost control turned off for this many requests in a row, with no window won since, starts
+# off for new requests, but for one new request in PROBE_EVERY, which tries it as the cost control says.
+STREAK_TO_START_OFF = 4
+PROBE_EVERY = 8
 
 
 @dataclass
@@ -49,6 +53,7 @@ class SpecStats:
         default_factory=lambda: {name: [0, 0, 0] for name in PROPOSERS})
     cost_disabled: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PROPOSERS, 0))  # requests
     batch_disabled: int = 0  # requests whose MTP head went off in a batch too large to draft
+    started_off: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PROPOSERS, 0))  # requests
 
     @property
     def acceptance_rate(self) -> float:
@@ -70,6 +75,9 @@ class Speculator:
         self.mtp = MTPProposer(net, cache) if "mtp" in config.method else None
         self.ngram = "ngram" in config.method
         self._step_start, self._decoding, self._rounds = 0.0, {}, {}
+        self._head_s = 0.0  # this step's MTP head work when nobody drafts with it: no part of a plain step
+        self._losing_streak = dict.fromkeys(PROPOSERS, 0)  # requests in a row whose proposer the control turned off
+        self._since_losing = dict.fromkeys(PROPOSERS, 0)  # new requests since the streak was reached
 
     def new_proposer(self) -> Proposer:
         return NgramProposer(self.config.ngram_min, self.config.ngram_max)
@@ -80,7 +88,7 @@ class Speculator:
         proposers, an n-gram match is taken first (a repeat of the history is the likelier guess), else
         the MTP head drafts; the head sees every forward either way while it is on, to keep its K/V in step.
         Also starts the step's clock."""
-        self._step_start, self._rounds = self.clock(), {}
+        self._step_start, self._rounds, self._head_s = self.clock(), {}, 0.0
         # the decoding requests (id -> whether this is their first decode step)
         self._decoding = {id(r): len(r.output_ids) == 1 for r in running if r.output_ids and not r.finished}
         small = len(self._decoding) < self.config.max_batch
@@ -88,7 +96,7 @@ class Speculator:
         for req in running:
             req.draft_ids = []
             if not req.finished and "cost" not in req.extras:  # built once per request, not every step
-                req.extras["cost"] = {name: CostController(self.config.cost_window) for name in PROPOSERS}
+                req.extras["cost"] = self._controllers()
         if self.mtp is not None and not small:
             self._batch_off(live)
         by_mtp = []  # (request, k) the head drafts for, all at once
@@ -104,9 +112,34 @@ class Speculator:
                     by_mtp.append((req, k))
             req.draft_ids = drafts[:k]
         if self.mtp is not None:  # the head catches up on every forward while it is on, drafting or not
-            drafted = self.mtp.catch_up_and_draft([req for req in live if req.extras["cost"]["mtp"].enabled], by_mtp)
+            heads = [req for req in live if req.extras["cost"]["mtp"].enabled]
+            plain = bool(heads) and not by_mtp  # a plain step's head work, timed to keep it out of the baseline
+            start = self._synced_clock() if plain else 0.0
+            drafted = self.mtp.catch_up_and_draft(heads, by_mtp)
+            self._head_s = self._synced_clock() - start if plain else 0.0
             for req, k in by_mtp:
                 req.draft_ids = drafted[req.request_id][:k]
+
+    def _controllers(self) -> dict[str, CostController]:
+        """A new request's cost controller per proposer. One that the control turned off for the last
+        STREAK_TO_START_OFF requests in a row starts off, but for one new request in PROBE_EVERY, which tries it
+        as usual (a window it wins ends the streak): turning a proposer off takes 8 losing rounds, which at
+        acceptance 0 cost every request about 6% of its time (9B Q4_K_M with an MTP head, one stream, H100)."""
+        costs = {}
+        for name in PROPOSERS:
+            cost = costs[name] = CostController(self.config.cost_window)
+            if self._losing_streak[name] >= STREAK_TO_START_OFF:
+                self._since_losing[name] += 1
+                if self._since_losing[name] % PROBE_EVERY:
+                    cost.enabled = False
+                    self.stats.started_off[name] += 1
+        return costs
+
+    def _synced_clock(self) -> float:
+        """The clock once the device has finished what was queued."""
+        if self.cache.device.type == "cuda":
+            torch.cuda.synchronize(self.cache.device)
+        return self.clock()
 
     def _batch_off(self, reqs: list[Request]) -> None:
         """A batch of `max_batch` or more drafts nothing, and keeping the MTP head in step would cost every
@@ -141,10 +174,10 @@ class Speculator:
         """Feed the step's time (taken once the device is done) to the cost controllers of the requests that
         decoded in it: a round for the proposer that drafted, a plain step for both otherwise. A request's first
         decode step is no baseline: it carries one-off work (the MTP head's catch-up over the whole prompt), and
-        on an H100 a baseline that included it kept a head whose drafts were never accepted drafting."""
-        if self.cache.device.type == "cuda":
-            torch.cuda.synchronize(self.cache.device)
-        elapsed = self.clock() - self._step_start
+        on an H100 a baseline that included it kept a head whose drafts were never accepted drafting. Nor is the
+        head's catch-up in a plain step part of the baseline (`_head_s`): off, the head costs nothing, and
+        with it in the baseline, a head drafting at half plain decoding's speed looked like a gain (H100)."""
+        elapsed = self._synced_clock() - self._step_start
         for req in sampled:
             if id(req) not in self._decoding:
                 continue  # its first token came from its prompt: not a decode step
@@ -154,11 +187,15 @@ class Speculator:
                 if self._decoding[id(req)]:
                     continue  # its first decode step: no baseline
                 for cost in costs.values():
-                    cost.observe_plain(elapsed)
+                    cost.observe_plain(elapsed - self._head_s)
             else:
-                name = req.extras["drafted_by"]
-                if costs[name].enabled and not costs[name].observe_round(tokens, elapsed):
+                name, cost = req.extras["drafted_by"], costs[req.extras["drafted_by"]]
+                won = cost.windows_won
+                if cost.enabled and not cost.observe_round(tokens, elapsed):
                     self.stats.cost_disabled[name] += 1
+                    self._losing_streak[name] += 1
+                elif cost.windows_won > won:
+                    self._losing_streak[name], self._since_losing[name] = 0, 0
 
     def may_draft_after_one_more(self, req: Request) -> bool:
         """Whether `req` could draft once the token of the step now on the device (not read yet) is appended:
