@@ -240,11 +240,12 @@ def test_n_choices_fork_from_a_resumed_prompt(model):
 
 
 def test_warm_up_requests_leave_nothing_behind(model):
-    """The throwaway requests of the CUDA warm-up run through the whole engine but keep no prefix, slot or
-    request, and the engine answers as a fresh one does."""
+    """The throwaway requests and prefills of the CUDA warm-up run through the whole engine but keep no prefix,
+    slot or request, and the engine answers as a fresh one does."""
     engine, fresh = make_engine(model), make_engine(model)
     slots, blocks = engine.cache.num_free_slots, engine.cache.blocks.num_free_blocks
     engine._warm_up_requests()
+    engine.runner._warm_up_prefill([70, 69])  # the CUDA warm-up's two-sequence prefill
     assert len(engine.prefix) == 0 and not engine.requests and not engine.has_work()
     assert (engine.cache.num_free_slots, engine.cache.blocks.num_free_blocks) == (slots, blocks)
     prompt = list(range(2000, 2030))
