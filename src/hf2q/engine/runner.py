@@ -33,6 +33,7 @@ from hf2q.spec.states import POSITIONS, PositionStates
 log = logging.getLogger(__name__)
 
 GRAPH_MAX_CONTEXT = 65536  # block-table width of the graphs; longer sequences decode eagerly
+FOLLOW_UP_TOKENS = 40  # the warm-up's short chunk over a cached prefix (a follow-up turn after a prefix hit)
 
 
 class ModelRunner:
@@ -329,20 +330,26 @@ class ModelRunner:
     @torch.inference_mode()
     def warm_up(self, max_batch: int, prefill_tokens: int) -> None:
         """Do before serving what a first request would otherwise wait for: one prefill of
-        `prefill_tokens` tokens (compiles the prefill kernels) in a scratch slot, on CUDA two prefills of two
-        sequences each (`_warm_up_prefill`), then the
-        decode graphs of every bucket up to `max_batch` sequences (compiles, times and captures the decode
-        kernels). The scratch slot is released; the graphs keep their padding slot."""
+        `prefill_tokens` tokens (compiles the prefill kernels) in a scratch slot, on CUDA also chunks over a
+        cached prefix and prefills of two sequences (`_warm_up_prefill`), then the decode graphs of every
+        bucket up to `max_batch` sequences (compiles, times and captures the decode kernels). The scratch
+        slots are released; the graphs keep their padding slot."""
         t0, spent = time.monotonic(), SPENT.snapshot()
         self._warm_up_prefill([prefill_tokens])
         log.info("warm-up: a %d-token prefill in %.1f s (%s)", prefill_tokens, time.monotonic() - t0,
                  SPENT.since(spent))
-        half = prefill_tokens // 2
-        if self.device.type == "cuda" and half > RECURRENT_MAX_LEN and self.cache.num_slots >= 2:
-            t0 = time.monotonic()
-            for lengths in ([half, half], [half, half - 1]):
-                self._warm_up_prefill(lengths)
-            log.info("warm-up: two-sequence prefills in %.1f s", time.monotonic() - t0)
+        if self.device.type == "cuda":  # the other prefill shapes a first request may meet
+            t0, half = time.monotonic(), prefill_tokens // 2
+            shapes = [([prefill_tokens], (FOLLOW_UP_TOKENS, prefill_tokens))]
+            if half > RECURRENT_MAX_LEN:
+                shapes += [([half, half], ()), ([half, half - 1], ())]
+            try:
+                for lengths, then in shapes:
+                    self._warm_up_prefill(lengths, then)
+                log.info("warm-up: prefills over a cached prefix and of two sequences in %.1f s",
+                         time.monotonic() - t0)
+            except CacheError as err:  # a pool or slots too small for them: first requests compile what they would
+                log.info("warm-up: prefills over a cached prefix and of two sequences left out (%s)", err)
         if self.use_graphs:
             graphs = self._decode_graphs()
             if graphs is not None:
@@ -356,26 +363,37 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _warm_up_prefill(self, lengths: list[int]) -> None:
-        """One prefill of sequences of `lengths` tokens in scratch slots, released after. Triton specialises a
+    def _warm_up_prefill(self, lengths: list[int], then: tuple[int, ...] = ()) -> None:
+        """One prefill of sequences of `lengths` tokens in scratch slots, released after; `then`: the token
+        counts of further chunks of the first sequence (a long prompt's later chunks and a follow-up turn
+        attend over a cached prefix, other kernels than a first chunk's). Triton specialises a
         kernel on whether an integer argument is 1 or a multiple of 16, so the chunked delta rule over one
         sequence compiles other code than over two (long prompts in one step, and a prefix-cache checkpoint
         inside a chunk, which runs the chunk's first tokens as one more sequence), and an odd total other code
         than a multiple of 16: the warm-up meets each (on an H100 a first 8,047-token chat turn with the prefix
         cache on waited 11.6 s for its first token, 0.8 s with it off)."""
-        slots = [self.cache.acquire() for _ in lengths]
+        slots: list[int] = []
         try:
-            for slot, n in zip(slots, lengths):
-                self.cache.reserve(slot, n)
-            ids = torch.zeros(sum(lengths), dtype=torch.long, device=self.device)
-            positions = torch.cat([torch.arange(n, dtype=torch.long) for n in lengths]).to(self.device)
-            batch = ForwardBatch(ids, positions, list(lengths), [0] * len(lengths), slots, self.cache)
-            self.net.compute_logits(self.net(batch)[-1:])
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+            slots.extend(self.cache.acquire() for _ in lengths)
+            self._warm_up_step(slots, list(lengths), [0] * len(lengths))
+            for n in then:  # further chunks of the first sequence, over what it has cached
+                self._warm_up_step(slots[:1], [n], [self.cache.seq_len(slots[0])])
         finally:
             for slot in slots:
                 self.cache.release(slot)
+
+    def _warm_up_step(self, slots: list[int], lengths: list[int], starts: list[int]) -> None:
+        for slot, n, start in zip(slots, lengths, starts):
+            self.cache.reserve(slot, start + n)
+        ids = torch.zeros(sum(lengths), dtype=torch.long, device=self.device)
+        positions = torch.cat([torch.arange(start, start + n, dtype=torch.long)
+                               for n, start in zip(lengths, starts)]).to(self.device)
+        batch = ForwardBatch(ids, positions, lengths, starts, slots, self.cache)
+        self.net.compute_logits(self.net(batch)[-1:])
+        for slot, n, start in zip(slots, lengths, starts):
+            self.cache.commit(slot, start + n)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _decode_graphs(self):
         if self.graphs is None:
