@@ -199,10 +199,11 @@ class Engine:
     # is 1 or divisible by 16, a batch of two prompts is a varlen batch, and prompts of at most 64 tokens take
     # fla's recurrent kernel, so each meets code the full-chunk prefill does not (on the H200 a first 64-token
     # request waited 1.4 s for it, later ones 0.1 s; a first lone 32-token prompt 6.8 s, and a first batch of
-    # 16 short prompts 5.7 s, before the lone and the 16 short prompts were added here). Three 64-token prompts
-    # give a varlen batch whose total is a multiple of 16, which the MTP head's catch-up over their prompts
-    # meets too (on an H100 a first burst of 64 such prompts with `--speculative mtp` waited 16 s).
-    WARM_UP_PROMPTS = ((67,), (33, 50), (40,), (64,) * 3, (20,) * 16)
+    # 16 short prompts 5.7 s, before the lone and the 16 short prompts were added here). A lone 64-token prompt and
+    # three of them give lengths that are multiples of 16, alone and as a varlen batch, which the MTP head's catch-up
+    # over their prompts meets too (on an H100 the first lone 64-token request took 265 ms to its first token, the
+    # next ones about 100 ms; a first burst of 64 such prompts with `--speculative mtp` waited 16 s).
+    WARM_UP_PROMPTS = ((67,), (64,), (33, 50), (40,), (64,) * 3, (20,) * 16)
 
     def _warm_up_requests(self, prompts: tuple = WARM_UP_PROMPTS) -> None:
         """Serve a few throwaway requests end to end (scheduler, runner, sampler, greedy and sampled), so the

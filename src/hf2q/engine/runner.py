@@ -33,7 +33,9 @@ from hf2q.spec.states import POSITIONS, PositionStates
 log = logging.getLogger(__name__)
 
 GRAPH_MAX_CONTEXT = 65536  # block-table width of the graphs; longer sequences decode eagerly
-FOLLOW_UP_TOKENS = 40  # the warm-up's short chunk over a cached prefix (a follow-up turn after a prefix hit)
+# the warm-up's short chunks over a cached prefix (a follow-up turn after a prefix hit): Triton compiles a kernel
+# apart for integer arguments that are multiples of 16, so one is and one is not, and so their starts
+FOLLOW_UP_CHUNKS = (40, 48)
 
 
 class ModelRunner:
@@ -340,7 +342,7 @@ class ModelRunner:
                  SPENT.since(spent))
         if self.device.type == "cuda":  # the other prefill shapes a first request may meet
             t0, half = time.monotonic(), prefill_tokens // 2
-            shapes = [([prefill_tokens], (FOLLOW_UP_TOKENS, prefill_tokens))]
+            shapes = [([prefill_tokens], (*FOLLOW_UP_CHUNKS, prefill_tokens))]
             if half > RECURRENT_MAX_LEN:
                 shapes += [([half, half], ()), ([half, half - 1], ())]
             try:
