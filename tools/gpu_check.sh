@@ -114,10 +114,11 @@ case "$stage" in
            model=$dir/model-bf16.gguf
            for spec in mtp+ngram off; do
              echo "## trained model, --speculative $spec"
-             start "$out/serve_spec_$spec.log" --speculative $spec
+             tag=${spec/+/_}  # the device returns no file whose name holds a +
+             start "$out/serve_spec_$tag.log" --speculative $spec
              load --dataset "$out/heldout.jsonl" --max-tokens 128 --clients 1 --requests-per-client 8 \
-               --json "$out/spec_serve_1_$spec.json"
-             load --dataset "$out/heldout.jsonl" --max-tokens 128 --clients 64 --json "$out/spec_serve_64_$spec.json"
+               --json "$out/spec_serve_1_$tag.json"
+             load --dataset "$out/heldout.jsonl" --max-tokens 128 --clients 64 --json "$out/spec_serve_64_$tag.json"
              spec_counts
              kill -INT $pid; wait $pid
            done
