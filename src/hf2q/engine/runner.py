@@ -385,6 +385,7 @@ class ModelRunner:
                 self.cache.release(slot)
 
     def _warm_up_step(self, slots: list[int], lengths: list[int], starts: list[int]) -> None:
+        """One forward of `lengths[i]` zero tokens after the `starts[i]` cached in `slots[i]`, kept in the cache."""
         for slot, n, start in zip(slots, lengths, starts):
             self.cache.reserve(slot, start + n)
         ids = torch.zeros(sum(lengths), dtype=torch.long, device=self.device)
