@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks behind BENCHMARKS.md, in stages that each fit a few minutes:
-#   tools/gpu_check.sh tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu|mm|serve|serve-ab|peer|ttft|kv|mtp|spec-serve|verify|matvec|prefix|warmup|soak|soak-start|soak-finish [OUT_DIR]
+#   tools/gpu_check.sh tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu|mm|serve|serve-ab|peer|ttft|kv|mtp|spec-serve|verify|matvec|prefix|warmup|soak|soak-start|soak-finish|prime [OUT_DIR]
 # tests: every GPU-marked test (the quantized greedy-token test first) and the Triton kernel tests on the device;
 # quant: 9B Q4_K_M end to end and per projection; bf16: 9B and 2B; moe: 35B-A3B bf16 and Q4_K_M;
 # decode (bf16: 35B-A3B, 2B, 9B), decode-q (9B Q4_K_M) and decode-q-moe (35B-A3B Q4_K_M): batch-1
@@ -36,10 +36,13 @@
 # 8,000-token shared history, served with the prefix cache and without; warmup: one start of hf2q serve under
 # cProfile (the warm-up's top functions) on a random SHAPE (9b) model; soak: 64 streaming clients against a served
 # 9B Q4_K_M for SOAK_S seconds, RSS and GPU memory sampled (tools/soak.py); soak-start and soak-finish: the same
-# for SOAK_S (600) seconds over two chained calls. Figures also go to OUT_DIR/*.json.
+# for SOAK_S (600) seconds over two chained calls; prime: a fresh machine's first start of the 9B (MIX, MTP as for
+# serve) compiles and times for about 8 minutes, so it runs in a process session of its own that outlives the call
+# (while the machine is held) and this stage returns after PRIME_S (540) s or at /health 200, stopping the server
+# once ready; `prime` again in the next call waits for the same start. Figures also go to OUT_DIR/*.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?stage: tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu|mm|serve|serve-ab|peer|ttft|kv|mtp|spec-serve|verify|matvec|prefix|warmup|soak|soak-start|soak-finish}
+stage=${1:?stage: tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu|mm|serve|serve-ab|peer|ttft|kv|mtp|spec-serve|verify|matvec|prefix|warmup|soak|soak-start|soak-finish|prime}
 out=${2:-.}
 mkdir -p "$out"
 # healthy PID PORT LOG: wait until the server on PORT answers /health with 200; if PID ends first, LOG's tail, exit 1
@@ -266,5 +269,21 @@ case "$stage" in
          tail -5 "$keep/serve.log"
          cp "$keep"/soak.json "$keep"/soak.log "$keep"/serve.log "$out"/ 2> /dev/null
          [ -f "$out/soak.json" ] ;;
+  prime) mix=${MIX:-q4_k_m}; mtp=${MTP:+-mtp}; model=${MODEL_DIR:-/tmp}/hf2q-9b-$mix$mtp.gguf; port=8090
+         keep=/tmp/hf2q-prime; mkdir -p "$keep"; t0=$(date +%s)
+         [ -f "$model" ] || python tools/random_gguf.py --shape 9b --mix "$mix" ${MTP:+--mtp} -o "$model" > /dev/null
+         pid=$(cat "$keep/pid" 2> /dev/null)
+         if [ -z "$pid" ] || ! kill -0 "$pid" 2> /dev/null; then
+           setsid python -m hf2q.cli serve --model "$model" --port $port --max-num-seqs 64 --log-level info \
+             ${SERVE_FLAGS:-} > "$keep/serve.log" 2>&1 < /dev/null &
+           pid=$!; echo $pid > "$keep/pid"
+         fi
+         until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do
+           kill -0 $pid 2> /dev/null || { tail -30 "$keep/serve.log"; rm -f "$keep/pid"; exit 1; }
+           [ $(( $(date +%s) - t0 )) -ge "${PRIME_S:-540}" ] && { echo "still warming up: run prime again"; \
+             grep -e loaded -e warm -e captured "$keep/serve.log" | cut -c1-200; exit 0; }
+           sleep 1; done
+         grep -e loaded -e warm -e captured "$keep/serve.log" | cut -c1-200
+         kill -INT $pid; while kill -0 $pid 2> /dev/null; do sleep 0.2; done; rm -f "$keep/pid" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
