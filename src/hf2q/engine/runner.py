@@ -337,21 +337,19 @@ class ModelRunner:
         bucket up to `max_batch` sequences (compiles, times and captures the decode kernels). The scratch
         slots are released; the graphs keep their padding slot."""
         t0, spent = time.monotonic(), SPENT.snapshot()
-        self._warm_up_prefill([prefill_tokens])
-        log.info("warm-up: a %d-token prefill in %.1f s (%s)", prefill_tokens, time.monotonic() - t0,
-                 SPENT.since(spent))
-        if self.device.type == "cuda":  # the other prefill shapes a first request may meet
-            t0, half = time.monotonic(), prefill_tokens // 2
-            shapes = [([prefill_tokens], (*FOLLOW_UP_CHUNKS, prefill_tokens))]
-            if half > RECURRENT_MAX_LEN:
-                shapes += [([half, half], ()), ([half, half - 1], ())]
+        cuda = self.device.type == "cuda"  # elsewhere nothing compiles: one prefill is enough
+        self._warm_up_prefill([prefill_tokens], then=(*FOLLOW_UP_CHUNKS, prefill_tokens) if cuda else ())
+        log.info("warm-up: a %d-token prefill%s in %.1f s (%s)", prefill_tokens,
+                 " and chunks over it" if cuda else "", time.monotonic() - t0, SPENT.since(spent))
+        half = prefill_tokens // 2
+        if cuda and half > RECURRENT_MAX_LEN:  # two sequences in one step (`_warm_up_prefill`)
+            t0 = time.monotonic()
             try:
-                for lengths, then in shapes:
-                    self._warm_up_prefill(lengths, then)
-                log.info("warm-up: prefills over a cached prefix and of two sequences in %.1f s",
-                         time.monotonic() - t0)
-            except CacheError as err:  # a pool or slots too small for them: first requests compile what they would
-                log.info("warm-up: prefills over a cached prefix and of two sequences left out (%s)", err)
+                for lengths in ([half, half], [half, half - 1]):
+                    self._warm_up_prefill(lengths)
+                log.info("warm-up: prefills of two sequences in %.1f s", time.monotonic() - t0)
+            except CacheError as err:  # no slot or room for them: a first request compiles what they would
+                log.info("warm-up: prefills of two sequences left out (%s)", err)
         if self.use_graphs:
             graphs = self._decode_graphs()
             if graphs is not None:
@@ -378,8 +376,11 @@ class ModelRunner:
         try:
             slots.extend(self.cache.acquire() for _ in lengths)
             self._warm_up_step(slots, list(lengths), [0] * len(lengths))
-            for n in then:  # further chunks of the first sequence, over what it has cached
-                self._warm_up_step(slots[:1], [n], [self.cache.seq_len(slots[0])])
+            try:
+                for n in then:  # further chunks of the first sequence, over what it has cached
+                    self._warm_up_step(slots[:1], [n], [self.cache.seq_len(slots[0])])
+            except CacheError as err:  # no room in the pool: a first request compiles what they would
+                log.info("warm-up: chunks over a cached prefix left out (%s)", err)
         finally:
             for slot in slots:
                 self.cache.release(slot)
