@@ -33,7 +33,7 @@
 # it); verify: the forced-acceptance verify-cost curves at batch 1 (9B
 # Q4_K_M, then bf16), each in a time cap of its own, with the profile of a plain step and an L = 3 round; matvec: the int8 mat-vec at 1, 2 and 4 rows per 9B Q4_K_M
 # projection, every candidate timed (the served default) and then the first candidates (HF2Q_GEMV_TUNE=0); prefix: a follow-up turn over an
-# 8,000-token shared history, served with the prefix cache and without; warmup: one start of hf2q serve under
+# 8,000-token shared history, served with the prefix cache and without (PREFIX_OFF=0: with only); warmup: one start of hf2q serve under
 # cProfile (the warm-up's top functions) on a random SHAPE (9b) model; soak: 64 streaming clients against a served
 # 9B Q4_K_M for SOAK_S seconds, RSS and GPU memory sampled (tools/soak.py); soak-start and soak-finish: the same
 # for SOAK_S (600) seconds over two chained calls; prime: a fresh machine's first start of the 9B (MIX, MTP as for
@@ -149,7 +149,8 @@ case "$stage" in
          for mix in ${MIXES:-q4_k_m bf16}; do
            model=${MODEL_DIR:-/tmp}/hf2q-9b-$mix.gguf
            [ -f "$model" ] || python tools/random_gguf.py --shape 9b --mix "$mix" -o "$model"
-           for cache in "" --no-prefix-cache; do  # with the prefix cache, then cold
+           caches=("" --no-prefix-cache); [ "${PREFIX_OFF:-1}" = 0 ] && caches=("")  # PREFIX_OFF=0: the cache's server only
+           for cache in "${caches[@]}"; do  # with the prefix cache, then cold
              python -m hf2q.cli serve --model "$model" --port $port --max-model-len 16384 --max-num-seqs 16 $cache ${SERVE_FLAGS:-} \
                > "$out/serve_prefix_$mix$cache.log" 2>&1 &
              pid=$!

@@ -146,3 +146,15 @@ def test_fla_short_delta_rule_matches_the_reference(env):
     o_ref, f_ref = gdn_ops.chunk_gdn_reference(*(x.cpu().float() for x in (q, k, v, g, beta, h0)), cu.cpu(), lens,
                                                d ** -0.5, 1e-6)
     assert rel(o, o_ref) <= (2e-2 if real else 1e-4) and rel(final, f_ref) <= (2e-2 if real else 1e-4)
+
+
+def test_fla_imported_in_background():
+    """`hf2q serve` on CUDA imports fla's delta-rule kernels on a thread while the weights load: the thread ends
+    with the module imported, the same module the first prefill then finds."""
+    pytest.importorskip("fla")
+    import sys
+
+    from hf2q.kernels.gdn.chunked_fla import import_in_background
+    thread = import_in_background()
+    thread.join(timeout=120)
+    assert not thread.is_alive() and "fla.ops.gated_delta_rule" in sys.modules

@@ -254,6 +254,9 @@ def build_state(args):
 
         check_tensor_parallel(path, tp, device)
         workers = TPWorkers(TPLaunch(tp, str(path), device.type, dtype, keep_quantized(args)))
+    if device.type == "cuda":  # the delta rule's kernels import while the weights load
+        from hf2q.kernels.gdn.chunked_fla import import_in_background
+        import_in_background()
     log.info("loading %s on %s (%s) ...", path, device, dtype_name(dtype))
     t0 = time.monotonic()
     model = hf2q.load(path, device=device, dtype=dtype, chat_template=args.chat_template,

@@ -13,10 +13,33 @@ recurrent kernel has no backward.
 from __future__ import annotations
 
 import itertools
+import logging
+import threading
+import time
 
 import torch
 
 RECURRENT_MAX_LEN = 64
+log = logging.getLogger(__name__)
+
+
+def import_in_background() -> threading.Thread:
+    """Import fla's delta-rule kernels on a thread of their own (started, returned). fla's package imports all
+    its ops and torch's compiler stack on first use: seconds, and on a 9B start with no bytecode cached it was the
+    most of the warm-up's first prefill. Begun beside the weights' load, it is done before the warm-up needs it.
+    A failure is left for the import `chunk_gdn` makes, which reports it."""
+    def run():
+        t0 = time.monotonic()
+        try:
+            import fla.ops.gated_delta_rule  # noqa: F401
+        except Exception as err:  # noqa: BLE001 - reported by the first real import
+            log.debug("fla's kernels not imported ahead (%s)", err)
+            return
+        log.info("fla's kernels imported beside the load in %.1f s", time.monotonic() - t0)
+
+    thread = threading.Thread(target=run, name="import-fla", daemon=True)
+    thread.start()
+    return thread
 
 
 def chunk_gdn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
