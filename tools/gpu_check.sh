@@ -20,7 +20,7 @@
 # flags, e.g. SERVE_FLAGS=--async-scheduling; MTP=1 serves a file with the MTP layer, for SERVE_FLAGS="--speculative
 # mtp" against the same file without the flag); peer: llama-server on the same file under the same load (the serve
 # stage's table's peer row); serve-ab: the serve stage's load at 1, 16 and 64 clients and 16 x 2048-token prompts
-# with the default flags, then with FLAGS_B (default --short-prefill-graphs), same GGUF, same run, each server's
+# with the default flags, then with FLAGS_B (default --no-short-prefill-graphs), same GGUF, same run, each server's
 # threads sampled by py-spy (carried) throughout (OUT_DIR/spy_a.txt, spy_b.txt: py-spy's raw format); ttft: one
 # served request's chunk timeline and the engine's step times and profile for a 64-token prompt
 # (tools/ttft_trace.py); kv: the compressed K/V kernels' tests and
@@ -189,7 +189,7 @@ case "$stage" in
          model=${MODEL_DIR:-/tmp}/hf2q-9b-q4_k_m.gguf; port=8090
          [ -f "$model" ] || python tools/random_gguf.py --shape 9b --mix q4_k_m -o "$model"
          for tag in a b; do
-           flags=""; [ $tag = b ] && flags=${FLAGS_B:---short-prefill-graphs}
+           flags=""; [ $tag = b ] && flags=${FLAGS_B:---no-short-prefill-graphs}
            echo "## ${flags:-default flags}"
            start "$out/serve_$tag.log" $flags
            spy=$(command -v py-spy || echo /tmp/site/bin/py-spy)

@@ -188,17 +188,26 @@ def test_async_scheduling_is_on_for_cuda_unless_said_or_impossible():
         [None, True, False]
 
 
-def test_short_prefill_graphs_are_refused_where_no_graph_would_run():
-    """--short-prefill-graphs: off unless asked; asked on a CPU or with other ranks, refused by name."""
+def test_short_prefill_graphs_default_on_cuda_and_are_refused_where_no_graph_would_run():
+    """--short-prefill-graphs: on by default for CUDA with one rank, off elsewhere; `--no-...` turns it off;
+    asked on a CPU or with other ranks, refused by name."""
+    import argparse
+
     import torch
 
-    from hf2q.server.launch import check_short_prefill_graphs
+    from hf2q.server.launch import add_serve_args, resolve_short_prefill_graphs
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    assert [p.parse_args(a).short_prefill_graphs for a in ([], ["--short-prefill-graphs"],
+                                                           ["--no-short-prefill-graphs"])] == [None, True, False]
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    check_short_prefill_graphs(True, cuda, 1)
-    check_short_prefill_graphs(False, cpu, 2)
+    assert [resolve_short_prefill_graphs(None, d, tp) for d, tp in ((cuda, 1), (cuda, 2), (cpu, 1))] == \
+        [True, False, False]
+    assert resolve_short_prefill_graphs(True, cuda, 1) and not resolve_short_prefill_graphs(False, cuda, 1)
+    assert not resolve_short_prefill_graphs(False, cpu, 2)
     for device, tp, why in ((cpu, 1, "needs a CUDA device"), (cuda, 2, "--tensor-parallel-size")):
         with pytest.raises(ValueError, match=why):
-            check_short_prefill_graphs(True, device, tp)
+            resolve_short_prefill_graphs(True, device, tp)
 
 
 def test_event_json_holds_no_character_a_line_reader_splits_on():
