@@ -200,3 +200,58 @@ def test_gpu_default_load_keeps_blocks_and_greedy_matches(kind, request):
     if a != b:
         first = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
         assert_routed_divergence_explained(dense, kept, PROMPT + a[:first], first, dense_mode="auto", tie_share=0.02)
+
+
+# ---- dense copies for many rows (`hf2q serve --batched-weights dense`) -------------------------------------
+def quant_products(monkeypatch) -> list[int]:
+    """The row counts of every product that reads quantized blocks from here on."""
+    from hf2q.kernels.quant import ops as quant_ops
+
+    rows, real = [], quant_ops.quant_linear
+
+    def spy(x, *args, **kw):
+        rows.append(x.numel() // x.shape[-1])
+        return real(x, *args, **kw)
+
+    monkeypatch.setattr(quant_ops, "quant_linear", spy)
+    return rows
+
+
+@pytest.mark.parametrize("qtypes", [("Q4_K", "Q4_K", "Q4_K"), ("Q4_K", "Q6_K", "Q4_K"), (None, "Q8_0", None)])
+def test_packed_linear_multiplies_dense_copies_from_dense_rows(qtypes, monkeypatch):
+    from hf2q.kernels.linear.ops import DENSE_ROWS, keep_dense, pack
+
+    kept, dense = linears(qtypes)
+    pack(kept)
+    kept_bytes = keep_dense(kept, torch.float32)
+    assert kept_bytes == 4 * 256 * sum(d.out_features for d, q in zip(dense, qtypes) if q is not None)
+    assert all((lin.dense is None) == (q is None) for lin, q in zip(kept, qtypes))
+    if qtypes[0] == qtypes[1] == qtypes[2]:  # one copy for the pack, each projection's a view of its rows
+        assert kept[1].dense.data_ptr() == kept[0]._dpacked[64:].data_ptr()
+    rows = quant_products(monkeypatch)
+    for m in (DENSE_ROWS, 4):
+        x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m))
+        for y, d in zip(packed_linear(x, kept), dense):
+            assert rel(y, d(x)) <= 1e-5
+        for lin, d in zip(kept, dense):  # each projection alone as well
+            assert rel(lin(x), d(x)) <= 1e-5
+    assert rows and all(r == 4 for r in rows)  # the blocks serve the few rows only
+
+
+def test_model_with_dense_copies_gives_the_dequantized_models_logits_and_tokens(gguf_dense_q8_0,
+                                                                                  gguf_moe_q8_0, monkeypatch):
+    prompt = [(7 * i + 3) % 200 for i in range(24)]  # more rows than DENSE_ROWS
+    for path in (gguf_dense_q8_0, gguf_moe_q8_0):
+        dense, kept = load(path, False), load(path, True)
+        quantized = [m for m in kept.modules() if isinstance(m, Linear) and m.quantized]
+        assert kept.keep_dense_weights(torch.float32) == 4 * sum(m.out_features * m.in_features for m in quantized)
+        assert all(m.dense is not None for m in quantized)
+        assert all(m.quantized and m.gate_exps is None for m in kept.modules() if isinstance(m, MoE))
+        rows = quant_products(monkeypatch)
+        ref = dense.logits(prompt)
+        with fast_path("force"):
+            assert rel(kept.logits(prompt), ref) <= 1e-5
+            assert greedy_cached(kept, 12) == greedy_cached(dense, 12)
+        assert rel(kept.logits(prompt), ref) <= 1e-5  # the per-module exact path too
+        assert 24 not in rows and 1 in rows  # the prompts multiplied the copies, the decode steps the blocks
+        monkeypatch.undo()

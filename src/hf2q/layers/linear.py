@@ -17,6 +17,8 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.register_buffer("qweight", None)
         self.qtype: str | None = None
+        # the blocks dequantized, kept beside them for products of many rows (`kernels.linear.ops.keep_dense`)
+        self.register_buffer("dense", None, persistent=False)
 
     @property
     def quantized(self) -> bool:
@@ -35,6 +37,8 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweight is None:
             return linear_ops.linear(x, self.weight)
+        if linear_ops.dense_serves(x, self.dense):
+            return linear_ops.linear(x, self.dense)
         from hf2q.kernels.quant.ops import quant_linear
 
         return quant_linear(x, self.qweight, self.qtype, self.out_features)

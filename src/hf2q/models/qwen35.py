@@ -107,6 +107,19 @@ class Qwen35Model(nn.Module):
             layer.pack_weights()
         return self
 
+    def keep_dense_weights(self, dtype: torch.dtype) -> int:
+        """Keep a dense copy (`dtype`) beside every quantized projection's blocks, a pack's once
+        (linear_ops.keep_dense), for products of many rows; MoE experts stay blocks only. Returns the bytes
+        kept; call after pack_weights."""
+        kept = 0
+        for layer in list(self.layers) + ([self.mtp.layer] if self.mtp is not None else []):
+            for group in layer.mixer.packs + layer.ffn.packs:
+                kept += linear_ops.keep_dense(group, dtype)
+        for module in self.modules():  # the projections outside packs (the LM head, output projections)
+            if isinstance(module, Linear) and module.quantized and module.dense is None:
+                kept += linear_ops.keep_dense([module], dtype)
+        return kept
+
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.embed)
 

@@ -73,6 +73,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "after a prefix-cache hit, a new prompt beside decoding streams) in CUDA graphs, as decode "
                         "steps are; a chat turn's anchor then cuts its chunk where the rest fits a graph "
                         "(default: on for CUDA without --tensor-parallel-size, off elsewhere)")
+    p.add_argument("--batched-weights", choices=("quantized", "dense"), default="quantized",
+                   help="what steps of 16 or more rows multiply for a quantized file's projections: its blocks "
+                        "(the tile kernels), or `dense`: a copy dequantized once after load and kept beside the "
+                        "blocks (cuBLAS; two bytes a weight more of GPU memory, so a smaller K/V pool); fewer rows "
+                        "always read the blocks (default: %(default)s)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="queue each decode step before reading the previous step's tokens, so the host's work "
                         "(stop checks, detokenizing, streaming) overlaps the GPU's; for rows without penalties, "
@@ -246,6 +251,8 @@ def build_state(args):
         raise ValueError("--speculative does not work with --tensor-parallel-size yet")
     args.async_scheduling = resolve_async_scheduling(getattr(args, "async_scheduling", None), device, tp)
     args.short_prefill_graphs = resolve_short_prefill_graphs(getattr(args, "short_prefill_graphs", None), device, tp)
+    if tp != 1 and getattr(args, "batched_weights", "quantized") == "dense":  # the other ranks load their own shards
+        raise ValueError("--batched-weights dense does not work with --tensor-parallel-size yet")
     if tp != 1 and getattr(args, "prefix_cache_dir", None):  # a rank's checkpoint holds only its shard
         raise ValueError("--prefix-cache-dir does not work with --tensor-parallel-size yet")
     mmproj = _mmproj_path(args, path, is_demo)
@@ -271,6 +278,8 @@ def build_state(args):
     if args.max_model_len and args.max_model_len > model.config.context_length:
         log.warning("--max-model-len %d exceeds the model's context %d; using %d", args.max_model_len,
                     model.config.context_length, model.config.context_length)
+    if getattr(args, "batched_weights", "quantized") == "dense":
+        keep_dense_weights(model.net, device, dtype)
     engine_config = sized_engine_config(args, model, device, dtype, spec)
     max_len, cache = engine_config.max_model_len, engine_config.cache
     if workers is not None:  # this process is rank 0
@@ -303,6 +312,32 @@ def build_state(args):
     aengine.on_step = lambda eng, _outputs: state.metrics.observe_step(eng)
     aengine.start()
     return state
+
+
+def keep_dense_weights(net, device, dtype) -> None:
+    """--batched-weights dense: a dense copy of every quantized projection beside its blocks (before the K/V pool
+    is sized from what is left). Refused by name where there is nothing to copy or no room for the copies."""
+    import torch
+
+    from hf2q.kernels.linear.ops import DENSE_ROWS
+    from hf2q.layers.linear import Linear
+    from hf2q.server.sizing import RESERVE_FRACTION, RESERVE_MIN_BYTES
+
+    need = sum(m.out_features * m.in_features for m in net.modules() if isinstance(m, Linear) and m.quantized) \
+        * dtype.itemsize
+    if need == 0:
+        raise ValueError("--batched-weights dense: this model keeps no quantized projection to copy (a dense file, "
+                         "or --dequantize)")
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        room = free - max(RESERVE_MIN_BYTES, int(RESERVE_FRACTION * total))
+        if need > room:
+            raise ValueError(f"--batched-weights dense needs {need / 2**30:.1f} GiB for the dense copies; "
+                             f"{max(room, 0) / 2**30:.1f} GiB is free beyond the reserve")
+    t0 = time.monotonic()
+    kept = net.keep_dense_weights(dtype)
+    log.info("kept dense copies of the quantized projections for steps of %d+ rows: %.1f GiB in %.1f s", DENSE_ROWS,
+             kept / 2**30, time.monotonic() - t0)
 
 
 def sized_engine_config(args, model, device, dtype, spec):

@@ -190,12 +190,65 @@ def _packed_by_type(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
 
 
 def _packed_quant_linear(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
-    """packed_linear for projections quantized as one type (see _packed_raw)."""
+    """packed_linear for projections quantized as one type (see _packed_raw); many rows multiply the pack's
+    dense copy where one is kept (`keep_dense`)."""
     from hf2q.kernels.quant.ops import quant_linear
 
     sizes = [lin.out_features for lin in linears]
-    out = quant_linear(x, _packed_raw(linears), linears[0].qtype, sum(sizes))
+    dense = _dense_copy(linears, sum(sizes))
+    if dense_serves(x, dense):
+        out = linear(x, dense)
+    else:
+        out = quant_linear(x, _packed_raw(linears), linears[0].qtype, sum(sizes))
     return torch.split(out, sizes, dim=-1)
+
+
+# Products of at least this many rows multiply a quantized weight's dense copy where one is kept (`keep_dense`,
+# `hf2q serve --batched-weights dense`). Fewer rows read the blocks: at 1-4 rows a step's time is reading
+# weights, and 4-bit blocks are a quarter of bf16's bytes.
+DENSE_ROWS = 16
+
+
+def dense_serves(x: torch.Tensor, dense: torch.Tensor | None) -> bool:
+    """Whether x multiplies the dense copy `dense` (None: none kept) rather than the quantized blocks."""
+    return dense is not None and x.numel() >= DENSE_ROWS * x.shape[-1]
+
+
+def _dense_copy(linears, rows: int) -> torch.Tensor | None:
+    """The dense copy kept for exactly these projections (a lone one's own, or the pack's, whose rows are
+    theirs in order), else None."""
+    if len(linears) == 1:
+        return linears[0].dense
+    dense = getattr(linears[0], "_dpacked", None)
+    if dense is None or dense.shape[0] != rows or any(lin.dense is None for lin in linears) \
+            or not _views_of(dense, [lin.dense for lin in linears]):
+        return None
+    return dense
+
+
+def keep_dense(linears, dtype: torch.dtype) -> int:
+    """Dequantize the quantized projections among `linears` (one input's, as `pack` groups them) into dense
+    copies of `dtype` kept beside their blocks: one copy per pack of one type, each projection's a view of its
+    rows. Returns the bytes kept. Products of DENSE_ROWS rows or more then multiply the copies (cuBLAS reading
+    them once per step) instead of dequantizing every block in the tile kernels on every step."""
+    from hf2q.kernels.quant.ops import dequantize
+
+    kept = 0
+    for qtype, idx in _type_groups(linears).items():
+        part = [linears[i] for i in idx]
+        if qtype is None or part[0].dense is not None:
+            continue
+        raw = _packed_raw(part)
+        rows = sum(lin.out_features for lin in part)
+        dense = dequantize(raw, qtype, (rows, part[0].in_features), dtype)
+        row = 0
+        for lin in part:
+            lin.dense = dense[row:row + lin.out_features]
+            row += lin.out_features
+        if len(part) > 1:
+            part[0]._dpacked = dense
+        kept += dense.numel() * dense.element_size()
+    return kept
 
 
 def _packed_raw(linears) -> torch.Tensor:
