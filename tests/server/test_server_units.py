@@ -227,6 +227,31 @@ def test_batched_weights_dense_is_refused_by_name_where_nothing_would_be_copied(
         keep_dense_weights(model.net, torch.device("cpu"), torch.float32)
 
 
+def test_batched_weights_dense_checks_the_room_for_its_copies(gguf_dense_q8_0, monkeypatch):
+    """On CUDA the copies must fit in the free memory beyond the serving reserve: refused by name with the sizes
+    where they do not, made (every quantized projection, before the K/V pool is sized) where they do. The
+    device's free memory is stood in for; the net stays on the CPU."""
+    import torch
+
+    from hf2q.checkpoint.gguf_file import GGUFFile
+    from hf2q.checkpoint.loader import build_model
+    from hf2q.config import ModelConfig
+    from hf2q.layers.linear import Linear
+    from hf2q.server.launch import keep_dense_weights
+    gguf = GGUFFile(gguf_dense_q8_0)
+    net = build_model(gguf, ModelConfig.from_gguf_metadata(gguf.metadata), device="cpu", dtype=torch.float32,
+                      with_mtp=False, keep_quantized=True)
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (5 << 30, 80 << 30))  # under the 8-GiB reserve
+    with pytest.raises(ValueError, match=r"--batched-weights dense needs 0\.\d GiB .* 0\.0 GiB is free"):
+        keep_dense_weights(net, cuda, torch.float32)
+    assert all(m.dense is None for m in net.modules() if isinstance(m, Linear))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (60 << 30, 80 << 30))
+    keep_dense_weights(net, cuda, torch.float32)
+    quantized = [m for m in net.modules() if isinstance(m, Linear) and m.quantized]
+    assert quantized and all(m.dense is not None for m in quantized)
+
+
 def test_event_json_holds_no_character_a_line_reader_splits_on():
     from hf2q.server.sse import event, json_data
 
