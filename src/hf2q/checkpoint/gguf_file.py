@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,22 +72,26 @@ class _FastReader:
                         return 12 + int(arr.nbytes), [raw_itype, alen, arr], [2], [GGUFValueType.ARRAY, itype]
                     if itype != GGUFValueType.STRING:
                         return super()._get_field_parts(orig_offs, raw_type)
-                    # Decode every string in one pass; the field keeps one part spanning the array.
+                    # Decode every string in one pass over bytes windows (slicing bytes is cheap); the field
+                    # keeps one part spanning the array.
                     plain = self.data.view(np.ndarray)
-                    order = "big" if self.byte_order == "S" else "little"
+                    length_at = struct.Struct(">Q" if self.byte_order == "S" else "<Q").unpack_from
                     strings = []
-                    window_start, window = offs, b""
+                    append = strings.append
+                    window, pos, window_start = b"", 0, offs  # window holds the file from window_start
                     for _ in range(n):
-                        rel = offs - window_start
-                        if rel + 8 > len(window) or rel + 8 + int.from_bytes(window[rel:rel + 8], order) > len(window):
-                            window_start, rel = offs, 0  # refill a bytes window: slicing bytes is cheap
-                            window = plain[offs:offs + max(1 << 24, 8 + int.from_bytes(
-                                plain[offs:offs + 8].tobytes(), order))].tobytes()
-                        length = int.from_bytes(window[rel:rel + 8], order)
-                        if offs + 8 + length > len(plain):
-                            raise GGUFError(f"a string at byte {offs:,} runs past the end of the file")
-                        strings.append(window[rel + 8:rel + 8 + length].decode("utf-8"))
-                        offs += 8 + length
+                        if pos + 8 > len(window) or pos + 8 + length_at(window, pos)[0] > len(window):
+                            window_start, pos = window_start + pos, 0  # refill from the next string on
+                            head = plain[window_start:window_start + 8].tobytes()
+                            if len(head) < 8:
+                                raise GGUFError(f"a string at byte {window_start:,} runs past the end of the file")
+                            window = plain[window_start:window_start + max(1 << 24, 8 + length_at(head)[0])].tobytes()
+                        end = pos + 8 + length_at(window, pos)[0]
+                        if end > len(window):
+                            raise GGUFError(f"a string at byte {window_start + pos:,} runs past the end of the file")
+                        append(window[pos + 8:end].decode("utf-8"))
+                        pos = end
+                    offs = window_start + pos
                     region = plain[orig_offs + 12:offs]
                     self.string_arrays[id(region)] = strings
                     return (offs - orig_offs, [raw_itype, alen, region], [2],
