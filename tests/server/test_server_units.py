@@ -210,21 +210,20 @@ def test_short_prefill_graphs_default_on_cuda_and_are_refused_where_no_graph_wou
             resolve_short_prefill_graphs(True, device, tp)
 
 
-def test_batched_weights_dense_is_refused_by_name_where_nothing_would_be_copied(gguf_dense_q8_0):
+def test_batched_weights_dense_is_refused_by_name_where_nothing_would_be_copied():
     """--batched-weights: `quantized` unless said; `dense` on a model that keeps no quantized projection (the CPU
     dequantizes by default) is refused by name, not accepted and ignored."""
     import argparse
 
     import torch
 
-    import hf2q
+    from hf2q.layers.linear import Linear
     from hf2q.server.launch import add_serve_args, keep_dense_weights
     p = argparse.ArgumentParser()
     add_serve_args(p)
     assert [p.parse_args(a).batched_weights for a in ([], ["--batched-weights", "dense"])] == ["quantized", "dense"]
-    model = hf2q.load(gguf_dense_q8_0, device="cpu", with_mtp=False)
     with pytest.raises(ValueError, match="--batched-weights dense: this model keeps no quantized projection"):
-        keep_dense_weights(model.net, torch.device("cpu"), torch.float32)
+        keep_dense_weights(torch.nn.Sequential(Linear(8, 8)), torch.device("cpu"), torch.float32)
 
 
 def test_batched_weights_dense_checks_the_room_for_its_copies(gguf_dense_q8_0, monkeypatch):
