@@ -9,11 +9,12 @@ Splitting keeps the GPU busy at batch 1 with long contexts.
 A compressed pool (fp8, tq8/tq6/tq5) takes the same kernel with its rows decoded in registers (compressed_triton):
 the codes are read 16 bytes at a time from their own rows, the side values (fp8's scale exponent, TurboQuant's norm)
 from their plane (so Triton's pipeline prefetches them like model-dtype rows), each tile's unit values go through
-the tensor cores in fp16 (which holds every e4m3 value and the hardware converts two an instruction), and its
-per-row factors scale the scores and the probabilities; q and the probabilities times the value rows' factors enter
-fp16 as unit rows with a power-of-two factor, so no range is lost. TurboQuant attends in the rotated domain: the
-kernel rotates q (signs and Walsh–Hadamard butterflies, as the store rotates K/V), and the merge rotates the output
-back before the gate, so no other launch is needed.
+the tensor cores in fp16 (which holds every e4m3 value and the hardware converts two an instruction; fp8's tiles as
+four planes of channels, whose products with q's matching planes add up), and its per-row factors scale the scores
+and the probabilities; q and the probabilities times the value rows' factors enter fp16 as unit rows with a
+power-of-two factor, so no range is lost. TurboQuant attends in the rotated domain: the kernel rotates q (signs and
+Walsh–Hadamard butterflies, as the store rotates K/V), and the merge rotates the output back before the gate, so no
+other launch is needed.
 """
 from __future__ import annotations
 
@@ -25,9 +26,11 @@ import triton
 import triton.language as tl
 
 from hf2q import envs
-from hf2q.kernels.attention.compressed_triton import centroid_table, decoded_tile, device_tables, fwht, unit_rows
+from hf2q.kernels.attention.compressed_triton import (centroid_table, centroid_tile, device_tables, e4m3_planes,
+                                                       fwht, quarters, unit_rows)
 from hf2q.kernels.tuning import pdl
 
+_INTERPRETED = envs.triton_interpret()  # the interpreter runs no PTX (the fp8 tiles' hardware conversion)
 # how the pool stores a row: the kernel's CODED
 VALUES, FP8, TURBOQUANT = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
@@ -38,7 +41,7 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, kside_ptr, vside_ptr, cb_ptr, sign
                          stride_os, stride_lb, stride_lh, REP: tl.constexpr, REP_PAD: tl.constexpr, HD: tl.constexpr,
                          BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr,
                          CODED: tl.constexpr = 0, DOT: tl.constexpr = tl.float16, LOG2_HD: tl.constexpr = 0,
-                         INV_SQRT_HD: tl.constexpr = 1.0, PDL: tl.constexpr = False):
+                         INV_SQRT_HD: tl.constexpr = 1.0, CVT: tl.constexpr = False, PDL: tl.constexpr = False):
     pdl.enter(PDL)
     b = tl.program_id(0)
     g = tl.program_id(1)
@@ -59,22 +62,38 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, kside_ptr, vside_ptr, cb_ptr, sign
         if CODED == TURBOQUANT:  # the keys' orthogonal map, kv_codec.rotate: ⟨Rq, Rk⟩ = ⟨q, k⟩
             q = fwht(q * tl.load(sign_ptr + d)[None, :], INV_SQRT_HD, REP_PAD, HD, LOG2_HD)
         q, q_factor = unit_rows(q, DOT)
+    if CODED == FP8:  # fp8 tiles come as four planes of channels (e4m3_planes): q and the output likewise
+        q0, q1, q2, q3 = quarters(q, REP_PAD, HD)
+        acc0 = tl.zeros([REP_PAD, HD // 4], tl.float32)
+        acc1 = tl.zeros([REP_PAD, HD // 4], tl.float32)
+        acc2 = tl.zeros([REP_PAD, HD // 4], tl.float32)
+        acc3 = tl.zeros([REP_PAD, HD // 4], tl.float32)
+    else:
+        acc = tl.zeros([REP_PAD, HD], tl.float32)
     m_i = tl.full([REP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([REP_PAD], tl.float32)
-    acc = tl.zeros([REP_PAD, HD], tl.float32)
     n = tl.arange(0, BLOCK_N)
     for n0 in range(start, end, BLOCK_N):
         toks = n0 + n
         valid = toks < end
         blk = tl.load(bt_ptr + b * stride_bt + toks // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         rows = blk * BLOCK_SIZE + toks % BLOCK_SIZE
+        # a compressed pool's rows give unit values and a factor per row (scale, or norm/√D); its strides are in
+        # vectors (payload rows of HD bytes)
         if CODED == VALUES:
             off = rows[:, None] * stride_kr + g * stride_kh + d[None, :]
             k = tl.load(k_ptr + off, mask=valid[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k))  # [REP_PAD, BLOCK_N]
-        else:  # unit values and a factor per row: scale, or norm/√D; strides in vectors (payload rows of HD bytes)
+        elif CODED == FP8:
             off = rows * stride_kr + g * stride_kh
-            k, k_factor = decoded_tile(k_ptr, kside_ptr, off, valid, cb_ptr, HD, CODED == TURBOQUANT, DOT)
+            k0, k1, k2, k3, k_factor = e4m3_planes(k_ptr, kside_ptr, off, valid, HD, DOT, CVT)
+            s = tl.dot(q0, tl.trans(k0))
+            s = tl.dot(q1, tl.trans(k1), s)
+            s = tl.dot(q2, tl.trans(k2), s)
+            s = tl.dot(q3, tl.trans(k3), s) * q_factor[:, None] * k_factor[None, :]
+        else:
+            off = rows * stride_kr + g * stride_kh
+            k, k_factor = centroid_tile(k_ptr, kside_ptr, off, valid, cb_ptr, HD, DOT)
             s = tl.dot(q, tl.trans(k)) * q_factor[:, None] * k_factor[None, :]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -83,13 +102,21 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, kside_ptr, vside_ptr, cb_ptr, sign
         l_i = l_i * alpha + tl.sum(p, 1)
         if CODED == VALUES:
             v = tl.load(v_ptr + off, mask=valid[:, None], other=0.0)
-            pv = tl.dot(p.to(v.dtype), v)
-        else:
-            v, v_factor = decoded_tile(v_ptr, vside_ptr, off, valid, cb_ptr, HD, CODED == TURBOQUANT, DOT)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        elif CODED == FP8:
+            v0, v1, v2, v3, v_factor = e4m3_planes(v_ptr, vside_ptr, off, valid, HD, DOT, CVT)
             w, w_factor = unit_rows(p * v_factor[None, :], DOT)  # the value rows' factors go on p's columns
-            pv = tl.dot(w, v) * w_factor[:, None]
-        acc = acc * alpha[:, None] + pv
+            acc0 = acc0 * alpha[:, None] + tl.dot(w, v0) * w_factor[:, None]
+            acc1 = acc1 * alpha[:, None] + tl.dot(w, v1) * w_factor[:, None]
+            acc2 = acc2 * alpha[:, None] + tl.dot(w, v2) * w_factor[:, None]
+            acc3 = acc3 * alpha[:, None] + tl.dot(w, v3) * w_factor[:, None]
+        else:
+            v, v_factor = centroid_tile(v_ptr, vside_ptr, off, valid, cb_ptr, HD, DOT)
+            w, w_factor = unit_rows(p * v_factor[None, :], DOT)
+            acc = acc * alpha[:, None] + tl.dot(w, v) * w_factor[:, None]
         m_i = m_new
+    if CODED == FP8:  # the planes back in channel order: [r, c, m, t] is channel 4c + 2m + t (quarters)
+        acc = tl.reshape(tl.join(tl.join(acc0, acc2), tl.join(acc1, acc3)), [REP_PAD, HD])
     safe_l = tl.where(l_i > 0, l_i, 1.0)
     out = acc / safe_l[:, None]
     lse = tl.where(l_i > 0, m_i + tl.log(safe_l), float("-inf"))
@@ -199,7 +226,8 @@ def paged_decode_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.
         parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0), lse.stride(1),
         REP=rep, REP_PAD=max(16, triton.next_power_of_2(rep)), HD=hd, BLOCK_SIZE=block_size, BLOCK_N=block_n,
         NSPLIT=num_splits, CODED=coded, DOT=tl.float32 if dot == torch.float32 else tl.float16, LOG2_HD=log2_hd,
-        INV_SQRT_HD=inv_sqrt_hd, num_warps=num_warps, **pdl.launch_options(q.device))
+        INV_SQRT_HD=inv_sqrt_hd, CVT=coded == FP8 and dot == torch.float16 and not _INTERPRETED, num_warps=num_warps,
+        **pdl.launch_options(q.device))
     out = torch.empty(bsz, nh, hd, dtype=q.dtype, device=q.device)
     if gate is not None:
         assert gate.shape == q.shape and gate.stride(2) == 1
