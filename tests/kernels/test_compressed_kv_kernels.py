@@ -100,9 +100,9 @@ def test_store_writes_the_pools_encoding(env, fmt):
     assert not any(plane[0].any() for plane in pool.planes)
 
 
-def _filled_pool(fmt, dev, dtype, real, lens, gen, k_scale=2.0, v_scale=1.0):
+def _filled_pool(fmt, dev, dtype, real, lens, gen, k_scale=2.0, v_scale=1.0, shape=None):
     """A pool whose sequences of `lens` tokens sit in shuffled blocks; (pool, block tables [B, width] int32)."""
-    _, nkv, hd, bs, blocks = _shape(real)
+    _, nkv, hd, bs, blocks = shape or _shape(real)
     pool = make_pool(fmt, 1, blocks, bs, nkv, hd, torch.device(dev))
     order = torch.randperm(blocks, generator=gen).tolist()
     tables = torch.zeros(len(lens), -(-max(lens) // bs) + 1, dtype=torch.int32)
@@ -142,6 +142,29 @@ def test_paged_decode_reads_compressed_rows(env, fmt, gated, one):
                                                     pool=pool, sides=tuple(t.cpu() for t in sides))
     assert out.dtype == dtype and out.shape == (b, nh, hd)
     assert rel(out, want) <= (2e-2 if real else 2e-5)
+
+
+def test_paged_decode_reads_fp8_planes_of_wide_heads(env):
+    """fp8 heads of 64 channels or more are read as four planes of channels (e4m3_planes; narrower ones as whole
+    tiles, which the interpreter's cases above take): at a 64-channel head under the interpreter, against the plain
+    path; on a GPU the cases above run the 9B's 256 channels this way."""
+    dev, dtype, real = env
+    if real:
+        pytest.skip("the GPU cases above read 256-channel heads as planes")
+    shape = (4, 2, 64, 4, 24)
+    gen = torch.Generator().manual_seed(3)
+    lens = [1, 9, 30]
+    pool, tables = _filled_pool("fp8", dev, dtype, real, lens, gen, shape=shape)
+    q = randn(len(lens), shape[0], shape[2], dev=dev, dtype=dtype, gen=gen)
+    context = torch.tensor(lens, dtype=torch.int32)
+    (k_rows, v_rows), sides = pool.rows(0), pool.sides(0)
+    out = attention_ops.paged_decode_attention(q, k_rows, v_rows, tables.to(dev), context.to(dev), shape[3],
+                                               shape[2] ** -0.5, pool=pool, sides=sides)
+    with torch_only():
+        want = attention_ops.paged_decode_attention(q.cpu().float(), k_rows.cpu(), v_rows.cpu(), tables, context,
+                                                    shape[3], shape[2] ** -0.5, pool=pool,
+                                                    sides=tuple(t.cpu() for t in sides))
+    assert rel(out, want) <= 2e-5
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "tq8"])
@@ -188,7 +211,8 @@ def test_paged_decode_reads_codes_through_the_pipeline(fmt, block_n, warps):
     sig.update({p.name: "i32" for p in paged_triton._paged_decode_kernel.params
                 if p.name.startswith("stride_")})
     const = dict(REP=4, REP_PAD=16, HD=256, BLOCK_SIZE=16, BLOCK_N=block_n, NSPLIT=8,
-                 CODED=paged_triton.FP8.value if fmt == "fp8" else paged_triton.TURBOQUANT.value, CVT=fmt == "fp8")
+                 CODED=paged_triton.FP8.value if fmt == "fp8" else paged_triton.TURBOQUANT.value, PLANES=fmt == "fp8",
+                 CVT=fmt == "fp8")
     ptx = compile_for_hopper(paged_triton._paged_decode_kernel, sig, const, warps)
     sizes = [int(size, 16) for size in re.findall(r"cp\.async\.c[ag]\.shared\.global[^\n]*, (0x\w+)", ptx)]
     assert 16 in sizes and set(sizes) <= {4, 16}

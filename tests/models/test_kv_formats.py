@@ -63,6 +63,12 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
+def within_the_logit_bounds(errors: dict[str, float], arch: str) -> bool:
+    """The relative logit errors against fp32 K/V that test_logits_with_compressed_kv_stay_close_to_fp32_kv states."""
+    fp8_bound = 0.08 if arch.endswith("moe") else 0.015
+    return errors["tq8"] < 0.008 and errors["fp8"] < fp8_bound and errors["bfloat16"] < 0.003
+
+
 def test_logits_with_compressed_kv_stay_close_to_fp32_kv(model):
     """Relative logit error over 24 decode steps fed the same tokens (fp32 K/V's greedy run). Measured: dense tq8
     0.0018, fp8 0.0076, bf16 0.0005; MoE tq8 0.0039, fp8 0.054, bf16 0.0010 (bounds leave ~2× room, fp8's on the
@@ -73,8 +79,7 @@ def test_logits_with_compressed_kv_stay_close_to_fp32_kv(model):
     tokens, base = greedy(model, "float32", 24)
     errors = {fmt: rel(greedy(model, fmt, 24, tokens)[1], base) for fmt in ("bfloat16", "fp8", "tq8")}
     print("relative logit error vs fp32 K/V:", errors)
-    fp8_bound = 0.08 if model.config.arch.endswith("moe") else 0.015
-    assert errors["tq8"] < 0.008 and errors["fp8"] < fp8_bound and errors["bfloat16"] < 0.003
+    assert within_the_logit_bounds(errors, model.config.arch), errors
 
 
 @pytest.mark.slow
@@ -175,7 +180,7 @@ def test_cuda_graphs_with_compressed_pools_stay_within_the_cpu_bounds(kind, requ
     tokens, base = run("float32", 24)
     errors = {fmt: rel(run(fmt, 24, tokens)[1], base) for fmt in ("bfloat16", "fp8", "tq8")}
     print("CUDA graphs, relative logit error vs fp32 K/V:", errors)
-    assert errors["tq8"] < 0.008 and errors["fp8"] < 0.03 and errors["bfloat16"] < 0.003
+    assert within_the_logit_bounds(errors, model.config.arch), errors  # the MoE's fp8 0.051 on an H100
     greedy_base = run("float32", 64)[0]
     lengths = {fmt: agreed(run(fmt, 64)[0], greedy_base) for fmt in ("bfloat16", "fp8", "tq8")}
     print("CUDA graphs, greedy agreement with fp32 K/V (tokens of 64):", lengths)

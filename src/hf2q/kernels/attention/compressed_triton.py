@@ -173,19 +173,32 @@ def unit_rows(x, DOT: tl.constexpr):
 
 
 @triton.jit
-def centroid_tile(ptr, side_ptr, vec, valid, cb_ptr, HD: tl.constexpr, DOT: tl.constexpr):
-    """A TurboQuant tile's unit values [N, HD] in DOT (centroids from the table at cb_ptr, held in DOT by the caller
-    so the lookup converts nothing) and per-row factors norm/√D [N] in fp32. vec [N] are the vectors' indices:
-    payload rows of HD bytes at ptr + vec·HD (HD a power of two ≥ 16: the codes load 16 at a time), fp32 norms at
-    side_ptr + vec."""
+def decoded_tile(ptr, side_ptr, vec, valid, cb_ptr, HD: tl.constexpr, TQ: tl.constexpr, DOT: tl.constexpr):
+    """A tile's unit values [N, HD] in DOT (e4m3 values, or centroids from the table at cb_ptr, held in DOT by the
+    caller so the lookup converts nothing) and per-row factors [N] in fp32 (scale, or norm/√D). vec [N] are the
+    vectors' indices: payload rows of HD bytes at ptr + vec·HD (HD a power of two ≥ 16: the codes load 16 at a
+    time), side values at side_ptr + vec (fp8: u8 exponents, TurboQuant: fp32 norms; a layer's u8 plane a whole
+    number of 4-byte words). TurboQuant's tiles, and fp8's where a head is too narrow for `e4m3_planes`."""
     d = tl.arange(0, HD)
     codes = tl.load(ptr + vec[:, None] * HD + d[None, :], mask=valid[:, None], other=0)
-    norm = tl.load(side_ptr + vec, mask=valid, other=0.0)
-    # a gather from the table in shared memory: a 32-bit address a value, against 64-bit ones from global memory
-    table = tl.load(cb_ptr + tl.arange(0, 256)).to(DOT)  # the codebook padded to 256 (centroid_table)
-    flat = tl.reshape(codes.to(tl.int32), [codes.shape[0] * HD])
-    unit = tl.reshape(tl.gather(table, flat, 0), [codes.shape[0], HD])
-    return unit, norm * (1.0 / tl.sqrt(HD * 1.0))
+    if TQ:
+        norm = tl.load(side_ptr + vec, mask=valid, other=0.0)
+        # a gather from the table in shared memory: a 32-bit address a value, against 64-bit ones from global memory
+        table = tl.load(cb_ptr + tl.arange(0, 256)).to(DOT)  # the codebook padded to 256 (centroid_table)
+        flat = tl.reshape(codes.to(tl.int32), [codes.shape[0] * HD])
+        unit = tl.reshape(tl.gather(table, flat, 0), [codes.shape[0], HD])
+        return unit, norm * (1.0 / tl.sqrt(HD * 1.0))
+    return codes.to(tl.float8e4nv, bitcast=True).to(DOT), _fp8_scales(side_ptr, vec, valid)
+
+
+@triton.jit
+def _fp8_scales(side_ptr, vec, valid):
+    """The scales [N] of fp8 vectors vec [N] from their u8 exponents at side_ptr + vec: each exponent byte from its
+    aligned 4-byte word (the neighbouring heads' bytes), one word load a row, which the pipeline copies like the
+    codes, where a byte load would wait in the loop (a layer's plane is a whole number of words)."""
+    word = tl.load((side_ptr + (vec - vec % 4)).to(tl.pointer_type(tl.int32)), mask=valid, other=0)
+    exponent = (word >> ((vec % 4) * 8).to(tl.int32)) & 255
+    return (exponent << 23).to(tl.float32, bitcast=True)  # 2^(e − 127); 0 for the masked rows
 
 
 @triton.jit
@@ -206,8 +219,7 @@ def _e4m3_plane(words, j: tl.constexpr, DOT: tl.constexpr):
 @triton.jit
 def e4m3_planes(ptr, side_ptr, vec, valid, HD: tl.constexpr, DOT: tl.constexpr, CVT: tl.constexpr):
     """An fp8 tile's e4m3 values as four planes [N, HD/4] in DOT, plane j holding channels 4c + j, and the rows'
-    scales [N] in fp32. vec [N] are the vectors' indices: payload rows of HD bytes at ptr + vec·HD (HD a power of
-    two ≥ 16), u8 exponents at side_ptr + vec (a layer's plane a whole number of 4-byte words).
+    scales [N] in fp32; vectors as for `decoded_tile`, HD ≥ 64 (a plane must be as wide as the tensor cores' 16).
 
     The codes load as 4-byte words and each word's bytes go to the four planes, so a plane's values sit in
     registers as the tensor cores take them, where a [N, HD] tile of bytes took a shared-memory load per two values
@@ -218,16 +230,13 @@ def e4m3_planes(ptr, side_ptr, vec, valid, HD: tl.constexpr, DOT: tl.constexpr, 
     w = tl.arange(0, HD // 4)
     words = tl.load((ptr + vec[:, None] * HD).to(tl.pointer_type(tl.int32)) + w[None, :], mask=valid[:, None],
                     other=0)
-    # the exponent byte from its aligned 4-byte word (the neighbouring heads' bytes): one word load a row, which the
-    # pipeline copies like the codes, where a byte load would wait in the loop
-    side = tl.load((side_ptr + (vec - vec % 4)).to(tl.pointer_type(tl.int32)), mask=valid, other=0)
-    exponent = (side >> ((vec % 4) * 8).to(tl.int32)) & 255
-    scale = (exponent << 23).to(tl.float32, bitcast=True)  # 2^(e − 127); 0 for the masked rows
+    scale = _fp8_scales(side_ptr, vec, valid)
     if CVT:
         u0, u1, u2, u3 = tl.inline_asm_elementwise(
-            "{ .reg .b16 lo, hi; .reg .b32 a, b; mov.b32 {lo, hi}, $4; cvt.rn.f16x2.e4m3x2 a, lo; "
-            "cvt.rn.f16x2.e4m3x2 b, hi; mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; }",
-            "=h,=h,=h,=h,r", [words], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1)
+            "{ .reg .b16 p0, p1, p2, p3; .reg .b32 t0, t1; prmt.b32 t0, $4, $5, 0x5140; prmt.b32 t1, $4, $5, 0x7362; "
+            "mov.b32 {p0, p1}, t0; mov.b32 {p2, p3}, t1; cvt.rn.f16x2.e4m3x2 $0, p0; cvt.rn.f16x2.e4m3x2 $1, p1; "
+            "cvt.rn.f16x2.e4m3x2 $2, p2; cvt.rn.f16x2.e4m3x2 $3, p3; }",
+            "=r,=r,=r,=r,r,r", [words], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=2)
     else:
         u0 = _e4m3_plane(words, 0, DOT)
         u1 = _e4m3_plane(words, 1, DOT)

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from hf2q import envs
-from hf2q.kernels.attention.compressed_triton import (centroid_table, centroid_tile, device_tables, e4m3_planes,
+from hf2q.kernels.attention.compressed_triton import (centroid_table, decoded_tile, device_tables, e4m3_planes,
                                                        fwht, quarters, unit_rows)
 from hf2q.kernels.tuning import pdl
 
@@ -41,7 +41,8 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, kside_ptr, vside_ptr, cb_ptr, sign
                          stride_os, stride_lb, stride_lh, REP: tl.constexpr, REP_PAD: tl.constexpr, HD: tl.constexpr,
                          BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr,
                          CODED: tl.constexpr = 0, DOT: tl.constexpr = tl.float16, LOG2_HD: tl.constexpr = 0,
-                         INV_SQRT_HD: tl.constexpr = 1.0, CVT: tl.constexpr = False, PDL: tl.constexpr = False):
+                         INV_SQRT_HD: tl.constexpr = 1.0, PLANES: tl.constexpr = False, CVT: tl.constexpr = False,
+                         PDL: tl.constexpr = False):
     pdl.enter(PDL)
     b = tl.program_id(0)
     g = tl.program_id(1)
@@ -62,7 +63,7 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, kside_ptr, vside_ptr, cb_ptr, sign
         if CODED == TURBOQUANT:  # the keys' orthogonal map, kv_codec.rotate: ⟨Rq, Rk⟩ = ⟨q, k⟩
             q = fwht(q * tl.load(sign_ptr + d)[None, :], INV_SQRT_HD, REP_PAD, HD, LOG2_HD)
         q, q_factor = unit_rows(q, DOT)
-    if CODED == FP8:  # fp8 tiles come as four planes of channels (e4m3_planes): q and the output likewise
+    if PLANES:  # fp8 tiles as four planes of channels (e4m3_planes): q and the output likewise
         q0, q1, q2, q3 = quarters(q, REP_PAD, HD)
         acc0 = tl.zeros([REP_PAD, HD // 4], tl.float32)
         acc1 = tl.zeros([REP_PAD, HD // 4], tl.float32)
@@ -84,7 +85,7 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, kside_ptr, vside_ptr, cb_ptr, sign
             off = rows[:, None] * stride_kr + g * stride_kh + d[None, :]
             k = tl.load(k_ptr + off, mask=valid[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k))  # [REP_PAD, BLOCK_N]
-        elif CODED == FP8:
+        elif PLANES:
             off = rows * stride_kr + g * stride_kh
             k0, k1, k2, k3, k_factor = e4m3_planes(k_ptr, kside_ptr, off, valid, HD, DOT, CVT)
             s = tl.dot(q0, tl.trans(k0))
@@ -93,7 +94,7 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, kside_ptr, vside_ptr, cb_ptr, sign
             s = tl.dot(q3, tl.trans(k3), s) * q_factor[:, None] * k_factor[None, :]
         else:
             off = rows * stride_kr + g * stride_kh
-            k, k_factor = centroid_tile(k_ptr, kside_ptr, off, valid, cb_ptr, HD, DOT)
+            k, k_factor = decoded_tile(k_ptr, kside_ptr, off, valid, cb_ptr, HD, CODED == TURBOQUANT, DOT)
             s = tl.dot(q, tl.trans(k)) * q_factor[:, None] * k_factor[None, :]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -103,7 +104,7 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, kside_ptr, vside_ptr, cb_ptr, sign
         if CODED == VALUES:
             v = tl.load(v_ptr + off, mask=valid[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        elif CODED == FP8:
+        elif PLANES:
             v0, v1, v2, v3, v_factor = e4m3_planes(v_ptr, vside_ptr, off, valid, HD, DOT, CVT)
             w, w_factor = unit_rows(p * v_factor[None, :], DOT)  # the value rows' factors go on p's columns
             acc0 = acc0 * alpha[:, None] + tl.dot(w, v0) * w_factor[:, None]
@@ -111,11 +112,11 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, kside_ptr, vside_ptr, cb_ptr, sign
             acc2 = acc2 * alpha[:, None] + tl.dot(w, v2) * w_factor[:, None]
             acc3 = acc3 * alpha[:, None] + tl.dot(w, v3) * w_factor[:, None]
         else:
-            v, v_factor = centroid_tile(v_ptr, vside_ptr, off, valid, cb_ptr, HD, DOT)
+            v, v_factor = decoded_tile(v_ptr, vside_ptr, off, valid, cb_ptr, HD, CODED == TURBOQUANT, DOT)
             w, w_factor = unit_rows(p * v_factor[None, :], DOT)
             acc = acc * alpha[:, None] + tl.dot(w, v) * w_factor[:, None]
         m_i = m_new
-    if CODED == FP8:  # the planes back in channel order: [r, c, m, t] is channel 4c + 2m + t (quarters)
+    if PLANES:  # the planes back in channel order: [r, c, m, t] is channel 4c + 2m + t (quarters)
         acc = tl.reshape(tl.join(tl.join(acc0, acc2), tl.join(acc1, acc3)), [REP_PAD, HD])
     safe_l = tl.where(l_i > 0, l_i, 1.0)
     out = acc / safe_l[:, None]
@@ -207,6 +208,7 @@ def paged_decode_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.
     # an fp32 model)
     dot = torch.float32 if q.dtype == torch.float32 else torch.float16
     rotated = coded == TURBOQUANT  # q is rotated in the kernel, the output back in the merge
+    planes = coded == FP8 and hd >= 64  # fp8 tiles as planes of channels, each at least the tensor cores' 16 wide
     codebook = centroid_table(kv_format, dot, str(q.device)) if rotated else k_rows  # unread unless rotated
     signs = device_tables(kv_format, hd, str(q.device))[0] if rotated else k_rows
     log2_hd, inv_sqrt_hd = hd.bit_length() - 1, 1.0 / math.sqrt(hd)
@@ -226,8 +228,8 @@ def paged_decode_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.
         parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0), lse.stride(1),
         REP=rep, REP_PAD=max(16, triton.next_power_of_2(rep)), HD=hd, BLOCK_SIZE=block_size, BLOCK_N=block_n,
         NSPLIT=num_splits, CODED=coded, DOT=tl.float32 if dot == torch.float32 else tl.float16, LOG2_HD=log2_hd,
-        INV_SQRT_HD=inv_sqrt_hd, CVT=coded == FP8 and dot == torch.float16 and not _INTERPRETED, num_warps=num_warps,
-        **pdl.launch_options(q.device))
+        INV_SQRT_HD=inv_sqrt_hd, PLANES=planes, CVT=planes and dot == torch.float16 and not _INTERPRETED,
+        num_warps=num_warps, **pdl.launch_options(q.device))
     out = torch.empty(bsz, nh, hd, dtype=q.dtype, device=q.device)
     if gate is not None:
         assert gate.shape == q.shape and gate.stride(2) == 1
