@@ -300,6 +300,33 @@ def test_new_kernels_compile_for_hopper(kernel):
     compile_for_hopper(fn, sig, const, warps=4)
 
 
+def test_paged_decode_does_not_specialise_the_table_width():
+    """The block tables' width (the batch's longest sequence in blocks) is an integer Triton would specialise when it
+    is 1 or a multiple of 16; it is not, so a sequence growing past 16 or 32 blocks compiles nothing mid-request (an
+    MTP head's eager catch-up did: 0.45 s on an H100). The GPU test below counts the compiled variants."""
+    from hf2q.kernels.attention import paged_triton
+    assert [p.name for p in paged_triton._paged_decode_kernel.params if p.do_not_specialize] == ["stride_bt"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_paged_decode_compiles_once_for_every_table_width():
+    """Widths 1, 5, 16 and 32 at one configuration leave one compiled variant of the kernel."""
+    from hf2q.kernels.attention import paged_triton
+    gen = torch.Generator().manual_seed(4)
+    nh, nkv, hd, bs, blocks = 16, 4, 256, 16, 40
+    rows = [randn(blocks * bs, nkv, hd, dev="cuda", dtype=torch.bfloat16, gen=gen) for _ in range(2)]
+    q = randn(1, nh, hd, dev="cuda", dtype=torch.bfloat16, gen=gen)
+    variants = []
+    for width in (1, 5, 16, 32):
+        tables = torch.randperm(blocks, generator=gen)[:width].to(torch.int32).view(1, width).cuda()
+        lens = torch.tensor([width * bs - 3], dtype=torch.int32, device="cuda")
+        paged_triton.paged_decode_attention(q, *rows, tables, lens, bs, hd ** -0.5, num_splits=32, block_n=64,
+                                            num_warps=8)
+        variants.append(len(paged_triton._paged_decode_kernel.device_caches[q.device.index][0]))
+    assert variants[1:] == variants[:1] * 3, variants
+
+
 def test_paged_decode_config_setting(monkeypatch):
     """The paged decode kernel's (splits, keys a step, warps): one sequence's measured configuration, the
     batched one for 64, fewer splits the more sequences between, each with its own for a compressed pool; HF2Q_PAGED_DECODE sets one for every batch
