@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from hf2q.bench_shapes import SHAPES
 from hf2q.cache.hybrid import kv_bytes_per_token
@@ -87,6 +88,22 @@ def test_kv_bench_capacity_rows():
     assert rows["bfloat16"]["bytes_per_token"] == 32768 and rows["tq8"]["bytes_per_token"] == 16640
     assert rows["fp8"]["bytes_per_token"] == 16448 and rows["fp8"]["max_seqs"] >= rows["tq8"]["max_seqs"]
     assert rows["tq8"]["max_seqs"] >= 1.9 * rows["bfloat16"]["max_seqs"] > 0
+
+
+def test_kv_bench_keeps_going_past_a_point_that_does_not_fit(capsys):
+    """A decode point whose pool does not fit (out of GPU memory) is None and a line; the points after it are
+    still measured (an H100 ran out at 64 x 32k bf16 and lost the bench's every figure)."""
+    from hf2q.bench.kv import decode_points
+
+    def measure(streams, context):
+        if streams * context > 64 * 4096:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return streams * 1.25
+
+    row = decode_points(measure, [1, 64], [4096, 32768])
+    assert row == {"decode_1x4096_tok_s": 1.2, "decode_1x32768_tok_s": 1.2, "decode_64x4096_tok_s": 80.0,
+                   "decode_64x32768_tok_s": None}
+    assert "64 x 32768 tokens: does not fit" in capsys.readouterr().out
 
 
 def test_fp8_holds_1_9_times_the_32k_sequences_of_bf16_on_an_h200():

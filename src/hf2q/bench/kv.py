@@ -78,6 +78,24 @@ def decode_tok_s(net, fmt: str, streams: int, context: int, steps: int) -> float
     return streams * steps / (time.perf_counter() - t)
 
 
+def decode_points(measure, streams: list[int], contexts: list[int]) -> dict:
+    """`measure(streams, context)` (tok/s) at every point, by key decode_{s}x{c}_tok_s; a point whose pool does not
+    fit in the GPU's memory is None and a line, so the others are still measured (64 sequences of 32k tokens in
+    bf16 are 64 GiB of K/V: an 80-GB card holds them only in the compressed formats)."""
+    row = {}
+    for s in streams:
+        for c in contexts:
+            key = f"decode_{s}x{c}_tok_s"
+            try:
+                row[key] = round(measure(s, c), 1)
+            except torch.OutOfMemoryError:
+                row[key] = None
+                print(f"{s} x {c} tokens: does not fit in this GPU's memory", flush=True)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    return row
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m hf2q.bench.kv", description=__doc__)
     p.add_argument("--shape", choices=sorted(SHAPES), default="9b")
@@ -99,10 +117,8 @@ def main(argv=None) -> int:
     for fmt in args.formats:
         row = capacity(cfg, fmt, free, total, 32768)
         if cuda:
-            for s in args.streams:
-                for c in args.contexts:
-                    row[f"decode_{s}x{c}_tok_s"] = round(decode_tok_s(net, fmt, s, c, args.steps), 1)
-                    torch.cuda.empty_cache()
+            row.update(decode_points(lambda s, c: decode_tok_s(net, fmt, s, c, args.steps), args.streams,
+                                     args.contexts))
         report[fmt] = row
         print(fmt, json.dumps(row), flush=True)
     if args.json:
