@@ -80,15 +80,16 @@ class _FastReader:
                     append = strings.append
                     window, pos, window_start = b"", 0, offs  # window holds the file from window_start
                     for _ in range(n):
-                        if pos + 8 > len(window) or pos + 8 + length_at(window, pos)[0] > len(window):
+                        end = pos + 8 + length_at(window, pos)[0] if pos + 8 <= len(window) else -1
+                        if not 0 <= end <= len(window):
                             window_start, pos = window_start + pos, 0  # refill from the next string on
                             head = plain[window_start:window_start + 8].tobytes()
                             if len(head) < 8:
                                 raise GGUFError(f"a string at byte {window_start:,} runs past the end of the file")
-                            window = plain[window_start:window_start + max(1 << 24, 8 + length_at(head)[0])].tobytes()
-                        end = pos + 8 + length_at(window, pos)[0]
-                        if end > len(window):
-                            raise GGUFError(f"a string at byte {window_start + pos:,} runs past the end of the file")
+                            end = 8 + length_at(head)[0]
+                            window = plain[window_start:window_start + max(1 << 24, end)].tobytes()
+                            if end > len(window):
+                                raise GGUFError(f"a string at byte {window_start:,} runs past the end of the file")
                         append(window[pos + 8:end].decode("utf-8"))
                         pos = end
                     offs = window_start + pos
