@@ -62,6 +62,21 @@ def test_outputs_identical_with_mtp_drafts(model, method):
     assert engine.cache.num_free_slots == engine.cache.num_slots
 
 
+def test_warm_up_runs_speculative_rounds_and_forgets_them(model):
+    """The CUDA warm-up's throwaway requests with speculation are long enough to draft, so a first request finds
+    the verify round, its settle and a rejected draft's rewind already run; after them the speculator holds no
+    counts and no cost-control memory of them, and the engine answers as a fresh one does."""
+    engine = make_engine(model, "mtp+ngram")
+    engine._warm_up_requests(engine.SPEC_WARM_UP_PROMPTS, max_tokens=engine.SPEC_WARM_UP_TOKENS)
+    stats = engine.spec.stats
+    assert stats.rounds > 0 and stats.drafted > stats.accepted  # rounds ran, with rejected drafts among them
+    engine.spec._losing_streak["mtp"] = 5
+    engine.spec.forget_history()
+    assert engine.spec.stats.rounds == 0 and engine.spec._losing_streak["mtp"] == 0
+    assert not engine.requests and engine.cache.num_free_slots == engine.cache.num_slots
+    assert run(engine, sampled=False) == run(make_engine(model, "mtp+ngram"), sampled=False)
+
+
 def test_first_draft_is_the_mtp_heads_argmax(model):
     """Every step, each request's first draft is what the MTP head predicts from a cache-free forward
     over its whole history: the head's K/V, caught up over chunked prefill and rejected drafts, is right."""

@@ -295,6 +295,10 @@ def build_state(args):
     engine.warm_up()
     log.info("warmed up in %.1f s (%s; timed choices kept in %s)", time.monotonic() - t0, SPENT.since(Spent()),
              envs.tune_cache() or "memory only")
+    if device.type == "cuda":
+        from hf2q.kernels.tuning.late_compiles import WATCH
+        if WATCH.install():
+            log.info("watching for kernels built after the warm-up (each one is logged and counted in /metrics)")
     if aengine is None:
         aengine = AsyncEngine(engine)
     config = ServerConfig(model_name=_model_name(args, model, is_demo), is_demo=is_demo, api_key=args.api_key,

@@ -68,6 +68,11 @@ class Metrics:
         self.spec = SpecMetrics(r)
         info = Gauge("hf2q_model_info", "The served model (value is always 1)", ["model"], registry=r)
         info.labels(model=model_name).set(1)
+        from hf2q.kernels.tuning.late_compiles import WATCH
+        Gauge("hf2q_kernels_built_after_warm_up", "Triton kernel variants built while serving (a request waited "
+              "for each; the log names them)", registry=r).set_function(lambda: WATCH.count)
+        Gauge("hf2q_kernel_build_seconds_after_warm_up", "Seconds spent building them", registry=r).set_function(
+            lambda: WATCH.seconds)
         self.started = time.monotonic()
         Gauge("hf2q_uptime_seconds", "Seconds since the server started", registry=r).set_function(
             lambda: time.monotonic() - self.started)

@@ -79,6 +79,13 @@ class Speculator:
         self._losing_streak = dict.fromkeys(PROPOSERS, 0)  # requests in a row whose proposer the control turned off
         self._since_losing = dict.fromkeys(PROPOSERS, 0)  # new requests since the streak was reached
 
+    def forget_history(self) -> None:
+        """Drop what the requests so far left behind (the warm-up's throwaway ones): their counts and the cost
+        control's memory of losing streaks."""
+        self.stats = SpecStats(accepted_hist=[0] * (self.config.num_tokens + 1))
+        self._losing_streak = dict.fromkeys(PROPOSERS, 0)
+        self._since_losing = dict.fromkeys(PROPOSERS, 0)
+
     def new_proposer(self) -> Proposer:
         return NgramProposer(self.config.ngram_min, self.config.ngram_max)
 

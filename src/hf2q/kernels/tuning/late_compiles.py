@@ -1,0 +1,77 @@
+"""A watch on Triton building kernels once the warm-up is over.
+
+Everything a request would compile is meant to be compiled before `/health` says 200; a kernel variant
+that Triton builds (or loads from its disk cache) while serving is a wait some request paid, mid-stream.
+The watch names each such variant once in the log, with the time it took and what it was specialised on
+(an integer argument that is 1 or a multiple of 16 makes a new variant), and counts them for /metrics, so a
+first-request stall on the GPU says which kernel caused it instead of needing a profiler to find it.
+It sits in Triton's JIT hooks (`triton.knobs.runtime`), chained after any hook already there.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+log = logging.getLogger("hf2q.compiles")
+
+
+class LateCompiles:
+    """Kernel variants built after the warm-up: `count`, `seconds` spent building them, the latest `names`."""
+
+    def __init__(self, clock=time.perf_counter):
+        self.clock = clock
+        self.count = 0
+        self.seconds = 0.0
+        self.names: list[str] = []
+        self._started: dict[tuple, float] = {}
+        self._lock = threading.Lock()  # kernels compile on the engine thread and on compile-pool threads
+        self._chained: tuple = (None, None)
+
+    def install(self) -> bool:
+        """Start watching; False where this Triton has no JIT hooks (nothing is watched)."""
+        try:
+            from triton import knobs
+        except ImportError:
+            return False
+        runtime = knobs.runtime
+        if not (hasattr(runtime, "jit_cache_hook") and hasattr(runtime, "jit_post_compile_hook")):
+            return False
+        self._chained = (runtime.jit_cache_hook, runtime.jit_post_compile_hook)
+        runtime.jit_cache_hook, runtime.jit_post_compile_hook = self.before, self.after
+        return True
+
+    def uninstall(self) -> None:
+        from triton import knobs
+
+        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = self._chained
+
+    def before(self, *, key, repr, fn, compile, is_manual_warmup, already_compiled):
+        """Triton is about to build a variant: note when (never skips the build)."""
+        with self._lock:
+            self._started[(fn.name, str(key))] = self.clock()
+        chained = self._chained[0]
+        return chained(key=key, repr=repr, fn=fn, compile=compile, is_manual_warmup=is_manual_warmup,
+                       already_compiled=already_compiled) if chained else None
+
+    def after(self, *, key, repr, fn, compile, is_manual_warmup, already_compiled):
+        """Triton has built a variant after the warm-up: log it once, count it."""
+        with self._lock:
+            started = self._started.pop((fn.name, str(key)), None)
+            spent = self.clock() - started if started is not None else 0.0
+            self.count += 1
+            self.seconds += spent
+            self.names = (self.names + [fn.name])[-16:]
+        log.warning("kernel built after warm-up in %.0f ms (a request waited for it): %s.%s %s", spent * 1000,
+                    fn.module, fn.name, _specialisation(repr))
+        chained = self._chained[1]
+        return chained(key=key, repr=repr, fn=fn, compile=compile, is_manual_warmup=is_manual_warmup,
+                       already_compiled=already_compiled) if chained else None
+
+
+WATCH = LateCompiles()  # Triton's hooks are the process's: one watch
+
+
+def _specialisation(text: str, limit: int = 600) -> str:
+    """Triton's description of the variant (options and argument types), cut to a log line's length."""
+    return text if len(text) <= limit else text[:limit] + " ..."
