@@ -49,8 +49,12 @@ NCCL_NVLS_ENABLE = Variable("NCCL_NVLS_ENABLE", None, "set to 0 by hf2q", "NVLin
 TRITON_CACHE_AUTOTUNING = Variable("TRITON_CACHE_AUTOTUNING", None, "0 or 1 (unset: 1 in hf2q serve)",
                                    "Triton keeps autotuning results in its cache directory, so a second start does not "
                                    "time fla's kernel configurations again")
+STEP_TRACE = Variable("HF2Q_STEP_TRACE", "0", "0 or 1", "1 logs every engine step (its sequences, tokens, the "
+                      "path it took: a decode, prefill or verify graph, or eager) with its host and device time, "
+                      "waiting for the device after each step: where a served request's time goes, at the cost of "
+                      "the overlap between steps (read when the engine is built)")
 VARIABLES = (PDL, GEMV_TUNE, GEMV, QUANT_MM, PAGED_DECODE, TUNE_CACHE, XDG_CACHE_HOME, TRITON_INTERPRET,
-             NCCL_NVLS_ENABLE, TRITON_CACHE_AUTOTUNING)
+             NCCL_NVLS_ENABLE, TRITON_CACHE_AUTOTUNING, STEP_TRACE)
 
 
 def _switch(var: Variable) -> bool:
@@ -63,6 +67,11 @@ def _switch(var: Variable) -> bool:
 def pdl() -> bool:
     """HF2Q_PDL: whether programmatic dependent launch may be used."""
     return _switch(PDL)
+
+
+def step_trace() -> bool:
+    """HF2Q_STEP_TRACE: whether the engine logs each step's path and times."""
+    return _switch(STEP_TRACE)
 
 
 def gemv_tune() -> bool:

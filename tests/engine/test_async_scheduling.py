@@ -311,3 +311,29 @@ def test_small_batches_queue_ahead_while_no_request_could_draft(model, method):
                 assert NgramProposer(2, 4).propose(history, min(3, room)) == [], (rid, known)
             else:
                 assert known - len(prompts[i]) >= 4, (rid, known)
+
+
+def test_step_trace_names_each_steps_path_and_changes_no_token(model, monkeypatch, caplog):
+    """HF2Q_STEP_TRACE=1: a log line a step with its path (eager prefill, decode graph, queued decode graph on the
+    graphs' stand-in off CUDA), and the same tokens as without it."""
+    import logging
+
+    from hf2q.kernels.choose import fast_path
+
+    if model.device.type == "cuda":
+        pytest.skip("the CUDA runs replay real graphs in every test here")
+    outs = []
+    with fast_path("force"):
+        for trace in ("0", "1"):
+            monkeypatch.setenv("HF2Q_STEP_TRACE", trace)
+            engine = make_engine(model, True)
+            engine.runner.use_graphs = True
+            with caplog.at_level(logging.INFO, logger="hf2q.engine.engine"):
+                outs.append([t for o in engine.generate(prompt(3, 12), greedy(max_tokens=6, ignore_eos=True))
+                             for t in o.new_token_ids])
+    steps = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step: ")]
+    assert outs[0] == outs[1] and len(outs[0]) == 6
+    assert steps[0].startswith("step: eager of 1 sequences, 12 tokens + queued decode graph of 1 sequences, 1 tokens: "
+                               "host ")
+    assert all("queued decode graph of 1 sequences, 1 tokens: host" in s for s in steps[1:]) and len(steps) == 5
+    assert engine.runner.paths is None or engine.runner.paths == []  # nothing kept between traced steps

@@ -9,6 +9,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from hf2q import envs
 from hf2q.cache.hybrid import HybridCache
 from hf2q.cache.prefix_cache import PrefixCache
 from hf2q.cache.prefix_store import PrefixStore, fingerprint
@@ -22,6 +23,7 @@ from hf2q.engine.sampler import RowState, SampleResult, Sampler
 from hf2q.engine.sampling_params import SamplingParams
 from hf2q.engine.scheduler import Scheduler, SchedulerConfig
 from hf2q.engine.sequence_output import SequenceOutput
+from hf2q.engine import throwaway
 from hf2q.model import Model
 from hf2q.spec.proposer import SpecConfig
 from hf2q.spec.speculator import Speculator, Verify
@@ -81,6 +83,7 @@ class Engine:
         self._ids = itertools.count()
         self.last_batch = (0, 0)  # (sequences, tokens) of the latest step, for metrics
         self.async_scheduling = config.async_scheduling
+        self.step_trace = envs.step_trace()
         self._launched: Optional[LaunchedStep] = None  # a decode step whose tokens the host has not read
         self._finishing: dict[str, bool] = {}  # request id -> retain?: finished while fed into the launched step
         self.steps_queued_ahead = 0  # for metrics
@@ -198,42 +201,12 @@ class Engine:
                 self.spec.forget_history()
             log.info("warm-up: throwaway requests served in %.1f s", time.monotonic() - t0)
 
-    # Prompt lengths of the warm-up requests: Triton specialises a kernel on whether an integer argument
-    # is 1 or divisible by 16, a batch of two prompts is a varlen batch, and prompts of at most 64 tokens take
-    # fla's recurrent kernel, so each meets code the full-chunk prefill does not (on the H200 a first 64-token
-    # request waited 1.4 s for it, later ones 0.1 s; a first lone 32-token prompt 6.8 s, and a first batch of
-    # 16 short prompts 5.7 s, before the lone and the 16 short prompts were added here). A lone 64-token prompt and
-    # three of them give lengths that are multiples of 16, alone and as a varlen batch, which the MTP head's catch-up
-    # over their prompts meets too (on an H100 the first lone 64-token request took 265 ms to its first token, the
-    # next ones about 100 ms; a first burst of 64 such prompts with `--speculative mtp` waited 16 s).
-    WARM_UP_PROMPTS = ((67,), (64,), (33, 50), (40,), (64,) * 3, (20,) * 16)
-
-    # With speculation, throwaway requests long enough to draft: two tokens leave no room for a draft, so the
-    # warm-up above never ran a verify round, its settle or a rejected draft's rewind, and the first real
-    # request met them (on an H100 it took 823 ms where the next ones took 715, all at acceptance 0). The
-    # speculator forgets these requests after (`forget_history`): neither the metrics nor the cost control's
-    # memory across requests count them.
-    SPEC_WARM_UP_PROMPTS = ((64,), (64, 40))
-    SPEC_WARM_UP_TOKENS = 12
+    WARM_UP_PROMPTS = throwaway.PROMPTS
+    SPEC_WARM_UP_PROMPTS, SPEC_WARM_UP_TOKENS = throwaway.SPEC_PROMPTS, throwaway.SPEC_TOKENS
 
     def _warm_up_requests(self, prompts: tuple = WARM_UP_PROMPTS, max_tokens: int = 2) -> None:
-        """Serve a few throwaway requests end to end (scheduler, runner, sampler, greedy and sampled), so the
-        first real request finds everything on its path compiled: each entry of `prompts` is a batch of prompt
-        lengths, each request `max_tokens` long. They leave nothing in the prefix cache."""
-        prefix, self.scheduler.prefix = self.scheduler.prefix, None
-        try:
-            for lengths in prompts:
-                reqs = []
-                for i, n in enumerate(lengths):
-                    n = max(1, min(n, self.max_model_len - max_tokens))
-                    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0 if i == 0 else 0.8,
-                                            top_p=1.0 if i == 0 else 0.9, seed=i)
-                    reqs.append(self.add_request([(7 * j + 3) % self.model.config.vocab_size for j in range(n)],
-                                                 params, request_id=f"warm-up-{n}-{i}"))
-                while any(not r.finished for r in reqs):
-                    self.step()
-        finally:
-            self.scheduler.prefix = prefix
+        """Serve throwaway requests end to end (hf2q.engine.throwaway); they leave nothing behind."""
+        throwaway.serve(self, prompts, max_tokens)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self._launched is not None
@@ -243,6 +216,21 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One step. A failure of one request's own work (its forced token, grammar, sampler row or output)
         fails only that request, with an "error" output; a failure of the forward pass raises."""
+        if not self.step_trace:
+            return self._step()
+        t0 = time.perf_counter()
+        self.runner.paths = paths = []
+        outputs = self._step()
+        host = time.perf_counter() - t0
+        if self.runner.device.type == "cuda":
+            torch.cuda.synchronize(self.runner.device)
+        if paths:
+            log.info("step: %s: host %.2f ms, done %.2f ms, %d outputs",
+                     " + ".join(f"{how} of {seqs} sequences, {tokens} tokens" for how, seqs, tokens in paths),
+                     host * 1000, (time.perf_counter() - t0) * 1000, len(outputs))
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         if self._launched is not None:  # nobody drafts while steps are queued ahead (_may_queue_ahead)
             return self._step_launched()
         if self.spec is not None:

@@ -50,6 +50,7 @@ class ModelRunner:
         self.graphs = None  # DecodeGraphs, made on the first decode batch (it holds one padding slot)
         self.short_prefill_graphs = short_prefill_graphs  # small prefill steps replay graphs too, where graphs run
         self.prefill_graphs = None  # PrefillGraphs, made on the first such step (on the decode graphs' padding)
+        self.paths: list[tuple[str, int, int]] | None = None  # HF2Q_STEP_TRACE: (how, sequences, tokens) a forward
         # steps with drafts of up to this many requests replay verify graphs (0: no speculation)
         self.verify_seqs = verify_seqs
         self.verify_graphs = None
@@ -57,6 +58,11 @@ class ModelRunner:
         # (each sequence it has room for is a field of its pack and programs of its DeltaNet step)
         self.max_seqs = max_seqs
         self.mtp_draft_graphs = None  # MTPGraphs, with the MTP proposer (`mtp_graphs`)
+
+    def _trace(self, how: str, seqs: int, tokens: int) -> None:
+        """Note how a forward ran, where the engine traces its steps (`paths` is a list then)."""
+        if self.paths is not None:
+            self.paths.append((how, seqs, tokens))
 
     def build_batch(self, scheduled: list[tuple[Request, int]]) -> ForwardBatch:
         ids: list[int] = []
@@ -87,7 +93,9 @@ class ModelRunner:
         for req, n in scheduled:
             self.cache.reserve(req.slot, req.num_computed + n)
         logits = self._run_graph(scheduled)
+        shape = (len(scheduled), sum(n for _, n in scheduled))
         if logits is not None:
+            self._trace("decode graph", *shape)
             hidden = self.graphs.hidden_rows(len(scheduled)) if self.mtp_rows else None
             for i, (req, _) in enumerate(scheduled):
                 if hidden is not None:
@@ -95,9 +103,10 @@ class ModelRunner:
                 req.num_computed += 1
                 self.cache.commit(req.slot, req.num_computed)
             return [req for req, _ in scheduled], logits
-        graphed = self._run_prefill_graph(scheduled)
+        graphed, path = self._run_prefill_graph(scheduled), "prefill graph"
         if graphed is None:
-            graphed = self._run_verify_graph(scheduled)
+            graphed, path = self._run_verify_graph(scheduled), "verify graph"
+        self._trace(path if graphed is not None else "eager", *shape)
         if graphed is not None:
             return graphed
         batch = self.build_batch(scheduled)
@@ -263,6 +272,7 @@ class ModelRunner:
             self.cache.reserve(req.slot, p + 1)
         rope = self._decode_rope(reqs, positions)  # output tokens: every axis agrees, never None
         graphs = self._graphs_serving(slots)
+        self._trace("queued decode graph" if graphs is not None else "queued eager", len(reqs), len(reqs))
         if graphs is not None:
             logits = graphs.step(ids, positions, slots, rope)
             hidden = graphs.hidden_rows(len(reqs)) if self.mtp_rows else None
