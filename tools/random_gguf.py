@@ -82,11 +82,11 @@ def write(shape: str, mix: str, out: Path, seed: int = 0, mtp: bool = False) -> 
         if mtp:
             net.mtp = MTPHead(cfg, DecoderLayer(cfg, cfg.num_layers, rotary=None))
     names, types = gguf_names(net), quant_types(net, mix)
-    w = gguf.GGUFWriter(str(out), demo.ARCH)
+    w = gguf.GGUFWriter(str(out), cfg.arch)  # qwen35, or qwen35moe: the loader reads each key under it
     w.add_name(f"hf2q random {shape} {mix}" + (" mtp" if mtp else ""))
     w.add_block_count(cfg.num_layers + mtp)
     if mtp:
-        w.add_uint32(f"{demo.ARCH}.nextn_predict_layers", 1)
+        w.add_uint32(f"{cfg.arch}.nextn_predict_layers", 1)
     w.add_context_length(cfg.context_length)
     w.add_embedding_length(cfg.hidden_size)
     if cfg.is_moe:
