@@ -18,9 +18,9 @@ bf16 activations: the activations' own).
 
 The operand is loaded as it is used: dot index k of a group reads the word holding value
 4·word(k) + byte(k), a thread's pack of four dot elements (k, k+1, k+8, k+9) being the four bytes of one
-word; the activations are read in the same order (a permutation of K within the group). Every op between
-the words' load and the dot is elementwise on the dot's operand shape, so Triton loads the words straight
-into the operand layout: no shared memory on the weight path. Groups past a row's quants never occur
+word; the activations are read in the same order (a permutation of K within the group). Each word is
+loaded once, as a [K // 16, 4, BN] tensor, and repeated to its four dot indices by a broadcast and a
+reshape that stay in registers (a [K, BN] load of the repeated words loads each four times). Groups past a row's quants never occur
 (K-quant rows are whole 256-value blocks).
 
 As in mm_triton, every 16 activation rows are their own dots with their own accumulators, and K is split by
@@ -54,17 +54,22 @@ def _order(K: tl.constexpr):
 
 @triton.jit
 def _word_ptrs(w32, row_q, nblk, K: tl.constexpr):
-    """Pointers [K, BN] to word word(k) of block 0's first quads in interleaved rows starting at quad row_q
-    (word w of a block sits in quad w // 4, quad q of block t at quad q·nblk + t of the row), computed once a
-    program: _words adds one scalar."""
-    word, byte = _order(K)
-    return w32 + (row_q[None, :] + ((word // 4) * nblk)[:, None]) * 4 + (word % 4)[:, None]
+    """Pointers [K // 16, 4, BN] to word 4s + c of block 0's first quads (dot index k = 16s + 8b + 2c + e reads
+    byte 2b + e of word 4s + c) in interleaved rows starting at quad row_q (word w of a block sits in quad
+    w // 4, quad q of block t at quad q·nblk + t of the row), computed once a program: _words adds one scalar."""
+    s = tl.arange(0, K // 16)[:, None, None]
+    c = tl.arange(0, 4)[None, :, None]
+    return w32 + (row_q[None, None, :] + s * nblk) * 4 + c
 
 
 @triton.jit
 def _words(ptrs, t, nblk, first: tl.constexpr):
-    """Words [K, BN] of K-quant block t: row k holds block word first + word(k) (first a multiple of 4)."""
-    return tl.load(ptrs + ((first // 4) * nblk + t) * 4)
+    """Words [K, BN] of K-quant block t: row k holds block word first + word(k) (first a multiple of 4), each
+    word loaded once and repeated to its four dot indices."""
+    w = tl.load(ptrs + ((first // 4) * nblk + t) * 4)
+    S: tl.constexpr = w.shape[0]
+    BN: tl.constexpr = w.shape[2]
+    return tl.reshape(tl.broadcast_to(w[:, None, :, None, :], (S, 2, 4, 2, BN)), (16 * S, BN))
 
 
 @triton.jit
