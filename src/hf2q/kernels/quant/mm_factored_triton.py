@@ -3,8 +3,8 @@
 
 mm_triton turns every quant into a scaled fp32 value, rounds it to bf16 and sends the [32, BLOCK_N] tile
 through shared memory into the mma operand layout: a dozen instructions a weight value. Here the operand
-is the integer quant itself, exact in bf16, and the scales come after the dot. For a group of values
-sharing scale s and offset o (value = q·s - o; Q6_K: o = 32·s):
+is the integer quant itself, exact in bf16, and the scales come after the dot. For a Q4_K/Q5_K group of
+values sharing scale s and offset o (value = q·s - o):
 
     Σ_k x·w = s·Σ_k x·(128 + q) - (128·s + o)·Σ_k x
 
@@ -14,7 +14,8 @@ value. Each group is its own fp32 dot, multiplied by s per output; the Σx of ea
 group come from a dot against a 0/1 column (exact products, fp32 sums), and the offsets of a 256-value
 tile are one small dot of those sums against 128·s + o in 3xtf32 (about fp32's precision). Against
 mm_triton, which rounds every dequantized weight to bf16, the only roundings are the fp32 sums (with
-bf16 activations: the activations' own).
+bf16 activations: the activations' own). Q6_K's value is s·(q - 32): its operand is q - 32 itself (a bf16x2
+fma subtracts 160 from 128 + q, exact), one dot a 16-value piece times s, and no Σx nor offsets at all.
 
 The operand is loaded as it is used: dot index k of a group reads the word holding value
 4·word(k) + byte(k), a thread's pack of four dot elements (k, k+1, k+8, k+9) being the four bytes of one
@@ -75,16 +76,24 @@ def _words(ptrs, t, nblk, first: tl.constexpr):
 @triton.jit
 def _operand(fields, byte, dtype: tl.constexpr, BIAS: tl.constexpr, EMULATE: tl.constexpr):
     """The dot operand [K, BN] of BIAS + q for q the byte `byte` of each element's word `fields` (every byte
-    below 128): bf16 (BIAS 128) by byte permutes, fp32 by conversion."""
+    below 128): fp32 by conversion; bf16 by byte permutes, BIAS 128 or -32 (then less 160, exact in bf16)."""
     if dtype == tl.float32:
         return ((fields >> (8 * byte)[:, None]) & 255).to(tl.float32) + BIAS
     if EMULATE:  # the same values by conversion (the interpreter's bf16 dots are not the GPU's anyway)
-        return (((fields >> (8 * byte)[:, None]) & 255) + 128).to(tl.float32).to(tl.bfloat16)
+        return (((fields >> (8 * byte)[:, None]) & 255).to(tl.float32) + BIAS).to(tl.bfloat16)
     # A thread's four elements (k, k+1, k+8, k+9) are bytes 0-3 of one word: two prmt give the two bf16 pairs
-    # (byte 0 | 0x43 << 8, byte 1 | 0x43 << 8) and (bytes 2, 3).
-    return tl.inline_asm_elementwise("{ .reg .b32 c; mov.b32 c, 0x43434343; prmt.b32 $0, $2, c, 0x4140; "
-                                     "prmt.b32 $1, $2, c, 0x4342; }", "=r,=r,r,r,r,r", [fields], dtype=tl.bfloat16,
-                                     is_pure=True, pack=4)
+    # (byte 0 | 0x43 << 8, byte 1 | 0x43 << 8) and (bytes 2, 3); for BIAS -32 a bf16x2 fma adds -160 (0xC320).
+    tl.static_assert(BIAS == 128.0 or BIAS == -32.0)
+    if BIAS == -32.0:
+        return tl.inline_asm_elementwise("{ .reg .b32 c, one, less; mov.b32 c, 0x43434343; mov.b32 one, 0x3F803F80; "
+                                         "mov.b32 less, 0xC320C320; prmt.b32 $0, $2, c, 0x4140; "
+                                         "prmt.b32 $1, $2, c, 0x4342; fma.rn.bf16x2 $0, $0, one, less; "
+                                         "fma.rn.bf16x2 $1, $1, one, less; }", "=r,=r,r,r,r,r", [fields],
+                                         dtype=tl.bfloat16, is_pure=True, pack=4)
+    else:
+        return tl.inline_asm_elementwise("{ .reg .b32 c; mov.b32 c, 0x43434343; prmt.b32 $0, $2, c, 0x4140; "
+                                         "prmt.b32 $1, $2, c, 0x4342; }", "=r,=r,r,r,r,r", [fields],
+                                         dtype=tl.bfloat16, is_pure=True, pack=4)
 
 
 @triton.jit
@@ -94,6 +103,15 @@ def _x_ptrs(x_ptr, m0, M, x_stride, K: tl.constexpr):
     m = tl.minimum(m0 + tl.arange(0, 16), M - 1)
     word, byte = _order(K)
     return x_ptr + m.to(tl.int64)[:, None] * x_stride + (4 * word + byte)[None, :]
+
+
+@triton.jit
+def _scaled_dot(acc, x_ptrs, k0, w, s, IEEE: tl.constexpr):
+    """One group and 16 activation rows, no offset: acc + s·(x @ w) [16, BN]."""
+    x = tl.load(x_ptrs + k0)
+    if IEEE:
+        return acc + tl.dot(x, w, input_precision="ieee") * s[None, :]
+    return acc + tl.dot(x, w) * s[None, :]
 
 
 @triton.jit
@@ -202,20 +220,18 @@ def _pick(first, second, G: tl.constexpr, HALF: tl.constexpr):
 
 
 @triton.jit
-def _q6k_tile(accs, sums, xs, w32, wp, row_q, t, nblk, CHUNKS: tl.constexpr, dtype: tl.constexpr, BIAS: tl.constexpr,
-              IEEE: tl.constexpr, EMULATE: tl.constexpr):
-    """The CHUNKS accumulators, Σx tables and offset coefficients after Q6_K block t: value 128h + 32j + l has its low nibble in
+def _q6k_tile(accs, xs, w32, wp, row_q, t, nblk, CHUNKS: tl.constexpr, dtype: tl.constexpr, IEEE: tl.constexpr,
+              EMULATE: tl.constexpr):
+    """The CHUNKS accumulators after Q6_K block t: value 128h + 32j + l has its low nibble in
     ql byte 64h + 32(j % 2) + l (nibble j // 2), its top two bits in qh byte 32h + l (bits 2j..), and signed
     scale 8h + 2j + l // 16 (piece p = value // 16) in words 48-51; d in the row's plane after the quads. A dot
-    per 16-value piece: value = d·sc·(BIAS + q) - (BIAS + 32)·d·sc."""
+    per 16-value piece: value = d·sc·(q - 32), the operand q - 32 itself (exact in bf16): no offsets."""
     acc0, acc1, acc2, acc3 = accs
-    xs0, xs1, xs2, xs3 = sums
     x0, x1, x2, x3 = xs
     d = f16_bits(tl.load(w32 + row_q * 4 + 52 * nblk + t // 2) >> (16 * (t % 2)))
     p = tl.arange(0, 16)[None, :]
     sw = tl.load(w32 + (row_q[:, None] + 12 * nblk + t) * 4 + p // 4)  # [BN, 16]: the word of scale p
     dsc = d[:, None] * ((sw << (24 - 8 * (p % 4))) >> 24).to(tl.float32)  # exact: 11 by 8 bits
-    coef = tl.trans((BIAS + 32.0) * dsc)
     lo_pieces, hi_pieces = tl.split(tl.reshape(dsc, (dsc.shape[0], 8, 2)))  # pieces 2G and 2G + 1 of group G
     s_lo = _columns(lo_pieces)
     s_hi = _columns(hi_pieces)
@@ -226,17 +242,17 @@ def _q6k_tile(accs, sums, xs, w32, wp, row_q, t, nblk, CHUNKS: tl.constexpr, dty
             for jlo in tl.static_range(2):
                 ql = _words(wp, t, nblk, 16 * h + 8 * jlo + 4 * half)
                 for jhi in tl.static_range(2):
-                    w = _operand(_q6k_fields(ql, qh, 2 * jhi + jlo), byte, dtype, BIAS, EMULATE)
+                    w = _operand(_q6k_fields(ql, qh, 2 * jhi + jlo), byte, dtype, -32.0, EMULATE)
                     s = _pick(s_lo, s_hi, 4 * h + 2 * jhi + jlo, half)
                     col = 2 * (4 * h + 2 * jhi + jlo) + half  # the piece
                     k0 = t * 256 + 16 * col
-                    acc0, xs0 = _group_dot(acc0, xs0, x0, k0, w, s, col, 16, IEEE)
+                    acc0 = _scaled_dot(acc0, x0, k0, w, s, IEEE)
                     if CHUNKS > 1:
-                        acc1, xs1 = _group_dot(acc1, xs1, x1, k0, w, s, col, 16, IEEE)
+                        acc1 = _scaled_dot(acc1, x1, k0, w, s, IEEE)
                     if CHUNKS > 2:
-                        acc2, xs2 = _group_dot(acc2, xs2, x2, k0, w, s, col, 16, IEEE)
-                        acc3, xs3 = _group_dot(acc3, xs3, x3, k0, w, s, col, 16, IEEE)
-    return (acc0, acc1, acc2, acc3), (xs0, xs1, xs2, xs3), coef
+                        acc2 = _scaled_dot(acc2, x2, k0, w, s, IEEE)
+                        acc3 = _scaled_dot(acc3, x3, k0, w, s, IEEE)
+    return acc0, acc1, acc2, acc3
 
 
 @triton.jit(do_not_specialize=["M"])  # one build for every row count: a new count must not compile mid-serve
@@ -258,19 +274,19 @@ def _factored_kernel(x_ptr, w32, out_ptr, M, N, K, x_stride, row_stride, nblk, t
     x2 = _x_ptrs(x_ptr, m0 + 32, M, x_stride, GK)
     x3 = _x_ptrs(x_ptr, m0 + 48, M, x_stride, GK)
     for t in range(first, last):
-        zero = tl.zeros((16, 16), dtype=tl.float32)  # Σx of the tile's groups, by chunk
         if QTYPE == 4:
-            accs, sums, coef = _q6k_tile((acc0, acc1, acc2, acc3), (zero, zero, zero, zero), (x0, x1, x2, x3), w32, wp, row_q,
-                                   t, nblk, CHUNKS, dtype, BIAS, IEEE, EMULATE)
+            acc0, acc1, acc2, acc3 = _q6k_tile((acc0, acc1, acc2, acc3), (x0, x1, x2, x3), w32, wp, row_q, t, nblk,
+                                               CHUNKS, dtype, IEEE, EMULATE)
         else:
+            zero = tl.zeros((16, 16), dtype=tl.float32)  # Σx of the tile's groups, by chunk
             accs, sums, coef = _q45k_tile((acc0, acc1, acc2, acc3), (zero, zero, zero, zero), (x0, x1, x2, x3), w32,
                                     wp, row_q, t, nblk, QTYPE, CHUNKS, dtype, BIAS, IEEE, EMULATE)
-        acc0 = _offsets(accs[0], sums[0], coef, IEEE)
-        if CHUNKS > 1:
-            acc1 = _offsets(accs[1], sums[1], coef, IEEE)
-        if CHUNKS > 2:
-            acc2 = _offsets(accs[2], sums[2], coef, IEEE)
-            acc3 = _offsets(accs[3], sums[3], coef, IEEE)
+            acc0 = _offsets(accs[0], sums[0], coef, IEEE)
+            if CHUNKS > 1:
+                acc1 = _offsets(accs[1], sums[1], coef, IEEE)
+            if CHUNKS > 2:
+                acc2 = _offsets(accs[2], sums[2], coef, IEEE)
+                acc3 = _offsets(accs[3], sums[3], coef, IEEE)
     store_chunks(out_ptr, acc0, acc1, acc2, acc3, split, m0, M, N, rows, row_ok, CHUNKS)
 
 
