@@ -5,10 +5,8 @@ weight-only int4/int8 kernels (a Triton low-bit library, carried as a wheel) on 
 groups of 32 (hf2q.quant.affine_groups: Q4_K and Q4_0 as 4-bit codes, Q5_K and Q8_0 as 8-bit; Q6_K stays on the
 tile kernel in the "gemlite path" total).
 
-    python tools/quant_mm_sweep.py [--rows 8 16 32 64] [--gemlite] [--factored] [--no-mmq]
+    python tools/quant_mm_sweep.py [--rows 8 16 32 64] [--gemlite]
 
---factored also times the factored kernel (mm_factored_triton, HF2Q_QUANT_MM=factored; K-quants) per projection
-beside the tile kernel, with its error and its row-0 line; --no-mmq leaves mmq out (shorter sweeps).
 mmq is timed on activations already in int8 rows (as a producer that writes them would leave them) and
 with their quantization (quantize_rows) in the timed call; its error is relative (Frobenius) to
 dequantize + cuBLAS on the same bf16 activations, beside the tile kernel's.
@@ -26,7 +24,6 @@ import os
 import torch
 
 from hf2q.kernels.quant import int8_rows
-from hf2q.kernels.quant import mm_factored_triton as fac
 from hf2q.kernels.quant import mm_triton as mm
 from hf2q.kernels.quant import mmq_triton as mmq
 from hf2q.bench.quant import LAYER_SET
@@ -72,8 +69,6 @@ def main() -> None:
                    help="tile configurations to time (each at the default split of K and twice it)")
     p.add_argument("--no-split-variants", action="store_true", help="time each configuration at the default split only")
     p.add_argument("--gemlite", action="store_true", help="also time GemLite's kernels on the affine groups")
-    p.add_argument("--factored", action="store_true", help="also time the factored kernel (K-quants)")
-    p.add_argument("--no-mmq", action="store_true", help="leave the int8 tensor-core kernel out")
     p.add_argument("--gemlite-dtype", choices=["bf16", "fp16"], default="bf16",
                    help="GemLite's activations, scales and zeros (fp16: the bf16 activations cast in the timed call)")
     p.add_argument("--gemlite-configs", metavar="FILE", help="GemLite's autotuned configurations: read first if the "
@@ -109,7 +104,7 @@ def main() -> None:
                 row["int8 mat-vec"] = _us(lambda w: gemv(x, w, qtype, n), copies)
             ref = torch.nn.functional.linear(x, dequantize(raw, qtype, (n, k), x.dtype))  # the errors' reference
             mmq_note = ""
-            if qtype in mmq.TYPES and not args.no_mmq:
+            if qtype in mmq.TYPES:
                 rows8 = int8_rows.quantize_rows(x, blocked=True)
                 row["mmq"] = _us(lambda w: mmq.quant_mmq(rows8, w, qtype, n, out_dtype=x.dtype), copies)
                 # a new view of x each call: quantize_rows finds no earlier result, the graph holds its launch
@@ -118,14 +113,6 @@ def main() -> None:
                             f"{_rel(mmq.quant_mmq(rows8, raw, qtype, n), ref):.1e} tile "
                             f"{_rel(mm.quant_mm(x, raw, qtype, n), ref):.1e}")
             first_rows.setdefault("tile", []).append(mm.quant_mm(x, raw, qtype, n)[0].clone())
-            fac_note = ""
-            if args.factored and qtype in fac.TYPES:
-                row["factored"] = _us(lambda w: fac.quant_mm_factored(x, w, qtype, n), copies)
-                got = fac.quant_mm_factored(x, raw, qtype, n)
-                first_rows.setdefault("factored", []).append(got[0].clone())
-                fac_note = (f", factored {row['factored']:8.1f} (error {_rel(got, ref):.1e}, tile "
-                            f"{_rel(mm.quant_mm(x, raw, qtype, n), ref):.1e})")
-            row["factored path"] = row.get("factored", row["default"])
             gl_note = ""
             if gl is not None:
                 first_rows.setdefault("gemlite", []).append(gl[0](x.to(gl_dtype))[0].clone())
@@ -140,8 +127,7 @@ def main() -> None:
             best = min((v, c) for c, v in row.items() if isinstance(c, tuple))
             print(f"{name:12} {qtype} {n}x{k} m={m:3}: default {row['default']:8.1f} us, best {best[0]:8.1f} "
                   f"{best[1]}, dequant+cublas {row['dequant+cublas']:8.1f}" + mmq_note
-                  + (f", int8 mat-vec {row['int8 mat-vec']:8.1f}" if "int8 mat-vec" in row else "") + gl_note
-                  + fac_note,
+                  + (f", int8 mat-vec {row['int8 mat-vec']:8.1f}" if "int8 mat-vec" in row else "") + gl_note,
                   flush=True)
             for c, v in row.items():
                 totals[(m, c)] = totals.get((m, c), 0.0) + v * times
@@ -161,8 +147,7 @@ def main() -> None:
               f"{best[1]}; dequant+cublas {per['dequant+cublas'] / 1e3:.3f} ms; HF2Q_QUANT_MM=mmq "
               f"{per['mmq path'] / 1e3:.3f} ms (with quantization {per['mmq+quantize path'] / 1e3:.3f} ms)"
               + (f"; int8 mat-vec {per['int8 mat-vec'] / 1e3:.3f} ms" if "int8 mat-vec" in per else "")
-              + (f"; gemlite path {per['gemlite path'] / 1e3:.3f} ms" if args.gemlite else "")
-              + (f"; HF2Q_QUANT_MM=factored {per['factored path'] / 1e3:.3f} ms" if args.factored else ""), flush=True)
+              + (f"; gemlite path {per['gemlite path'] / 1e3:.3f} ms" if args.gemlite else ""), flush=True)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from hf2q.kernels.quant import mm_factored_triton as fac
 from hf2q.kernels.quant import mm_triton as mm
 from hf2q.kernels.quant import mmq_triton as mmq
 
@@ -78,7 +77,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--types", nargs="+", default=list(mmq.TYPES), choices=list(mmq.TYPES))
     p.add_argument("--rows", type=int, nargs="+", default=[16, 64])
-    p.add_argument("--kernels", nargs="+", default=["tile", "mmq"], choices=["tile", "mmq", "factored"])
+    p.add_argument("--kernels", nargs="+", default=["tile", "mmq"], choices=["tile", "mmq"])
     p.add_argument("--launch", action="store_true", help="also mark x_stride a multiple of 16, as launches do")
     args = p.parse_args()
     sizes = SIZES + ("x_stride",) if args.launch else SIZES
@@ -86,7 +85,6 @@ def main() -> None:
     tail = {"row_stride": "i32", "nblk": "i32", "tiles_per_split": "i32", "n_tiles": "i32"}
     tile_sig = {"x_ptr": "*bf16", "w8": "*u8", "w16": "*fp16", "w32": "*i32", **common, "x_stride": "i32", **tail}
     mmq_sig = {"xq8": "*i8", "act": "*fp32", "w8": "*i8", "w32": "*i32", **common, **tail}
-    fac_sig = {"x_ptr": "*bf16", "w32": "*i32", **common, "x_stride": "i32", **tail}
     for qtype in args.types:
         for m in args.rows:
             c = mm.chunks(m)
@@ -97,23 +95,14 @@ def main() -> None:
             block_n, warps, _ = mmq.config(4096, 4096, m)
             cases.append(("mmq", mmq._mmq_kernel, mmq_sig, dict(QTYPE=mmq.QTYPE_ID[qtype], CHUNKS=c, BLOCK_N=block_n,
                                                                 EMULATE=False), warps, block_n))
-            if qtype in fac.TYPES:
-                block_n, warps, _ = mm.config(4096, 4096)
-                cases.append(("factored", fac._factored_kernel, fac_sig, dict(QTYPE=mm.QTYPE_ID[qtype], CHUNKS=c,
-                                                                              BLOCK_N=block_n, BIAS=128.0,
-                                                                              EMULATE=False), warps, block_n))
             for name, fn, sig, const, warps, block_n in cases:
                 if name not in args.kernels:
                     continue
                 per_value, info, ops = measure(fn, sig, const, warps, block_n, sizes)
                 top = ", ".join(f"{op} {n}" for op, n in ops.most_common(8))
                 mma = ", ".join(f"{op} {n}" for op, n in sorted(ops.items()) if "MMA" in op or "GMMA" in op)
-                shared = sum(n for op, n in ops.items() if op in ("LDS", "STS", "LDSM", "STSM"))
-                bar = ops.get("BAR", 0)
-                print(f"{qtype} {m:2} rows {name:8} (BLOCK_N {block_n}, {warps} warps): {per_value:5.2f} instructions "
-                      f"a weight value; {info}; loop: {top}; tensor cores: {mma}; shared-memory ops "
-                      f"{shared * 32 * warps / (block_n * 256):.2f} a value ({shared} a trip), barriers {bar}",
-                      flush=True)
+                print(f"{qtype} {m:2} rows {name:4} (BLOCK_N {block_n}, {warps} warps): {per_value:5.2f} instructions "
+                      f"a weight value; {info}; loop: {top}; tensor cores: {mma}", flush=True)
 
 
 if __name__ == "__main__":

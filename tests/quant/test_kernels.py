@@ -174,24 +174,14 @@ def test_quant_linear(qtype, rows, k, m):
         assert got_bf.dtype == torch.bfloat16 and rel(got_bf, want) < INT8_TOL
 
 
-def _mm_kernels():
-    from hf2q.kernels.quant.mm_factored_triton import TYPES
-
-    return [("tile", q) for q in QUANT_TYPES] + [("factored", q) for q in TYPES]
-
-
 @kernels
-@pytest.mark.parametrize("kernel,qtype", _mm_kernels())
-def test_quant_mm(kernel, qtype):
-    """The tensor-core kernels for batched decode (mm_triton's tiles; the factored kernel's K-quants): 1 to 64
-    activation rows, weight rows not a multiple of BLOCK_N, K split over programs or not; each row's result is
-    the same bitwise whatever the other rows of the batch (what keeps batched greedy decoding equal to each
-    sequence alone)."""
-    from hf2q.kernels.quant.mm_factored_triton import quant_mm_factored
-    from hf2q.kernels.quant.mm_triton import config
-    from hf2q.kernels.quant.mm_triton import quant_mm as tile
+@pytest.mark.parametrize("qtype", QUANT_TYPES)
+def test_quant_mm(qtype):
+    """The tensor-core kernel for batched decode: every type, 1 to 64 activation rows, weight rows not a
+    multiple of BLOCK_N, K split over programs or not; each row's result is the same bitwise whatever
+    the other rows of the batch (what keeps batched greedy decoding equal to each sequence alone)."""
+    from hf2q.kernels.quant.mm_triton import config, quant_mm
 
-    quant_mm = tile if kernel == "tile" else quant_mm_factored
     n, k = 37, 768
     raw, w = case(qtype, n, k, seed=5)
     x = torch.randn(64, k, generator=torch.Generator().manual_seed(7))
@@ -206,26 +196,6 @@ def test_quant_mm(kernel, qtype):
             for m in (1, 2, 17):
                 assert torch.equal(quant_mm(xd[:m].clone(), raw, qtype, n, cfg), full[:m]), (cfg, dtype, m)
     assert config(n, k)[2] == 3  # few rows, long K: split
-    if kernel == "factored":  # the bf16 operand's form, 128 + q, on fp32: its cancellation costs about four bits
-        assert rel(quant_mm_factored(x[:17].to(DEV), raw, qtype, n, bias=128.0), want[:17]) < 2e-5
-
-
-def test_magic_bf16():
-    """The factored kernel's bf16 operand: a word of four quants (a byte each, below 128) through the two byte
-    permutes (prmt against 0x43 bytes: selectors 0x4140 and 0x4342) is 128 + each quant, in dot order, for
-    every quant (the kernel's are 0..63)."""
-    from hf2q.kernels.quant.mm_factored_triton import MAGIC
-
-    q = torch.arange(128, dtype=torch.int64)
-    b = torch.stack([q, q.flip(0), (q * 37) % 128, (q * 11 + 5) % 128], 1)  # bytes 0-3 of 128 words
-    word = b[:, 0] | b[:, 1] << 8 | b[:, 2] << 16 | b[:, 3] << 24
-
-    def prmt(sel):  # prmt.b32 d, word, 0x43434343, sel: byte i of d is byte sel[i] of (word, 0x43434343)
-        src = [(word >> (8 * j)) & 255 for j in range(4)] + [torch.full_like(word, MAGIC >> 8)] * 4
-        return sum(src[(sel >> (4 * i)) & 15] << (8 * i) for i in range(4))
-
-    lanes = torch.stack([prmt(0x4140), prmt(0x4342)], 1).to(torch.int32).view(torch.int16).view(torch.bfloat16)
-    assert torch.equal(lanes.float().reshape(-1, 4), 128.0 + b.float())
 
 
 def _gemv_cases():
@@ -492,16 +462,3 @@ def test_quant_mm_compiles_for_hopper(qtype, chunks):
     const = dict(QTYPE=mm.QTYPE_ID[qtype], CHUNKS=chunks, BLOCK_N=32, IEEE=False, EVEN_K=True)
     ptx = compile_for_hopper(mm._quant_mm_kernel, sig, const, 8)
     assert "mma" in ptx
-
-
-@pytest.mark.parametrize("qtype,chunks", [("Q4_K", 1), ("Q4_K", 4), ("Q5_K", 4), ("Q6_K", 4)])
-def test_quant_mm_factored_compiles_for_hopper(qtype, chunks):
-    """The factored kernel compiles to sm_90 machine code with mma.sync dots (the weight stays mma's second
-    operand: no wgmma) and its quants reach the operand by byte permutes, not through a converted tile."""
-    from hf2q.kernels.quant import mm_factored_triton as fac
-
-    sig = {"x_ptr": "*bf16", "w32": "*i32", "out_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "x_stride": "i32",
-           "row_stride": "i32", "nblk": "i32", "tiles_per_split": "i32", "n_tiles": "i32"}
-    const = dict(QTYPE=fac.QTYPE_ID[qtype], CHUNKS=chunks, BLOCK_N=64, BIAS=128.0, EMULATE=False)
-    ptx = compile_for_hopper(fac._factored_kernel, sig, const, 4)
-    assert "mma.sync" in ptx and "wgmma" not in ptx and "prmt.b32" in ptx

@@ -84,25 +84,20 @@ def test_mmq_matches_the_int8_matvec_and_ignores_the_batch(target_of, qtype):
 def test_quant_linear_takes_mmq_behind_its_switch(dev, monkeypatch):
     """HF2Q_QUANT_MM=mmq sends 5-64 rows of the weight types mmq_triton reads to it (and has the kernels
     that produce its inputs write their int8 rows) and leaves the others (Q4_0) on the tile kernel;
-    HF2Q_QUANT_MM=factored sends K-quants to mm_factored_triton; the default (tile) leaves them all there."""
+    the default (tile) leaves them all there."""
     from hf2q import envs
     from hf2q.kernels.quant import ops
-    from hf2q.kernels.quant.mm_factored_triton import quant_mm_factored
     from hf2q.kernels.quant.mm_triton import quant_mm
     from hf2q.kernels.quant.mmq_triton import quant_mmq
 
     assert ops.QUANT_MM == "tile" and envs.QUANT_MM.default == "tile"
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(1)).to(dev)
     kept = {q: kernel_blocks(random_blocks(q, 3, 256), q).to(dev) for q in ("Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q4_0")}
-    for mode in ("tile", "factored", "mmq"):  # mmq last: the int8 readers below are its
+    for mode in ("tile", "mmq"):
         monkeypatch.setattr(ops, "QUANT_MM", mode)
         for qtype, raw in kept.items():
-            if mode == "mmq" and qtype != "Q4_0":
-                want = quant_mmq(x, raw, qtype, 3)
-            elif mode == "factored" and qtype in ("Q4_K", "Q5_K", "Q6_K"):
-                want = quant_mm_factored(x, raw, qtype, 3)
-            else:
-                want = quant_mm(x, raw, qtype, 3)
+            mmq = mode == "mmq" and qtype != "Q4_0"
+            want = quant_mmq(x, raw, qtype, 3) if mmq else quant_mm(x, raw, qtype, 3)
             assert torch.equal(ops.quant_linear(x, raw, qtype, 3), want), (mode, qtype)
     rows40 = torch.zeros(40, 256).to(dev)  # producers write int8 rows for mmq's types, not the tile kernel's
     assert [ops.int8_reader(rows40, q) for q in ("Q4_K", "Q4_0")] == ["Q4_K", None]
@@ -110,7 +105,7 @@ def test_quant_linear_takes_mmq_behind_its_switch(dev, monkeypatch):
     monkeypatch.setattr(ops, "QUANT_MM", "tile")
     assert ops.int8_reader(rows40, "Q4_K") is None and ops.int8_reader(rows40[:4], "Q5_K") == "Q5_K"
     monkeypatch.setenv("HF2Q_QUANT_MM", "int8")
-    with pytest.raises(ValueError, match="HF2Q_QUANT_MM must be tile, mmq or factored"):
+    with pytest.raises(ValueError, match="HF2Q_QUANT_MM must be tile or mmq"):
         envs.quant_mm()
 
 

@@ -33,8 +33,7 @@ from hf2q.quant import KQUANTS, dequantize_ref, is_interleaved, kept_row
 # --matvec).
 MATVEC_ROWS = 4
 MM_ROWS = 64  # at most this many rows go through mm_triton (one pass over the blocks for all rows)
-QUANT_MM = envs.quant_mm()  # "mmq": Q8_0 and K-quant rows up to MM_ROWS on int8 tensor cores (mmq_triton);
-# "factored": K-quant rows up to MM_ROWS on mm_factored_triton
+QUANT_MM = envs.quant_mm()  # "mmq": Q8_0 and K-quant rows up to MM_ROWS on int8 tensor cores (mmq_triton)
 MOE_PAIRS = 1024  # token-expert pairs below which reading chosen experts beats dequantizing every expert
 _SCRATCH: dict[tuple, torch.Tensor] = {}
 
@@ -117,17 +116,11 @@ def quant_linear(x: torch.Tensor, raw: torch.Tensor, qtype: str, out_features: i
 
 def _batched(x2: torch.Tensor, raw: torch.Tensor, qtype: str, n: int, key: torch.Tensor) -> torch.Tensor:
     """Up to MM_ROWS rows x2 [M, K] @ W.T: mmq_triton's int8 dots where HF2Q_QUANT_MM=mmq and it reads the
-    type, mm_factored_triton's where HF2Q_QUANT_MM=factored and it reads the type and the activations' dtype,
-    else mm_triton's bf16 tiles."""
+    type, else mm_triton's bf16 tiles."""
     if QUANT_MM == "mmq" and qtype in _mmq_types():
         from hf2q.kernels.quant.mmq_triton import quant_mmq
 
         return quant_mmq(x2, raw, qtype, n, key=key)
-    if QUANT_MM == "factored":
-        from hf2q.kernels.quant import mm_factored_triton as factored
-
-        if qtype in factored.TYPES and x2.dtype in factored.DTYPES:
-            return factored.quant_mm_factored(x2, raw, qtype, n)
     from hf2q.kernels.quant.mm_triton import quant_mm
 
     return quant_mm(x2, raw, qtype, n)
