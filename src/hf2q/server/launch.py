@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import gc
 import json
 import logging
 import signal
@@ -24,6 +23,7 @@ from hf2q.server.sizing import CPU_MAX_MODEL_LEN, CPU_MAX_NUM_SEQS, CUDA_MAX_NUM
 from hf2q.server.body_limit import DEFAULT_MAX_REQUEST_BYTES
 from hf2q.server.media import add_media_args, media_policy
 from hf2q.server.sampling import recommended_sampling
+from hf2q.server.settle import settle
 from hf2q.vision.preprocess import image_processing
 from hf2q.spec.proposer import add_spec_args, spec_config
 
@@ -296,11 +296,7 @@ def build_state(args):
     engine.warm_up()
     log.info("warmed up in %.1f s (%s; timed choices kept in %s)", time.monotonic() - t0, SPENT.since(Spent()),
              envs.tune_cache() or "memory only")
-    log.info("froze %d objects out of the garbage collector's scans", freeze_startup_heap())
-    if device.type == "cuda":
-        from hf2q.kernels.tuning.late_compiles import WATCH
-        if WATCH.install():
-            log.info("watching for kernels built after the warm-up (each one is logged and counted in /metrics)")
+    settle(device)
     if aengine is None:
         aengine = AsyncEngine(engine)
     config = ServerConfig(model_name=_model_name(args, model, is_demo), is_demo=is_demo, api_key=args.api_key,
@@ -318,18 +314,6 @@ def build_state(args):
     aengine.on_step = lambda eng, _outputs: state.metrics.observe_step(eng)
     aengine.start()
     return state
-
-
-def freeze_startup_heap() -> int:
-    """Take what the load and the warm-up left alive (modules, the model, the tokenizer's vocabulary: hundreds of
-    thousands of objects) out of the garbage collector's scans, and return how many. A full collection over them
-    takes about 135 ms on a 2-core host (the start itself runs several), and one falling inside a served step stalls
-    every stream in it (a likely cause, not yet shown, of an H100 server's first request's first decode step taking
-    67 ms, host-bound, where the next requests' took 7). They stay alive for the server's life anyway; what requests
-    allocate later is collected as before."""
-    gc.collect()
-    gc.freeze()
-    return gc.get_freeze_count()
 
 
 def keep_dense_weights(net, device, dtype) -> None:
