@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks behind BENCHMARKS.md, in stages that each fit a few minutes:
-#   tools/gpu_check.sh tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu|mm|serve|serve-ab|peer|ttft|kv|mtp|spec-serve|verify|matvec|prefix|warmup|soak|soak-start|soak-finish|prime [OUT_DIR]
+#   tools/gpu_check.sh tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu|ncu-mm|mm|serve|serve-ab|peer|ttft|kv|mtp|spec-serve|verify|matvec|prefix|warmup|soak|soak-start|soak-finish|prime [OUT_DIR]
 # tests: every GPU-marked test (the quantized greedy-token test first) and the Triton kernel tests on the device;
 # quant: 9B Q4_K_M end to end and per projection; bf16: 9B and 2B; moe: 35B-A3B bf16 and Q4_K_M;
 # decode (bf16: 35B-A3B, 2B, 9B), decode-q (9B Q4_K_M) and decode-q-moe (35B-A3B Q4_K_M): batch-1
@@ -11,7 +11,8 @@
 # gemv: the bf16 GEMV sweep against cuBLAS at 9B and 2B shapes; sweeps: the configurations of the decode
 # step's other kernels at batch 1 (paged attention, the DeltaNet step, the MoE expert kernels); ncu: Nsight Compute's view (bandwidth,
 # occupancy, stall reasons) of the int8 mat-vec on a small and a large 9B projection, at the default
-# configuration; mm: the batched-decode kernels' tests on the device, the tile kernel against the int8
+# configuration; ncu-mm: the same view of the batched-decode tile kernel (attn.o and gate+up at 16 and 64 rows);
+# mm: the batched-decode kernels' tests on the device, the tile kernel against the int8
 # tensor-core kernel (HF2Q_QUANT_MM=mmq) and dequantize + cuBLAS (tools/quant_mm_sweep.py; SWEEP_FLAGS adds
 # flags, e.g. SWEEP_FLAGS=--gemlite for GemLite's kernels, carried as a wheel); serve: a random 9B GGUF (MIX=q4_k_m or bf16,
 # tools/random_gguf.py) served by hf2q serve and measured by hf2q bench serve at 1, 4, 16 and 64 clients (64-token
@@ -172,6 +173,20 @@ case "$stage" in
   ncu)   HF2Q_GEMV_TUNE=0 ncu --clock-control none --kernel-name regex:_gemv_dp4a --launch-count 2 --section SpeedOfLight \
            --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis --section LaunchStats \
            python -m hf2q.bench.quant --no-prefill --only gdn.out ffn.gate+up ;;
+  ncu-mm) # Nsight Compute's view of the batched-decode tile kernel (stall reasons, bandwidth, occupancy): a 9B
+         # Q4_K_M token's attn.o and gate+up at 16 and 64 rows, launched eagerly (each once to compile, then profiled)
+         ncu --clock-control none --kernel-name regex:_quant_mm_kernel --launch-skip 4 --launch-count 4 \
+           --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \
+           --section MemoryWorkloadAnalysis --section LaunchStats python -c "
+import torch
+from hf2q.kernels.quant.mm_triton import quant_mm
+from hf2q.quant import keep_blocks, random_blocks
+weights = [(keep_blocks(random_blocks('Q4_K', n, 4096, std=0.02, seed=n), 'Q4_K', 'cuda'), n) for n in (4096, 24576)]
+for _ in range(2):
+    for raw, n in weights:
+        for m in (16, 64):
+            quant_mm(torch.randn(m, 4096, device='cuda', dtype=torch.bfloat16), raw, 'Q4_K', n)
+torch.cuda.synchronize()" | tee "$out/ncu_mm.txt" ;;
   mm)    python -m pytest -q -p no:cacheprovider tests/quant/test_kernels.py tests/quant/test_mmq.py \
            -k "quant_mm or quant_linear or mmq"
          timeout 400 python tools/quant_mm_sweep.py --rows 16 32 64 --configs 64,4 --no-split-variants ${SWEEP_FLAGS:-} \
