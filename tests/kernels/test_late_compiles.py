@@ -20,7 +20,7 @@ def test_late_builds_are_logged_counted_and_hooks_chained(caplog):
     ticks = iter([1.0, 1.25])
     watch = LateCompiles(clock=lambda: next(ticks))
     try:
-        assert watch.install()
+        assert watch.install() and watch.install()  # the second is a no-op, not a hook chained to itself
         fn = SimpleNamespace(module="hf2q.kernels.attention.paged_triton", name="_paged_decode_kernel")
         call = dict(key="k1", repr="_paged_decode_kernel[num_warps=8](stride_bt: i32)", fn=fn, compile={},
                     is_manual_warmup=False, already_compiled=False)

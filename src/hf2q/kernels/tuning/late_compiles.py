@@ -37,6 +37,8 @@ class LateCompiles:
         runtime = knobs.runtime
         if not (hasattr(runtime, "jit_cache_hook") and hasattr(runtime, "jit_post_compile_hook")):
             return False
+        if runtime.jit_cache_hook == self.before:  # a second server in this process: watching already
+            return True
         self._chained = (runtime.jit_cache_hook, runtime.jit_post_compile_hook)
         runtime.jit_cache_hook, runtime.jit_post_compile_hook = self.before, self.after
         return True
