@@ -71,20 +71,18 @@ class Speculator:
         self.config = config
         self.cache = cache
         self.clock = clock
-        self.stats = SpecStats(accepted_hist=[0] * (config.num_tokens + 1))
         self.mtp = MTPProposer(net, cache) if "mtp" in config.method else None
         self.ngram = "ngram" in config.method
         self._step_start, self._decoding, self._rounds = 0.0, {}, {}
         self._head_s = 0.0  # this step's MTP head work when nobody drafts with it: no part of a plain step
-        self._losing_streak = dict.fromkeys(PROPOSERS, 0)  # requests in a row whose proposer the control turned off
-        self._since_losing = dict.fromkeys(PROPOSERS, 0)  # new requests since the streak was reached
+        self.forget_history()
 
     def forget_history(self) -> None:
-        """Drop what the requests so far left behind (the warm-up's throwaway ones): their counts and the cost
-        control's memory of losing streaks."""
+        """Start the counts and the cost control's memory across requests afresh (at construction, and after the
+        warm-up's throwaway requests)."""
         self.stats = SpecStats(accepted_hist=[0] * (self.config.num_tokens + 1))
-        self._losing_streak = dict.fromkeys(PROPOSERS, 0)
-        self._since_losing = dict.fromkeys(PROPOSERS, 0)
+        self._losing_streak = dict.fromkeys(PROPOSERS, 0)  # requests in a row whose proposer the control turned off
+        self._since_losing = dict.fromkeys(PROPOSERS, 0)  # new requests since the streak was reached
 
     def new_proposer(self) -> Proposer:
         return NgramProposer(self.config.ngram_min, self.config.ngram_max)
