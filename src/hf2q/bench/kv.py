@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from hf2q.bench_shapes import SHAPES, random_model
+from hf2q.bench_shapes import QUANT_MIXES, SHAPES, random_model, random_quant_model
 from hf2q.cache.hybrid import HybridCache, kv_bytes_per_token
 from hf2q.config import CacheConfig
 from hf2q.server.sizing import BLOCK, choose
@@ -102,6 +102,9 @@ def main(argv=None) -> int:
     p.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
     p.add_argument("--streams", type=int, nargs="+", default=[1, 64])
     p.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768])
+    p.add_argument("--quant", choices=QUANT_MIXES, default=None,
+                   help="weights as random GGUF blocks of this mix (a 9B Q4_K_M leaves an 80-GB card room for 64 "
+                        "sequences of 32k tokens in bf16 K/V)")
     p.add_argument("--steps", type=int, default=16, help="decode steps timed per point")
     p.add_argument("--free-gib", type=float, default=None, help="size against this much free memory (default: the "
                                                                  "GPU's after loading the model; 120 without CUDA)")
@@ -109,7 +112,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     cfg = SHAPES[args.shape][0]
     cuda = torch.cuda.is_available()
-    net = random_model(cfg, device="cuda", dtype=torch.bfloat16) if cuda else None
+    net = None
+    if cuda:
+        net = (random_quant_model(cfg, args.quant, device="cuda", dtype=torch.bfloat16) if args.quant
+               else random_model(cfg, device="cuda", dtype=torch.bfloat16))
     free, total = torch.cuda.mem_get_info() if cuda else (120 << 30, 141 << 30)
     if args.free_gib is not None:
         free = int(args.free_gib * (1 << 30))
@@ -119,7 +125,7 @@ def main(argv=None) -> int:
         if cuda:
             row.update(decode_points(lambda s, c: decode_tok_s(net, fmt, s, c, args.steps), args.streams,
                                      args.contexts))
-        report[fmt] = row
+        report[fmt] = row | {"weights": args.quant or "bf16"}
         print(fmt, json.dumps(row), flush=True)
     if args.json:
         with open(args.json, "w") as f:
