@@ -2,7 +2,8 @@
 # them): installs the wheels where Python finds them, puts the test tokenizer and the trimmed llama.cpp sdist where
 # the tests look, and sets what the runs share (Triton's cache and the mat-vec choices under /tmp, unbuffered output). With
 # LLAMA_CPP=1 it also starts building llama-server, llama-bench and llama-quantize in the background
-# (about 5 minutes; tools/gpu_check.sh peer waits for it).
+# (about 5 minutes, at the lowest CPU priority so that timings beside it are not disturbed; tools/gpu_check.sh peer
+# waits for it).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 # Triton's cache (compiled kernels, kept autotuning results) and the mat-vec choices under /tmp, which a warm
@@ -27,7 +28,7 @@ for sdist in .cache/llama_cpp_python-*.tar.gz; do
   cp "$sdist" "$HF2Q_TEST_CACHE/"
   if [ "${LLAMA_CPP:-0}" = 1 ] && [ ! -x /tmp/llama.cpp/build/bin/llama-server ]; then
     mkdir -p /tmp/llama.cpp && tar xzf "$sdist" -C /tmp/llama.cpp --strip-components=3 --wildcards '*/vendor/llama.cpp/*'
-    (cd /tmp/llama.cpp && setsid nohup sh -c 'cmake -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+    (cd /tmp/llama.cpp && setsid nohup nice -n 19 sh -c 'cmake -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
       -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=ON > build.log 2>&1 && cmake --build build \
       -j 10 --target llama-bench llama-quantize llama-server >> build.log 2>&1; echo $? > build.done' > /dev/null 2>&1 &)
   fi
