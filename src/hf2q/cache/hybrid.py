@@ -230,7 +230,7 @@ class HybridCache:
         if idx is None:
             if len(memo) >= 8:
                 memo.clear()
-            table = torch.tensor(self.blocks.block_table(slot), dtype=torch.long, device=self.device)
+            table = self._upload(self.blocks.block_table(slot))
             pos = torch.arange(start, end, dtype=torch.long, device=self.device)
             idx = table[pos // self.block_size] * self.block_size + pos % self.block_size
             memo[(start, end)] = idx
@@ -411,10 +411,17 @@ class HybridCache:
     def _flat(self, plane: torch.Tensor) -> torch.Tensor:
         return plane.view(plane.shape[0], -1, *plane.shape[3:])  # [L, num_blocks * block_size, n_kv, ...]
 
+    def _upload(self, values: list[int]) -> torch.Tensor:
+        """A small int64 tensor of `values` on the cache's device, copied from pinned memory without blocking: a
+        synchronous upload waits for every step already queued, so the host prepared the next step only once the
+        device had finished (a step that retained a checkpoint took its whole device time on the host)."""
+        cuda = self.device.type == "cuda"
+        return torch.tensor(values, dtype=torch.long, pin_memory=cuda).to(self.device, non_blocking=cuda)
+
     def _copy_blocks(self, pairs: CopyPairs) -> None:
         if not pairs:
             return
-        src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=self.device)
-        dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=self.device)
+        src = self._upload([p[0] for p in pairs])
+        dst = self._upload([p[1] for p in pairs])
         for plane in self._planes:
             plane.index_copy_(1, dst, plane.index_select(1, src))
