@@ -68,6 +68,12 @@ def main() -> None:
     p.add_argument("--configs", nargs="+", default=["64,4", "64,8", "128,8"], metavar="BLOCK_N,WARPS",
                    help="tile configurations to time (each at the default split of K and twice it)")
     p.add_argument("--no-split-variants", action="store_true", help="time each configuration at the default split only")
+    p.add_argument("--split-factors", type=int, nargs="+", default=[1, 2], metavar="F",
+                   help="splits of K to time, as multiples of the default (more programs a SM: Nsight Compute found "
+                        "the default grid under one wave at 16 rows)")
+    p.add_argument("--stages", type=int, nargs="+", default=[0], metavar="S",
+                   help="software-pipeline depths to time (0: Triton's default; fewer stages take less shared "
+                        "memory, which held 64-row programs to two a SM)")
     p.add_argument("--gemlite", action="store_true", help="also time GemLite's kernels on the affine groups")
     p.add_argument("--gemlite-dtype", choices=["bf16", "fp16"], default="bf16",
                    help="GemLite's activations, scales and zeros (fp16: the bf16 activations cast in the timed call)")
@@ -93,10 +99,13 @@ def main() -> None:
             x = rows_all[:m]  # the same first rows at every count: does a row's result depend on the batch?
             row = {}
             _, _, auto_split = mm.config(n, k)
+            factors = [1] if args.no_split_variants else args.split_factors
             for bn, warps in configs:
-                for split in sorted({auto_split} if args.no_split_variants else {auto_split, auto_split * 2}):
-                    cfg = (bn, warps, split)
-                    row[cfg] = _us(lambda w, c=cfg: mm.quant_mm(x, w, qtype, n, c), copies)
+                for split in sorted({min(auto_split * f, -(-k // 256)) for f in factors}):
+                    for stages in args.stages:
+                        cfg = (bn, warps, split) + ((stages,) if stages else ())
+                        row[cfg] = _us(lambda w, c=cfg: mm.quant_mm(x, w, qtype, n, c[:3], c[3] if c[3:] else None),
+                                       copies)
             row["default"] = _us(lambda w: mm.quant_mm(x, w, qtype, n), copies)
             row["dequant+cublas"] = _us(lambda w: torch.nn.functional.linear(
                 x, dequantize(w, qtype, (n, k), x.dtype, out=scratch("sweep", n * k, x.dtype, x.device))), copies)

@@ -265,9 +265,10 @@ def sum_splits(out: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
 
 
 def quant_mm(x: torch.Tensor, raw: torch.Tensor, qtype: str, n: int, cfg: tuple[int, int, int] | None = None,
-             ) -> torch.Tensor:
+             stages: int | None = None) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32) times quantized rows raw [N, row_bytes] (K-quants: interleaved int32 rows)
-    -> [M, N] in x's dtype, fp32 accumulation."""
+    -> [M, N] in x's dtype, fp32 accumulation. `stages`: Triton's software-pipeline depth (default: Triton's),
+    which sets the shared memory a program takes and so how many fit on an SM (tools/quant_mm_sweep.py)."""
     m, k = x.shape
     check_layout(raw, qtype, k)
     x = x.contiguous()
@@ -278,5 +279,6 @@ def quant_mm(x: torch.Tensor, raw: torch.Tensor, qtype: str, n: int, cfg: tuple[
     w8, w16 = flat.view(torch.uint8), flat.view(torch.float16)
     _quant_mm_kernel[grid](x, w8, w16, flat if raw.dtype == torch.int32 else w16, out, m, n, k, x.stride(0),
                            row_stride, nblk, per_split, n_tiles, QTYPE=QTYPE_ID[qtype], CHUNKS=chunks(m),
-                           BLOCK_N=block_n, IEEE=x.dtype == torch.float32, EVEN_K=k % 256 == 0, num_warps=warps)
+                           BLOCK_N=block_n, IEEE=x.dtype == torch.float32, EVEN_K=k % 256 == 0, num_warps=warps,
+                           **({"num_stages": stages} if stages else {}))
     return sum_splits(out, x.dtype)
