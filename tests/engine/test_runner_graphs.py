@@ -131,6 +131,9 @@ def short_prefills(device: str, dtype: torch.dtype, moe: bool, graphed: bool,
     assert (runner.prefill_graphs is not None) == graphed
     if graphed:
         assert sorted(runner.prefill_graphs.graphs) == [4, 8, 16, 64, 128]  # decode steps replay the decode graphs
+        # a bucket's head multiplies as many rows as it can hold sequences, not every sequence the graphs allow
+        graphs = runner.prefill_graphs
+        assert [graphs.logits[b].shape[0] for b in (4, 8, 128)] == [min(b, graphs.max_seqs) for b in (4, 8, 128)]
     return logits
 
 

@@ -165,8 +165,14 @@ class PrefillGraphs:
 
     def _step(self, b: int) -> torch.Tensor:
         self.hidden[b] = self.net(self._batch(b))
-        logit_rows = self._views(self._dev, b)[7]
+        logit_rows = self._views(self._dev, b)[7][:self.logit_rows_in(b)]
         return self.net.compute_logits(self.hidden[b].index_select(0, logit_rows))
+
+    def logit_rows_in(self, b: int) -> int:
+        """Rows the head multiplies in bucket b's graph: a step of b rows holds at most b sequences, so a small
+        bucket's head takes that many (a 2-token step's 4 rows: the few-row mat-vec) instead of every sequence
+        the graphs allow (up to 64 rows of a 248k-wide head through the tile kernel, where the step needs one)."""
+        return min(b, self.max_seqs) * (POSITIONS if self.verify else 1)
 
     @torch.inference_mode()
     def capture(self, buckets=None) -> None:
@@ -198,7 +204,7 @@ class PrefillGraphs:
             self._copied.record()
         self.graphs[b].replay()
         if self.verify:
-            return self.logits[b].view(self.max_seqs, POSITIONS, -1)[:len(seqs)]
+            return self.logits[b].view(-1, POSITIONS, self.logits[b].shape[-1])[:len(seqs)]
         return self.logits[b][:len(seqs)]
 
     def hidden_rows(self, total: int) -> torch.Tensor:
