@@ -2,6 +2,7 @@
 build in the log with its time, counts it for /metrics, and never stops a build or a hook that was there."""
 from __future__ import annotations
 
+import json
 import logging
 from types import SimpleNamespace
 
@@ -30,9 +31,19 @@ def test_late_builds_are_logged_counted_and_hooks_chained(caplog):
         assert (watch.count, watch.seconds, watch.names) == (1, 0.25, ["_paged_decode_kernel"])
         assert seen == [("before", "k1"), ("after", "k1")]
         assert "_paged_decode_kernel" in caplog.text and "250 ms" in caplog.text and "stride_bt: i32" in caplog.text
+        # with the build's specialisation data: what it was specialised on (Triton 3.6's own text names one argument)
+        data = {"signature": {"q_ptr": "*bf16", "num_rows": "constexpr", "stride_bt": "i32", "HD": "constexpr"},
+                "constant_keys": [[1], [3]], "constant_vals": [1, {"constexpr": 256}], "attrs_keys": [[0], [2]],
+                "attrs_vals": [[["tt.divisibility", 16]], [["tt.divisibility", 16]]],
+                "options": {"num_warps": 8, "num_stages": 3}}
+        ticks = iter([2.0, 2.001])
+        with caplog.at_level(logging.WARNING, logger="hf2q.compiles"):
+            knobs.runtime.jit_cache_hook(**call | {"compile": {"specialization_data": json.dumps(data)}})
+            knobs.runtime.jit_post_compile_hook(**call | {"compile": {"specialization_data": json.dumps(data)}})
+        assert "[num_warps=8, num_stages=3](q_ptr%16, num_rows=1, stride_bt%16, HD=256)" in caplog.text
         watch.uninstall()  # the hooks that were there are back
         knobs.runtime.jit_cache_hook(**call)
-        assert seen[-1] == ("before", "k1") and watch.count == 1 and knobs.runtime.jit_cache_hook != watch.before
+        assert seen[-1] == ("before", "k1") and watch.count == 2 and knobs.runtime.jit_cache_hook != watch.before
     finally:
         knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = before, after
 

@@ -9,6 +9,7 @@ It sits in Triton's JIT hooks (`triton.knobs.runtime`), chained after any hook a
 """
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -65,7 +66,7 @@ class LateCompiles:
             self.seconds += spent
             self.names = (self.names + [fn.name])[-16:]
         log.warning("kernel built after warm-up in %.0f ms (a request waited for it): %s.%s %s", spent * 1000,
-                    fn.module, fn.name, _specialisation(repr))
+                    fn.module, fn.name, _specialisation(repr, compile))
         chained = self._chained[1]
         return chained(key=key, repr=repr, fn=fn, compile=compile, is_manual_warmup=is_manual_warmup,
                        already_compiled=already_compiled) if chained else None
@@ -74,6 +75,26 @@ class LateCompiles:
 WATCH = LateCompiles()  # Triton's hooks are the process's: one watch
 
 
-def _specialisation(text: str, limit: int = 600) -> str:
-    """Triton's description of the variant (options and argument types), cut to a log line's length."""
+def _specialisation(text: str, compile: dict, limit: int = 600) -> str:
+    """What the variant was specialised on, cut to a log line's length: its options, every argument Triton fixed
+    (a constexpr, or an integer of 1, as name=value) and every one it took as a multiple of 16 (name%16), from the
+    build's specialisation data; else Triton's own description (Triton 3.6's zips the parameters with its cache
+    key, a string, and so names the first parameter only)."""
+    try:
+        data = json.loads(compile["specialization_data"])
+        fixed = {k[0]: v for k, v in zip(data["constant_keys"], data["constant_vals"]) if len(k) == 1}
+        hinted = {k[0] for k, v in zip(data["attrs_keys"], data["attrs_vals"])
+                  if len(k) == 1 and any(attr[0] == "tt.divisibility" for attr in v)}
+        args = []
+        for i, name in enumerate(data["signature"]):
+            if i in fixed:
+                value = fixed[i]
+                args.append(f"{name}={value['constexpr'] if isinstance(value, dict) else value}")
+            elif i in hinted:
+                args.append(f"{name}%16")
+        options = data.get("options", {})
+        text = (f"[num_warps={options.get('num_warps')}, num_stages={options.get('num_stages')}]"
+                f"({', '.join(args)})")
+    except (KeyError, TypeError, ValueError, IndexError):
+        pass
     return text if len(text) <= limit else text[:limit] + " ..."
