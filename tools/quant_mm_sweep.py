@@ -66,7 +66,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, nargs="+", default=[8, 16, 32, 64])
     p.add_argument("--matvec", action="store_true", help="also time the int8 mat-vec (tunes per row count)")
     p.add_argument("--configs", nargs="+", default=["64,4", "64,8", "128,8"], metavar="BLOCK_N,WARPS",
-                   help="tile configurations to time (each at the default split of K and twice it)")
+                   help="tile configurations to time (each at the splits of K --split-factors gives)")
     p.add_argument("--no-split-variants", action="store_true", help="time each configuration at the default split only")
     p.add_argument("--split-factors", type=int, nargs="+", default=[1, 2], metavar="F",
                    help="splits of K to time, as multiples of the default (more programs a SM: Nsight Compute found "
