@@ -6,6 +6,15 @@ import torch
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def upload(t: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on `device` without waiting for the device. A blocking copy to a GPU first waits for all
+    work queued on the stream, so the host would prepare its next step only once the device had finished this
+    one (and async scheduling's overlap would end): small uploads on a step's path go through pinned memory."""
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def resolve_device(name: str = "auto") -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -13,6 +13,7 @@ import torch
 from hf2q.cache.block_manager import BlockManager, CacheError, CacheFull, CopyPairs
 from hf2q.cache.kv_pool import KVPool, make_pool, row_bytes
 from hf2q.config import CacheConfig, ModelConfig
+from hf2q.devices import upload
 
 __all__ = ["HybridCache", "CacheSnapshot", "CacheUsage", "CacheError", "CacheFull", "NoFreeSlot", "SlotError",
            "kv_bytes_per_token", "state_bytes_per_slot"]
@@ -412,11 +413,9 @@ class HybridCache:
         return plane.view(plane.shape[0], -1, *plane.shape[3:])  # [L, num_blocks * block_size, n_kv, ...]
 
     def _upload(self, values: list[int]) -> torch.Tensor:
-        """A small int64 tensor of `values` on the cache's device, copied from pinned memory without blocking: a
-        synchronous upload waits for every step already queued, so the host prepared the next step only once the
-        device had finished (a step that retained a checkpoint took its whole device time on the host)."""
-        cuda = self.device.type == "cuda"
-        return torch.tensor(values, dtype=torch.long, pin_memory=cuda).to(self.device, non_blocking=cuda)
+        """`values` as int64 on the cache's device without waiting for it (a blocking copy held the host for a
+        whole step whenever a step retained a checkpoint)."""
+        return upload(torch.tensor(values, dtype=torch.long), self.device)
 
     def _copy_blocks(self, pairs: CopyPairs) -> None:
         if not pairs:

@@ -14,16 +14,8 @@ from typing import Optional
 
 import torch
 
+from hf2q.devices import upload
 from hf2q.engine.request import Request
-
-
-def upload(t: torch.Tensor, device) -> torch.Tensor:
-    """A host tensor on `device` without waiting for the device. A blocking copy to a GPU first waits for all
-    work queued on the stream, so one anywhere between queuing a step and reading the step before it would
-    end the overlap: what a queued step's inputs and draws need goes through pinned memory instead."""
-    if torch.device(device).type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass

@@ -21,7 +21,7 @@ import torch
 
 from hf2q.cache.hybrid import CacheError, HybridCache
 from hf2q.cache.state_at import StateAt
-from hf2q.engine.overlap import upload
+from hf2q.devices import upload
 from hf2q.engine.request import Request
 from hf2q.forward import ForwardBatch
 from hf2q.kernels.gdn.chunked_fla import RECURRENT_MAX_LEN

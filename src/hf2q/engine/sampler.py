@@ -16,7 +16,7 @@ from typing import Iterable, Sequence
 import torch
 import torch.nn.functional as F
 
-from hf2q.engine.overlap import upload as _upload
+from hf2q.devices import upload as _upload
 from hf2q.engine.sampling_params import SamplingParams
 
 # Truncating rows look for their kept tokens among this many most likely ones, widening the window for

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hf2q.config import ModelConfig
+from hf2q.devices import upload
 from hf2q.forward import ForwardBatch
 from hf2q.kernels.conv import ops as conv_ops
 from hf2q.kernels.gdn import ops as gdn_ops
@@ -111,7 +112,7 @@ class GatedDeltaNet(nn.Module):
         if made is None:
             rows = torch.cat([torch.arange(row, row + m, device=q.device) for _, row, m in prefixes])
             cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=cu_seqlens.dtype)
-            cu = cu.pin_memory().to(cu_seqlens.device, non_blocking=True) if cu_seqlens.is_cuda else cu
+            cu = upload(cu, cu_seqlens.device)
             made = batch.extras["prefix_rows"] = (rows, cu)
         rows, cu = made
         both = [torch.cat((x, x[rows])) for x in (q, k, v, g, beta)]

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 import torch
 
 from hf2q.cache.hybrid import CacheFull, HybridCache
-from hf2q.engine.overlap import upload
+from hf2q.devices import upload
 from hf2q.engine.request import Request
 from hf2q.forward import ForwardBatch
 from hf2q.models.qwen35 import Qwen35Model

@@ -16,7 +16,7 @@ from typing import Callable, Optional
 import torch
 
 from hf2q.cache.hybrid import HybridCache
-from hf2q.engine.overlap import upload
+from hf2q.devices import upload
 from hf2q.engine.request import Request
 from hf2q.spec.cost import CostController
 from hf2q.spec.mtp import MTPProposer
