@@ -189,7 +189,7 @@ for _ in range(2):
 torch.cuda.synchronize()" | tee "$out/ncu_mm.txt" ;;
   mm)    python -m pytest -q -p no:cacheprovider tests/quant/test_kernels.py tests/quant/test_mmq.py \
            -k "quant_mm or quant_linear or mmq"
-         timeout 400 python tools/quant_mm_sweep.py --rows 16 32 64 --configs 64,4 --no-split-variants ${SWEEP_FLAGS:-} \
+         timeout 400 python tools/quant_mm_sweep.py --rows 16 32 64 --configs 64,4 --split-factors 1 ${SWEEP_FLAGS:-} \
            | tee "$out/quant_mm_sweep.txt" ;;
   serve) mix=${MIX:-q4_k_m}; mtp=${MTP:+-mtp}; model=${MODEL_DIR:-/tmp}/hf2q-9b-$mix$mtp.gguf; port=8090
          [ -f "$model" ] || python tools/random_gguf.py --shape 9b --mix "$mix" ${MTP:+--mtp} -o "$model"

@@ -67,7 +67,6 @@ def main() -> None:
     p.add_argument("--matvec", action="store_true", help="also time the int8 mat-vec (tunes per row count)")
     p.add_argument("--configs", nargs="+", default=["64,4", "64,8", "128,8"], metavar="BLOCK_N,WARPS",
                    help="tile configurations to time (each at the splits of K --split-factors gives)")
-    p.add_argument("--no-split-variants", action="store_true", help="time each configuration at the default split only")
     p.add_argument("--split-factors", type=int, nargs="+", default=[1, 2], metavar="F",
                    help="splits of K to time, as multiples of the default (more programs a SM: Nsight Compute found "
                         "the default grid under one wave at 16 rows)")
@@ -99,13 +98,11 @@ def main() -> None:
             x = rows_all[:m]  # the same first rows at every count: does a row's result depend on the batch?
             row = {}
             _, _, auto_split = mm.config(n, k)
-            factors = [1] if args.no_split_variants else args.split_factors
             for bn, warps in configs:
-                for split in sorted({min(auto_split * f, -(-k // 256)) for f in factors}):
-                    for stages in args.stages:
-                        cfg = (bn, warps, split) + ((stages,) if stages else ())
-                        row[cfg] = _us(lambda w, c=cfg: mm.quant_mm(x, w, qtype, n, c[:3], c[3] if c[3:] else None),
-                                       copies)
+                for split in sorted({min(auto_split * f, -(-k // 256)) for f in args.split_factors}):
+                    for stages in args.stages:  # a configuration's key names its stages where they are not Triton's
+                        cfg = (bn, warps, split, stages) if stages else (bn, warps, split)
+                        row[cfg] = _us(lambda w, c=cfg[:3], s=stages or None: mm.quant_mm(x, w, qtype, n, c, s), copies)
             row["default"] = _us(lambda w: mm.quant_mm(x, w, qtype, n), copies)
             row["dequant+cublas"] = _us(lambda w: torch.nn.functional.linear(
                 x, dequantize(w, qtype, (n, k), x.dtype, out=scratch("sweep", n * k, x.dtype, x.device))), copies)
