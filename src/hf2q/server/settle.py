@@ -22,9 +22,9 @@ def freeze_startup_heap() -> int:
     """Take what the load and the warm-up left alive (modules, the model, the tokenizer's vocabulary: hundreds of
     thousands of objects) out of the garbage collector's scans, and return how many. A full collection over them
     takes about 135 ms on a 2-core host (the start itself runs several), and one falling inside a served step stalls
-    every stream in it (a likely cause, not yet shown, of an H100 server's first request's first decode step taking
-    67 ms, host-bound, where the next requests' took 7). They stay alive for the server's life anyway; what requests
-    allocate later is collected as before."""
+    every stream in it. (It was suspected of an H100 server's slow first speculative request; with the freeze that
+    request was still about 150 ms slower than the first without speculation, so it was not the cause.) They stay
+    alive for the server's life anyway; what requests allocate later is collected as before."""
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
