@@ -3,9 +3,10 @@ against the int8 tensor-core kernel (mmq_triton, HF2Q_QUANT_MM=mmq; Q8_0 and K-q
 mat-vec and dequantize + cuBLAS, per 9B projection and row count (CUDA only); with --gemlite, also GemLite's
 weight-only int4/int8 kernels (a Triton low-bit library, carried as a wheel) on the same weights in their affine
 groups of 32 (hf2q.quant.affine_groups: Q4_K and Q4_0 as 4-bit codes, Q5_K and Q8_0 as 8-bit; Q6_K stays on the
-tile kernel in the "gemlite path" total).
+tile kernel in the "gemlite path" total); with --int4pack, PyTorch's own int4 weight-only CUDA kernel
+(torch._weight_int4pack_mm, "tinygemm": bf16 scale and zero a group of 32) on the 4-bit types' affine groups.
 
-    python tools/quant_mm_sweep.py [--rows 8 16 32 64] [--gemlite]
+    python tools/quant_mm_sweep.py [--rows 8 16 32 64] [--gemlite] [--int4pack]
 
 mmq is timed on activations already in int8 rows (as a producer that writes them would leave them) and
 with their quantization (quantize_rows) in the timed call; its error is relative (Frobenius) to
@@ -61,6 +62,18 @@ def _gemlite_layers(raw: torch.Tensor, qtype: str, n: int, k: int, count: int, d
     return layers
 
 
+def _int4pack_layers(raw: torch.Tensor, qtype: str, n: int, k: int, count: int, even_high: bool = True) -> list:
+    """`count` copies of one 4-bit ggml-order weight in torch._weight_int4pack_mm's form: codes packed two a byte
+    (the even column in the high nibble, or the low one) and tiled by torch, and [k / 32, n, 2] bf16 (scale, zero)
+    with value = (code - 8) · scale + zero, i.e. zero = offset + 8 · scale (both rounded to bf16: not exact)."""
+    codes, scale, offset = affine_groups(raw, qtype, (n, k))
+    codes = codes.to("cuda", torch.int32)
+    hi, lo = (codes[:, ::2], codes[:, 1::2]) if even_high else (codes[:, 1::2], codes[:, ::2])
+    packed = torch._convert_weight_to_int4pack((hi << 4 | lo).to(torch.uint8), 8)
+    sz = torch.stack([scale, offset + 8 * scale], dim=-1).transpose(0, 1).contiguous().to("cuda", torch.bfloat16)
+    return [(packed, sz)] + [(packed.clone(), sz.clone()) for _ in range(count - 1)]
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rows", type=int, nargs="+", default=[8, 16, 32, 64])
@@ -74,6 +87,7 @@ def main() -> None:
                    help="software-pipeline depths to time (0: Triton's default; fewer stages take less shared "
                         "memory, which held 64-row programs to two a SM)")
     p.add_argument("--gemlite", action="store_true", help="also time GemLite's kernels on the affine groups")
+    p.add_argument("--int4pack", action="store_true", help="also time torch._weight_int4pack_mm on the 4-bit types")
     p.add_argument("--gemlite-dtype", choices=["bf16", "fp16"], default="bf16",
                    help="GemLite's activations, scales and zeros (fp16: the bf16 activations cast in the timed call)")
     p.add_argument("--gemlite-configs", metavar="FILE", help="GemLite's autotuned configurations: read first if the "
@@ -86,12 +100,16 @@ def main() -> None:
 
         gemlite.load_config(args.gemlite_configs)
     totals: dict[tuple, float] = {}
+    best_of: dict[tuple, float] = {}  # (rows, projection) -> its best configuration's time, times its count
+    names = [entry[0] for entry in LAYER_SET]
     for name, n, k, qtype, times in LAYER_SET:
         ggml = random_blocks(qtype, n, k, std=0.02, seed=n + k)
         raw = keep_blocks(ggml, qtype, "cuda")
         copies = cold_copies(raw)
         gl = _gemlite_layers(ggml, qtype, n, k, len(copies), gl_dtype) \
             if args.gemlite and qtype in AFFINE_TYPES else None
+        i4 = _int4pack_layers(ggml, qtype, n, k, len(copies)) \
+            if args.int4pack and AFFINE_TYPES.get(qtype) == 4 else None
         rows_all = torch.randn(max(args.rows), k, device="cuda", dtype=torch.bfloat16)
         first_rows: dict[str, list] = {}  # path -> its result for activation row 0 at each row count
         for m in args.rows:
@@ -127,6 +145,18 @@ def main() -> None:
                 again = all(torch.equal(once, gl[0](x.to(gl_dtype))) for _ in range(3))  # split-K adds by atomics
                 gl_note = (f", gemlite {row['gemlite']:8.1f} (error {_rel(once, ref):.1e}, "
                            f"{'the same' if again else 'NOT the same'} on repeats)")
+            if i4 is not None:
+                i4mm = lambda w: torch._weight_int4pack_mm(x, w[0], 32, w[1])  # noqa: E731
+                first_rows.setdefault("int4pack", []).append(i4mm(i4[0])[0].clone())
+                row["int4pack"] = _us(i4mm, i4)
+                once = i4mm(i4[0])
+                if _rel(once, ref) > 0.05:  # the nibble order torch's packing reads: the other one
+                    i4 = _int4pack_layers(ggml, qtype, n, k, len(copies), even_high=False)
+                    once = i4mm(i4[0])
+                    first_rows["int4pack"][-1] = once[0].clone()
+                    gl_note += ", int4pack: even columns in the low nibble"
+                gl_note += f", int4pack {row['int4pack']:8.1f} (error {_rel(once, ref):.1e})"
+            row["int4pack path"] = row.get("int4pack", row["default"])
             row["gemlite path"] = row.get("gemlite", row["default"])
             for path in ("mmq", "mmq+quantize"):  # the step with HF2Q_QUANT_MM=mmq: other types on the tile kernel
                 row[path + " path"] = row.get(path, row["default"])
@@ -137,23 +167,24 @@ def main() -> None:
                   flush=True)
             for c, v in row.items():
                 totals[(m, c)] = totals.get((m, c), 0.0) + v * times
+            best_of[(m, name)] = best[0] * times
         if len(args.rows) > 1:
             print(f"{name:12} row 0 the same at {', '.join(map(str, args.rows))} rows: " + ", ".join(
                 f"{path} {'yes' if all(torch.equal(r, got[0]) for r in got) else 'no'}"
                 for path, got in first_rows.items()), flush=True)
-        del raw, copies, gl
+        del raw, copies, gl, i4
         if args.gemlite and args.gemlite_configs:
             import gemlite
 
             gemlite.cache_config(args.gemlite_configs)
     for m in args.rows:
         per = {c: v for (mm_, c), v in totals.items() if mm_ == m}
-        best = min((v, c) for c, v in per.items() if isinstance(c, tuple))
-        print(f"9B step, m={m}: default {per['default'] / 1e3:.3f} ms; best single config {best[0] / 1e3:.3f} ms "
-              f"{best[1]}; dequant+cublas {per['dequant+cublas'] / 1e3:.3f} ms; HF2Q_QUANT_MM=mmq "
+        best = sum(best_of[(m, name)] for name in names)
+        print(f"9B step, m={m}: default {per['default'] / 1e3:.3f} ms; best configuration per projection {best / 1e3:.3f} ms; dequant+cublas {per['dequant+cublas'] / 1e3:.3f} ms; HF2Q_QUANT_MM=mmq "
               f"{per['mmq path'] / 1e3:.3f} ms (with quantization {per['mmq+quantize path'] / 1e3:.3f} ms)"
               + (f"; int8 mat-vec {per['int8 mat-vec'] / 1e3:.3f} ms" if "int8 mat-vec" in per else "")
-              + (f"; gemlite path {per['gemlite path'] / 1e3:.3f} ms" if args.gemlite else ""), flush=True)
+              + (f"; gemlite path {per['gemlite path'] / 1e3:.3f} ms" if args.gemlite else "")
+              + (f"; int4pack path {per['int4pack path'] / 1e3:.3f} ms" if args.int4pack else ""), flush=True)
 
 
 if __name__ == "__main__":
