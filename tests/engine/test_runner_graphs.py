@@ -155,13 +155,14 @@ def test_short_prefill_graph_stand_in_matches_eager_on_the_cpu(moe):
 @torch.inference_mode()
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 def test_short_prefill_graphs_match_eager(moe):
-    """The same through captured graphs in bf16: greedy tokens of every step equal, and each step's logits as
-    close to the fp32 run of the same weights as the eager runner's are, within twice the eager runner's own
-    error plus 0.02 (the graphs run a 127-token chunk through fla's recurrent kernel, the eager runner through
-    its chunked one: two roundings of the same sums)."""
+    """The same through captured graphs in bf16: each step's logits as close to the fp32 run of the same weights
+    as the eager runner's are, within twice the eager runner's own error plus 0.02 (the graphs run a 127-token
+    chunk through fla's recurrent kernel, the eager runner through its chunked one: two roundings of the same
+    sums). Greedy tokens are not compared: at a near-tie of the random model's logits the two roundings may
+    pick either token (the 127-token chunk's did, on an H100), and where the fp32 run's best two are further
+    apart than twice these errors the bound already keeps both runs' choice."""
     eager, graphed = (short_prefills("cuda", torch.bfloat16, moe, g) for g in (False, True))
     reference = short_prefills("cuda", torch.bfloat16, moe, False, run_dtype=torch.float32)
-    assert [int(x.argmax()) for x in eager] == [int(y.argmax()) for y in graphed]
     for step, (r, x, y) in enumerate(zip(reference, eager, graphed)):
         eager_error, graph_error = float((x - r).abs().max()), float((y - r).abs().max())
         assert graph_error <= 2 * eager_error + 0.02, (step, graph_error, eager_error)

@@ -136,8 +136,8 @@ def test_no_speculation_in_a_large_batch(model):
 
 
 def test_a_proposer_that_lost_for_the_requests_before_starts_off(model):
-    """Four requests in a row turn a losing proposer off: later requests start with it off, but for one in
-    PROBE_EVERY, which tries it; a window that probe wins lets the next requests draft again."""
+    """STREAK_TO_START_OFF requests in a row turn a losing proposer off: later requests start with it off, but for
+    one in PROBE_EVERY, which tries it for one window; a window that probe wins lets the next requests draft again."""
     from hf2q.spec.speculator import PROBE_EVERY, STREAK_TO_START_OFF
 
     engine = speculating(model, verify=0.050)
@@ -149,7 +149,11 @@ def test_a_proposer_that_lost_for_the_requests_before_starts_off(model):
         (req,) = run(engine, [PROMPT])
         assert not req.extras["cost"]["ngram"].enabled
     assert stats.started_off["ngram"] == PROBE_EVERY - 1 and stats.rounds == STREAK_TO_START_OFF * 2 * window
-    engine.spec.clock.verify = 0.008  # the probe's rounds gain
+    (probe,) = run(engine, [PROMPT])  # a losing probe is turned off after one window, not two
+    assert not probe.extras["cost"]["ngram"].enabled and stats.rounds == STREAK_TO_START_OFF * 2 * window + window
+    for _ in range(PROBE_EVERY - 1):
+        run(engine, [PROMPT])
+    engine.spec.clock.verify = 0.008  # the next probe's rounds gain
     (probe,) = run(engine, [PROMPT])
     assert probe.extras["cost"]["ngram"].enabled and stats.rounds > STREAK_TO_START_OFF * 2 * window
     rounds = stats.rounds

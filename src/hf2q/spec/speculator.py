@@ -130,7 +130,7 @@ class Speculator:
     def _controllers(self) -> dict[str, CostController]:
         """A new request's cost controller per proposer. One that the control turned off for the last
         STREAK_TO_START_OFF requests in a row starts off, but for one new request in PROBE_EVERY, which tries it
-        as usual (a window it wins ends the streak): turning a proposer off takes 8 losing rounds, which at
+        for one window (a window it wins ends the streak; one it loses turns it off): turning a proposer off takes 8 losing rounds, which at
         acceptance 0 cost every request about 6% of its time (9B Q4_K_M with an MTP head, one stream, H100)."""
         costs = {}
         for name in PROPOSERS:
@@ -140,6 +140,8 @@ class Speculator:
                 if self._since_losing[name] % PROBE_EVERY:
                     cost.enabled = False
                     self.stats.started_off[name] += 1
+                else:  # the probe: one losing window turns it off (the streak already says it lost twice)
+                    cost.patience = 1
         return costs
 
     def _synced_clock(self) -> float:
