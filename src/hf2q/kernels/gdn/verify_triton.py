@@ -56,7 +56,8 @@ def _conv_row(x_ptr, conv, w_ptr, start, t, c, stride_x, C):
 
 @triton.jit
 def _verify_columns_kernel(x_ptr, cw_ptr, conv_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, state_ptr, slot_ptr, cu_ptr,
-                           o_ptr, kept_ptr, keep_ptr, keep_rec_ptr, stride_x, stride_conv, stride_ab, stride_bb, C, NK, NV, LIVE, scale, eps,
+                           o_ptr, kept_ptr, keep_ptr, keep_rec_ptr, stride_x, stride_conv, stride_ab, stride_bb, C,
+                           NK, NV, LIVE, scale, eps,
                            DK: tl.constexpr, DV: tl.constexpr, SPLIT: tl.constexpr, PREFIXES: tl.constexpr,
                            KEEP: tl.constexpr = False, PDL: tl.constexpr = False):
     """Program (i, h, j): columns j·DV/SPLIT .. of value head h over sequence i's rows."""
