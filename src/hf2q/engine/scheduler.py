@@ -126,19 +126,21 @@ class Scheduler:
 
     def _strides_inside(self, req: Request) -> bool:
         """Whether the request's stride checkpoints come from inside chunks rather than cutting them (two steps
-        where one would do: a long prompt's first token came after twice the steps with the prefix cache on)."""
-        return self.stride > 0 and self._states_inside(req)
+        where one would do: a long prompt's first token came after twice the steps with the prefix cache on);
+        not where the rest of the prompt fits a prefill graph, which keeps one checkpoint's states only (the
+        anchor's: replays cut at the strides cost less than one eager step)."""
+        return (self.stride > 0 and self._states_inside(req)
+                and req.num_tokens - req.num_computed > self.graphed_prefill_rows)
 
     def _keeps_inside(self, req: Request) -> bool:
-        """Whether the request's anchor checkpoint comes from inside a chunk rather than cutting it."""
+        """Whether the request's anchor checkpoint comes from inside a chunk rather than cutting it (an eager
+        forward keeps it, and so does a prefill graph: a chat follow-up's rest is one replay, not two)."""
         return req.anchor is not None and self._states_inside(req)
 
     def _states_inside(self, req: Request) -> bool:
         """Whether the forward may keep the request's checkpoint states inside its chunk: a prefix cache on a
-        cache that can, and not where the rest of the prompt fits a prefill graph (two replays cost less than
-        one eager step)."""
-        return (self.prefix is not None and self.cache.keeps_states_inside_a_chunk
-                and req.num_tokens - req.num_computed > self.graphed_prefill_rows)
+        cache that can."""
+        return self.prefix is not None and self.cache.keeps_states_inside_a_chunk
 
     def _admit_user(self, req: Request) -> bool:
         """Admit a user request; background prefills holding the slot or room it needs are cancelled."""
