@@ -159,8 +159,8 @@ class ModelRunner:
         """`run`'s result for a small step with prefill rows replayed in its graph (hf2q.engine.prefill_graphs:
         up to 127 rows over up to 64 requests), or None where no graph serves it: drafts to verify, hidden
         rows kept, images, more than one checkpoint inside the chunks, too many rows or requests, too long a
-        sequence. One checkpoint inside a chunk (a chat turn's anchor) the graph keeps the states at, as the
-        eager forward does (`kept_inside`)."""
+        sequence. A step with one checkpoint inside a chunk (a chat turn's anchor) it serves: the graph keeps
+        the DeltaNet states there, handed on as the eager forward hands them (`kept_inside`)."""
         if not (self.use_graphs and self.short_prefill_graphs) or not scheduled:
             return None
         if any(drafts_in(req, n) for req, n in scheduled) or not self._graphable(scheduled, keeps_one=True):
@@ -171,7 +171,7 @@ class ModelRunner:
         samples = [req.num_computed + n == req.num_tokens and not req.prefill_only for req, n in scheduled]
         order = [scheduled[i] for i in sorted(range(len(scheduled)), key=lambda i: not samples[i])]  # samplers first
         inside = [(i, req, at) for i, (req, _) in enumerate(order) for at in req.extras.pop("checkpoints_inside", ())]
-        keep = (inside[0][0], inside[0][2] - inside[0][1].num_computed - 1) if inside else None  # the row before it
+        keep = (inside[0][0], inside[0][2] - inside[0][1].num_computed - 1) if inside else None  # its last token's row
         logits = graphs.step([(req.tokens(req.num_computed, req.num_computed + n), req.num_computed, req.slot)
                               for req, n in order], keep)
         for _, req, at in inside:  # views until the next replay: `Scheduler.retain_prefixes` copies them before
