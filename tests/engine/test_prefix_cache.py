@@ -436,6 +436,7 @@ def test_a_turn_whose_rest_fits_a_prefill_graph_keeps_its_anchor_inside_one_repl
         runner = engines[True].runner
         runner.use_graphs = runner.short_prefill_graphs = True
         engines[True].scheduler.graphed_prefill_rows = MAX_ROWS
+        runner.paths = []
         got = {g: run(e, {"a": (prompt, GREEDY, anchor)})["a"] for g, e in engines.items()}
         assert got[True] == got[False] and sorted(runner.prefill_graphs.graphs) == [64]  # 64 rows, then 36
         runner.paths = []
@@ -450,3 +451,15 @@ def test_a_turn_whose_rest_fits_a_prefill_graph_keeps_its_anchor_inside_one_repl
                 torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-5)
         want = run(make_engine(dense_model, prefix_bytes=0), {"c": (after, GREEDY, None)})["c"][0]
         assert run(engines[True], {"c": (after, GREEDY, None)})["c"] == (want, follow_anchor)
+        # two follow-ups in one step: a graph keeps one row's states, so the second rest is cut at its anchor
+        # and the step is still one replay (two anchors inside would have sent it to the eager forward)
+        two = {f"d{i}": (prompt[:anchor] + list(range(600 + 50 * i, 640 + 48 * i)) + [11, 12], GREEDY, None)
+               for i in (0, 1)}
+        two = {rid: (ids, params, len(ids) - 2) for rid, (ids, params, _) in two.items()}
+        runner.paths = []
+        got = {g: run(e, two) for g, e in engines.items()}
+        assert got[True] == got[False] and all(cached == anchor for _, cached in got[True].values())
+        assert runner.paths[0] == ("prefill graph", 2, 42 + 38)  # d0's rest, and d1's up to its anchor
+        assert all(how != "eager" for how, _, _ in runner.paths)
+        for ids, _, at in two.values():
+            assert engines[True].prefix.holds(ids[:at])
