@@ -418,25 +418,48 @@ def test_turn_anchor_from_the_shared_text_is_the_whole_probes(dense_model, think
             messages += FOLLOW_UPS[t](t)
 
 
-def test_a_turn_whose_rest_fits_a_prefill_graph_is_cut_at_its_anchor(dense_model):
-    """With prefill graphs (on the CPU their stand-in, over the vectorised path), a turn whose remaining prompt
-    fits a graph has its chunk cut at the anchor instead: replays of 64, 29 and 7 rows rather than eager steps.
-    The anchor's checkpoint holds the eager engine's states, and the tokens are the eager engine's, for the
-    turn and for the next one resumed from it."""
+def test_a_turn_whose_rest_fits_a_prefill_graph_keeps_its_anchor_inside_one_replay(dense_model):
+    """With prefill graphs (on the CPU their stand-in, over the vectorised path), a chat follow-up whose rest
+    fits a graph (42 tokens over a cached history, its anchor 2 before the end) is one replay, not two cut at
+    the anchor: the graph keeps the DeltaNet states after the anchor's row. Each turn's anchor checkpoint holds
+    the eager engine's states (which keeps them from one more sequence of the delta rule), and the tokens are
+    the eager engine's, for the turns and for the next one resumed from the follow-up's checkpoint."""
     from hf2q.engine.prefill_graphs import MAX_ROWS
     from hf2q.kernels.choose import fast_path
 
     prompt, anchor = list(range(3000, 3100)), 93
-    follow = prompt[:anchor] + [11, 12, 13, 14, 15]
+    follow = prompt[:anchor] + list(range(500, 540)) + [11, 12]  # the history, a new message, the suffix
+    follow_anchor = len(follow) - 2
+    after = follow[:follow_anchor] + [13, 14, 15]
     with fast_path("force"):
         engines = {graphed: make_engine(dense_model) for graphed in (False, True)}
         runner = engines[True].runner
         runner.use_graphs = runner.short_prefill_graphs = True
         engines[True].scheduler.graphed_prefill_rows = MAX_ROWS
+        runner.paths = []
         got = {g: run(e, {"a": (prompt, GREEDY, anchor)})["a"] for g, e in engines.items()}
-        assert got[True] == got[False] and sorted(runner.prefill_graphs.graphs) == [8, 32, 64]  # 7, 29, 64 rows (a full bucket)
-        kept = {g: e.cache._retained[e.prefix._entries[tuple(prompt[:anchor])].key] for g, e in engines.items()}
-        for x, y in zip(kept[False][1:], kept[True][1:]):
-            torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-5)
-        want = run(make_engine(dense_model, prefix_bytes=0), {"b": (follow, GREEDY, None)})["b"][0]
-        assert run(engines[True], {"b": (follow, GREEDY, None)})["b"] == (want, anchor)
+        assert got[True] == got[False] and sorted(runner.prefill_graphs.graphs) == [64]  # 64 rows, then 36
+        runner.paths = []
+        got = {g: run(e, {"b": (follow, GREEDY, follow_anchor)})["b"] for g, e in engines.items()}
+        assert got[True] == got[False] and got[True][1] == anchor
+        assert runner.paths[0] == ("prefill graph", 1, len(follow) - anchor)  # one step before its first token
+        assert all(how == "decode graph" for how, _, _ in runner.paths[1:])
+        for tokens in (prompt[:anchor], follow[:follow_anchor]):
+            kept = {g: e.cache._retained[e.prefix._entries[tuple(tokens)].key] for g, e in engines.items()}
+            assert kept[True][0] == kept[False][0] == len(tokens)
+            for x, y in zip(kept[False][1:], kept[True][1:]):
+                torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-5)
+        want = run(make_engine(dense_model, prefix_bytes=0), {"c": (after, GREEDY, None)})["c"][0]
+        assert run(engines[True], {"c": (after, GREEDY, None)})["c"] == (want, follow_anchor)
+        # two follow-ups in one step: a graph keeps one row's states, so the second rest is cut at its anchor
+        # and the step is still one replay (two anchors inside would have sent it to the eager forward)
+        two = {f"d{i}": (prompt[:anchor] + list(range(600 + 50 * i, 640 + 48 * i)) + [11, 12], GREEDY, None)
+               for i in (0, 1)}
+        two = {rid: (ids, params, len(ids) - 2) for rid, (ids, params, _) in two.items()}
+        runner.paths = []
+        got = {g: run(e, two) for g, e in engines.items()}
+        assert got[True] == got[False] and all(cached == anchor for _, cached in got[True].values())
+        assert runner.paths[0] == ("prefill graph", 2, 42 + 38)  # d0's rest, and d1's up to its anchor
+        assert all(how != "eager" for how, _, _ in runner.paths)
+        for ids, _, at in two.values():
+            assert engines[True].prefix.holds(ids[:at])

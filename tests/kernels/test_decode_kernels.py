@@ -416,6 +416,30 @@ def test_gdn_verify_matches_reference(env, keep):
     assert rel(args["kept_rec"], ref["kept_rec"]) <= tol if keep else args["kept_rec"].numel() == 0
 
 
+@pytest.mark.parametrize("at", [(3, 1), (5, 5), (1, 0)], ids=["inner-row", "last-row", "empty-sequence"])
+def test_gdn_verify_keeps_one_row_as_reference(env, at):
+    """The keep mode (a prefill graph's checkpoint inside a chunk) against the reference: the keep buffers get
+    the states after row t of sequence i (untouched where that sequence has no such row), and everything else
+    the step writes is bitwise what it writes without a keep."""
+    from hf2q.kernels.gdn.verify_triton import gdn_verify_
+
+    dev, dtype, real = env
+    args = _verify_inputs(dev, dtype, real, keep=at[0] == 3)  # with the verify buffers too, and without
+    plain, ref = copy.deepcopy(args), _on_cpu(args)
+    nv, d, c = args["state_pool"].shape[1], args["dk"], args["x"].shape[1]
+    keep = (torch.tensor(at, device=dev), torch.full((3, c), 7.0, device=dev), torch.full((nv, d, d), 7.0, device=dev))
+    ref_keep = tuple(x.cpu().clone() for x in keep)
+    o, o_plain = gdn_verify_(**args, keep=keep), gdn_verify_(**plain)
+    ref_o = gdn_ops.gdn_verify_reference(**ref, keep=ref_keep)
+    assert torch.equal(o, o_plain)
+    for name in ("conv_pool", "state_pool", "kept_conv", "kept_rec"):
+        assert torch.equal(args[name], plain[name]), name
+    tol = 2e-3 if real else 1e-5
+    assert rel(o, ref_o) <= tol and torch.equal(keep[1].cpu(), ref_keep[1]) and rel(keep[2], ref_keep[2]) <= tol
+    written = VERIFY_ROWS[at[0]] > at[1]
+    assert (ref_keep[2] != 7.0).all() == written and (ref_keep[1] != 7.0).any() == written
+
+
 def test_gdn_verify_reference_is_plain_decoding():
     """The verify reference against one-row decode steps (the decode step's torch version) of each sequence:
     each row's gated-normed read-out, the state kept after each row but the last (up to 3), the slot's

@@ -16,7 +16,8 @@ def test_curve_has_every_batch_and_length(graphs, monkeypatch):
     from hf2q.kernels.choose import fast_path
 
     verified, step = [], PrefillGraphs.step
-    monkeypatch.setattr(PrefillGraphs, "step", lambda self, seqs: (verified.append(self.verify), step(self, seqs))[1])
+    monkeypatch.setattr(PrefillGraphs, "step", lambda self, seqs, keep=None: (verified.append(self.verify),
+                                                                             step(self, seqs, keep))[1])
     cfg = tiny_config()
     net = random_model(cfg, device="cpu", dtype=torch.float32)
     with fast_path("force" if graphs else "auto"):

@@ -161,9 +161,9 @@ def test_full_verify_buckets_have_no_padding_rows(model, monkeypatch):
     work = [([rng.randrange(100, 20000) for _ in range(5)], SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
                                                                           ignore_eos=True), {}) for _ in range(2)]
     seen, step = [], PrefillGraphs.step
-    monkeypatch.setattr(PrefillGraphs, "step", lambda self, seqs: (
+    monkeypatch.setattr(PrefillGraphs, "step", lambda self, seqs, keep=None: (
         seen.append((sum(len(new) for new, _, _ in seqs), self.bucket(sum(len(new) for new, _, _ in seqs)))),
-        step(self, seqs))[1])
+        step(self, seqs, keep))[1])
     with choose.fast_path("force"):
         plain = run(make_engine(model), work)
         for batch in ([work[0]], work):  # alone: 4-row steps; together: 8

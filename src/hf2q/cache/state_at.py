@@ -3,7 +3,8 @@
 The state is one running summary, so a checkpoint at token n needs the state there. Cutting the chunk at n
 gives it, at the price of a step of its own (a chat turn's anchor sits a few tokens before the prompt's end,
 so every turn would pay two steps before its first token). Instead the DeltaNet layers also run the delta
-rule over the chunk's first tokens as one more sequence of the same kernel call and hand the state here.
+rule over the chunk's first tokens as one more sequence of the same kernel call and hand the state here; a
+step replayed in a prefill graph walks the rows one by one and writes the state after the chosen one.
 """
 from __future__ import annotations
 
@@ -36,4 +37,29 @@ class StateAt:
         if len(self._seen) != self.conv.shape[0]:
             raise RuntimeError(f"the forward kept states of {len(self._seen)} of {self.conv.shape[0]} "
                                "DeltaNet layers")
+        return self.conv, self.recurrent
+
+
+class GraphStateAt:
+    """The same states from a prefill step replayed in a CUDA graph (hf2q.engine.prefill_graphs): static buffers
+    every DeltaNet layer's step writes after one row of one sequence, named by `at` ([2] int on the device:
+    sequence, row; -1 for none), which the graph reads at each replay, so one capture serves every step.
+    `states` are views, valid until the graph's next replay (retaining them copies them)."""
+
+    def __init__(self, cache: HybridCache, at: torch.Tensor):
+        conv, recurrent = cache.empty_linear_states(1)
+        self.conv, self.recurrent = conv[:, 0], recurrent[:, 0]
+        self.at = at
+        self._seen: set[int] = set()
+
+    def layer(self, j: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(at, conv [K-1, C], recurrent [h, dk, dv]) of DeltaNet layer j, for its step to write
+        (gdn_ops.gdn_verify_)."""
+        self._seen.add(j)
+        return self.at, self.conv[j], self.recurrent[j]
+
+    @property
+    def states(self) -> LinearStates:
+        if len(self._seen) != self.conv.shape[0]:
+            raise RuntimeError(f"the graph kept states of {len(self._seen)} of {self.conv.shape[0]} DeltaNet layers")
         return self.conv, self.recurrent

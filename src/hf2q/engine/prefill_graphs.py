@@ -11,9 +11,10 @@ private padding slot, and the padding rows, last, spread over PADDING_SEQS more 
 is one kernel pair on the state pools in place (hf2q.kernels.gdn.verify_triton): it reads the row offsets from
 the device, walks each real sequence's rows on its slot (the state in registers, nothing gathered or written
 back for the empty ones) and skips the padding sequences (their rows read out zeros); a verify graph's also
-keeps the states after each sequence's first rows. The logits are each sequence's last row's (a verify
-graph's: its last POSITIONS rows). Off CUDA a "graph" runs its
-step again on replay (`_StepAgain`), which is how the CPU tests check the buffers and the metadata.
+keeps the states after each sequence's first rows, a prefill graph's those after one row of one sequence (a
+prefix-cache checkpoint inside its chunk, so a chat follow-up's rest is one replay, not two cut at its anchor).
+The logits are each sequence's last row's (a verify graph's: its last POSITIONS rows). Off CUDA a "graph" runs
+its step again on replay (`_StepAgain`), which is how the CPU tests check the buffers and the metadata.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import time
 import numpy as np
 import torch
 
+from hf2q.cache.state_at import GraphStateAt
 from hf2q.engine.cuda_graphs import DecodeGraphs, pack_decode_rows, record
 from hf2q.forward import ForwardBatch
 from hf2q.kernels.meta import FastMeta
@@ -71,6 +73,7 @@ class PrefillGraphs:
     `verify`: graphs for steps with drafts to verify (hf2q.spec): the logits of each sequence's last POSITIONS
     rows (a sequence's drafts and the row before them), and its DeltaNet states after each of its first
     PREFIXES rows kept in `kept` (hf2q.spec.states.KeptPositions), for the engine to settle the slot.
+    Else `inside` (hf2q.cache.state_at.GraphStateAt) keeps the DeltaNet states after the row a step names.
     """
 
     def __init__(self, decode: DecodeGraphs, buckets=PREFILL_BUCKETS, max_seqs: int = MAX_SEQS,
@@ -84,14 +87,15 @@ class PrefillGraphs:
         dev = self.net.embed.device
         n, s = self.buckets[-1], max_seqs + PADDING_SEQS
         # one int64 pack: ids, positions, (unused) row slots, slot mapping, context lengths, block tables, then
-        # the sequences' slots (the padding sequences last), their row offsets and the rows whose logits are
-        # wanted (each sequence's last, or its last POSITIONS)
+        # the sequences' slots (the padding sequences last), their row offsets, the rows whose logits are
+        # wanted (each sequence's last, or its last POSITIONS) and the (sequence, row) whose states are kept
         self._logit_rows = max_seqs * (POSITIONS if verify else 1)
-        self._sizes = (s, s + 1, self._logit_rows)
+        self._sizes = (s, s + 1, self._logit_rows, 2)
         self._fields = 5 * n + n * self.width + sum(self._sizes)
         self._host = torch.zeros(self._fields, dtype=torch.long, pin_memory=dev.type == "cuda")
         self._dev = torch.zeros(self._fields, dtype=torch.long, device=dev)
         self.kept = KeptPositions(self.cache, max_seqs) if verify else None
+        self.inside = None if verify else GraphStateAt(self.cache, self._views(self._dev, n)[8])
         self.graphs: dict = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.hidden: dict[int, torch.Tensor] = {}
@@ -115,7 +119,7 @@ class PrefillGraphs:
 
     def _views(self, pack: torch.Tensor, b: int):
         """ids, positions, slot mapping, context lengths, block tables (b rows each), then the sequences' slots,
-        row offsets and logit rows."""
+        row offsets, logit rows and the kept (sequence, row)."""
         n = self.buckets[-1]
         ids, pos, _, mapping, lens = (pack[i * n: i * n + b] for i in range(5))
         tail = 5 * n + n * self.width
@@ -126,8 +130,9 @@ class PrefillGraphs:
             at += size
         return (ids, pos, mapping, lens, tables, *rest)
 
-    def _fill_host(self, b: int, seqs: list[tuple[list[int], int, int]]) -> None:
-        """Pack the step: `seqs` are (new token ids, start position, slot) each."""
+    def _fill_host(self, b: int, seqs: list[tuple[list[int], int, int]], keep: tuple[int, int] = (-1, -1)) -> None:
+        """Pack the step: `seqs` are (new token ids, start position, slot) each; `keep`: (sequence, row) whose
+        DeltaNet states `inside` keeps."""
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's upload has left the pinned buffer
         ids = [t for new, _, _ in seqs for t in new]
@@ -150,7 +155,7 @@ class PrefillGraphs:
         k = self._logit_rows // self.max_seqs  # each sequence's last k rows (the first repeated where it has fewer)
         logit_rows = [max(first, first + len(new) - k + p) for (new, _, _), first in zip(seqs, cu)
                       for p in range(k)] + [b - 1] * (k * empty)
-        host[5 * n + n * self.width:] = slots + cu + logit_rows
+        host[5 * n + n * self.width:] = slots + cu + logit_rows + list(keep)
         self._lens[b] = lens
 
     def _batch(self, b: int) -> ForwardBatch:
@@ -159,7 +164,8 @@ class PrefillGraphs:
         starts = [0] * len(seq_lens)
         meta = FastMeta(decode=False, seq_lens=seq_lens, start_lens=starts, cu_seqlens=cu[:len(seq_lens) + 1],
                         slots=slots, slot_mapping=mapping, block_tables=tables, context_lens=lens,
-                        block_size=self.block_size, rows_paged=True, kept_positions=self.kept, live_seqs=self.max_seqs)
+                        block_size=self.block_size, rows_paged=True, kept_positions=self.kept, live_seqs=self.max_seqs,
+                        state_inside=self.inside)
         return ForwardBatch(ids, pos, seq_lens, starts, [self.pad_slot] * len(seq_lens), self.cache,
                             extras={"fast_meta": meta})
 
@@ -188,15 +194,18 @@ class PrefillGraphs:
                 log.info("prefill graph for %d rows captured in %.1f s", b, time.monotonic() - t0)
 
     @torch.inference_mode()
-    def step(self, seqs: list[tuple[list[int], int, int]]) -> torch.Tensor:
-        """One step of `seqs` ((new token ids, start position, slot) each), the cache reserved past them.
+    def step(self, seqs: list[tuple[list[int], int, int]], keep: tuple[int, int] | None = None) -> torch.Tensor:
+        """One step of `seqs` ((new token ids, start position, slot) each), the cache reserved past them; with
+        `keep` (sequence, row; a prefill graph's) `inside` then holds the DeltaNet states after that row.
         Returns each sequence's last-row logits [len(seqs), vocab], or in a verify graph its last POSITIONS
         rows' [len(seqs), POSITIONS, vocab] (the first ones repeat its first row where it has fewer): a view
         into the graph's output, valid until the next step."""
         b = self.bucket(sum(len(new) for new, _, _ in seqs))
         if b not in self.graphs:
             self.capture([b])
-        self._fill_host(b, seqs)
+        if keep is not None and self.inside is None:
+            raise ValueError("a verify graph keeps no state after a chosen row")
+        self._fill_host(b, seqs, keep if keep is not None else (-1, -1))
         used, tail = 5 * self.buckets[-1] + b * self.width, 5 * self.buckets[-1] + self.buckets[-1] * self.width
         self._dev[:used].copy_(self._host[:used], non_blocking=True)  # the bucket's table rows, not all of them
         self._dev[tail:].copy_(self._host[tail:], non_blocking=True)

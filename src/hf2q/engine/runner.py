@@ -158,18 +158,24 @@ class ModelRunner:
     def _run_prefill_graph(self, scheduled: list[tuple[Request, int]]) -> tuple[list[Request], torch.Tensor] | None:
         """`run`'s result for a small step with prefill rows replayed in its graph (hf2q.engine.prefill_graphs:
         up to 127 rows over up to 64 requests), or None where no graph serves it: drafts to verify, hidden
-        rows kept, images, a checkpoint inside a chunk, too many rows or requests, too long a sequence."""
+        rows kept, images, more than one checkpoint inside the chunks, too many rows or requests, too long a
+        sequence. A step with one checkpoint inside a chunk (a chat turn's anchor) it serves: the graph keeps
+        the DeltaNet states there, handed on as the eager forward hands them (`kept_inside`)."""
         if not (self.use_graphs and self.short_prefill_graphs) or not scheduled:
             return None
-        if any(drafts_in(req, n) for req, n in scheduled) or not self._graphable(scheduled):
+        if any(drafts_in(req, n) for req, n in scheduled) or not self._graphable(scheduled, keeps_one=True):
             return None
         graphs = self._serving(self._prefill_graphs(), scheduled)
         if graphs is None:
             return None
         samples = [req.num_computed + n == req.num_tokens and not req.prefill_only for req, n in scheduled]
         order = [scheduled[i] for i in sorted(range(len(scheduled)), key=lambda i: not samples[i])]  # samplers first
+        inside = [(i, req, at) for i, (req, _) in enumerate(order) for at in req.extras.pop("checkpoints_inside", ())]
+        keep = (inside[0][0], inside[0][2] - inside[0][1].num_computed - 1) if inside else None  # its last token's row
         logits = graphs.step([(req.tokens(req.num_computed, req.num_computed + n), req.num_computed, req.slot)
-                              for req, n in order])
+                              for req, n in order], keep)
+        for _, req, at in inside:  # views until the next replay: `Scheduler.retain_prefixes` copies them before
+            req.extras["kept_inside"] = [(at, graphs.inside)]
         hidden = graphs.hidden_rows(sum(n for _, n in order)) if self.mtp_rows else None
         row = 0
         for req, n in order:
@@ -216,11 +222,12 @@ class ModelRunner:
         return sampling, picked
 
     @staticmethod
-    def _graphable(scheduled: list[tuple[Request, int]]) -> bool:
-        """Whether a graph could compute every request's rows: none keeps its hidden rows, has images or a
-        checkpoint inside its chunk (those need the eager forward's extras)."""
-        return not any(req.keeps_hidden or req.mrope is not None or "checkpoints_inside" in req.extras
-                       for req, _ in scheduled)
+    def _graphable(scheduled: list[tuple[Request, int]], keeps_one: bool = False) -> bool:
+        """Whether a graph could compute every request's rows: none keeps its hidden rows or has images, and
+        no chunk holds a checkpoint inside (those need the eager forward's extras) but, with `keeps_one` (a
+        prefill graph keeps the states after one row), one."""
+        inside = sum(len(req.extras.get("checkpoints_inside", ())) for req, _ in scheduled)
+        return inside <= keeps_one and not any(req.keeps_hidden or req.mrope is not None for req, _ in scheduled)
 
     def _serving(self, graphs, scheduled: list[tuple[Request, int]]):
         """`graphs` (prefill or verify flavour) if they serve the step's row counts and block-table widths."""

@@ -53,6 +53,7 @@ class Scheduler:
         self.config = config
         self.prefix = prefix
         self.graphed_prefill_rows = 0  # the longest prefill the runner replays in a graph (0: none)
+        self._graph_keep_taken = False  # a graphable rest of this step keeps its anchor inside (see _keeps_inside)
         self.stride = stride
         self.waiting: deque[Request] = deque()
         self.background: deque[Request] = deque()  # background prefills not admitted yet, oldest first
@@ -79,6 +80,7 @@ class Scheduler:
     def schedule(self) -> list[tuple[Request, int]]:
         budget = self.config.max_num_batched_tokens
         batch: list[tuple[Request, int]] = []
+        self._graph_keep_taken = False
         for req in self.running:
             if not req.background:
                 budget = self._take(batch, req, budget)
@@ -109,6 +111,7 @@ class Scheduler:
             inside = self._checkpoints_inside(req, n)
             if inside:
                 req.extras["checkpoints_inside"] = inside  # the runner keeps the states there
+                self._graph_keep_taken |= self._rest_fits_a_graph(req)
         return budget
 
     def _checkpoints_inside(self, req: Request, n: int) -> list[int]:
@@ -126,19 +129,27 @@ class Scheduler:
 
     def _strides_inside(self, req: Request) -> bool:
         """Whether the request's stride checkpoints come from inside chunks rather than cutting them (two steps
-        where one would do: a long prompt's first token came after twice the steps with the prefix cache on)."""
-        return self.stride > 0 and self._states_inside(req)
+        where one would do: a long prompt's first token came after twice the steps with the prefix cache on);
+        not where the rest of the prompt fits a prefill graph, which keeps one checkpoint's states only (the
+        anchor's: replays cut at the strides cost less than one eager step)."""
+        return self.stride > 0 and self._states_inside(req) and not self._rest_fits_a_graph(req)
 
     def _keeps_inside(self, req: Request) -> bool:
-        """Whether the request's anchor checkpoint comes from inside a chunk rather than cutting it."""
-        return req.anchor is not None and self._states_inside(req)
+        """Whether the request's anchor checkpoint comes from inside a chunk rather than cutting it (an eager
+        forward keeps it, and so does a prefill graph: a chat follow-up's rest is one replay, not two). A
+        prefill graph keeps one row's states, so a second graphable rest in the same step is cut at its anchor:
+        two anchors inside would send the step to the eager forward."""
+        if req.anchor is None or not self._states_inside(req):
+            return False
+        return not (self._rest_fits_a_graph(req) and self._graph_keep_taken)
+
+    def _rest_fits_a_graph(self, req: Request) -> bool:
+        return req.num_tokens - req.num_computed <= self.graphed_prefill_rows
 
     def _states_inside(self, req: Request) -> bool:
         """Whether the forward may keep the request's checkpoint states inside its chunk: a prefix cache on a
-        cache that can, and not where the rest of the prompt fits a prefill graph (two replays cost less than
-        one eager step)."""
-        return (self.prefix is not None and self.cache.keeps_states_inside_a_chunk
-                and req.num_tokens - req.num_computed > self.graphed_prefill_rows)
+        cache that can."""
+        return self.prefix is not None and self.cache.keeps_states_inside_a_chunk
 
     def _admit_user(self, req: Request) -> bool:
         """Admit a user request; background prefills holding the slot or room it needs are cancelled."""

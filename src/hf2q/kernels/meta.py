@@ -14,6 +14,7 @@ import torch
 from hf2q.forward import ForwardBatch
 
 if TYPE_CHECKING:
+    from hf2q.cache.state_at import GraphStateAt
     from hf2q.spec.states import KeptPositions
 
 
@@ -36,6 +37,9 @@ class FastMeta:
     # A verify step replayed in a graph keeps each sequence's DeltaNet states after each of its first rows
     # (hf2q.spec.states.KeptPositions), in a layout fixed at capture.
     kept_positions: Optional["KeptPositions"] = None
+    # A prefill step replayed in a graph keeps the DeltaNet states after one row of one sequence (a prefix-cache
+    # checkpoint inside its chunk, hf2q.cache.state_at.GraphStateAt), the row read from the device.
+    state_inside: Optional["GraphStateAt"] = None
     # A graph step's sequences before its padding ones (rows_paged steps): the DeltaNet step runs on the state
     # pools in place for these and leaves the padding sequences' state alone.
     live_seqs: int = 0

@@ -49,8 +49,9 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Every sequence at once: the fused decode step (conv, delta rule and gated norm) for decode, a
         graph-replayed small step's conv and delta rule on the pools in place (a verify graph's keeping the
-        states after each sequence's first rows) then the gated norm, else the varlen conv, the chunked delta
-        rule and the gated norm; each operation's chooser runs the kernel or its exact reference (kernels/<op>/ops.py)."""
+        states after each sequence's first rows, a prefill graph's those after one row) then the gated norm,
+        else the varlen conv, the chunked delta rule and the gated norm; each operation's chooser runs the kernel
+        or its exact reference (kernels/<op>/ops.py)."""
         meta, cache = fast_meta(batch), batch.cache
         mixed, z, alpha, beta_raw = linear_ops.packed_linear(x, (self.qkv, self.z, self.alpha, self.beta))
         j = cache.linear_index(self.layer_id) if cache is not None else None
@@ -64,9 +65,10 @@ class GatedDeltaNet(nn.Module):
             conv_pool, rec_pool = cache.conv_state[j], cache.recurrent_state[j]
             kept_conv, kept_rec = positions.layer(j) if positions is not None else \
                 (conv_pool.new_empty(0, *conv_pool.shape[1:]), rec_pool.new_empty(0, *rec_pool.shape[1:]))
+            keep = meta.state_inside.layer(j) if meta.state_inside is not None else None  # a checkpoint inside
             o = gdn_ops.gdn_verify_(mixed, self.conv, conv_pool, alpha, beta_raw, self.a, self.dt_bias, rec_pool,
                                     meta.slots, meta.cu_seqlens, meta.live_seqs, kept_conv, kept_rec, self.nk,
-                                    self.dk, self.eps)
+                                    self.dk, self.eps, keep)
             return self.out(norm_ops.gated_rms_norm(o, z, self.norm, self.eps, x.dtype))
         n = len(meta.seq_lens)
         conv_pool, slots = (cache.conv_state[j], meta.slots) if cache is not None else (None, None)

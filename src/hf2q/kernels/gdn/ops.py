@@ -76,27 +76,29 @@ def chunk_gdn_reference(q, k, v, g, beta, initial_state, cu_seqlens, seq_lens: l
 
 
 def gdn_verify_(x, conv_w, conv_pool, a_raw, b_raw, A, dt_bias, state_pool, slots, cu_seqlens, live: int, kept_conv,
-                kept_rec, nk: int, dk: int, eps: float) -> torch.Tensor:
+                kept_rec, nk: int, dk: int, eps: float, keep=None) -> torch.Tensor:
     """A graph-replayed step's conv and delta rule on the pools in place, keeping each sequence's states after
-    its first rows where the kept buffers have room (a verify; empty buffers for a prefill graph's step), the
+    its first rows where the kept buffers have room (a verify; empty buffers for a prefill graph's step), and
+    with `keep` the states after one row of one sequence (a prefill graph's checkpoint inside a chunk), the
     contract of verify_triton.gdn_verify_; returns the read-outs o [T, nv, dv] fp32."""
     if (kernels_on(x) and conv_w.shape[1] == 4 and state_pool.dtype == torch.float32 and x.stride(1) == 1
             and conv_pool.stride(2) == 1):
         from hf2q.kernels.gdn.verify_triton import gdn_verify_ as kernel
         return kernel(x, conv_w, conv_pool, a_raw, b_raw, A, dt_bias, state_pool, slots, cu_seqlens, live,
-                      kept_conv, kept_rec, nk, dk, eps)
+                      kept_conv, kept_rec, nk, dk, eps, keep)
     return gdn_verify_reference(x, conv_w, conv_pool, a_raw, b_raw, A, dt_bias, state_pool, slots, cu_seqlens,
-                                live, kept_conv, kept_rec, nk, dk, eps)
+                                live, kept_conv, kept_rec, nk, dk, eps, keep)
 
 
 def gdn_verify_reference(x, conv_w, conv_pool, a_raw, b_raw, A, dt_bias, state_pool, slots, cu_seqlens, live: int,
-                         kept_conv, kept_rec, nk: int, dk: int, eps: float) -> torch.Tensor:
+                         kept_conv, kept_rec, nk: int, dk: int, eps: float, keep=None) -> torch.Tensor:
     """`gdn_verify_` by the reference conv and recurrence, one sequence at a time, on any device (fp32 inside;
     reads the row offsets on the host)."""
     nv, dv = state_pool.shape[1], state_pool.shape[3]
     prefixes, km1 = kept_rec.shape[0] // live, conv_pool.shape[1]
     out = torch.zeros(x.shape[0], nv, dv, dtype=torch.float32, device=x.device)
     cu = cu_seqlens.tolist()
+    keep_i, keep_t = keep[0].tolist() if keep is not None else (-1, -1)
     for i, slot in enumerate(slots[:live].tolist()):
         start, end = cu[i], cu[i + 1]
         if start == end:
@@ -113,6 +115,9 @@ def gdn_verify_reference(x, conv_w, conv_pool, a_raw, b_raw, A, dt_bias, state_p
         for t in range(min(n - 1, prefixes)):
             kept_rec[prefixes * i + t] = states[t]
             kept_conv[prefixes * i + t] = inputs[t + 1:t + 1 + km1]
+        if i == keep_i and 0 <= keep_t < n:
+            keep[1].copy_(inputs[keep_t + 1:keep_t + 1 + km1])
+            keep[2].copy_(states[keep_t])
         out[start:end] = o
         state_pool[slot] = final.to(state_pool.dtype)
         conv_pool[slot] = conv_new[0].to(conv_pool.dtype)

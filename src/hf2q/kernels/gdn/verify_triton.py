@@ -3,7 +3,9 @@ place, keeping (for a speculative verify) the state after each of a sequence's f
 
 A prefill graph (hf2q.engine.prefill_graphs) feeds each sequence up to 127 new rows, a verify graph its last
 decided token and up to 3 drafts; a partial accept settles the slot from the state after one of those rows
-(hf2q.spec.states.KeptPositions). With no kept buffer (`prefixes` 0) nothing is kept.
+(hf2q.spec.states.KeptPositions). With no kept buffer (`prefixes` 0) nothing is kept. A prefill graph may
+instead keep the state after one row of one sequence, named by a device pair the graph reads at each replay
+(a prefix-cache checkpoint inside that sequence's chunk, hf2q.cache.state_at.GraphStateAt): `keep`.
 Two kernels, as the decode step (gdn/decode_triton.py) is split:
 
 The first runs one program per (sequence, value head, part of the head's columns): each column of the
@@ -11,11 +13,12 @@ delta rule needs only its own column of the state, so a sequence's 2 MB of 9B st
 programs at batch 1. It walks the sequence's rows in order, the state in registers: the causal conv +
 SiLU of the row (from the slot's conv state and the step's earlier rows), L2-normalised q/k (key head
 h % n_k, the GGUF tiled order), decay and beta, the delta-rule update, the read-out; after each row but
-the last (up to `prefixes`) it writes the state into the kept buffer, and after the last into the pool.
+the last (up to `prefixes`) it writes the state into the kept buffer, after the `keep` row into the keep
+buffer (one scalar compare a row), and after the last into the pool.
 The conv state is only read here: every program of a key head reads its q/k channels.
 
 The second, one program per (sequence, block of channels), writes the conv windows after those rows into
-the kept buffer and shifts the slot's conv state past the step's rows, now that every reader has
+the kept buffers and shifts the slot's conv state past the step's rows, now that every reader has
 finished (a launch boundary is the only grid-wide barrier Triton has).
 
 Sequences with no rows do nothing. Sequences from `live` on (a graph's padding, on a shared padding slot)
@@ -53,9 +56,10 @@ def _conv_row(x_ptr, conv, w_ptr, start, t, c, stride_x, C):
 
 @triton.jit
 def _verify_columns_kernel(x_ptr, cw_ptr, conv_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, state_ptr, slot_ptr, cu_ptr,
-                           o_ptr, kept_ptr, stride_x, stride_conv, stride_ab, stride_bb, C, NK, NV, LIVE, scale, eps,
+                           o_ptr, kept_ptr, keep_ptr, keep_rec_ptr, stride_x, stride_conv, stride_ab, stride_bb, C,
+                           NK, NV, LIVE, scale, eps,
                            DK: tl.constexpr, DV: tl.constexpr, SPLIT: tl.constexpr, PREFIXES: tl.constexpr,
-                           PDL: tl.constexpr = False):
+                           KEEP: tl.constexpr = False, PDL: tl.constexpr = False):
     """Program (i, h, j): columns j·DV/SPLIT .. of value head h over sequence i's rows."""
     pdl.enter(PDL)
     i = tl.program_id(0)
@@ -76,6 +80,8 @@ def _verify_columns_kernel(x_ptr, cw_ptr, conv_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr
         cols = dk[:, None] * DV + dv[None, :]
         sp = state_ptr + (slot * NV + h) * (DK * DV) + cols
         s = tl.load(sp)
+        if KEEP:  # the row of this sequence whose state is kept (-1: none)
+            keep_t = tl.where(tl.load(keep_ptr) == i, tl.load(keep_ptr + 1), -1)
         for t in range(0, n):
             q = _conv_row(x_ptr, conv, cw_ptr, start, t, kh * DK + dk, stride_x, C)
             k = _conv_row(x_ptr, conv, cw_ptr, start, t, NK * DK + kh * DK + dk, stride_x, C)
@@ -89,6 +95,9 @@ def _verify_columns_kernel(x_ptr, cw_ptr, conv_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr
             tl.store(o_ptr + ((start + t) * NV + h) * DV + dv, tl.sum(s * q[:, None], 0))
             kept = _mask((t < PREFIXES) & (t < n - 1), cols.shape)
             tl.store(kept_ptr + ((PREFIXES * i + t) * NV + h) * (DK * DV) + cols, s, mask=kept)
+            if KEEP:
+                if t == keep_t:
+                    tl.store(keep_rec_ptr + h * (DK * DV) + cols, s)
         tl.store(sp, s)
 
 
@@ -102,10 +111,11 @@ def _window_row(x_ptr, conv, start, p, c, stride_x, C, mask):
 
 
 @triton.jit
-def _verify_conv_kernel(x_ptr, conv_ptr, slot_ptr, cu_ptr, kept_ptr, stride_x, stride_conv, C,
-                        PREFIXES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    """Program (i, b): channels b·BLOCK .. of sequence i: its conv windows after each kept row, then the
-    slot's conv state after its last row (the last 3 of: the old state, the step's rows)."""
+def _verify_conv_kernel(x_ptr, conv_ptr, slot_ptr, cu_ptr, kept_ptr, keep_ptr, keep_conv_ptr, stride_x, stride_conv,
+                        C, PREFIXES: tl.constexpr, BLOCK: tl.constexpr, KEEP: tl.constexpr = False,
+                        PDL: tl.constexpr = False):
+    """Program (i, b): channels b·BLOCK .. of sequence i: its conv windows after each kept row (and the `keep`
+    row), then the slot's conv state after its last row (the last 3 of: the old state, the step's rows)."""
     pdl.enter(PDL)
     i = tl.program_id(0)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -119,6 +129,12 @@ def _verify_conv_kernel(x_ptr, conv_ptr, slot_ptr, cu_ptr, kept_ptr, stride_x, s
             for r in tl.static_range(3):
                 w = _window_row(x_ptr, conv, start, t - 2 + r, c, stride_x, C, kept)
                 tl.store(kept_ptr + ((PREFIXES * i + t) * 3 + r) * C + c, w, mask=kept)
+        if KEEP:
+            kt = tl.load(keep_ptr + 1)
+            kept = m & _mask((tl.load(keep_ptr) == i) & (kt >= 0) & (kt < n), c.shape)
+            for r in tl.static_range(3):
+                w = _window_row(x_ptr, conv, start, kt - 2 + r, c, stride_x, C, kept)
+                tl.store(keep_conv_ptr + r * C + c, w, mask=kept)
         r0 = _window_row(x_ptr, conv, start, n - 3, c, stride_x, C, m)
         r1 = _window_row(x_ptr, conv, start, n - 2, c, stride_x, C, m)
         r2 = _window_row(x_ptr, conv, start, n - 1, c, stride_x, C, m)
@@ -132,11 +148,13 @@ def _verify_conv_kernel(x_ptr, conv_ptr, slot_ptr, cu_ptr, kept_ptr, stride_x, s
 def gdn_verify_(x: torch.Tensor, conv_w: torch.Tensor, conv_pool: torch.Tensor, a_raw: torch.Tensor,
                 b_raw: torch.Tensor, A: torch.Tensor, dt_bias: torch.Tensor, state_pool: torch.Tensor,
                 slots: torch.Tensor, cu_seqlens: torch.Tensor, live: int, kept_conv: torch.Tensor,
-                kept_rec: torch.Tensor, nk: int, dk: int, eps: float) -> torch.Tensor:
+                kept_rec: torch.Tensor, nk: int, dk: int, eps: float, keep=None) -> torch.Tensor:
     """x [T, C]: the qkv projection before the conv, sequences' rows end to end at cu_seqlens [N + 1] (read
     on the device only); conv_w [C, 4]; conv_pool [S, 3, C] and state_pool [S, nv, dk, dv] fp32, updated in
     place at slots [N]; sequences i >= live are padding. kept_conv [P * live, 3, C] and kept_rec
     [P * live, nv, dk, dv]: row P * i + t gets sequence i's states after its row t, for t < min(rows - 1, P).
+    keep: None, or (at [2] int on the device: sequence i, row t, -1 for none; conv [3, C]; recurrent [nv, dk, dv]
+    fp32) which get sequence i's states after its row t (left alone where no such row is in the step).
     Returns the read-outs o [T, nv, dv] fp32 (before the gated RMSNorm)."""
     t, c = x.shape
     nv, dv = state_pool.shape[1], state_pool.shape[3]
@@ -147,16 +165,23 @@ def gdn_verify_(x: torch.Tensor, conv_w: torch.Tensor, conv_pool: torch.Tensor, 
     assert conv_pool.stride(1) == c and a_raw.stride(1) == 1 and b_raw.stride(1) == 1
     assert kept_rec.shape == (prefixes * live, nv, dk, dv) and kept_rec.is_contiguous()
     assert kept_rec.dtype == torch.float32 and kept_conv.shape == (prefixes * live, 3, c) and kept_conv.is_contiguous()
+    if keep is not None:
+        at, keep_conv, keep_rec = keep
+        assert at.shape == (2,) and keep_conv.shape == (3, c) and keep_conv.is_contiguous()
+        assert keep_rec.shape == (nv, dk, dv) and keep_rec.dtype == torch.float32 and keep_rec.is_contiguous()
+        assert keep_conv.dtype == conv_pool.dtype
+    else:
+        at, keep_conv, keep_rec = cu_seqlens, kept_conv, kept_rec  # never read
     o = torch.empty(t, nv, dv, dtype=torch.float32, device=x.device)
     split = SPLIT if dv % SPLIT == 0 else 1
     launch = pdl.launch_options(x.device)
     _verify_columns_kernel[(slots.shape[0], nv, split)](
-        x, conv_w.contiguous(), conv_pool, a_raw, b_raw, A, dt_bias, state_pool, slots, cu_seqlens, o, kept_rec,
-        x.stride(0), conv_pool.stride(0), a_raw.stride(0), b_raw.stride(0), c, nk, nv, live, dk ** -0.5, eps,
-        DK=dk, DV=dv, SPLIT=split, PREFIXES=prefixes, num_warps=4, **launch)
+        x, conv_w.contiguous(), conv_pool, a_raw, b_raw, A, dt_bias, state_pool, slots, cu_seqlens, o, kept_rec, at,
+        keep_rec, x.stride(0), conv_pool.stride(0), a_raw.stride(0), b_raw.stride(0), c, nk, nv, live, dk ** -0.5, eps,
+        DK=dk, DV=dv, SPLIT=split, PREFIXES=prefixes, KEEP=keep is not None, num_warps=4, **launch)
     _verify_conv_kernel[(live, triton.cdiv(c, CONV_BLOCK))](
-        x, conv_pool, slots, cu_seqlens, kept_conv, x.stride(0), conv_pool.stride(0), c, PREFIXES=prefixes,
-        BLOCK=CONV_BLOCK, num_warps=4, **launch)
+        x, conv_pool, slots, cu_seqlens, kept_conv, at, keep_conv, x.stride(0), conv_pool.stride(0), c,
+        PREFIXES=prefixes, BLOCK=CONV_BLOCK, KEEP=keep is not None, num_warps=4, **launch)
     return o
 
 
