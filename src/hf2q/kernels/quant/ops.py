@@ -8,9 +8,7 @@ through mm_triton, which dequantizes 32-value groups in registers and multiplies
 reading the blocks once for all rows (on the H200, a 9B Q4_K_M step's projections: 6.6 ms at 16 rows
 and 11.0 ms at 64, against 13.7 ms for dequantize + cuBLAS; BENCHMARKS.md); with HF2Q_QUANT_MM=mmq,
 Q8_0 and K-quant rows go instead through mmq_triton's int8 tensor-core dots on int8-quantized
-activations (the mat-vec's numerics; off by default until measured), and with HF2Q_QUANT_MM=int4pack,
-Q4_K and Q4_0 rows through PyTorch's int4 weight-only kernel (int4pack; not exact, off by default until
-measured). More rows (prefill)
+activations (the mat-vec's numerics; off by default until measured). More rows (prefill)
 dequantize the weight into a reused bf16 scratch buffer and multiply with cuBLAS: one pass over the
 weight, then tensor cores at full rate. Off CUDA (and without Triton's interpreter) the reference
 dequantizes with gguf and multiplies in fp32.
@@ -35,9 +33,7 @@ from hf2q.quant import KQUANTS, dequantize_ref, is_interleaved, kept_row
 # --matvec).
 MATVEC_ROWS = 4
 MM_ROWS = 64  # at most this many rows go through mm_triton (one pass over the blocks for all rows)
-# "mmq": Q8_0 and K-quant rows up to MM_ROWS on int8 tensor cores (mmq_triton); "int4pack": Q4_K and Q4_0 rows
-# up to MM_ROWS on torch's int4 weight-only kernel
-QUANT_MM = envs.quant_mm()
+QUANT_MM = envs.quant_mm()  # "mmq": Q8_0 and K-quant rows up to MM_ROWS on int8 tensor cores (mmq_triton)
 MOE_PAIRS = 1024  # token-expert pairs below which reading chosen experts beats dequantizing every expert
 _SCRATCH: dict[tuple, torch.Tensor] = {}
 
@@ -120,12 +116,7 @@ def quant_linear(x: torch.Tensor, raw: torch.Tensor, qtype: str, out_features: i
 
 def _batched(x2: torch.Tensor, raw: torch.Tensor, qtype: str, n: int, key: torch.Tensor) -> torch.Tensor:
     """Up to MM_ROWS rows x2 [M, K] @ W.T: mmq_triton's int8 dots where HF2Q_QUANT_MM=mmq and it reads the
-    type, torch's int4 kernel where HF2Q_QUANT_MM=int4pack and it takes the type, else mm_triton's bf16 tiles."""
-    if QUANT_MM == "int4pack":
-        from hf2q.kernels.quant import int4pack
-
-        if int4pack.serves(x2, qtype, x2.shape[-1]):
-            return int4pack.int4pack_mm(x2, raw, qtype, n)
+    type, else mm_triton's bf16 tiles."""
     if QUANT_MM == "mmq" and qtype in _mmq_types():
         from hf2q.kernels.quant.mmq_triton import quant_mmq
 
