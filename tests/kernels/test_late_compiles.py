@@ -53,5 +53,20 @@ def test_metrics_expose_the_late_builds(monkeypatch):
     from hf2q.server.metrics import Metrics
 
     monkeypatch.setattr(late_compiles.WATCH, "count", 3)
+    monkeypatch.setattr(late_compiles.WATCH, "timings", 2)
     text = Metrics("m").render().decode()
     assert "hf2q_kernels_built_after_warm_up 3.0" in text and "hf2q_kernel_build_seconds_after_warm_up" in text
+    assert "hf2q_matvec_shapes_timed_after_warm_up 2.0" in text
+
+
+def test_late_matvec_timings_are_logged_and_counted_only_while_watching(caplog):
+    """The warm-up times mat-vec shapes on purpose (nothing logged); once the server watches, a shape timed while
+    serving is a GPU wait a request paid: logged with what was timed, counted."""
+    watch = LateCompiles()
+    with caplog.at_level(logging.WARNING, logger="hf2q.compiles"):
+        watch.timed_late("Q4_K|4096|0|16384|2|False -> (32, 2)", 0.5)
+        assert watch.timings == 0 and not caplog.text
+        watch.watching = True
+        watch.timed_late("Q4_K|4096|0|16384|2|False -> (32, 2)", 0.07)
+    assert (watch.timings, round(watch.timing_seconds, 3)) == (1, 0.07)
+    assert "mat-vec shape timed after warm-up in 70 ms" in caplog.text and "Q4_K|4096|0|16384|2" in caplog.text

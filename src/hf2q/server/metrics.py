@@ -73,6 +73,9 @@ class Metrics:
               "for each; the log names them)", registry=r).set_function(lambda: WATCH.count)
         Gauge("hf2q_kernel_build_seconds_after_warm_up", "Seconds spent building them", registry=r).set_function(
             lambda: WATCH.seconds)
+        Gauge("hf2q_matvec_shapes_timed_after_warm_up", "Quantized mat-vec shapes whose configurations were timed "
+              "on the GPU while serving (a request waited for each; the log names them)",
+              registry=r).set_function(lambda: WATCH.timings)
         self.started = time.monotonic()
         Gauge("hf2q_uptime_seconds", "Seconds since the server started", registry=r).set_function(
             lambda: time.monotonic() - self.started)

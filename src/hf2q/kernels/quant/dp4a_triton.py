@@ -34,6 +34,7 @@ The activations' int8 form is int8_rows'; the per-type block readers are dp4a_bl
 from __future__ import annotations
 
 import os
+import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -50,6 +51,7 @@ from hf2q.kernels.quant import dp4a_blocks, int8_rows
 from hf2q.kernels.quant.dp4a_blocks import below, row_products
 from hf2q.kernels.quant.int8_rows import blocked_for, quantize_rows
 from hf2q.kernels.tuning.parallel_compile import compile_side_by_side
+from hf2q.kernels.tuning.late_compiles import WATCH
 from hf2q.kernels.tuning.timing import SPENT, clock, cold_copies, graph_time_us
 from hf2q.quant import KQUANTS, block_layout, gpu_row_words
 
@@ -211,6 +213,7 @@ def best_config(xs, raw, qtype: str, n: int, experts, second=None, rows_per_x: i
         if torch.cuda.is_current_stream_capturing():
             return ok[0]
         SPENT.shapes += 1
+        started = time.perf_counter()
         with clock("compile_s"):
             _precompile(lambda c: _launch(xs, raw, qtype, n, experts, c, second=second, rows_per_x=rows_per_x,
                                           warmup=True), ok)
@@ -224,6 +227,7 @@ def best_config(xs, raw, qtype: str, n: int, experts, second=None, rows_per_x: i
             del copies, seconds, weights
         cfg = _TUNED[key] = min(timed)[1]
         tune_cache.store(scope, _key_text(key), cfg)
+        WATCH.timed_late(f"{_key_text(key)} -> {cfg}", time.perf_counter() - started)
     return cfg
 
 

@@ -5,7 +5,9 @@ that Triton builds (or loads from its disk cache) while serving is a wait some r
 The watch names each such variant once in the log, with the time it took and what it was specialised on
 (an integer argument that is 1 or a multiple of 16 makes a new variant), and counts them for /metrics, so a
 first-request stall on the GPU says which kernel caused it instead of needing a profiler to find it.
-It sits in Triton's JIT hooks (`triton.knobs.runtime`), chained after any hook already there.
+It sits in Triton's JIT hooks (`triton.knobs.runtime`), chained after any hook already there. A mat-vec
+shape whose configurations are timed while serving (hf2q.kernels.quant.dp4a_triton: graph replays of every
+candidate on the GPU, no build at all when Triton's cache has them) is logged and counted the same way.
 """
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ log = logging.getLogger("hf2q.compiles")
 
 
 class LateCompiles:
-    """Kernel variants built after the warm-up: `count`, `seconds` spent building them, the latest `names`."""
+    """Kernel variants built after the warm-up: `count`, `seconds` spent building them, the latest `names`;
+    `timings` and `timing_seconds` for mat-vec shapes timed after it."""
 
     def __init__(self, clock=time.perf_counter):
         self.clock = clock
@@ -28,6 +31,9 @@ class LateCompiles:
         self._started: dict[tuple, float] = {}
         self._lock = threading.Lock()  # kernels compile on the engine thread and on compile-pool threads
         self._chained: tuple = (None, None)
+        self.watching = False
+        self.timings = 0
+        self.timing_seconds = 0.0
 
     def install(self) -> bool:
         """Start watching; False where this Triton has no JIT hooks (nothing is watched)."""
@@ -42,12 +48,24 @@ class LateCompiles:
             return True
         self._chained = (runtime.jit_cache_hook, runtime.jit_post_compile_hook)
         runtime.jit_cache_hook, runtime.jit_post_compile_hook = self.before, self.after
+        self.watching = True
         return True
 
     def uninstall(self) -> None:
         from triton import knobs
 
         knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = self._chained
+        self.watching = False
+
+    def timed_late(self, what: str, seconds: float) -> None:
+        """A mat-vec shape's configurations were timed after the warm-up (on the GPU, while a request waited):
+        log it, count it. A no-op while not watching (the warm-up times shapes on purpose)."""
+        if not self.watching:
+            return
+        with self._lock:
+            self.timings += 1
+            self.timing_seconds += seconds
+        log.warning("mat-vec shape timed after warm-up in %.0f ms (a request waited for it): %s", seconds * 1000, what)
 
     def before(self, *, key, repr, fn, compile, is_manual_warmup, already_compiled):
         """Triton is about to build a variant: note when (never skips the build)."""
