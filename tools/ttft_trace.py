@@ -142,6 +142,8 @@ def hit_steps(engine, history: int, suffix: int, rng, sync, profile: bool) -> No
         with torch_profile(activities=acts, **stacks) if profiling else contextlib.nullcontext() as prof:
             _, steps, cached = run(follow, 4)
         if profiling:
+            if torch.cuda.is_available():  # the kernels of the hit's steps, graph replays' included (CUPTI)
+                print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
             print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60))
             print_copy_sites(prof)
         prefill = to_first_token(steps, 4)
