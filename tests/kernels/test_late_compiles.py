@@ -56,7 +56,7 @@ def test_metrics_expose_the_late_builds(monkeypatch):
     monkeypatch.setattr(late_compiles.WATCH, "timings", 2)
     text = Metrics("m").render().decode()
     assert "hf2q_kernels_built_after_warm_up 3.0" in text and "hf2q_kernel_build_seconds_after_warm_up" in text
-    assert "hf2q_matvec_shapes_timed_after_warm_up 2.0" in text
+    assert "hf2q_matvec_shapes_timed_after_warm_up 2.0" in text and "hf2q_matvec_timing_seconds_after_warm_up" in text
 
 
 def test_late_matvec_timings_are_logged_and_counted_only_while_watching(caplog):

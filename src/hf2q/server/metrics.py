@@ -76,6 +76,8 @@ class Metrics:
         Gauge("hf2q_matvec_shapes_timed_after_warm_up", "Quantized mat-vec shapes whose configurations were timed "
               "on the GPU while serving (a request waited for each; the log names them)",
               registry=r).set_function(lambda: WATCH.timings)
+        Gauge("hf2q_matvec_timing_seconds_after_warm_up", "Seconds spent timing them", registry=r).set_function(
+            lambda: WATCH.timing_seconds)
         self.started = time.monotonic()
         Gauge("hf2q_uptime_seconds", "Seconds since the server started", registry=r).set_function(
             lambda: time.monotonic() - self.started)
