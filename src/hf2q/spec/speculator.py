@@ -38,7 +38,7 @@ class Verify:
 
 PROPOSERS = ("ngram", "mtp")
 # A proposer the cost control turned off for this many requests in a row, with no window won since, starts
-# off for new requests, but for one new request in PROBE_EVERY, which tries it as the cost control says. At
+# off for new requests, but for one new request in PROBE_EVERY, which tries it for one window. At
 # acceptance 0 each request before the streak pays its 8 losing rounds (about 55 ms of a 256-token request, 9B Q4_K_M
 # with an MTP head, H100): with a streak of 4, 12 requests in turn ran at 0.953x the tok/s of no speculation.
 STREAK_TO_START_OFF = 2
