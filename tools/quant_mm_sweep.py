@@ -192,6 +192,9 @@ def main() -> None:
               + (f"; gemlite path {per['gemlite path'] / 1e3:.3f} ms" if args.gemlite else "")
               + (f"; int4pack path {per['int4pack path'] / 1e3:.3f} ms" if args.int4pack else "")
               + (f"; swapped {per['swapped'] / 1e3:.3f} ms" if args.swapped else ""), flush=True)
+        print(f"9B step, m={m}, each configuration everywhere: " + ", ".join(
+            f"{'/'.join(map(str, c))} {v / 1e3:.3f}" for c, v in sorted(per.items(), key=lambda kv: kv[1])
+            if isinstance(c, tuple)) + " ms", flush=True)
 
 
 if __name__ == "__main__":
