@@ -12,6 +12,10 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+if os.environ.get("TRITON_INTERPRET") == "1":  # the kernel tests' interpreter children
+    from tests.support.triton_interpreter import patch_once_per_launch
+
+    patch_once_per_launch()
 from tests.support.fixtures import (  # noqa: F401  (pytest finds fixtures by name here)
     gguf_dense_bf16, gguf_dense_f32, gguf_dense_q4_k_m, gguf_dense_q8_0, gguf_moe_f32, gguf_moe_q4_k_m, gguf_moe_q8_0,
     hf_dense_dir, hf_model_dense, hf_model_moe, hf_moe_dir,
