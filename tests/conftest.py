@@ -35,3 +35,20 @@ def pytest_collection_modifyitems(config, items):
         index, count = (int(v) for v in shard.split("/"))
         config.hook.pytest_deselected(items=[item for k, item in enumerate(items) if k % count != index])
         items[:] = [item for k, item in enumerate(items) if k % count == index]
+
+
+def pytest_collection_finish(session):
+    """Start the Triton interpreter children of the selected kernel tests now (tests/support/triton_targets.py)."""
+    from tests.support import triton_targets
+
+    runs = [item.function.interpreter_run for item in session.items
+            if hasattr(getattr(item, "function", None), "interpreter_run")
+            and not any(m.args and m.args[0] is True for m in item.iter_markers("skipif"))]
+    if runs and not session.config.option.collectonly:
+        triton_targets.start_in_background(runs, alone=len(runs) == len(session.items))
+
+
+def pytest_sessionfinish(session):
+    from tests.support import triton_targets
+
+    triton_targets.stop_background()

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from hf2q.quant import KQUANTS, QUANT_TYPES, dequantize_ref, random_blocks, to_gpu_rows
-from tests.support.triton_targets import compile_for_hopper, run_under_interpreter
+from tests.support.triton_targets import compile_for_hopper, interpreter_run, run_under_interpreter
 
 CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -39,12 +39,15 @@ def case(qtype, rows, k, seed=0):
     return kernel_blocks(raw, qtype), dequantize_ref(raw, qtype, (rows, k))
 
 
+CHILD_KEYWORD = "not child_process and not hopper"
+
+
+@pytest.mark.skipif(CUDA or INTERPRET, reason="kernels run directly here")
+@interpreter_run(__file__, CHILD_KEYWORD)
 def test_interpreter_child_process():
     """CPU: the kernel tests below, under Triton's interpreter."""
-    if CUDA or INTERPRET:
-        pytest.skip("kernels run directly here")
     pytest.importorskip("triton")
-    run_under_interpreter(__file__, "not child_process and not hopper")
+    run_under_interpreter(__file__, CHILD_KEYWORD)
 
 
 @kernels

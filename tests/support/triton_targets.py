@@ -7,6 +7,7 @@ import contextlib
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -60,35 +61,97 @@ def target(name: str) -> tuple[str, torch.dtype, bool]:
     return ("cuda", torch.bfloat16, True) if name == "cuda" else ("cpu", torch.float32, False)
 
 
-def run_under_interpreter(path: str, keyword: str, timeout: int = 300) -> None:
-    """Run the tests of `path` that `keyword` (pytest's -k) selects in child processes under Triton's interpreter,
-    split over up to two of the machine's cores (--shard; the parent only waits), and assert that every one passed
-    and none was skipped."""
-    shards = max(1, min(2, os.cpu_count() or 1))
+def start_under_interpreter(path: str, keyword: str, shards: int, background: bool = False) -> list:
+    """Child pytest processes that run the tests of `path` that `keyword` (pytest's -k) selects under Triton's
+    interpreter, split over `shards` of them (--shard); a background one runs at the lowest priority (nice 19).
+    Returns [(process, stdout file, stderr file)]."""
     env = dict(os.environ, TRITON_INTERPRET="1")
-    procs = [subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", path, "-k", keyword,
-                               "--shard", f"{i}/{shards}"], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for i in range(shards)]
+    started = []
+    for i in range(shards):
+        out, err = tempfile.TemporaryFile(mode="w+"), tempfile.TemporaryFile(mode="w+")
+        proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", path, "-k", keyword,
+                                 "--shard", f"{i}/{shards}"], env=env, stdout=out, stderr=err, text=True,
+                                preexec_fn=(lambda: os.nice(19)) if background else None)
+        started.append((proc, out, err))
+    return started
+
+
+# (path, keyword) -> children started right after collection (start_in_background), until their test takes them.
+_STARTED: dict[tuple[str, str], list] = {}
+
+
+def start_in_background(runs: list[tuple[str, str]], alone: bool) -> None:
+    """Start the interpreter children of the selected tests `runs` [(path, keyword)] as soon as the session is
+    collected. The rest of the suite keeps about one core busy (the test process, or a server it waits on), so
+    the children run at the lowest priority on the core left idle and their tests find them done; `alone` (the
+    session selected nothing else) splits each file over two cores instead."""
+    if INTERPRET:
+        return
+    shards = max(1, min(2, os.cpu_count() or 1)) if alone else 1
+    for path, keyword in runs:
+        if (path, keyword) not in _STARTED:
+            _STARTED[(path, keyword)] = start_under_interpreter(path, keyword, shards, background=not alone)
+
+
+def stop_background() -> None:
+    """End the children no test took (a session stopped early by -x or Ctrl-C)."""
+    for started in _STARTED.values():
+        _end(started)
+    _STARTED.clear()
+
+
+def _end(started: list) -> None:
+    for proc, *files in started:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for f in files:
+            f.close()
+
+
+def run_under_interpreter(path: str, keyword: str, timeout: int = 300) -> None:
+    """Run the tests of `path` that `keyword` (pytest's -k) selects in child processes under Triton's interpreter
+    (those started after collection, else split over up to two of the machine's cores; the parent only waits),
+    and assert that every one passed and none was skipped."""
+    started = _STARTED.pop((path, keyword), None)
+    if started is None:
+        started = start_under_interpreter(path, keyword, max(1, min(2, os.cpu_count() or 1)))
     try:
-        outputs = [proc.communicate(timeout=timeout) for proc in procs]
+        for proc, *_ in started:
+            proc.wait(timeout=timeout)
+        outputs = []
+        for _, *files in started:
+            for f in files:
+                f.seek(0)
+            outputs.append([f.read() for f in files])
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    for proc, (out, err) in zip(procs, outputs):
+        _end(started)
+    for (proc, *_), (out, err) in zip(started, outputs):
         assert proc.returncode == 0, out[-3000:] + err[-2000:]
         summary = out.strip().splitlines()[-1]
         assert " passed" in summary and "skipped" not in summary, summary
 
 
+def interpreter_run(path: str, keyword: str):
+    """Mark a test that calls run_under_interpreter(path, keyword), so that the session starts its children
+    right after collection (tests/conftest.py)."""
+
+    def mark(test):
+        test.interpreter_run = (path, keyword)
+        return test
+
+    return mark
+
+
 def interpreter_child(path: str, timeout: int = 300):
     """A test that runs the file's interpreter cases in child processes (collected under the name it is
     assigned to)."""
+    keyword = "interpret and not under_the_interpreter"
 
     @pytest.mark.skipif(INTERPRET, reason="this is the interpreter run")
+    @interpreter_run(path, keyword)
     def test_kernels_under_the_interpreter():
-        run_under_interpreter(path, "interpret and not under_the_interpreter", timeout)
+        run_under_interpreter(path, keyword, timeout)
 
     return test_kernels_under_the_interpreter
 
