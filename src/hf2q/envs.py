@@ -35,9 +35,8 @@ PAGED_DECODE = Variable("HF2Q_PAGED_DECODE", None, "S,N,W (powers of two, N >= 1
                         "attention kernel's splits, keys a step and warps at every batch size and K/V format; "
                         "unset: 32,64,8 for one sequence, 4,32,4 for 8 or more (4,64,4 over a compressed pool; "
                         "16, 8 splits for 2, 4) (read at import)")
-QUANT_MM = Variable("HF2Q_QUANT_MM", "tile", "tile, swapped or mmq", "which kernel multiplies 5-64 rows by Q8_0, "
-                    "Q4_K, Q5_K and Q6_K weights: the bf16 tile kernel, the same with its operands swapped (the "
-                    "weights as the tensor-core dot's left side), or int8 tensor-core dots on int8-quantized "
+QUANT_MM = Variable("HF2Q_QUANT_MM", "tile", "tile or mmq", "which kernel multiplies 5-64 rows by Q8_0, "
+                    "Q4_K, Q5_K and Q6_K weights: the bf16 tile kernel, or int8 tensor-core dots on int8-quantized "
                     "activations (llama.cpp's MMQ; the int8 mat-vec's numerics) (read at import)")
 TUNE_CACHE = Variable("HF2Q_TUNE_CACHE", None, "a file path, or empty", "where the timed mat-vec choices are kept "
                       "across starts; unset: hf2q/matvec_configs.json under the cache directory; empty: nowhere")
@@ -91,10 +90,10 @@ def gemv_rows() -> str | int:
 
 
 def quant_mm() -> str:
-    """HF2Q_QUANT_MM: "tile", "swapped" or "mmq", the kernel for 5-64 rows of Q8_0, Q4_K, Q5_K and Q6_K weights."""
+    """HF2Q_QUANT_MM: "tile" or "mmq", the kernel for 5-64 rows of Q8_0, Q4_K, Q5_K and Q6_K weights."""
     setting = QUANT_MM.raw() or QUANT_MM.default
-    if setting not in ("tile", "swapped", "mmq"):
-        raise ValueError(f"HF2Q_QUANT_MM must be tile, swapped or mmq, not {setting!r}")
+    if setting not in ("tile", "mmq"):
+        raise ValueError(f"HF2Q_QUANT_MM must be tile or mmq, not {setting!r}")
     return setting
 
 

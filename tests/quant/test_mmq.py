@@ -105,7 +105,7 @@ def test_quant_linear_takes_mmq_behind_its_switch(dev, monkeypatch):
     monkeypatch.setattr(ops, "QUANT_MM", "tile")
     assert ops.int8_reader(rows40, "Q4_K") is None and ops.int8_reader(rows40[:4], "Q5_K") == "Q5_K"
     monkeypatch.setenv("HF2Q_QUANT_MM", "int8")
-    with pytest.raises(ValueError, match="HF2Q_QUANT_MM must be tile, swapped or mmq"):
+    with pytest.raises(ValueError, match="HF2Q_QUANT_MM must be tile or mmq"):
         envs.quant_mm()
 
 

@@ -19,15 +19,16 @@ weight and the configuration, never on the other rows of the batch.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
-from hf2q import envs
 from hf2q.kernels.quant.dequant_triton import QTYPE_ID, _geometry, check_layout
 from hf2q.kernels.quant.fields_triton import f16_bits
 
-SWAPPED = envs.quant_mm() == "swapped"  # the tile kernel with its operands swapped (_quant_mm_t_kernel)
+SWAPPED = os.environ.get("HF2Q_QUANT_MM_SWAPPED") == "1"
 PROGRAMS = 264  # about two programs per SM of the largest cards: split K until the grid has this many
 
 
