@@ -87,8 +87,6 @@ def main() -> None:
                    help="software-pipeline depths to time (0: Triton's default; fewer stages take less shared "
                         "memory, which held 64-row programs to two a SM)")
     p.add_argument("--gemlite", action="store_true", help="also time GemLite's kernels on the affine groups")
-    p.add_argument("--swapped", action="store_true",
-                   help="also time the tile kernel with its operands swapped (weights as the MMA's left side)")
     p.add_argument("--int4pack", action="store_true", help="also time torch._weight_int4pack_mm on the 4-bit types")
     p.add_argument("--gemlite-dtype", choices=["bf16", "fp16"], default="bf16",
                    help="GemLite's activations, scales and zeros (fp16: the bf16 activations cast in the timed call)")
@@ -122,15 +120,8 @@ def main() -> None:
                 for split in sorted({min(auto_split * f, -(-k // 256)) for f in args.split_factors}):
                     for stages in args.stages:  # a configuration's key names its stages where they are not Triton's
                         cfg = (bn, warps, split, stages) if stages else (bn, warps, split)
-                        row[cfg] = _us(lambda w, c=cfg[:3], s=stages or None: mm.quant_mm(x, w, qtype, n, c, s, False),
-                                       copies)
-                        if args.swapped:
-                            row[("swapped",) + cfg] = _us(lambda w, c=cfg[:3], s=stages or None: mm.quant_mm(
-                                x, w, qtype, n, c, s, True), copies)
-            row["default"] = _us(lambda w: mm.quant_mm(x, w, qtype, n, swapped=False), copies)
-            if args.swapped:
-                row["swapped"] = _us(lambda w: mm.quant_mm(x, w, qtype, n, swapped=True), copies)
-                first_rows.setdefault("swapped", []).append(mm.quant_mm(x, raw, qtype, n, swapped=True)[0].clone())
+                        row[cfg] = _us(lambda w, c=cfg[:3], s=stages or None: mm.quant_mm(x, w, qtype, n, c, s), copies)
+            row["default"] = _us(lambda w: mm.quant_mm(x, w, qtype, n), copies)
             row["dequant+cublas"] = _us(lambda w: torch.nn.functional.linear(
                 x, dequantize(w, qtype, (n, k), x.dtype, out=scratch("sweep", n * k, x.dtype, x.device))), copies)
             if args.matvec and m <= 16:
@@ -145,7 +136,7 @@ def main() -> None:
                 mmq_note = (f", mmq {row['mmq']:8.1f} (+quantize {row['mmq+quantize']:8.1f}), error mmq "
                             f"{_rel(mmq.quant_mmq(rows8, raw, qtype, n), ref):.1e} tile "
                             f"{_rel(mm.quant_mm(x, raw, qtype, n), ref):.1e}")
-            first_rows.setdefault("tile", []).append(mm.quant_mm(x, raw, qtype, n, swapped=False)[0].clone())
+            first_rows.setdefault("tile", []).append(mm.quant_mm(x, raw, qtype, n)[0].clone())
             gl_note = ""
             if gl is not None:
                 first_rows.setdefault("gemlite", []).append(gl[0](x.to(gl_dtype))[0].clone())
@@ -167,9 +158,7 @@ def main() -> None:
             best = min((v, c) for c, v in row.items() if isinstance(c, tuple))
             print(f"{name:12} {qtype} {n}x{k} m={m:3}: default {row['default']:8.1f} us, best {best[0]:8.1f} "
                   f"{best[1]}, dequant+cublas {row['dequant+cublas']:8.1f}" + mmq_note
-                  + (f", int8 mat-vec {row['int8 mat-vec']:8.1f}" if "int8 mat-vec" in row else "") + gl_note
-                  + (f", swapped {row['swapped']:8.1f} (error {_rel(mm.quant_mm(x, raw, qtype, n, swapped=True), ref):.1e})"
-                     if args.swapped else ""),
+                  + (f", int8 mat-vec {row['int8 mat-vec']:8.1f}" if "int8 mat-vec" in row else "") + gl_note,
                   flush=True)
             for c, v in row.items():
                 totals[(m, c)] = totals.get((m, c), 0.0) + v * times
@@ -190,8 +179,7 @@ def main() -> None:
               f"{per['mmq path'] / 1e3:.3f} ms (with quantization {per['mmq+quantize path'] / 1e3:.3f} ms)"
               + (f"; int8 mat-vec {per['int8 mat-vec'] / 1e3:.3f} ms" if "int8 mat-vec" in per else "")
               + (f"; gemlite path {per['gemlite path'] / 1e3:.3f} ms" if args.gemlite else "")
-              + (f"; int4pack path {per['int4pack path'] / 1e3:.3f} ms" if args.int4pack else "")
-              + (f"; swapped {per['swapped'] / 1e3:.3f} ms" if args.swapped else ""), flush=True)
+              + (f"; int4pack path {per['int4pack path'] / 1e3:.3f} ms" if args.int4pack else ""), flush=True)
         print(f"9B step, m={m}, each configuration everywhere: " + ", ".join(
             f"{'/'.join(map(str, c))} {v / 1e3:.3f}" for c, v in sorted(per.items(), key=lambda kv: kv[1])
             if isinstance(c, tuple)) + " ms", flush=True)

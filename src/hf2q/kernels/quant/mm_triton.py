@@ -19,8 +19,6 @@ weight and the configuration, never on the other rows of the batch.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -28,7 +26,6 @@ import triton.language as tl
 from hf2q.kernels.quant.dequant_triton import QTYPE_ID, _geometry, check_layout
 from hf2q.kernels.quant.fields_triton import f16_bits
 
-SWAPPED = os.environ.get("HF2Q_QUANT_MM_SWAPPED") == "1"
 PROGRAMS = 264  # about two programs per SM of the largest cards: split K until the grid has this many
 
 
@@ -236,66 +233,6 @@ def _quant_mm_kernel(x_ptr, w8, w16, w32, out_ptr, M, N, K, x_stride, row_stride
     store_chunks(out_ptr, acc0, acc1, acc2, acc3, split, m0, M, N, rows, row_ok, CHUNKS)
 
 
-@triton.jit
-def _x_cols_t(x_ptr, m0, M, x_stride, k0, K, EVEN_K: tl.constexpr):
-    """[32, 16] activations at columns k0.. of rows m0.., transposed: read along the rows (whole 16-byte
-    vectors, which the loop's pipeline copies to shared memory ahead), the dot takes the transpose as it is
-    laid out there. Rows past M read the last one."""
-    m = tl.minimum(m0 + tl.arange(0, 16), M - 1)
-    k = k0 + tl.arange(0, 32)
-    ptrs = x_ptr + m.to(tl.int64)[:, None] * x_stride + k[None, :]
-    if EVEN_K:
-        return tl.trans(tl.load(ptrs))
-    return tl.trans(tl.load(ptrs, mask=(k < K)[None, :], other=0))
-
-
-@triton.jit
-def _dot_t(w, xt, acc, IEEE: tl.constexpr):
-    """acc + w @ xt: the dequantized weights [BN, 32] are the left operand (a warp group's 64 rows on
-    Hopper), rounded to the activations' dtype first."""
-    if IEEE:
-        return tl.dot(w, xt, acc, input_precision="ieee")
-    return tl.dot(w.to(xt.dtype), xt, acc)
-
-
-@triton.jit
-def _store_t(out_ptr, acc, split, m0, M, N, rows, row_ok):
-    m = m0 + tl.arange(0, 16)
-    out = out_ptr + (split * M + m).to(tl.int64)[None, :] * N + rows[:, None]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(m < M)[None, :] & row_ok[:, None])
-
-
-@triton.jit(do_not_specialize=["M"])
-def _quant_mm_t_kernel(x_ptr, w8, w16, w32, out_ptr, M, N, K, x_stride, row_stride, nblk, tiles_per_split,
-                       n_tiles, QTYPE: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-                       EVEN_K: tl.constexpr):
-    """_quant_mm_kernel with the operands swapped: out.T [BLOCK_N, 16] += W [BLOCK_N, 32] @ x.T [32, 16] per
-    chunk of 16 activation rows. The dequantized group is the left operand as computed (no transpose), and
-    BLOCK_N = 64 weight rows fill a Hopper warp group's tile where 16 activation rows would fill a quarter."""
-    rows, row_ok, row_base, m0, split, first, last = program_block(N, row_stride, tiles_per_split, n_tiles, CHUNKS,
-                                                                    BLOCK_N)
-    acc0 = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
-    acc1 = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
-    acc3 = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
-    for t in range(first, last):
-        for g in tl.static_range(8):
-            w = _group(w8, w16, w32, row_base, t, nblk, g, QTYPE)  # [BLOCK_N, 32]
-            k0 = t * 256 + 32 * g
-            acc0 = _dot_t(w, _x_cols_t(x_ptr, m0, M, x_stride, k0, K, EVEN_K), acc0, IEEE)
-            if CHUNKS > 1:
-                acc1 = _dot_t(w, _x_cols_t(x_ptr, m0 + 16, M, x_stride, k0, K, EVEN_K), acc1, IEEE)
-            if CHUNKS > 2:
-                acc2 = _dot_t(w, _x_cols_t(x_ptr, m0 + 32, M, x_stride, k0, K, EVEN_K), acc2, IEEE)
-                acc3 = _dot_t(w, _x_cols_t(x_ptr, m0 + 48, M, x_stride, k0, K, EVEN_K), acc3, IEEE)
-    _store_t(out_ptr, acc0, split, m0, M, N, rows, row_ok)
-    if CHUNKS > 1:
-        _store_t(out_ptr, acc1, split, m0 + 16, M, N, rows, row_ok)
-    if CHUNKS > 2:
-        _store_t(out_ptr, acc2, split, m0 + 32, M, N, rows, row_ok)
-        _store_t(out_ptr, acc3, split, m0 + 48, M, N, rows, row_ok)
-
-
 def chunks(m: int) -> int:
     """16-row chunks of activations a program takes: all rows up to 64 (each weight group is dequantized
     once for them)."""
@@ -328,7 +265,7 @@ def sum_splits(out: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
 
 
 def quant_mm(x: torch.Tensor, raw: torch.Tensor, qtype: str, n: int, cfg: tuple[int, int, int] | None = None,
-             stages: int | None = None, swapped: bool | None = None) -> torch.Tensor:
+             stages: int | None = None) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32) times quantized rows raw [N, row_bytes] (K-quants: interleaved int32 rows)
     -> [M, N] in x's dtype, fp32 accumulation. `stages`: Triton's software-pipeline depth (default: Triton's),
     which sets the shared memory a program takes and so how many fit on an SM (tools/quant_mm_sweep.py)."""
@@ -340,8 +277,7 @@ def quant_mm(x: torch.Tensor, raw: torch.Tensor, qtype: str, n: int, cfg: tuple[
     out, per_split, grid = split_launch(m, n, n_tiles, split, block_n, x.dtype, x.device)
     flat = raw.view(-1)
     w8, w16 = flat.view(torch.uint8), flat.view(torch.float16)
-    kernel = _quant_mm_t_kernel if (SWAPPED if swapped is None else swapped) else _quant_mm_kernel
-    kernel[grid](x, w8, w16, flat if raw.dtype == torch.int32 else w16, out, m, n, k, x.stride(0),
+    _quant_mm_kernel[grid](x, w8, w16, flat if raw.dtype == torch.int32 else w16, out, m, n, k, x.stride(0),
                            row_stride, nblk, per_split, n_tiles, QTYPE=QTYPE_ID[qtype], CHUNKS=chunks(m),
                            BLOCK_N=block_n, IEEE=x.dtype == torch.float32, EVEN_K=k % 256 == 0, num_warps=warps,
                            **({"num_stages": stages} if stages else {}))
