@@ -84,8 +84,9 @@ def main() -> None:
                    help="splits of K to time, as multiples of the default (more programs a SM: Nsight Compute found "
                         "the default grid under one wave at 16 rows)")
     p.add_argument("--stages", type=int, nargs="+", default=[0], metavar="S",
-                   help="software-pipeline depths to time (0: Triton's default; fewer stages take less shared "
-                        "memory, which held 64-row programs to two a SM)")
+                   help="software-pipeline depths to time (0: the kernel's, mm_triton.pipeline_stages: 2 at 33-64 "
+                        "rows, Triton's 3 below; fewer stages take less shared memory, which held 64-row programs to "
+                        "two a SM at 3)")
     p.add_argument("--gemlite", action="store_true", help="also time GemLite's kernels on the affine groups")
     p.add_argument("--int4pack", action="store_true", help="also time torch._weight_int4pack_mm on the 4-bit types")
     p.add_argument("--gemlite-dtype", choices=["bf16", "fp16"], default="bf16",

@@ -198,6 +198,8 @@ def test_quant_mm(qtype):
             assert rel(full, want) < (1e-5 if dtype == torch.float32 else 1e-2), (cfg, dtype)
             for m in (1, 2, 17):
                 assert torch.equal(quant_mm(xd[:m].clone(), raw, qtype, n, cfg), full[:m]), (cfg, dtype, m)
+            if CUDA:  # 64 rows pipeline two stages deep (pipeline_stages): loads only, the same sums as Triton's 3
+                assert torch.equal(quant_mm(xd, raw, qtype, n, cfg, 3), full), (cfg, dtype)
     assert config(n, k)[2] == 3  # few rows, long K: split
 
 

@@ -239,6 +239,13 @@ def chunks(m: int) -> int:
     return 1 if m <= 16 else 2 if m <= 32 else 4
 
 
+def pipeline_stages(m: int) -> int | None:
+    """Software-pipeline depth for m rows: two where a program takes 64 (its four accumulators and their
+    activations' buffers held it to two programs a SM at Triton's three: 9-15% faster on most of a 9B token's
+    projections on an H100, BENCHMARKS.md), Triton's default below. Loads only: the sums are the same."""
+    return 2 if chunks(m) == 4 else None
+
+
 def config(n: int, k: int, block_n: int = 64) -> tuple[int, int, int]:
     """(BLOCK_N, warps, splits of K) for an [n, k] weight; it depends on the weight alone, so every row of
     a batch is computed the same way whatever the batch. Splits bring the grid to about PROGRAMS
@@ -267,8 +274,9 @@ def sum_splits(out: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
 def quant_mm(x: torch.Tensor, raw: torch.Tensor, qtype: str, n: int, cfg: tuple[int, int, int] | None = None,
              stages: int | None = None) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32) times quantized rows raw [N, row_bytes] (K-quants: interleaved int32 rows)
-    -> [M, N] in x's dtype, fp32 accumulation. `stages`: Triton's software-pipeline depth (default: Triton's),
-    which sets the shared memory a program takes and so how many fit on an SM (tools/quant_mm_sweep.py)."""
+    -> [M, N] in x's dtype, fp32 accumulation. `stages`: Triton's software-pipeline depth (default:
+    `pipeline_stages(M)`), which sets the shared memory a program takes and so how many fit on an SM
+    (tools/quant_mm_sweep.py)."""
     m, k = x.shape
     check_layout(raw, qtype, k)
     x = x.contiguous()
@@ -280,5 +288,5 @@ def quant_mm(x: torch.Tensor, raw: torch.Tensor, qtype: str, n: int, cfg: tuple[
     _quant_mm_kernel[grid](x, w8, w16, flat if raw.dtype == torch.int32 else w16, out, m, n, k, x.stride(0),
                            row_stride, nblk, per_split, n_tiles, QTYPE=QTYPE_ID[qtype], CHUNKS=chunks(m),
                            BLOCK_N=block_n, IEEE=x.dtype == torch.float32, EVEN_K=k % 256 == 0, num_warps=warps,
-                           **({"num_stages": stages} if stages else {}))
+                           **({"num_stages": depth} if (depth := stages or pipeline_stages(m)) else {}))
     return sum_splits(out, x.dtype)
