@@ -61,6 +61,11 @@ def target(name: str) -> tuple[str, torch.dtype, bool]:
     return ("cuda", torch.bfloat16, True) if name == "cuda" else ("cpu", torch.float32, False)
 
 
+def _cores() -> int:
+    """Children a file's interpreter run is split over when nothing else runs beside it: up to two cores."""
+    return max(1, min(2, os.cpu_count() or 1))
+
+
 def start_under_interpreter(path: str, keyword: str, shards: int, background: bool = False) -> list:
     """Child pytest processes that run the tests of `path` that `keyword` (pytest's -k) selects under Triton's
     interpreter, split over `shards` of them (--shard); a background one runs at the lowest priority (nice 19).
@@ -87,7 +92,7 @@ def start_in_background(runs: list[tuple[str, str]], alone: bool) -> None:
     session selected nothing else) splits each file over two cores instead."""
     if INTERPRET:
         return
-    shards = max(1, min(2, os.cpu_count() or 1)) if alone else 1
+    shards = _cores() if alone else 1
     for path, keyword in runs:
         if (path, keyword) not in _STARTED:
             _STARTED[(path, keyword)] = start_under_interpreter(path, keyword, shards, background=not alone)
@@ -115,7 +120,7 @@ def run_under_interpreter(path: str, keyword: str, timeout: int = 300) -> None:
     and assert that every one passed and none was skipped."""
     started = _STARTED.pop((path, keyword), None)
     if started is None:
-        started = start_under_interpreter(path, keyword, max(1, min(2, os.cpu_count() or 1)))
+        started = start_under_interpreter(path, keyword, _cores())
     try:
         for proc, *_ in started:
             proc.wait(timeout=timeout)
