@@ -211,8 +211,8 @@ def test_short_prefill_graphs_default_on_cuda_and_are_refused_where_no_graph_wou
 
 
 def test_batched_weights_dense_is_refused_by_name_where_nothing_would_be_copied():
-    """--batched-weights: `quantized` unless said; `dense` on a model that keeps no quantized projection (the CPU
-    dequantizes by default) is refused by name, not accepted and ignored."""
+    """--batched-weights: `auto` unless said; `dense` on a model that keeps no quantized projection (the CPU
+    dequantizes by default) is refused by name, not accepted and ignored; `auto` there keeps nothing."""
     import argparse
 
     import torch
@@ -221,15 +221,17 @@ def test_batched_weights_dense_is_refused_by_name_where_nothing_would_be_copied(
     from hf2q.server.launch import add_serve_args, keep_dense_weights
     p = argparse.ArgumentParser()
     add_serve_args(p)
-    assert [p.parse_args(a).batched_weights for a in ([], ["--batched-weights", "dense"])] == ["quantized", "dense"]
+    assert [p.parse_args(a).batched_weights for a in ([], ["--batched-weights", "dense"])] == ["auto", "dense"]
     with pytest.raises(ValueError, match="--batched-weights dense: this model keeps no quantized projection"):
         keep_dense_weights(torch.nn.Sequential(Linear(8, 8)), torch.device("cpu"), torch.float32)
+    keep_dense_weights(torch.nn.Sequential(Linear(8, 8)), torch.device("cpu"), torch.float32, asked=False)
 
 
 def test_batched_weights_dense_checks_the_room_for_its_copies(gguf_dense_q8_0, monkeypatch):
     """On CUDA the copies must fit in the free memory beyond the serving reserve: refused by name with the sizes
-    where they do not, made (every quantized projection, before the K/V pool is sized) where they do. The
-    device's free memory is stood in for; the net stays on the CPU."""
+    where they do not, made (every quantized projection, before the K/V pool is sized) where they do. `auto`
+    makes them only on CUDA and only within a quarter of that room, and never refuses. The device's free memory
+    is stood in for; the net stays on the CPU."""
     import torch
 
     from hf2q.checkpoint.gguf_file import GGUFFile
@@ -244,9 +246,16 @@ def test_batched_weights_dense_checks_the_room_for_its_copies(gguf_dense_q8_0, m
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (5 << 30, 80 << 30))  # under the 8-GiB reserve
     with pytest.raises(ValueError, match=r"--batched-weights dense needs 0\.\d GiB .* 0\.0 GiB is free"):
         keep_dense_weights(net, cuda, torch.float32)
+    keep_dense_weights(net, cuda, torch.float32, asked=False)
+    keep_dense_weights(net, torch.device("cpu"), torch.float32, asked=False)
     assert all(m.dense is None for m in net.modules() if isinstance(m, Linear))
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (60 << 30, 80 << 30))
-    keep_dense_weights(net, cuda, torch.float32)
+    need = sum(m.out_features * m.in_features for m in net.modules() if isinstance(m, Linear) and m.quantized) * 4
+    reserve = 8 << 30  # the 8-GiB reserve of an 80-GiB device
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (reserve + 4 * need - 1, 80 << 30))
+    keep_dense_weights(net, cuda, torch.float32, asked=False)  # just over a quarter of the room: auto declines
+    assert all(m.dense is None for m in net.modules() if isinstance(m, Linear))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (reserve + 4 * need, 80 << 30))
+    keep_dense_weights(net, cuda, torch.float32, asked=False)
     quantized = [m for m in net.modules() if isinstance(m, Linear) and m.quantized]
     assert quantized and all(m.dense is not None for m in quantized)
 
