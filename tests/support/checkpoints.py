@@ -17,9 +17,22 @@ from tests.support.tokenizer_dir import cached_tokenizer_dir
 VOCAB = 248320
 
 
-def tiny_config(kind: str = "dense", tie: bool = False, num_layers: int = 4):
+def text_config(kind: str, dense: dict, moe: dict, **common):
+    """A Qwen3.5 text config with its `architectures` entry: `common` keys plus those of its kind ("dense", "moe")."""
     from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig
 
+    if kind == "dense":
+        cfg = Qwen3_5TextConfig(**dense, **common)
+        cfg.architectures = ["Qwen3_5ForCausalLM"]
+    elif kind == "moe":
+        cfg = Qwen3_5MoeTextConfig(**moe, **common)
+        cfg.architectures = ["Qwen3_5MoeForCausalLM"]
+    else:
+        raise ValueError(kind)
+    return cfg
+
+
+def tiny_config(kind: str = "dense", tie: bool = False, num_layers: int = 4):
     common = dict(
         vocab_size=VOCAB, hidden_size=128, num_hidden_layers=num_layers, num_attention_heads=4,
         num_key_value_heads=2, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
@@ -30,15 +43,8 @@ def tiny_config(kind: str = "dense", tie: bool = False, num_layers: int = 4):
                          "mrope_section": [3, 3, 2], "mrope_interleaved": True},
         eos_token_id=248046, pad_token_id=248044,
     )
-    if kind == "dense":
-        cfg = Qwen3_5TextConfig(intermediate_size=256, **common)
-        cfg.architectures = ["Qwen3_5ForCausalLM"]
-    elif kind == "moe":
-        cfg = Qwen3_5MoeTextConfig(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
-                                   shared_expert_intermediate_size=96, **common)
-        cfg.architectures = ["Qwen3_5MoeForCausalLM"]
-    else:
-        raise ValueError(kind)
+    moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=96)
+    cfg = text_config(kind, dict(intermediate_size=256), moe, **common)
     cfg.mtp_num_hidden_layers = 1
     return cfg
 

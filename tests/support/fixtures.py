@@ -28,6 +28,8 @@ CONVERTER_SOURCES = ("src/hf2q/checkpoint/convert.py",)
 VL_CHECKPOINT_SOURCES = CHECKPOINT_SOURCES + ("tests/support/vision_checkpoints.py",)
 MMPROJ_SOURCES = CONVERTER_SOURCES + ("src/hf2q/checkpoint/convert_mmproj.py",)
 REQUANTIZE_SOURCES = ("tests/support/requantize.py", "src/hf2q/quant.py")
+TRAINED_SOURCES = ("tests/support/trained_checkpoints.py", "tests/support/checkpoints.py",
+                   "tests/support/gguf_variants.py")
 
 
 def _key(paths: tuple[str, ...], *extra: str) -> str:
@@ -45,8 +47,8 @@ def _key(paths: tuple[str, ...], *extra: str) -> str:
 def fixture_dir(kind: str) -> Path:
     """Cache folder of "hf" checkpoints, "ours" (GGUFs by our converter) or "llama.cpp" GGUFs.
 
-    Each is keyed by the code that makes it: a converter change rebuilds only our GGUFs (and the
-    "requantized" K-quant files made from them).
+    Each is keyed by the code that makes it: a converter change rebuilds only our GGUFs (the
+    "requantized" K-quant files made from them and the "trained" copiers' included), not the checkpoints.
     """
     if kind == "hf":
         key = "hf-" + _key(CHECKPOINT_SOURCES)
@@ -58,6 +60,10 @@ def fixture_dir(kind: str) -> Path:
         key = "ours-vl-" + _key(VL_CHECKPOINT_SOURCES + MMPROJ_SOURCES)
     elif kind == "llama.cpp-vl":
         key = "llama.cpp-vl-" + _key(VL_CHECKPOINT_SOURCES, SDIST_VERSION)
+    elif kind == "hf-trained":
+        key = "hf-trained-" + _key(TRAINED_SOURCES)
+    elif kind == "trained":
+        key = "trained-" + _key(TRAINED_SOURCES + CONVERTER_SOURCES)
     elif kind == "requantized":
         key = "requantized-" + _key(CHECKPOINT_SOURCES + CONVERTER_SOURCES + REQUANTIZE_SOURCES)
     else:
@@ -116,6 +122,16 @@ def our_gguf(kind: str, outtype: str) -> Path:
 
     src = hf_checkpoint(kind)
     return cached(fixture_dir("ours"), f"{kind}-{outtype}.gguf", lambda p: convert(src, p, outtype))
+
+
+def copier_gguf(kind: str) -> Path:
+    """The tiny model trained to continue periodic sequences (tests/support/trained_checkpoints.py), by our
+    converter: trained once per cache, in about 15 s."""
+    from hf2q.checkpoint.convert import convert
+    from tests.support.trained_checkpoints import write_copier_checkpoint
+
+    src = cached(fixture_dir("hf-trained"), f"hf_copier_{kind}", lambda p: write_copier_checkpoint(p, kind))
+    return cached(fixture_dir("trained"), f"copier-{kind}.gguf", lambda p: convert(src, p, "f32"))
 
 
 def q4_k_m_gguf(kind: str) -> Path:

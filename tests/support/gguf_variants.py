@@ -26,14 +26,18 @@ def _byte_tokens() -> list[str]:
     return [chars[b] for b in range(256)]
 
 
+def tiny_vocabulary() -> tuple[list[str], list[int], list[str]]:
+    """(tokens, token types, merges) of a 259-token byte-level BPE: the 256 bytes, one merge, two control tokens."""
+    return _byte_tokens() + ["Ġt", "<|endoftext|>", "<|im_end|>"], [1] * 257 + [3, 3], ["Ġ t"]
+
+
 def write_tiny_gguf(path: Path) -> None:
     import hf2q.demo as demo
 
-    tokens = _byte_tokens() + ["Ġt", "<|endoftext|>", "<|im_end|>"]
-    types = [1] * 257 + [3, 3]
+    vocabulary = tiny_vocabulary()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(demo, "VOCAB", len(tokens))
-        mp.setattr(demo, "qwen35_vocabulary", lambda: (tokens, types, ["Ġ t"]))
+        mp.setattr(demo, "VOCAB", len(vocabulary[0]))
+        mp.setattr(demo, "qwen35_vocabulary", lambda: vocabulary)
         demo.write_demo_gguf(path)
 
 
