@@ -9,10 +9,10 @@ import torch
 
 import hf2q
 from hf2q.cache.hybrid import HybridCache
+from hf2q.cache.kv_pool import KVPool
 from hf2q.config import CacheConfig
 from hf2q.engine.engine import Engine, EngineConfig
 from hf2q.engine.request import Request, RequestOptions
-from hf2q.cache.kv_pool import KVPool
 from hf2q.engine.runner import ModelRunner
 from hf2q.engine.sampling_params import SamplingParams
 from hf2q.engine.scheduler import SchedulerConfig
