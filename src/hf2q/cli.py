@@ -12,8 +12,7 @@ from hf2q.spec.proposer import add_spec_args, spec_config
 USER_ERRORS = (FileNotFoundError, ValueError, OSError)
 
 
-def _add_info(sub) -> None:
-    p = sub.add_parser("info", help="describe a GGUF model file")
+def _add_info(p) -> None:
     p.add_argument("model", help="GGUF file, or a Hugging Face model OWNER/REPO[:QUANT] (fetched into the HF cache)")
     p.set_defaults(func=run_info)
 
@@ -58,8 +57,7 @@ def run_info(args) -> int:
     return 0
 
 
-def _add_generate(sub) -> None:
-    p = sub.add_parser("generate", help="generate text from a prompt")
+def _add_generate(p) -> None:
     p.add_argument("--model", required=True, help="GGUF file, or a Hugging Face model OWNER/REPO[:QUANT]")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt")
@@ -123,29 +121,36 @@ def run_generate(args) -> int:
     return 0
 
 
-def _add_serve(sub) -> None:
+def _add_serve(p) -> None:
     from hf2q.server.launch import add_serve_args, run_serve
 
-    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     add_serve_args(p)
     p.set_defaults(func=run_serve)
 
 
-def _add_convert(sub) -> None:
+def _add_convert(p) -> None:
     from hf2q.checkpoint.convert_cli import add_convert_args, run_convert
 
-    p = sub.add_parser("convert", help="convert a Hugging Face Qwen3.5 checkpoint to GGUF")
     add_convert_args(p)
     p.set_defaults(func=run_convert)
 
 
-def _add_bench(sub) -> None:
+def _add_bench(p) -> None:
     from hf2q.bench import add_bench_args, run_bench
 
-    p = sub.add_parser("bench", help="benchmark real-shape random-weight models on a GPU",
-                       epilog="`hf2q bench serve --help`: measure a server under concurrent streaming load")
+    p.epilog = "`hf2q bench serve --help`: measure a server under concurrent streaming load"
     add_bench_args(p)
     p.set_defaults(func=run_bench)
+
+
+# name -> (help, what adds its flags); the last three import optional parts of the install
+COMMANDS = {
+    "info": ("describe a GGUF model file", _add_info),
+    "generate": ("generate text from a prompt", _add_generate),
+    "serve": ("serve a model over an OpenAI-compatible HTTP API", _add_serve),
+    "convert": ("convert a Hugging Face Qwen3.5 checkpoint to GGUF", _add_convert),
+    "bench": ("benchmark real-shape random-weight models on a GPU", _add_bench),
+}
 
 
 # pip's name for a module whose package is named otherwise
@@ -167,17 +172,19 @@ def _missing_message(command: str, exc: ImportError) -> str:
             f"install it with: pip install {_PIP_NAMES.get(module, module)}")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The parser, with the flags of every command, or of command `only` alone: adding a command's flags imports
+    its modules (serve's the server and torch), which `hf2q --help` or another command need not wait for."""
     parser = argparse.ArgumentParser(prog="hf2q", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    _add_info(sub)
-    _add_generate(sub)
-    for add in (_add_serve, _add_convert, _add_bench):
+    for name, (text, add) in COMMANDS.items():
+        p = sub.add_parser(name, help=text)
+        if only is not None and name != only:
+            continue
         try:
-            add(sub)
+            add(p)
         except ImportError as exc:  # an optional part missing from this install: say so when it is asked for
-            name = add.__name__[5:]
-            sub.add_parser(name, help=f"unavailable: {exc}").set_defaults(missing=exc)
+            p.set_defaults(missing=exc)
     return parser
 
 
@@ -208,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     elif argv[:2] == ["bench", "vision"]:
         args = _bench_vision_parser().parse_args(argv[2:])
     else:
-        parser = build_parser()
+        # the command is the first word that is not a flag (the top level takes only -h)
+        parser = build_parser(only=next((a for a in argv if not a.startswith("-")), ""))
         args, unknown = parser.parse_known_args(argv)
         if getattr(args, "missing", None) is not None:  # its flags are unknown only because its module is missing
             print(_missing_message(args.command, args.missing), file=sys.stderr)

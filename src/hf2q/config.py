@@ -160,3 +160,13 @@ class CacheConfig:
     prefix_checkpoint_stride: int = 1024  # also checkpoint prefill every this many prompt tokens (0: never)
     prefix_cache_dir: str | None = None  # also keep checkpoints as files here, across restarts
     prefix_cache_disk_bytes: int = 10 << 30  # LRU budget of those files
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How many requests run and wait, and how many tokens one step computes (hf2q.engine.scheduler)."""
+
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 2048
+    prefill_chunk: int = 2048
+    max_waiting: int = 256

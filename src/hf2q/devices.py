@@ -1,21 +1,31 @@
-"""Device and dtype choice for `serve` and `generate`: CUDA in bf16 when present, else the exact fp32 CPU path."""
+"""Device and dtype choice for `serve` and `generate`: CUDA in bf16 when present, else the exact fp32 CPU path.
+
+torch is imported where it is used, not with the module: the flags are defined here, and `hf2q --help` or a
+mistyped flag should not wait for torch."""
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if TYPE_CHECKING:
+    import torch
+
+DTYPES = ("float32", "bfloat16", "float16")  # torch's names, as --dtype takes them
 
 
 def upload(t: torch.Tensor, device) -> torch.Tensor:
     """A host tensor on `device` without waiting for the device. A blocking copy to a GPU first waits for all
     work queued on the stream, so the host would prepare its next step only once the device had finished this
     one (and async scheduling's overlap would end): small uploads on a step's path go through pinned memory."""
+    import torch
+
     if torch.device(device).type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
 
 
 def resolve_device(name: str = "auto") -> torch.device:
+    import torch
+
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -30,11 +40,13 @@ def resolve_device(name: str = "auto") -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    import torch
+
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if name not in DTYPES:
         raise ValueError(f"unknown dtype {name!r} (use auto, {', '.join(DTYPES)})")
-    return DTYPES[name]
+    return getattr(torch, name)
 
 
 def add_device_args(parser) -> None:
@@ -57,4 +69,6 @@ def keep_quantized(args) -> bool | None:
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    return next(k for k, v in DTYPES.items() if v == dtype)
+    import torch
+
+    return next(name for name in DTYPES if getattr(torch, name) == dtype)

@@ -29,6 +29,27 @@ def test_python_m_hf2q_runs_the_cli():
     assert proc.returncode == 2 and "the following arguments are required: model" in proc.stderr
 
 
+# Parses each argv as `hf2q` would, then prints which heavy modules that imported.
+_PARSE_ONLY = """
+import sys
+from hf2q import cli
+for argv in (["--help"], ["info"], ["generate", "--help"], ["serve", "--help"], ["serve", "--no-such-flag"],
+             ["serve", "--port", "99999"], ["bench", "serve", "--help"]):
+    try:
+        cli.main(argv)
+    except SystemExit:
+        pass
+print(sorted(m for m in ("torch", "transformers", "hf2q.model") if m in sys.modules))
+"""
+
+
+def test_help_and_refused_flags_do_not_import_torch():
+    """torch takes seconds to import: only a command that runs needs it, not its help or a mistyped flag."""
+    proc = _run("-c", _PARSE_ONLY)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == "[]", proc.stdout.splitlines()[-1]
+
+
 def _assert_names_missing(proc: subprocess.CompletedProcess, command: str, module: str) -> None:
     assert proc.returncode == 1, (proc.returncode, proc.stderr)
     assert f"hf2q {command} needs the Python module '{module}'" in proc.stderr

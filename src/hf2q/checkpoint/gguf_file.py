@@ -11,10 +11,12 @@ import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # imported by tensor(): `hf2q info` reads no tensor and need not wait for torch
+    import torch
 
 GGUF_MAGIC = b"GGUF"
 
@@ -240,9 +242,10 @@ class GGUFFile:
         """The tensor's bytes as stored (blocks for quantized types)."""
         return self._tensors[name].data
 
-    def tensor(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The tensor dequantized to `dtype`, in torch order (outermost dimension first)."""
+    def tensor(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The tensor dequantized to `dtype` (float32 when None), in torch order (outermost dimension first)."""
         import gguf
+        import torch
 
         t = self._tensors[name]
         shape = tuple(int(x) for x in reversed(t.shape.tolist()))
@@ -260,4 +263,4 @@ class GGUFFile:
             raise GGUFError(f"Unsupported tensor type {kind} for tensor {name!r} in {self.path}")
         if kind == "F32":  # the file's read-only pages; every other branch made a fresh array
             arr = np.array(arr, copy=True)
-        return torch.from_numpy(arr.reshape(shape)).to(dtype)
+        return torch.from_numpy(arr.reshape(shape)).to(torch.float32 if dtype is None else dtype)

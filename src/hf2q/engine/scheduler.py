@@ -22,11 +22,11 @@ the checkpoint at their end.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 
 from hf2q.cache.block_manager import CacheFull
 from hf2q.cache.hybrid import HybridCache, NoFreeSlot
 from hf2q.cache.prefix_cache import Checkpoint, PrefixCache
+from hf2q.config import SchedulerConfig
 from hf2q.engine.request import Request, RequestStatus
 
 
@@ -36,14 +36,6 @@ class QueueFull(RuntimeError):
 
 class RequestTooLarge(ValueError):
     """The request could never fit in the cache, even alone."""
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int = 8
-    max_num_batched_tokens: int = 2048
-    prefill_chunk: int = 2048
-    max_waiting: int = 256
 
 
 class Scheduler:

@@ -16,15 +16,13 @@ import time
 from pathlib import Path
 
 from hf2q import envs
+from hf2q.config import SchedulerConfig
 from hf2q.devices import add_device_args, dtype_name, keep_quantized, resolve_device, resolve_dtype
-from hf2q.cache.kv_pool import kv_cache_format
 from hf2q.server.sizing import CPU_MAX_MODEL_LEN, CPU_MAX_NUM_SEQS, CUDA_MAX_NUM_SEQS, choose
 
 from hf2q.server.body_limit import DEFAULT_MAX_REQUEST_BYTES
 from hf2q.server.media import add_media_args, media_policy
-from hf2q.server.sampling import recommended_sampling
 from hf2q.server.settle import settle
-from hf2q.vision.preprocess import image_processing
 from hf2q.spec.proposer import add_spec_args, spec_config
 
 log = logging.getLogger("hf2q.serve")
@@ -32,8 +30,6 @@ log = logging.getLogger("hf2q.serve")
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    from hf2q.engine.scheduler import SchedulerConfig
-
     d = SchedulerConfig()
     p.add_argument("--model", help="GGUF file to serve, or a Hugging Face model as OWNER/REPO[:QUANT] or "
                    "hf://OWNER/REPO[:QUANT] (downloaded to the HF cache; QUANT default Q4_K_M, else the only GGUF); "
@@ -137,6 +133,8 @@ def _model_name(args, model, is_demo: bool) -> str:
 def _sampling_defaults(args, model) -> dict:
     """The model file's recommended sampling unless --sampling-defaults openai (logged either way when the
     file has any, since it changes what a request without those fields gets)."""
+    from hf2q.server.sampling import recommended_sampling
+
     recommended = recommended_sampling(model.metadata)
     if not recommended:
         return {}
@@ -176,6 +174,8 @@ def _limits(args, model, device, dtype, prefix_bytes: int = 0):
     """The serving limits (server/sizing.py), from the GPU's free memory after loading on CUDA, less what
     the prefix cache is given."""
     import torch
+
+    from hf2q.cache.kv_pool import kv_cache_format
 
     free = total = None
     if device.type == "cuda":
@@ -229,6 +229,7 @@ def build_state(args):
     from hf2q.engine.async_engine import AsyncEngine
     from hf2q.engine.engine import Engine
     from hf2q.server.state import ServerConfig, ServerState
+    from hf2q.vision.preprocess import image_processing
 
     if not isinstance(args.default_chat_template_kwargs, dict):
         raise ValueError("--default-chat-template-kwargs must be a JSON object")
@@ -364,7 +365,6 @@ def sized_engine_config(args, model, device, dtype, spec):
     """The engine's configuration from the flags and the device: serving limits sized from free memory (logged;
     the chosen max_num_seqs is written back into args for later log lines) and the prefix cache's share."""
     from hf2q.engine.engine import EngineConfig
-    from hf2q.engine.scheduler import SchedulerConfig
 
     tp = getattr(args, "tensor_parallel_size", 1)
     prefix_bytes = prefix_budget(args, device)

@@ -15,13 +15,15 @@ import binascii
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import httpx
 
 from hf2q.server.errors import bad_request
-from hf2q.vision.inputs import ImageInput
-from hf2q.vision.preprocess import ImageError, ImageProcessing, load_image
+
+if TYPE_CHECKING:  # the image decoders (and torch) are imported when a request brings images
+    from hf2q.vision.inputs import ImageInput
+    from hf2q.vision.preprocess import ImageProcessing
 
 DEFAULT_MAX_IMAGE_BYTES = 20 * 1024 * 1024
 DEFAULT_MAX_IMAGE_PIXELS = 50_000_000  # decoded size; the tower sees at most ImageProcessing.max_pixels
@@ -145,6 +147,8 @@ async def image_bytes(url: str, policy: MediaPolicy, param: str) -> bytes:
 async def load_images(urls: list[tuple[str, str]], policy: MediaPolicy,
                       processing: ImageProcessing) -> list[ImageInput]:
     """(url, param) pairs in prompt order → preprocessed images; any problem is a 400 naming its part."""
+    from hf2q.vision.preprocess import ImageError, load_image
+
     if len(urls) > policy.max_images_per_request:
         raise bad_request(f"the request carries {len(urls)} images, more than the limit of "
                           f"{policy.max_images_per_request} (the server's --max-images-per-request)",

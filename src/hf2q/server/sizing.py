@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hf2q.cache.hybrid import kv_bytes_per_token, state_bytes_per_slot
 from hf2q.config import CacheConfig, ModelConfig
 
 BLOCK = 16
@@ -33,6 +32,8 @@ def choose(cfg: ModelConfig, device_type: str, kv_dtype: str, max_num_seqs: int 
            held_states: int = 0) -> ServingLimits:
     """Limits for serving `cfg`. `free_bytes`/`total_bytes`: the device's memory after loading (CUDA);
     `held_states`: DeltaNet states held outside the slots (the verify graphs' per-position states)."""
+    from hf2q.cache.hybrid import kv_bytes_per_token, state_bytes_per_slot  # torch: not for `hf2q serve --help`
+
     if max_model_len is not None and max_model_len < 1:
         raise ValueError(f"--max-model-len must be at least 1, not {max_model_len}")
     if max_num_seqs is not None and max_num_seqs < 1:
@@ -69,6 +70,8 @@ def choose(cfg: ModelConfig, device_type: str, kv_dtype: str, max_num_seqs: int 
 
 def _capacity(cfg: ModelConfig, kv_dtype: str, blocks: int, length: int) -> str:
     """The K/V format, its bytes per token and how many sequences of `length` tokens the pool holds."""
+    from hf2q.cache.hybrid import kv_bytes_per_token
+
     per_seq = -(-length // BLOCK)
     return (f"K/V {kv_dtype} at {kv_bytes_per_token(cfg, kv_dtype)} B/token: room for {blocks // per_seq} "
             f"sequences of {length} tokens")
