@@ -218,7 +218,8 @@ def test_batched_weights_dense_is_refused_by_name_where_nothing_would_be_copied(
     import torch
 
     from hf2q.layers.linear import Linear
-    from hf2q.server.launch import add_serve_args, keep_dense_weights
+    from hf2q.server.dense_copies import keep_dense_weights
+    from hf2q.server.launch import add_serve_args
     p = argparse.ArgumentParser()
     add_serve_args(p)
     assert [p.parse_args(a).batched_weights for a in ([], ["--batched-weights", "dense"])] == ["auto", "dense"]
@@ -238,7 +239,7 @@ def test_batched_weights_dense_checks_the_room_for_its_copies(gguf_dense_q8_0, m
     from hf2q.checkpoint.loader import build_model
     from hf2q.config import ModelConfig
     from hf2q.layers.linear import Linear
-    from hf2q.server.launch import keep_dense_weights
+    from hf2q.server.dense_copies import keep_dense_weights
     gguf = GGUFFile(gguf_dense_q8_0)
     net = build_model(gguf, ModelConfig.from_gguf_metadata(gguf.metadata), device="cpu", dtype=torch.float32,
                       with_mtp=False, keep_quantized=True)

@@ -282,6 +282,7 @@ def build_state(args):
         log.warning("--max-model-len %d exceeds the model's context %d; using %d", args.max_model_len,
                     model.config.context_length, model.config.context_length)
     if tp == 1 and getattr(args, "batched_weights", "auto") != "quantized":
+        from hf2q.server.dense_copies import keep_dense_weights
         keep_dense_weights(model.net, device, dtype, asked=args.batched_weights == "dense")
     engine_config = sized_engine_config(args, model, device, dtype, spec)
     max_len, cache = engine_config.max_model_len, engine_config.cache
@@ -316,49 +317,6 @@ def build_state(args):
     aengine.on_step = lambda eng, _outputs: state.metrics.observe_step(eng)
     aengine.start()
     return state
-
-
-# --batched-weights auto keeps the dense copies where they take at most this share of the memory free beyond the
-# serving reserve: the rest stays K/V pool. The copies read 4x the bytes of 4-bit blocks but run on cuBLAS, which
-# at 64 rows beats the tile kernels by more than that (a 64-stream step 9.9 ms against 14.7 on an H100).
-AUTO_DENSE_SHARE = 0.25
-
-
-def keep_dense_weights(net, device, dtype, asked: bool = True) -> None:
-    """--batched-weights dense (asked) or auto: a dense copy of every quantized projection beside its blocks
-    (before the K/V pool is sized from what is left). Asked for, it is refused by name where there is nothing to
-    copy or no room for the copies; auto keeps them only on CUDA within AUTO_DENSE_SHARE of the free memory and
-    logs why not otherwise."""
-    import torch
-
-    from hf2q.kernels.linear.ops import DENSE_ROWS
-    from hf2q.layers.linear import Linear
-    from hf2q.server.sizing import RESERVE_FRACTION, RESERVE_MIN_BYTES
-
-    need = sum(m.out_features * m.in_features for m in net.modules() if isinstance(m, Linear) and m.quantized) \
-        * dtype.itemsize
-    if need == 0:
-        if asked:
-            raise ValueError("--batched-weights dense: this model keeps no quantized projection to copy (a dense "
-                             "file, or --dequantize)")
-        return
-    if device.type != "cuda" and not asked:
-        return
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        room = free - max(RESERVE_MIN_BYTES, int(RESERVE_FRACTION * total))
-        if asked and need > room:
-            raise ValueError(f"--batched-weights dense needs {need / 2**30:.1f} GiB for the dense copies; "
-                             f"{max(room, 0) / 2**30:.1f} GiB is free beyond the reserve")
-        if not asked and need > AUTO_DENSE_SHARE * room:
-            log.info("--batched-weights auto: steps of %d+ rows read the quantized blocks (dense copies would take "
-                     "%.1f GiB, over %d%% of the %.1f GiB free beyond the reserve)", DENSE_ROWS, need / 2**30,
-                     round(100 * AUTO_DENSE_SHARE), max(room, 0) / 2**30)
-            return
-    t0 = time.monotonic()
-    kept = net.keep_dense_weights(dtype)
-    log.info("kept dense copies of the quantized projections for steps of %d+ rows: %.1f GiB in %.1f s", DENSE_ROWS,
-             kept / 2**30, time.monotonic() - t0)
 
 
 def sized_engine_config(args, model, device, dtype, spec):
