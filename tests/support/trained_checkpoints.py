@@ -7,7 +7,9 @@ the token. A 259-token byte-level vocabulary keeps the output layer and the trai
 
 Training is seeded but not every seed learns the lag everywhere: seed 0 (torch 2.13, CPU) copies with a top-1 margin
 of at least 3.8 logits over 64 held-out rows of 320 tokens, dense and MoE; seed 1 (dense) misses a few of its
-first positions. Tests check the trained model's margins on their own prompts rather than trust training.
+first positions. Another CPU or torch may round its way to another model, so a seed whose model does not copy
+held-out rows by a clear margin is followed by the next one (`trained_copier`); tests still check the margins on
+their own prompts rather than trust training.
 """
 from __future__ import annotations
 
@@ -74,17 +76,40 @@ def train_copier(kind: str = "dense", seed: int = 0):
     return model.eval()
 
 
+HELD_OUT = (16, 288)  # rows, length: the greedy test's prompt and run fit in this length
+MIN_MARGIN = 3.0  # logits between the copied token and the next best, at every predictable held-out position
+
+
+def copies(model, seed: int) -> bool:
+    """Whether the model predicts every predictable token of held-out periodic rows, each by MIN_MARGIN or more."""
+    x = periodic(*HELD_OUT, torch.Generator().manual_seed(10_000 + seed))
+    with torch.no_grad():
+        logits = model(input_ids=x).logits[:, PERIOD - 1:-1].float()
+    top = logits.topk(2, dim=-1)
+    right = (top.indices[..., 0] == x[:, PERIOD:]).all()
+    return bool(right) and (top.values[..., 0] - top.values[..., 1]).min().item() >= MIN_MARGIN
+
+
+def trained_copier(kind: str = "dense", seeds: int = 4):
+    """The first of `seeds` seeds' trained models that copies held-out rows (`copies`); refused if none does."""
+    for seed in range(seeds):
+        model = train_copier(kind, seed)
+        if copies(model, seed):
+            return model
+    raise RuntimeError(f"no seed of {seeds} trained a {kind} copier that copies held-out rows")
+
+
 def _loss(model, x: torch.Tensor) -> torch.Tensor:
     logits = model(input_ids=x).logits[:, PERIOD - 1:-1]  # [rows, predictable positions, vocab]
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, PERIOD:].flatten())
 
 
-def write_copier_checkpoint(out_dir: Path, kind: str = "dense", seed: int = 0) -> Path:
+def write_copier_checkpoint(out_dir: Path, kind: str = "dense") -> Path:
     """Train and save the copier with its tiny byte-level tokenizer (tokenizer.json, tokenizer_config.json)."""
     from tests.support.gguf_variants import tiny_vocabulary
 
     out_dir = Path(out_dir)
-    train_copier(kind, seed).save_pretrained(out_dir, safe_serialization=True)
+    trained_copier(kind).save_pretrained(out_dir, safe_serialization=True)
     tokens, types, merges = tiny_vocabulary()
     vocab = {t: i for i, (t, kind_) in enumerate(zip(tokens, types)) if kind_ == 1}
     added = [{"id": i, "content": t, "special": True, "normalized": False}
