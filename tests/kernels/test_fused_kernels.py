@@ -157,6 +157,38 @@ def test_paged_attention_with_output_gate(env, gated, one):
     assert rel(out, ref) <= max(tol, 2e-5)
 
 
+@pytest.mark.parametrize("nh,nkv", [(4, 1), (6, 2)])  # 4 rows a program; 5 (3 heads a group, 15 of 16 tile rows)
+def test_paged_attention_groups_a_sequences_rows(env, nh, nkv):
+    """A prefill graph's rows (several of one sequence, each at its own position) taken a group a program with
+    row_firsts: the reference's output for every row, with a sequence longer than a group, one shorter than a
+    key step, a lone row and padding rows; splits left without keys for the shorter rows of a group."""
+    dev, dtype, tol, k, real = env
+    gen = torch.Generator().manual_seed(5)
+    if real:
+        nh, nkv = 16, 4
+    hd, bs, blocks = (256, 16, 64) if real else (32, 4, 16)
+    rows_k = randn(blocks * bs, nkv, hd, dev=dev, dtype=dtype, gen=gen)
+    rows_v = randn(blocks * bs, nkv, hd, dev=dev, dtype=dtype, gen=gen)
+    seqs = [(20, 7), (8, 1), (2, 3), (0, 1), (0, 1)]  # (cached tokens, rows); the last two: padding rows
+    lens, firsts, tables = [], [], []
+    for cached, n in seqs:
+        table = torch.randperm(blocks, generator=gen)[:blocks // 2].to(torch.int32)
+        firsts += [len(lens)] * n
+        lens += [cached + i + 1 for i in range(n)]
+        tables += [table] * n
+    tables, lens = torch.stack(tables), torch.tensor(lens, dtype=torch.int32)
+    q = randn(len(lens), nh, hd, dev=dev, dtype=dtype, gen=gen)
+    gate = randn(len(lens), nh, hd, dev=dev, dtype=dtype, gen=gen)
+    kernel = k["paged_attention_triton"].paged_decode_attention
+    args = (q, rows_k, rows_v, tables.to(dev), lens.to(dev), bs, hd ** -0.5)
+    out = kernel(*args, gate=gate, num_splits=4, block_n=16, row_firsts=torch.tensor(firsts, device=dev))
+    alone = kernel(*args, gate=gate, num_splits=4, block_n=16)
+    with torch_only():
+        ref = attention_ops.paged_decode_attention(q.cpu().float(), rows_k.cpu().float(), rows_v.cpu().float(),
+                                                   tables, lens, bs, hd ** -0.5, gate=gate.cpu().float())
+    assert rel(out, ref) <= max(tol, 2e-5) and rel(alone, ref) <= max(tol, 2e-5)
+
+
 @pytest.mark.parametrize("n_exp,top_k", [(256, 8), (10, 3)])  # real routing; non-power-of-two counts
 def test_moe_route(env, n_exp, top_k):
     dev, dtype, tol, k, real = env
@@ -308,9 +340,11 @@ def test_new_kernels_compile_for_hopper(kernel):
 def test_paged_decode_does_not_specialise_the_table_width():
     """The block tables' width (the batch's longest sequence in blocks) is an integer Triton would specialise when it
     is 1 or a multiple of 16; it is not, so a sequence growing past 16 or 32 blocks compiles nothing mid-request (an
-    MTP head's eager catch-up did: 0.45 s on an H100). The GPU test below counts the compiled variants."""
+    MTP head's eager catch-up did: 0.45 s on an H100). Nor is the row count (1 at batch 1). The GPU test below counts
+    the compiled variants."""
     from hf2q.kernels.attention import paged_triton
-    assert [p.name for p in paged_triton._paged_decode_kernel.params if p.do_not_specialize] == ["stride_bt"]
+    assert [p.name for p in paged_triton._paged_decode_kernel.params if p.do_not_specialize] == ["num_rows",
+                                                                                                 "stride_bt"]
 
 
 @pytest.mark.gpu

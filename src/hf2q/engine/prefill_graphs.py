@@ -91,9 +91,11 @@ class PrefillGraphs:
         n, s = self.buckets[-1], max_seqs + PADDING_SEQS
         # one int64 pack: ids, positions, (unused) row slots, slot mapping, context lengths, block tables, then
         # the sequences' slots (the padding sequences last), their row offsets, the rows whose logits are
-        # wanted (each sequence's last, or its last POSITIONS) and the (sequence, row) whose states are kept
+        # wanted (each sequence's last, or its last POSITIONS), the (sequence, row) whose states are kept, and each
+        # row's sequence's first row (the attention kernel reads a sequence's keys once for several of its rows; a
+        # padding row is its own)
         self._logit_rows = max_seqs * (POSITIONS if verify else 1)
-        self._sizes = (s, s + 1, self._logit_rows, 2)
+        self._sizes = (s, s + 1, self._logit_rows, 2, n)
         self._fields = 5 * n + n * self.width + sum(self._sizes)
         self._host = torch.zeros(self._fields, dtype=torch.long, pin_memory=dev.type == "cuda")
         self._dev = torch.zeros(self._fields, dtype=torch.long, device=dev)
@@ -122,7 +124,7 @@ class PrefillGraphs:
 
     def _views(self, pack: torch.Tensor, b: int):
         """ids, positions, slot mapping, context lengths, block tables (b rows each), then the sequences' slots,
-        row offsets, logit rows and the kept (sequence, row)."""
+        row offsets, logit rows, the kept (sequence, row) and the rows' sequences' first rows."""
         n = self.buckets[-1]
         ids, pos, _, mapping, lens = (pack[i * n: i * n + b] for i in range(5))
         tail = 5 * n + n * self.width
@@ -158,17 +160,19 @@ class PrefillGraphs:
         k = self._logit_rows // self.max_seqs  # each sequence's last k rows (the first repeated where it has fewer)
         logit_rows = [max(first, first + len(new) - k + p) for (new, _, _), first in zip(seqs, cu)
                       for p in range(k)] + [b - 1] * (k * empty)
-        host[5 * n + n * self.width:] = slots + cu + logit_rows + list(keep)
+        firsts = [first for (new, _, _), first in zip(seqs, cu) for _ in new]
+        firsts += range(len(firsts), n)
+        host[5 * n + n * self.width:] = slots + cu + logit_rows + list(keep) + firsts
         self._lens[b] = lens
 
     def _batch(self, b: int) -> ForwardBatch:
-        ids, pos, mapping, lens, tables, slots, cu = self._views(self._dev, b)[:7]
+        ids, pos, mapping, lens, tables, slots, cu, _, _, firsts = self._views(self._dev, b)
         seq_lens = list(self._lens[b])
         starts = [0] * len(seq_lens)
         meta = FastMeta(decode=False, seq_lens=seq_lens, start_lens=starts, cu_seqlens=cu[:len(seq_lens) + 1],
                         slots=slots, slot_mapping=mapping, block_tables=tables, context_lens=lens,
                         block_size=self.block_size, rows_paged=True, kept_positions=self.kept, live_seqs=self.max_seqs,
-                        state_inside=self.inside)
+                        state_inside=self.inside, row_firsts=firsts[:b])
         return ForwardBatch(ids, pos, seq_lens, starts, [self.pad_slot] * len(seq_lens), self.cache,
                             extras={"fast_meta": meta})
 

@@ -34,6 +34,9 @@ class FastMeta:
     # such a step's DeltaNet runs on the state pools in place (gdn_ops.gdn_verify_), reading the row offsets
     # from the device only.
     rows_paged: bool = False
+    # [rows] each row's sequence's first row, in a rows_paged step: the paged attention kernel reads a sequence's
+    # keys once for a group of its rows (None: each row alone)
+    row_firsts: Optional[torch.Tensor] = None
     # A verify step replayed in a graph keeps each sequence's DeltaNet states after each of its first rows
     # (hf2q.spec.states.KeptPositions), in a layout fixed at capture.
     kept_positions: Optional["KeptPositions"] = None

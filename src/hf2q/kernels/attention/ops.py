@@ -52,7 +52,8 @@ def gated_causal_attention(q, k, v, gate, batch: ForwardBatch, kv: LayerKV | Non
     meta = fast_meta(batch)
     if kv is not None and (meta.decode or meta.rows_paged):
         out = paged_decode_attention(q, kv.k_rows, kv.v_rows, meta.block_tables, meta.context_lens,
-                                     meta.block_size, scale, gate=gate, pool=kv.pool, sides=kv.sides)
+                                     meta.block_size, scale, gate=gate, pool=kv.pool, sides=kv.sides,
+                                     row_firsts=meta.row_firsts)
         return out.reshape(t, -1)
     out = _each_sequence(q, k, v, batch, kv, scale, fused=True)
     return out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
@@ -95,16 +96,18 @@ def _over_prefix_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start:
 
 
 def paged_decode_attention(q, k_rows, v_rows, block_tables, context_lens, block_size: int, scale: float,
-                           gate=None, pool=None, sides=None):
+                           gate=None, pool=None, sides=None, row_firsts=None):
     """q: [B, nh, hd]; k_rows/v_rows: flat payload rows [rows, nkv, hd] of `pool` (None: a dense pool's rows) and,
     for a compressed pool, sides = its (K, V) side values [rows, nkv]; a compressed pool's rows are decoded as its
-    `decode` does. Returns [B, nh, hd], times sigmoid(gate) ([B, nh, hd]) when given."""
+    `decode` does. Returns [B, nh, hd], times sigmoid(gate) ([B, nh, hd]) when given. row_firsts (each row's
+    sequence's first row) lets the kernel read a sequence's keys once for several rows; the result is the same."""
     compressed = pool is not None and not pool.is_dense
     k_side, v_side = sides if compressed else (None, None)
     if triton_runs(q):
         from hf2q.kernels.attention.paged_triton import paged_decode_attention as kernel
         return kernel(q, k_rows, v_rows, block_tables, context_lens, block_size, scale, gate=gate,
-                      kv_format=pool.format if compressed else None, k_side=k_side, v_side=v_side)
+                      kv_format=pool.format if compressed else None, k_side=k_side, v_side=v_side,
+                      row_firsts=row_firsts)
     longest = block_tables.shape[1] * block_size
     pos = torch.arange(longest, device=q.device)
     rows = block_tables.long()[:, pos // block_size] * block_size + pos % block_size  # [B, L]
