@@ -109,9 +109,15 @@ def test_greedy_agreement_against_the_bf16_yardstick(copier):
     Measured (CPU): every format agrees for all 256 tokens, dense and MoE. Smallest margins, fp32 / bf16 / tq8 / fp8
     K/V: dense 7.29 / 7.23 / 7.27 / 6.45, MoE 6.96 / 6.96 / 6.95 / 5.57.
     """
-    runs = {fmt: greedy(copier, fmt, prompt=COPY_PROMPT) for fmt in ("float32", "bfloat16", "fp8", "tq8")}
+    assert_copier_agreement(copier)
+
+
+def assert_copier_agreement(copier, **run) -> None:
+    """The copier's fp32-K/V greedy run copies every token by a margin of 2 logits or more, and tq8 and fp8 K/V
+    agree with it at least as long as bf16 K/V does (`run`: greedy's device and cuda_graphs)."""
+    runs = {fmt: greedy(copier, fmt, prompt=COPY_PROMPT, **run) for fmt in ("float32", "bfloat16", "fp8", "tq8")}
     tokens, logits = runs["float32"]
-    smallest = {fmt: round(margins(run[1]).min().item(), 2) for fmt, run in runs.items()}
+    smallest = {fmt: round(margins(r[1]).min().item(), 2) for fmt, r in runs.items()}
     lengths = {fmt: agreed(runs[fmt][0], tokens) for fmt in ("bfloat16", "fp8", "tq8")}
     print("smallest top-1 margin:", smallest, "greedy agreement with fp32 K/V (tokens of 256):", lengths)
     assert agreed(tokens, COPIED) == STEPS and smallest["float32"] >= 2.0
@@ -202,7 +208,8 @@ def test_cuda_graphs_with_compressed_pools_stay_within_the_cpu_bounds(kind, requ
     tq8 / fp8 / bf16 K/V, graph-replayed and fed fp32 K/V's greedy tokens, stay within the CPU test's bounds of
     fp32 K/V's (test_logits_with_compressed_kv_stay_close_to_fp32_kv), and each format's own greedy run agrees
     with fp32 K/V's at least as far as the floors the random fixtures' 256-step CPU runs gave (dense tq8 172, fp8 44;
-    MoE tq8 17, fp8 10; the floors are half the MoE's)."""
+    MoE tq8 17, fp8 10; the floors are half the MoE's). On the trained copier, graph-replayed, tq8 and fp8 agree
+    with fp32 K/V at least as long as bf16 does over 256 tokens, as on the CPU."""
     model = hf2q.load(request.getfixturevalue(f"gguf_{kind}_f32"), device="cuda")
 
     def run(fmt, steps, forced=None):
@@ -216,3 +223,4 @@ def test_cuda_graphs_with_compressed_pools_stay_within_the_cpu_bounds(kind, requ
     lengths = {fmt: agreed(run(fmt, 64)[0], greedy_base) for fmt in ("bfloat16", "fp8", "tq8")}
     print("CUDA graphs, greedy agreement with fp32 K/V (tokens of 64):", lengths)
     assert lengths["tq8"] >= 8 and lengths["fp8"] >= 5
+    assert_copier_agreement(hf2q.load(copier_gguf(kind), device="cuda"), device="cuda", cuda_graphs=True)
