@@ -61,3 +61,11 @@ def test_quant_plan_rejects_unknown_mix():
         net = Qwen35Model(tiny_config())
     with pytest.raises(ValueError):
         quant_plan(net, "q3_k_s")
+
+
+def test_dense_copies_without_quantized_weights_are_refused(capsys):
+    """`hf2q bench --batched-weights dense` without `--quant` would copy nothing: refused by name, not ignored."""
+    from hf2q.bench import main
+
+    assert main(["--batched-weights", "dense"]) == 2
+    assert "--quant" in capsys.readouterr().out

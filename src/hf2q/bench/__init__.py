@@ -26,6 +26,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-new", type=int, default=32, help="tokens HF generates per timing (0: skip HF)")
     p.add_argument("--quant", choices=QUANT_MIXES, default=None,
                    help="weights as random GGUF blocks of this mix, multiplied by the quantized kernels")
+    p.add_argument("--batched-weights", choices=("quantized", "dense"), default="quantized",
+                   help="with --quant: dense keeps a dequantized copy of every quantized projection, which steps of "
+                        "16+ rows multiply (as `hf2q serve --batched-weights`); the ceilings still count the blocks, "
+                        "the bytes a step must read")
     p.add_argument("--json", default=None, help="also write every figure to this JSON file")
     p.add_argument("--profile-prefill", action="store_true", help="also print the prefill's GPU time per kernel")
     p.add_argument("--spec-accept", type=int, nargs="+", default=None, metavar="L",
@@ -226,6 +230,8 @@ def bench_shape(shape: str, args) -> dict:
     else:
         net = random_model(cfg, tie=tie, device="cuda", dtype=torch.bfloat16)
     report["quant"] = args.quant or "bf16"
+    if args.quant and getattr(args, "batched_weights", "quantized") == "dense":
+        report["dense_copies_GB"] = net.keep_dense_weights(torch.bfloat16) / 1e9
     report["params_B"] = (matrix_elems(net) + net.embed.numel()) / 1e9
     report["weight_GB"] = weight_bytes(net) / 1e9
     report["prefill_ceiling_tok_s"] = prefill_ceiling(net, cfg, args.prefill, flops)
@@ -263,6 +269,9 @@ def format_table(r: dict, batches) -> str:
 def run_bench(args) -> int:
     if getattr(args, "profile_spec", False) and not args.spec_accept:
         print("hf2q bench: --profile-spec profiles the --spec-accept rounds; give --spec-accept too")
+        return 2
+    if getattr(args, "batched_weights", "quantized") == "dense" and not args.quant:
+        print("hf2q bench: --batched-weights dense copies quantized blocks; give --quant too")
         return 2
     if not torch.cuda.is_available():
         print("hf2q bench needs a CUDA GPU")
