@@ -124,7 +124,7 @@ class PrefixCache:
         self._entries[key_tokens] = Checkpoint(key, key_tokens)
         self._block_refs.update(self.cache.retained_blocks(key))
         if self.disk is not None:
-            self._write(slot, key_tokens, states)
+            self.disk.save(self.cache, slot, key_tokens, states)
         while self._entries and self.nbytes > self.budget_bytes:
             self._evict_lru()
 
@@ -141,11 +141,6 @@ class PrefixCache:
             if keep is None or tokens != keep.tokens:
                 self._evict(tokens)
         return pool.num_free_blocks >= blocks
-
-    def _write(self, slot: int, tokens: tuple[int, ...], states: Optional[LinearStates]) -> None:
-        nbytes = len(tokens) * self.cache.bytes_per_token + self.cache.fixed_bytes_per_slot
-        if self.disk.wants(tokens, nbytes):  # the snapshot is a copy: skip it when the write would be dropped
-            self.disk.put(tokens, self.cache.snapshot(slot, len(tokens), states))
 
     def _load(self, ckpt: Checkpoint, slot: int) -> int:
         loaded = self._loaded

@@ -6,6 +6,8 @@ version, model fingerprint, token count, sha256 of the tensors). Files are writt
 bounded queue (a full queue drops the write: a checkpoint is an optimisation), to a temp file that is fsynced and
 renamed, so a reader sees a whole file or none. A file that does not load, does not match its checksum or comes from
 another model is a miss and one log line; a write that fails (full disk, read-only directory) never fails a request.
+Under tensor parallelism each rank keeps its own shard of every checkpoint in a store of its own
+(`hf2q.distributed.shard_store`).
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
-from hf2q.cache.hybrid import CacheSnapshot
+from hf2q.cache.hybrid import CacheSnapshot, HybridCache, LinearStates
 from hf2q.cache.kv_pool import format_identity
 from hf2q.config import CacheConfig
 
@@ -34,11 +36,12 @@ _EDGE = 1 << 20  # bytes read at each end of the GGUF for its fingerprint
 
 
 def fingerprint(model_path: str | os.PathLike, chat_template: str, cache_config: CacheConfig,
-                device_type: str) -> str:
+                device_type: str, rank: int = 0, world: int = 1) -> str:
     """What makes a saved state valid: the GGUF's identity (size, first and last MiB: header, metadata,
     tensor infos and the tail of the data), the chat template, the cache layout (with the K/V format's codebook
     width, sign table and codebook), the device kind (CUDA
-    and CPU kernels round differently) and this file format's version."""
+    and CPU kernels round differently), this file format's version and, under tensor parallelism, the group's
+    size and this rank (a shard of another split holds other heads)."""
     h = hashlib.sha256()
     size = os.path.getsize(model_path)
     with open(model_path, "rb") as f:
@@ -48,9 +51,28 @@ def fingerprint(model_path: str | os.PathLike, chat_template: str, cache_config:
     cc = cache_config
     for part in (str(size), chat_template or "", str(cc.block_size), format_identity(cc.kv_dtype), cc.state_dtype,
                  device_type,
-                 FORMAT_VERSION):
+                 FORMAT_VERSION) + ((f"tp{world}.{rank}",) if world > 1 else ()):
         h.update(b"\0" + part.encode())
     return h.hexdigest()
+
+
+def model_fingerprint(model, cache_config: CacheConfig, rank: int = 0, world: int = 1) -> str:
+    """`fingerprint` of a loaded `Model`'s file, chat template and device."""
+    template = getattr(model.chat_template, "source", "")
+    return fingerprint(model.path, template, cache_config, model.device.type, rank, world)
+
+
+def _make_private_dir(path: Path) -> None:
+    """Create `path` and any missing parent 0700 (mkdir -p would leave the parents world-readable)."""
+    for d in [*reversed(path.parents), path]:
+        if not d.exists():
+            d.mkdir(mode=0o700, exist_ok=True)
+    path.chmod(0o700)
+
+
+def file_name(tokens: tuple[int, ...]) -> str:
+    """A checkpoint's file name (the same in every tensor-parallel rank's directory)."""
+    return hashlib.sha256(repr(tokens).encode()).hexdigest()[:32] + ".safetensors"
 
 
 def _digest(tensors: dict[str, torch.Tensor]) -> str:
@@ -80,8 +102,7 @@ class PrefixStore:
         self._seq = 0
         self._used: dict[str, int] = {}  # file name -> order of its last use in this process (mtimes are coarse)
         try:
-            self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-            self.dir.chmod(0o700)
+            _make_private_dir(self.dir)
         except OSError as err:
             log.warning("prefix cache dir %s: %s (checkpoints are not written)", self.dir, err)
         self._remove_orphans()
@@ -141,10 +162,21 @@ class PrefixStore:
 
     def load(self, tokens: tuple[int, ...]) -> Optional[CacheSnapshot]:
         """The checkpoint of exactly `tokens`, or None (logged, and forgotten) when its file is bad."""
+        try:
+            return self.read(tokens)
+        except LookupError:
+            return None
+        except ValueError as err:
+            log.warning("prefix cache: %s; a miss", err)
+            return None
+
+    def read(self, tokens: tuple[int, ...]) -> CacheSnapshot:
+        """The checkpoint of exactly `tokens`: LookupError when none is stored, ValueError (naming the file, which
+        is then forgotten) when it does not load or verify."""
         with self._lock:
             path = self._index.get(tokens)
         if path is None:
-            return None
+            raise LookupError(f"no checkpoint of {len(tokens)} tokens")
         try:
             with safe_open(str(path), framework="pt") as f:
                 meta = f.metadata() or {}
@@ -154,19 +186,31 @@ class PrefixStore:
             if meta.get("sha256") != _digest(t) or int(meta.get("num_tokens", -1)) != len(tokens):
                 raise ValueError("checksum mismatch")
         except Exception as err:
-            log.warning("prefix cache: %s does not load (%s); a miss", path.name, err)
-            with self._lock:
-                self._index.pop(tokens, None)
-            return None
+            self.forget(tokens)
+            raise ValueError(f"{path.name} does not load ({err})") from err
         self._touch(path)
         return CacheSnapshot(len(tokens), t["k"], t["v"], t["conv"], t["recurrent"], t.get("k_side"), t.get("v_side"))
 
+    def forget(self, tokens: tuple[int, ...]) -> None:
+        """Drop a checkpoint from the index (its file stays until evicted)."""
+        with self._lock:
+            self._index.pop(tokens, None)
+
     # ---- writing --------------------------------------------------------------------------------
-    def put(self, tokens: tuple[int, ...], snapshot: CacheSnapshot) -> None:
-        """Queue a checkpoint for writing; dropped when already stored or when the queue is full."""
+    def save(self, cache: HybridCache, slot: int, tokens: tuple[int, ...], states: Optional[LinearStates] = None
+             ) -> bool:
+        """Queue the checkpoint of `tokens` that `slot` holds (see `HybridCache.snapshot`); whether it was queued.
+        The snapshot is a copy, so it is taken only when the write would be queued."""
+        nbytes = len(tokens) * cache.bytes_per_token + cache.fixed_bytes_per_slot
+        if not self.wants(tokens, nbytes):
+            return False
+        return self.put(tokens, cache.snapshot(slot, len(tokens), states))
+
+    def put(self, tokens: tuple[int, ...], snapshot: CacheSnapshot) -> bool:
+        """Queue a checkpoint for writing; dropped (False) when already stored or when the queue is full."""
         if not self.wants(tokens, snapshot.nbytes):
             log.debug("prefix cache: write queue full; checkpoint of %d tokens not written", len(tokens))
-            return
+            return False
         with self._lock:
             self._pending_bytes += snapshot.nbytes
         try:
@@ -174,6 +218,8 @@ class PrefixStore:
         except queue.Full:
             with self._lock:
                 self._pending_bytes -= snapshot.nbytes
+            return False
+        return True
 
     def wants(self, tokens: tuple[int, ...], nbytes: int) -> bool:
         """Whether a checkpoint of `tokens` (`nbytes`) would be queued; callers skip the snapshot otherwise.
@@ -210,7 +256,7 @@ class PrefixStore:
         meta = {"format": FORMAT_VERSION, "fingerprint": self.fingerprint, "num_tokens": str(len(tokens)),
                 "sha256": _digest(t)}
         data = save(t, metadata=meta)
-        name = hashlib.sha256(repr(tokens).encode()).hexdigest()[:32] + ".safetensors"
+        name = file_name(tokens)
         tmp = self.dir / f".{name}.{os.getpid()}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -251,8 +297,11 @@ class PrefixStore:
         for _, _, size, path in files:
             if total <= self.budget_bytes:
                 break
-            path.unlink(missing_ok=True)
+            self._remove(path)
             total -= size
             with self._lock:
                 for tokens in [k for k, p in self._index.items() if p == path]:
                     del self._index[tokens]
+
+    def _remove(self, path: Path) -> None:
+        path.unlink(missing_ok=True)

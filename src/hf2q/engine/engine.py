@@ -12,7 +12,7 @@ import torch
 from hf2q import envs
 from hf2q.cache.hybrid import HybridCache
 from hf2q.cache.prefix_cache import PrefixCache
-from hf2q.cache.prefix_store import PrefixStore, fingerprint
+from hf2q.cache.prefix_store import PrefixStore, model_fingerprint
 from hf2q.config import CacheConfig
 from hf2q.engine.overlap import LaunchedStep
 from hf2q.engine.prefill_graphs import MAX_ROWS
@@ -48,14 +48,6 @@ class EngineConfig:
     short_prefill_graphs: bool = False
 
 
-def _disk_store(model: Model, cc: CacheConfig) -> Optional[PrefixStore]:
-    if not cc.prefix_cache_dir:
-        return None
-    template = getattr(model.chat_template, "source", "")
-    return PrefixStore(cc.prefix_cache_dir, cc.prefix_cache_disk_bytes,
-                       fingerprint(model.path, template, cc, model.device.type))
-
-
 class Engine:
     cache_class: type[HybridCache] = HybridCache  # a tensor-parallel rank 0 builds one that logs its slot operations
 
@@ -65,7 +57,7 @@ class Engine:
         self.max_model_len = min(config.max_model_len, model.config.context_length)
         self.cache = self.cache_class(model.config, config.cache, device=model.device)
         cc = config.cache
-        self.prefix = PrefixCache(self.cache, cc.prefix_cache_bytes, _disk_store(model, cc)) \
+        self.prefix = PrefixCache(self.cache, cc.prefix_cache_bytes, self._disk_store(model, cc)) \
             if cc.prefix_cache_bytes > 0 else None
         self.scheduler = Scheduler(self.cache, config.scheduler, self.prefix, cc.prefix_checkpoint_stride)
         self.spec = Speculator(config.spec, self.cache, model.net) if config.spec.enabled else None
@@ -176,6 +168,12 @@ class Engine:
         with compile_candidates_in_parallel(self._compile_workers()) as compiled:
             self._warm_up()
         log.info("warm-up: %s", compiled)
+
+    def _disk_store(self, model: Model, cc: CacheConfig) -> Optional[PrefixStore]:
+        """The checkpoint files of `--prefix-cache-dir`, if set (a tensor-parallel rank 0 keeps its shard's)."""
+        if not cc.prefix_cache_dir:
+            return None
+        return PrefixStore(cc.prefix_cache_dir, cc.prefix_cache_disk_bytes, model_fingerprint(model, cc))
 
     def _compile_workers(self) -> int | None:
         """Threads for the warm-up's side-by-side compiles: None, as many as the host has cores."""
