@@ -8,6 +8,7 @@ import pytest
 from hf2q.cache.hybrid import CacheFull, HybridCache, NoFreeSlot
 from hf2q.config import CacheConfig, ModelConfig
 from hf2q.distributed.engine import RecordingCache, replay
+from hf2q.distributed.shard_store import ShardFiles
 
 MC = ModelConfig(arch="qwen35", hidden_size=8, num_layers=4, num_mtp_layers=0, num_heads=2, num_kv_heads=1,
                  head_dim=4, rms_norm_eps=1e-6, context_length=64, rope_theta=1e4, rotary_dim=4,
@@ -63,9 +64,11 @@ def test_random_slot_operations_replay_to_the_same_layout():
     assert [follower.retained_blocks(k) for k in kept] == [leader.retained_blocks(k) for k in kept]
 
 
-def test_restore_is_refused_under_tensor_parallelism():
-    cache = recording()
-    slot = cache.acquire()
-    snap = cache.snapshot(slot)
-    with pytest.raises(NotImplementedError, match="tensor parallelism"):
-        cache.restore(slot, snap)
+def test_a_restore_this_rank_has_not_loaded_fails_loudly():
+    """A rank restores only the shard it loaded when rank 0 asked (`ShardFiles.answer`): one it does not hold
+    means the ranks diverged, and computing on would give wrong answers."""
+    leader, follower = recording(), HybridCache(MC, CC)
+    slot = leader.acquire()
+    leader.restore(slot, leader.snapshot(slot))
+    with pytest.raises(RuntimeError, match="diverged"):
+        replay(follower, leader.drain(), ShardFiles(None, None))

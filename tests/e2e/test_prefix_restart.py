@@ -1,10 +1,12 @@
 """Prefix checkpoints outlive the server: serve with `--prefix-cache-dir`, chat, stop with SIGINT, serve again
-on the same directory, and the next turn of the conversation resumes from the file its first turn left."""
+on the same directory, and the next turn of the conversation resumes from the file its first turn left (with
+two tensor-parallel ranks: from each rank's shard of it)."""
 from __future__ import annotations
 
 import signal
 
 import openai
+import pytest
 
 from tests.e2e.conftest import Server
 
@@ -18,9 +20,10 @@ def _chat(server: Server, messages: list[dict]):
     return client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, temperature=0)
 
 
-def test_next_turn_after_a_restart_hits_from_disk(served_model_path, tmp_path):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_next_turn_after_a_restart_hits_from_disk(served_model_path, tmp_path, tp):
     store = tmp_path / "prefixes"
-    flags = [*FLAGS, "--prefix-cache-dir", str(store)]
+    flags = [*FLAGS, "--prefix-cache-dir", str(store), "--tensor-parallel-size", str(tp)]
     first = Server(served_model_path, flags, tmp_path / "first.log")
     try:
         assert _chat(first, MESSAGES).usage.prompt_tokens_details.cached_tokens == 0
@@ -28,7 +31,9 @@ def test_next_turn_after_a_restart_hits_from_disk(served_model_path, tmp_path):
         first.proc.send_signal(signal.SIGINT)
         assert first.proc.wait(timeout=30) in (0, 130), first.log()  # 130: stopped by SIGINT, cleanly
         first._log.close()
-    assert list(store.glob("*.safetensors")), first.log()
+    files = [sorted(p.name for p in store.glob("*.safetensors" if tp == 1 else f"tp2/rank{r}/*.safetensors"))
+             for r in range(tp)]
+    assert files[0] and all(f == files[0] for f in files), first.log()  # every rank wrote its shard
     follow_up = [*MESSAGES, {"role": "assistant", "content": "Blue."}, {"role": "user", "content": "Another?"}]
     second = Server(served_model_path, flags, tmp_path / "second.log")
     try:

@@ -5,7 +5,8 @@ The ranks' caches must agree on which rows of the K/V pools a position uses. Rat
 block tables, rank 0 logs each slot operation of its cache (acquire, reserve, release, ...) and the
 other ranks replay the log on their own cache before the forward: the block manager is deterministic,
 so the same calls give the same layout. Only token ids, positions and the log cross the wire; K/V and
-DeltaNet state never do.
+DeltaNet state never do (with `--prefix-cache-dir`, each rank writes and reads its own shard of a
+checkpoint: `hf2q.distributed.shard_store`).
 """
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from hf2q.cache.hybrid import HybridCache
+from hf2q.cache.hybrid import CacheSnapshot, HybridCache
 from hf2q.config import CacheConfig, ModelConfig
+from hf2q.distributed.shard_store import LoadQuery, ShardedStore, ShardFiles, rank_store
 from hf2q.engine.engine import Engine, EngineConfig
 from hf2q.engine.request import Request, RequestOptions
 from hf2q.engine.runner import ModelRunner
@@ -24,6 +26,7 @@ from hf2q.forward import ForwardBatch
 from hf2q.model import Model
 
 _LOGGED = ("acquire", "release", "reset", "reserve", "commit", "truncate", "fork", "retain", "resume", "drop")
+_ON_DISK = ("save", "restore")  # a checkpoint's shard written to, or restored from, this rank's store
 
 
 class RecordingCache(HybridCache):
@@ -37,69 +40,72 @@ class RecordingCache(HybridCache):
         self.log: list = []
         self.recording = True
 
-    def _record(self, name: str, *args) -> None:
+    def record(self, name: str, *args) -> None:
         if self.recording:
             self.log.append((name, args))
 
     def acquire(self) -> int:
         slot = super().acquire()
-        self._record("acquire", slot)
+        self.record("acquire", slot)
         return slot
 
     def release(self, slot: int) -> None:
         super().release(slot)
-        self._record("release", slot)
+        self.record("release", slot)
 
     def reset(self, slot: int) -> None:
         super().reset(slot)
-        self._record("reset", slot)
+        self.record("reset", slot)
 
     def reserve(self, slot: int, new_len: int) -> None:
         super().reserve(slot, new_len)
-        self._record("reserve", slot, new_len)
+        self.record("reserve", slot, new_len)
 
     def commit(self, slot: int, new_len: int) -> None:
         super().commit(slot, new_len)
-        self._record("commit", slot, new_len)
+        self.record("commit", slot, new_len)
 
     def truncate(self, slot: int, new_len: int) -> None:
         super().truncate(slot, new_len)
-        self._record("truncate", slot, new_len)
+        self.record("truncate", slot, new_len)
 
     def fork(self, src: int, dst: int) -> None:
         super().fork(src, dst)
-        self._record("fork", src, dst)
+        self.record("fork", src, dst)
 
     def retain(self, slot: int, key: str, n=None, states=None) -> None:  # each rank retains its own shard
         if states is not None:  # never asked: keeps_states_inside_a_chunk is False here
             raise NotImplementedError("the other ranks cannot retain states kept inside a chunk")
         super().retain(slot, key)
-        self._record("retain", slot, key)
+        self.record("retain", slot, key)
 
     def resume(self, key: str, slot: int) -> int:
         n = super().resume(key, slot)
-        self._record("resume", key, slot)
+        self.record("resume", key, slot)
         return n
 
     def drop(self, key: str) -> None:
         super().drop(key)
-        self._record("drop", key)
+        self.record("drop", key)
 
-    def restore(self, slot, snap) -> None:
-        raise NotImplementedError("prefix restore is not supported under tensor parallelism yet: "
-                                  "each rank would need its own shard of the snapshot")
+    def restore(self, slot: int, snap: CacheSnapshot) -> None:  # each rank restores the shard it loaded
+        super().restore(slot, snap)
+        self.record("restore", slot, snap.num_tokens)
 
     def drain(self) -> list:
         log, self.log = self.log, []
         return log
 
 
-def replay(cache: HybridCache, log: list) -> None:
-    """Apply rank 0's slot operations to this rank's cache, in order."""
+def replay(cache: HybridCache, log: list, files: ShardFiles | None = None) -> None:
+    """Apply rank 0's slot operations to this rank's cache, in order (checkpoint writes and restores through
+    `files`)."""
     for name, args in log:
-        if name not in _LOGGED:
+        if name in _ON_DISK and files is not None:
+            getattr(files, name)(cache, *args)
+        elif name not in _LOGGED:
             raise ValueError(f"unknown cache operation {name!r}")
-        if name == "acquire":
+        elif name == "acquire":
             slot = cache.acquire()
             if slot != args[0]:
                 raise RuntimeError(f"cache replay diverged: acquired slot {slot}, rank 0 got {args[0]}")
@@ -120,7 +126,7 @@ class StepMessage:
     logit_rows: list[int] = field(default_factory=list)
 
 
-def broadcast(msg: StepMessage | None, group) -> StepMessage | None:
+def broadcast(msg: StepMessage | None, group) -> StepMessage | LoadQuery | None:
     box = [msg]
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
     return box[0]
@@ -159,10 +165,10 @@ class TPEngine(Engine):
     cache_class = RecordingCache
 
     def __init__(self, model: Model, config: EngineConfig = EngineConfig(), group=None):
+        self.group = group
         super().__init__(model, config)
         self.runner = TPRunner(model.net, self.cache, group)
         self.scheduler.graphed_prefill_rows = 0  # the runner replays no graphs
-        self.group = group
         self.async_scheduling = False  # the other ranks replay steps whose input ids the host knows
 
     def add_request(self, prompt_ids, params, request_id=None, options: RequestOptions = RequestOptions()):
@@ -172,6 +178,11 @@ class TPEngine(Engine):
         if options.images:
             raise ValueError("images are not supported with tensor parallelism")
         return super().add_request(prompt_ids, params, request_id, options)
+
+    def _disk_store(self, model: Model, cc: CacheConfig) -> ShardedStore | None:
+        if not cc.prefix_cache_dir:
+            return None
+        return ShardedStore(model, cc, self.group, dist.get_world_size(self.group))
 
     def _warm_up(self) -> None:
         """On CUDA, warm_up_requests (the group captures no decode graphs); elsewhere nothing compiles."""
@@ -188,6 +199,8 @@ class TPEngine(Engine):
         return _compile_workers(self.group)
 
     def close(self) -> None:
+        if self.cache.log:  # operations since the last step (a finished request's checkpoint and release)
+            broadcast(StepMessage(self.cache.drain(), [], [], [], [], []), self.group)
         broadcast(None, self.group)
 
 
@@ -211,8 +224,17 @@ def _compile_workers(group) -> int:
 def _serve_steps(model: Model, config: EngineConfig, group) -> None:
     cache = HybridCache(model.config, config.cache, device=model.device)
     net, device = model.net, model.device
+    cc = config.cache
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    files = ShardFiles(rank_store(model, cc, rank, world) if cc.prefix_cache_dir and cc.prefix_cache_bytes > 0
+                       else None, group)
     while (msg := broadcast(None, group)) is not None:
-        replay(cache, msg.log)
+        if isinstance(msg, LoadQuery):
+            files.answer(msg)
+            continue
+        replay(cache, msg.log, files)
+        if not msg.slots:  # only the log, sent by rank 0 on closing
+            continue
         for slot, start, n in zip(msg.slots, msg.start_lens, msg.seq_lens):
             cache.reserve(slot, start + n)
         batch = ForwardBatch(torch.tensor(msg.input_ids, dtype=torch.long, device=device),
@@ -223,3 +245,4 @@ def _serve_steps(model: Model, config: EngineConfig, group) -> None:
             cache.commit(slot, start + n)
         if msg.logit_rows:  # the vocab-parallel head is a collective: take part, drop the result
             net.compute_logits(hidden[torch.tensor(msg.logit_rows, device=hidden.device)])
+    files.flush()  # rank 0 has closed: the shards still queued reach the disk

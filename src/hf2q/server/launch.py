@@ -256,8 +256,6 @@ def build_state(args):
     args.short_prefill_graphs = resolve_short_prefill_graphs(getattr(args, "short_prefill_graphs", None), device, tp)
     if tp != 1 and getattr(args, "batched_weights", "auto") == "dense":  # the other ranks load their own shards
         raise ValueError("--batched-weights dense does not work with --tensor-parallel-size yet")
-    if tp != 1 and getattr(args, "prefix_cache_dir", None):  # a rank's checkpoint holds only its shard
-        raise ValueError("--prefix-cache-dir does not work with --tensor-parallel-size yet")
     mmproj = _mmproj_path(args, path, is_demo)
     if tp != 1 and mmproj is not None:  # the vision tower runs on rank 0's side only
         raise ValueError("a vision projector (--mmproj, or one beside the model) does not work with "
