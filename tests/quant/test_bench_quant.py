@@ -63,9 +63,12 @@ def test_quant_plan_rejects_unknown_mix():
         quant_plan(net, "q3_k_s")
 
 
-def test_dense_copies_without_quantized_weights_are_refused(capsys):
-    """`hf2q bench --batched-weights dense` without `--quant` would copy nothing: refused by name, not ignored."""
+def test_dense_copy_flags_without_what_they_act_on_are_refused(capsys):
+    """`hf2q bench --batched-weights dense` without `--quant` would copy nothing, `--dense-rows` without the copies
+    would change nothing: refused by name, not ignored."""
     from hf2q.bench import main
 
     assert main(["--batched-weights", "dense"]) == 2
     assert "--quant" in capsys.readouterr().out
+    assert main(["--quant", "q4_k_m", "--dense-rows", "8"]) == 2
+    assert "--batched-weights dense" in capsys.readouterr().out

@@ -30,6 +30,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="with --quant: dense keeps a dequantized copy of every quantized projection, which steps of "
                         "16+ rows multiply (as `hf2q serve --batched-weights`); the ceilings still count the blocks, "
                         "the bytes a step must read")
+    p.add_argument("--dense-rows", type=int, default=None,
+                   help="with --batched-weights dense: the fewest rows that multiply the copies (the server's "
+                        "crossover, hf2q.kernels.linear.ops.DENSE_ROWS, is 16), to find where the copies win")
     p.add_argument("--json", default=None, help="also write every figure to this JSON file")
     p.add_argument("--profile-prefill", action="store_true", help="also print the prefill's GPU time per kernel")
     p.add_argument("--spec-accept", type=int, nargs="+", default=None, metavar="L",
@@ -232,6 +235,9 @@ def bench_shape(shape: str, args) -> dict:
     report["quant"] = args.quant or "bf16"
     if args.quant and getattr(args, "batched_weights", "quantized") == "dense":
         report["dense_copies_GB"] = net.keep_dense_weights(torch.bfloat16) / 1e9
+        if getattr(args, "dense_rows", None) is not None:
+            from hf2q.kernels.linear import ops as linear_ops
+            linear_ops.DENSE_ROWS = report["dense_rows"] = args.dense_rows
     report["params_B"] = (matrix_elems(net) + net.embed.numel()) / 1e9
     report["weight_GB"] = weight_bytes(net) / 1e9
     report["prefill_ceiling_tok_s"] = prefill_ceiling(net, cfg, args.prefill, flops)
@@ -272,6 +278,9 @@ def run_bench(args) -> int:
         return 2
     if getattr(args, "batched_weights", "quantized") == "dense" and not args.quant:
         print("hf2q bench: --batched-weights dense copies quantized blocks; give --quant too")
+        return 2
+    if getattr(args, "dense_rows", None) is not None and getattr(args, "batched_weights", "quantized") != "dense":
+        print("hf2q bench: --dense-rows sets where the dense copies take over; give --batched-weights dense too")
         return 2
     if not torch.cuda.is_available():
         print("hf2q bench needs a CUDA GPU")
