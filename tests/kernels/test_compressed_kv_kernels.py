@@ -206,8 +206,8 @@ def test_paged_decode_reads_codes_through_the_pipeline(fmt, block_n, warps):
 
     side = "*u8" if fmt == "fp8" else "*fp32"
     sig = {"q_ptr": "*bf16", "k_ptr": "*u8", "v_ptr": "*u8", "kside_ptr": side, "vside_ptr": side, "cb_ptr": "*fp16",
-           "sign_ptr": "*fp32", "bt_ptr": "*i32", "len_ptr": "*i32", "o_ptr": "*fp32", "lse_ptr": "*fp32",
-           "scale": "fp32"}
+           "sign_ptr": "*fp32", "bt_ptr": "*i32", "len_ptr": "*i32", "first_ptr": "*i32", "o_ptr": "*fp32",
+           "lse_ptr": "*fp32", "scale": "fp32", "num_rows": "i32"}
     sig.update({p.name: "i32" for p in paged_triton._paged_decode_kernel.params
                 if p.name.startswith("stride_")})
     const = dict(REP=4, REP_PAD=16, HD=256, BLOCK_SIZE=16, BLOCK_N=block_n, NSPLIT=8,
