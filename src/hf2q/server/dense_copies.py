@@ -49,5 +49,6 @@ def keep_dense_weights(net, device, dtype, asked: bool = True) -> None:
             return
     t0 = time.monotonic()
     kept = net.keep_dense_weights(dtype)
-    log.info("kept dense copies of the quantized projections for steps of %d+ rows: %.1f GiB in %.1f s", DENSE_ROWS,
-             kept / 2**30, time.monotonic() - t0)
+    log.info("kept dense copies of the quantized projections for steps of %d+ rows: %.1f GiB in %.1f s%s", DENSE_ROWS,
+             kept / 2**30, time.monotonic() - t0, "" if asked else " (--batched-weights auto: within a quarter of "
+             "the free memory; --batched-weights quantized keeps it for the K/V pool)")
