@@ -260,15 +260,15 @@ def test_bf16_model_within_the_exact_paths_bf16_error(env, moe):
 
 @pytest.mark.parametrize("kernel", ["route", "combine", "gemv", "gemv_glu", "gemv_glu_pipelined", "expert_gemv",
                                     "down_combine", "down_combine_pipelined", "norm_int8", "norm_int8_blocked",
-                                    "swiglu_int8", "swiglu_int8_blocked", "gdn_columns", "gdn_finish",
-                                    "gdn_finish_int8_blocked", "gdn_verify_columns", "gdn_verify_conv",
-                                    "gdn_verify_columns_keep", "gdn_verify_conv_keep"])
+                                    "swiglu_int8", "swiglu_int8_blocked", "gdn_columns", "gdn_columns_bf16_state",
+                                    "gdn_finish", "gdn_finish_int8_blocked", "gdn_verify_columns",
+                                    "gdn_verify_columns_bf16_state", "gdn_verify_conv", "gdn_verify_columns_keep",
+                                    "gdn_verify_conv_keep"])
 def test_new_kernels_compile_for_hopper(kernel):
     """The MoE kernels, the one-row GEMV (plain, with the SwiGLU epilogue, for MoE pairs, for the pairs' down
     projections with the combine), the int8-writing norm and SwiGLU (rows in either order) and the two-launch
     DeltaNet decode step, and the two of the DeltaNet verify step (keeping a verify's rows, or a prefill
-    graph's one row), compile to
-    sm_90 (the interpreter never runs the compiler). Needs Triton's bundled ptxas, not a GPU."""
+    graph's one row), the DeltaNet steps' first kernels also on a bf16 state pool, compile to sm_90 (the interpreter never runs the compiler). Needs Triton's bundled ptxas, not a GPU."""
     from hf2q.kernels.gdn import decode_triton as gdn_decode_triton
     from hf2q.kernels.gdn import verify_triton as gdn_verify_triton
     from hf2q.kernels.linear import gemv_triton
@@ -310,11 +310,13 @@ def test_new_kernels_compile_for_hopper(kernel):
                                          stride_g=i32, stride_u=i32, stride_o=i32),
                                     dict(BLOCK=2048, QUANT=True, BLOCKED=blocked))
            for suffix, blocked in (("", False), ("_blocked", True))},
-        "gdn_columns": (gdn_decode_triton._gdn_conv_columns_kernel,
-                        dict(x_ptr=ptr, cw_ptr="*fp32", conv_ptr=ptr, a_ptr=ptr, b_ptr=ptr, A_ptr="*fp32",
-                             dtb_ptr="*fp32", state_ptr="*fp32", slot_ptr="*i64", o_ptr="*fp32", ss_ptr="*fp32",
-                             stride_x=i32, stride_conv=i32, stride_ab=i32, stride_bb=i32, C=i32, NK=i32, NV=i32,
-                             scale="fp32", eps="fp32"), dict(DK=128, DV=128, SPLIT=4)),
+        **{f"gdn_columns{suffix}": (
+            gdn_decode_triton._gdn_conv_columns_kernel,
+            dict(x_ptr=ptr, cw_ptr="*fp32", conv_ptr=ptr, a_ptr=ptr, b_ptr=ptr, A_ptr="*fp32", dtb_ptr="*fp32",
+                 state_ptr=state, slot_ptr="*i64", o_ptr="*fp32", ss_ptr="*fp32", stride_x=i32, stride_conv=i32,
+                 stride_ab=i32, stride_bb=i32, C=i32, NK=i32, NV=i32, scale="fp32", eps="fp32"),
+            dict(DK=128, DV=128, SPLIT=4))
+           for suffix, state in (("", "*fp32"), ("_bf16_state", "*bf16"))},
         **{name: (gdn_decode_triton._gdn_conv_finish_kernel,
                   dict(x_ptr=ptr, conv_ptr=ptr, z_ptr=ptr, nw_ptr="*fp32", slot_ptr="*i64", o_ptr="*fp32",
                        ss_ptr="*fp32", out_ptr=ptr, xq_ptr="*i8", act_ptr="*fp32", stride_x=i32, stride_conv=i32,
@@ -324,10 +326,11 @@ def test_new_kernels_compile_for_hopper(kernel):
         **{f"gdn_verify_columns{suffix}": (
             gdn_verify_triton._verify_columns_kernel,
             dict(x_ptr=ptr, cw_ptr="*fp32", conv_ptr="*fp32", a_ptr=ptr, b_ptr=ptr, A_ptr="*fp32", dtb_ptr="*fp32",
-                 state_ptr="*fp32", slot_ptr="*i64", cu_ptr="*i64", o_ptr="*fp32", kept_ptr="*fp32", keep_ptr="*i64",
-                 keep_rec_ptr="*fp32", stride_x=i32, stride_conv=i32, stride_ab=i32, stride_bb=i32, C=i32, NK=i32,
+                 state_ptr=state, slot_ptr="*i64", cu_ptr="*i64", o_ptr="*fp32", kept_ptr=state, keep_ptr="*i64",
+                 keep_rec_ptr=state, stride_x=i32, stride_conv=i32, stride_ab=i32, stride_bb=i32, C=i32, NK=i32,
                  NV=i32, LIVE=i32, scale="fp32", eps="fp32"), dict(DK=128, DV=128, SPLIT=4, **modes))
-           for suffix, modes in (("", dict(PREFIXES=3)), ("_keep", dict(PREFIXES=0, KEEP=True)))},
+           for suffix, modes, state in (("", dict(PREFIXES=3), "*fp32"), ("_keep", dict(PREFIXES=0, KEEP=True), "*fp32"),
+                                        ("_bf16_state", dict(PREFIXES=3, KEEP=True), "*bf16"))},
         **{f"gdn_verify_conv{suffix}": (
             gdn_verify_triton._verify_conv_kernel,
             dict(x_ptr=ptr, conv_ptr="*fp32", slot_ptr="*i64", cu_ptr="*i64", kept_ptr="*fp32", keep_ptr="*i64",

@@ -32,14 +32,15 @@ def model(request):
 
 @torch.inference_mode()
 def greedy(model, fmt: str, steps: int = STEPS, forced: list[int] | None = None, device: str = "cpu",
-           cuda_graphs: bool = False, prompt: list[int] = PROMPT) -> tuple[list[int], torch.Tensor]:
-    """Greedy tokens and the logits of every step, decoding one token at a time through a `fmt` K/V pool
-    (feeding `forced` tokens instead of its own when given, so every format sees the same context); with
-    cuda_graphs the decode steps must have run in a captured graph."""
+           cuda_graphs: bool = False, prompt: list[int] = PROMPT,
+           state_dtype: str = "float32") -> tuple[list[int], torch.Tensor]:
+    """Greedy tokens and the logits of every step, decoding one token at a time through a `fmt` K/V pool and a
+    `state_dtype` DeltaNet state (feeding `forced` tokens instead of its own when given, so every format sees the
+    same context); with cuda_graphs the decode steps must have run in a captured graph."""
     blocks = -(-(len(prompt) + steps) // 16) + 1  # one more for the graphs' padding row
     slots = 2 if cuda_graphs else 1  # the graphs hold a padding slot of their own
-    cache = HybridCache(model.config, CacheConfig(num_slots=slots, num_blocks=blocks, block_size=16, kv_dtype=fmt),
-                        device=device)
+    cache = HybridCache(model.config, CacheConfig(num_slots=slots, num_blocks=blocks, block_size=16, kv_dtype=fmt,
+                                                  state_dtype=state_dtype), device=device)
     runner = ModelRunner(model.net, cache, cuda_graphs=cuda_graphs)
     req = Request("r", list(prompt), SamplingParams())
     req.slot = cache.acquire()

@@ -3,6 +3,10 @@
 K/V grows by token and lives in blocks (`BlockManager` decides which); DeltaNet conv/recurrent state is
 one fixed tensor per slot and cannot be truncated, so going back means restoring a snapshot or a
 captured state. Every operation names one slot and never touches another slot's data.
+
+The recurrent state is kept in `CacheConfig.state_dtype` (fp32, or bf16 at half the bytes a decode step
+reads and writes; the kernels compute in fp32 either way). The conv state stays fp32: it holds the last
+K-1 raw inputs, which are in the model's dtype already (bf16 on CUDA), and it is 5% of a slot's bytes.
 """
 from __future__ import annotations
 
@@ -53,10 +57,10 @@ def kv_bytes_per_token(mc: ModelConfig, kv_dtype: str) -> int:
 
 
 def state_bytes_per_slot(mc: ModelConfig, state_dtype: str) -> int:
-    """DeltaNet conv + recurrent state bytes one slot holds, whatever its length."""
-    conv = (mc.conv_kernel - 1) * mc.conv_channels
-    rec = mc.linear_num_v_heads * mc.linear_k_head_dim * mc.linear_v_head_dim
-    return len(mc.linear_layers) * (conv + rec) * _itemsize(state_dtype)
+    """DeltaNet conv (fp32) + recurrent (`state_dtype`) state bytes one slot holds, whatever its length."""
+    conv = (mc.conv_kernel - 1) * mc.conv_channels * _itemsize("float32")
+    rec = mc.linear_num_v_heads * mc.linear_k_head_dim * mc.linear_v_head_dim * _itemsize(state_dtype)
+    return len(mc.linear_layers) * (conv + rec)
 
 
 @dataclass
@@ -121,7 +125,7 @@ class HybridCache:
                                     mc.head_dim, self.device)
         self._planes = self.kv.planes  # stored K/V, moved as is by forks, snapshots and block copies
         self._conv = torch.zeros((n_lin, cc.num_slots, mc.conv_kernel - 1, mc.conv_channels),
-                                 dtype=st_dt, device=self.device)
+                                 dtype=torch.float32, device=self.device)
         self._rec = torch.zeros((n_lin, cc.num_slots, mc.linear_num_v_heads, mc.linear_k_head_dim,
                                  mc.linear_v_head_dim), dtype=st_dt, device=self.device)
         self.conv_state: list[torch.Tensor] = list(self._conv.unbind(0))
@@ -398,6 +402,8 @@ class HybridCache:
                 raise ValueError(f"snapshot K/V shape {tuple(s.shape)} does not match {want}")
         if snap.conv.shape != self._conv[:, 0].shape or snap.recurrent.shape != self._rec[:, 0].shape:
             raise ValueError("snapshot DeltaNet state does not match this model")
+        if snap.recurrent.dtype != self._rec.dtype:
+            raise ValueError(f"snapshot DeltaNet state is {snap.recurrent.dtype}, this cache keeps {self._rec.dtype}")
 
     def _reserved(self, slot: int) -> int:
         return self.blocks.num_tokens(slot)

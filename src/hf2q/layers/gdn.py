@@ -87,7 +87,8 @@ class GatedDeltaNet(nn.Module):
         prefixes = self._prefixes(batch, kept)
         if prefixes:
             rule = self._with_prefixes(batch, prefixes, *rule)
-        o, final = gdn_ops.chunk_gdn(*rule, self.dk ** -0.5, self.eps)
+        store = cache.recurrent_state[j].dtype if cache is not None else torch.float32
+        o, final = gdn_ops.chunk_gdn(*rule, self.dk ** -0.5, self.eps, store)
         states = dict(zip(prefixes, final[n:]))
         o, final = o[:t], final[:n]
         if kept:

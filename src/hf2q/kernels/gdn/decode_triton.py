@@ -3,7 +3,8 @@ causal conv folded in) to the input of the output projection.
 
 One program per (sequence, value head) does, for its one new token: L2-normalise q and k (key head
 h % n_k, the GGUF tiled order), the decay g = A * softplus(alpha + dt_bias) and beta = sigmoid(b), the
-delta-rule update of that slot's fp32 state in place, the read-out, and the gated RMSNorm
+delta-rule update of that slot's state in place (fp32 or bf16 in the pool, fp32 in registers: rounded once
+as it is stored), the read-out, and the gated RMSNorm
 norm(o) * w * SiLU(z). fla's recurrent kernel takes dense per-batch state; this one indexes the
 per-slot state pool directly, so nothing is gathered or scattered.
 
@@ -60,13 +61,13 @@ def _decay_beta(a_ptr, b_ptr, A_ptr, dtb_ptr, b, h, stride_ab, stride_bb):
 
 @triton.jit
 def _delta_columns(q, k, v, decay, beta, state, dk, dv, DV: tl.constexpr):
-    """Columns dv of one head's fp32 state [DK, DV] at `state`: the gated delta-rule update in place (each
-    column needs only itself), and their read-out o[dv] = Σ_k state'[k, dv] q[k]."""
+    """Columns dv of one head's state [DK, DV] at `state` (the pool's dtype): the gated delta-rule update in place
+    in fp32 (each column needs only itself), and their read-out o[dv] = Σ_k state'[k, dv] q[k]."""
     sp = state + dk[:, None] * DV + dv[None, :]
-    s = tl.load(sp) * decay
+    s = tl.load(sp).to(tl.float32) * decay
     delta = (v - tl.sum(s * k[:, None], 0)) * beta
     s = s + k[:, None] * delta[None, :]
-    tl.store(sp, s)
+    tl.store(sp, s.to(sp.dtype.element_ty))
     return tl.sum(s * q[:, None], 0)
 
 
@@ -172,7 +173,8 @@ def _gdn_conv_finish_kernel(x_ptr, conv_ptr, z_ptr, nw_ptr, slot_ptr, o_ptr, ss_
 
 
 def _check(a_raw, b_raw, z, state_pool, dk):
-    assert state_pool.dtype == torch.float32 and state_pool.is_contiguous() and state_pool.shape[2] == dk
+    assert state_pool.dtype in (torch.float32, torch.bfloat16) and state_pool.is_contiguous()
+    assert state_pool.shape[2] == dk
     assert z.stride(1) == 1 and a_raw.stride(1) == 1 and b_raw.stride(1) == 1
 
 
@@ -180,7 +182,7 @@ def gdn_decode_(qkv: torch.Tensor, a_raw: torch.Tensor, b_raw: torch.Tensor, A: 
                 dt_bias: torch.Tensor, z: torch.Tensor, norm_w: torch.Tensor, state_pool: torch.Tensor,
                 slots: torch.Tensor, nk: int, dk: int, eps: float, out_dtype: torch.dtype) -> torch.Tensor:
     """qkv: [B, C] conv output; a_raw/b_raw: [B, nv] projections; z: [B, nv*dv]; state_pool:
-    [S, nv, dk, dv] fp32, updated in place at `slots`. Returns [B, nv*dv] gated-normed core output."""
+    [S, nv, dk, dv] fp32 or bf16, updated in place at `slots`. Returns [B, nv*dv] gated-normed core output."""
     bsz = qkv.shape[0]
     nv, dv = state_pool.shape[1], state_pool.shape[3]
     _check(a_raw, b_raw, z, state_pool, dk)

@@ -13,11 +13,14 @@ def l2_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def gated_delta_rule_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                         beta: torch.Tensor, state: torch.Tensor, capture: bool = False):
+                         beta: torch.Tensor, state: torch.Tensor, capture: bool = False,
+                         store_dtype: torch.dtype = torch.float32):
     """Delta rule with decay, token by token (post-decay form, as llama.cpp and fla's recurrent kernel).
 
     q, k: [n, h, dk] (q pre-scaled); v: [n, h, dv]; g: [n, h] log-decay; beta: [n, h];
-    state: [h, dk, dv] fp32. Returns (o [n, h, dv], final state, per-token states [n, h, dk, dv] or None).
+    state: [h, dk, dv]. Returns (o [n, h, dv], final state, per-token states [n, h, dk, dv] or None), states fp32.
+    The arithmetic is fp32; store_dtype: the dtype a slot keeps its state in, the state rounded to it after each
+    token's read-out, as a decode step stores it, so every later token starts from what a slot would hold.
     """
     s = state.float().clone()
     qf, kf, vf = q.float(), k.float(), v.float()
@@ -30,6 +33,8 @@ def gated_delta_rule_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
         delta = (vf[t] - kv_mem) * bf[t][:, None]
         s = s + kf[t][:, :, None] * delta[:, None, :]
         out[t] = torch.einsum("hkv,hk->hv", s, qf[t])
+        if store_dtype != torch.float32:
+            s = s.to(store_dtype).float()
         if states is not None:
             states[t] = s
     return out.to(v.dtype), s, states

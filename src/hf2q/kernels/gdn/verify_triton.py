@@ -14,7 +14,9 @@ programs at batch 1. It walks the sequence's rows in order, the state in registe
 SiLU of the row (from the slot's conv state and the step's earlier rows), L2-normalised q/k (key head
 h % n_k, the GGUF tiled order), decay and beta, the delta-rule update, the read-out; after each row but
 the last (up to `prefixes`) it writes the state into the kept buffer, after the `keep` row into the keep
-buffer (one scalar compare a row), and after the last into the pool.
+buffer (one scalar compare a row), and after the last into the pool. The arithmetic is fp32 whatever the pool
+holds; a bf16 pool's state is rounded after each row, as the decode step a row would be rounds it, so the kept
+states (in the pool's dtype) and the last are what plain decoding leaves.
 The conv state is only read here: every program of a key head reads its q/k channels.
 
 The second, one program per (sequence, block of channels), writes the conv windows after those rows into
@@ -79,7 +81,7 @@ def _verify_columns_kernel(x_ptr, cw_ptr, conv_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr
         conv = conv_ptr + slot * stride_conv
         cols = dk[:, None] * DV + dv[None, :]
         sp = state_ptr + (slot * NV + h) * (DK * DV) + cols
-        s = tl.load(sp)
+        s = tl.load(sp).to(tl.float32)
         if KEEP:  # the row of this sequence whose state is kept (-1: none)
             keep_t = tl.where(tl.load(keep_ptr) == i, tl.load(keep_ptr + 1), -1)
         for t in range(0, n):
@@ -93,12 +95,14 @@ def _verify_columns_kernel(x_ptr, cw_ptr, conv_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr
             delta = (v - tl.sum(s * k[:, None], 0)) * beta
             s = s + k[:, None] * delta[None, :]
             tl.store(o_ptr + ((start + t) * NV + h) * DV + dv, tl.sum(s * q[:, None], 0))
+            s = s.to(sp.dtype.element_ty).to(tl.float32)  # what the slot would hold (fp32: unchanged)
             kept = _mask((t < PREFIXES) & (t < n - 1), cols.shape)
-            tl.store(kept_ptr + ((PREFIXES * i + t) * NV + h) * (DK * DV) + cols, s, mask=kept)
+            tl.store(kept_ptr + ((PREFIXES * i + t) * NV + h) * (DK * DV) + cols, s.to(sp.dtype.element_ty),
+                     mask=kept)
             if KEEP:
                 if t == keep_t:
-                    tl.store(keep_rec_ptr + h * (DK * DV) + cols, s)
-        tl.store(sp, s)
+                    tl.store(keep_rec_ptr + h * (DK * DV) + cols, s.to(sp.dtype.element_ty))
+        tl.store(sp, s.to(sp.dtype.element_ty))
 
 
 @triton.jit
@@ -150,25 +154,28 @@ def gdn_verify_(x: torch.Tensor, conv_w: torch.Tensor, conv_pool: torch.Tensor, 
                 slots: torch.Tensor, cu_seqlens: torch.Tensor, live: int, kept_conv: torch.Tensor,
                 kept_rec: torch.Tensor, nk: int, dk: int, eps: float, keep=None) -> torch.Tensor:
     """x [T, C]: the qkv projection before the conv, sequences' rows end to end at cu_seqlens [N + 1] (read
-    on the device only); conv_w [C, 4]; conv_pool [S, 3, C] and state_pool [S, nv, dk, dv] fp32, updated in
-    place at slots [N]; sequences i >= live are padding. kept_conv [P * live, 3, C] and kept_rec
-    [P * live, nv, dk, dv]: row P * i + t gets sequence i's states after its row t, for t < min(rows - 1, P).
-    keep: None, or (at [2] int on the device: sequence i, row t, -1 for none; conv [3, C]; recurrent [nv, dk, dv]
-    fp32) which get sequence i's states after its row t (left alone where no such row is in the step).
+    on the device only); conv_w [C, 4]; conv_pool [S, 3, C] and state_pool [S, nv, dk, dv] (fp32 or bf16),
+    updated in place at slots [N]; sequences i >= live are padding. kept_conv [P * live, 3, C] and kept_rec
+    [P * live, nv, dk, dv] (the pools' dtypes): row P * i + t gets sequence i's states after its row t, for
+    t < min(rows - 1, P). keep: None, or (at [2] int on the device: sequence i, row t, -1 for none; conv [3, C];
+    recurrent [nv, dk, dv] in the pool's dtype) which get sequence i's states after its row t (left alone where no
+    such row is in the step).
     Returns the read-outs o [T, nv, dv] fp32 (before the gated RMSNorm)."""
     t, c = x.shape
     nv, dv = state_pool.shape[1], state_pool.shape[3]
     prefixes = kept_rec.shape[0] // live
-    assert state_pool.dtype == torch.float32 and state_pool.is_contiguous() and state_pool.shape[2] == dk
+    assert state_pool.dtype in (torch.float32, torch.bfloat16) and state_pool.is_contiguous()
+    assert state_pool.shape[2] == dk
     assert nv % nk == 0 and c == 2 * nk * dk + nv * dv and x.stride(1) == 1
     assert conv_w.shape == (c, 4) and conv_pool.shape[1:] == (3, c) and conv_pool.stride(2) == 1
     assert conv_pool.stride(1) == c and a_raw.stride(1) == 1 and b_raw.stride(1) == 1
     assert kept_rec.shape == (prefixes * live, nv, dk, dv) and kept_rec.is_contiguous()
-    assert kept_rec.dtype == torch.float32 and kept_conv.shape == (prefixes * live, 3, c) and kept_conv.is_contiguous()
+    assert kept_rec.dtype == state_pool.dtype
+    assert kept_conv.shape == (prefixes * live, 3, c) and kept_conv.is_contiguous()
     if keep is not None:
         at, keep_conv, keep_rec = keep
         assert at.shape == (2,) and keep_conv.shape == (3, c) and keep_conv.is_contiguous()
-        assert keep_rec.shape == (nv, dk, dv) and keep_rec.dtype == torch.float32 and keep_rec.is_contiguous()
+        assert keep_rec.shape == (nv, dk, dv) and keep_rec.dtype == state_pool.dtype and keep_rec.is_contiguous()
         assert keep_conv.dtype == conv_pool.dtype
     else:
         at, keep_conv, keep_rec = cu_seqlens, kept_conv, kept_rec  # never read
