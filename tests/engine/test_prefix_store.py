@@ -28,11 +28,12 @@ def model(gguf_dense_f32):
     return hf2q.load(gguf_dense_f32)
 
 
-def make_engine(model, directory=None, prefix_bytes=1 << 30, disk_bytes=1 << 30) -> Engine:
+def make_engine(model, directory=None, prefix_bytes=1 << 30, disk_bytes=1 << 30, state_dtype="float32") -> Engine:
     return Engine(model, EngineConfig(
         max_model_len=512, scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=128, prefill_chunk=64),
-        cache=CacheConfig(num_slots=2, num_blocks=256, block_size=8, prefix_cache_bytes=prefix_bytes,
-                          prefix_checkpoint_stride=0, prefix_cache_dir=None if directory is None else str(directory),
+        cache=CacheConfig(num_slots=2, num_blocks=256, block_size=8, state_dtype=state_dtype,
+                          prefix_cache_bytes=prefix_bytes, prefix_checkpoint_stride=0,
+                          prefix_cache_dir=None if directory is None else str(directory),
                           prefix_cache_disk_bytes=disk_bytes)))
 
 
@@ -117,6 +118,27 @@ def test_a_bad_file_is_a_logged_miss(model, cold, tmp_path, caplog, damage):
         got, cached = run(engine, follow, "b")
     assert got == want and cached == 0
     assert sum(path.name in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_checkpoint_of_another_state_dtype_is_a_miss(model, cold, tmp_path, caplog):
+    """A checkpoint written with an fp32 DeltaNet state is not resumed by a server keeping it in bf16 (a logged
+    miss: the fingerprint names the state dtype), whose own checkpoint a restart with bf16 then resumes, with the
+    tokens of a cold bf16 run."""
+    first, follow, _ = cold
+    directory = tmp_path / "store"
+    write_checkpoint(model, directory)
+    (path,) = directory.glob("*.safetensors")
+    want, _ = run(make_engine(model, prefix_bytes=0, state_dtype="bfloat16"), follow, "b")
+    with caplog.at_level(logging.INFO, logger="hf2q.cache.prefix_store"):
+        engine = make_engine(model, directory, state_dtype="bfloat16")
+        got, cached = run(engine, follow, "b")
+        engine.prefix.disk.flush()
+    assert got == want and cached == 0
+    assert sum(path.name in r.getMessage() for r in caplog.records) == 1
+    longer = follow + want + [8]
+    again, cached = run(make_engine(model, directory, state_dtype="bfloat16"), longer, "c")
+    assert cached >= len(follow) + len(want) - 1
+    assert again == run(make_engine(model, prefix_bytes=0, state_dtype="bfloat16"), longer, "c")[0]
 
 
 def test_an_unwritable_directory_never_fails_a_request(model, cold, tmp_path, caplog):

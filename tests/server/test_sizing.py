@@ -141,3 +141,37 @@ def test_the_prefix_cache_budget_comes_out_of_free_memory_once(monkeypatch):
     states = cache.num_slots * state_bytes_per_slot(CFG, "float32")
     assert pool > 80 * GIB
     assert pool + states + cache.prefix_cache_bytes + RESERVE_FRACTION * total <= free
+
+
+def test_state_dtype_flag_reaches_the_cache_and_the_log(capsys, caplog):
+    """--state-dtype: float32 unless given, bfloat16 accepted, anything else refused; the sized cache keeps the
+    DeltaNet recurrent state in it (a 9B sequence's 48 MiB become 24, the pool on CUDA grows by what the slots
+    no longer hold) and the `sized:` log line names it."""
+    import argparse
+    import logging
+    import types
+
+    from hf2q.cache.hybrid import state_bytes_per_slot
+    from hf2q.server.launch import add_serve_args, sized_engine_config
+    from hf2q.spec.proposer import SpecConfig
+
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    assert p.parse_args([]).state_dtype == "float32"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--state-dtype", "float16"])
+    assert "invalid choice: 'float16'" in capsys.readouterr().err
+    args = p.parse_args(["--state-dtype", "bfloat16"])
+    with caplog.at_level(logging.INFO, logger="hf2q.serve"):
+        config = sized_engine_config(args, types.SimpleNamespace(config=CFG), torch.device("cpu"), torch.float32,
+                                     SpecConfig())
+    assert config.cache.state_dtype == "bfloat16"
+    sized = [r.getMessage() for r in caplog.records if r.getMessage().startswith("sized:")]
+    assert len(sized) == 1 and "DeltaNet state 26.2 MiB a sequence (recurrent bfloat16)" in sized[0], sized
+    free = dict(free_bytes=20 * GIB, total_bytes=40 * GIB)
+    fp32, bf16 = (choose(CFG, "cuda", "bfloat16", 64, None, **free, state_dtype=s) for s in ("float32", "bfloat16"))
+    assert fp32.cache.state_dtype == "float32" and bf16.cache.state_dtype == "bfloat16"
+    saved = 65 * (state_bytes_per_slot(CFG, "float32") - state_bytes_per_slot(CFG, "bfloat16"))
+    assert saved == 65 * 24 << 20
+    per_block = BLOCK * kv_bytes_per_token(CFG, "bfloat16")
+    assert bf16.cache.num_blocks - fp32.cache.num_blocks == pytest.approx(saved / per_block, abs=1)

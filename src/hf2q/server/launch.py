@@ -65,6 +65,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="prompt tokens of one sequence prefilled per step (default: %(default)s)")
     p.add_argument("--max-waiting", type=int, default=d.max_waiting,
                    help="queued requests before 429 (default: %(default)s)")
+    p.add_argument("--state-dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="DeltaNet recurrent state storage in the slots and prefix checkpoints: bfloat16 halves the "
+                        "bytes a decode step reads and writes (the update stays fp32, rounded once as it is "
+                        "stored; vLLM's default for these models); default: %(default)s")
     p.add_argument("--short-prefill-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="on CUDA, replay steps of up to 127 new tokens over up to 64 requests (a follow-up turn "
                         "after a prefix-cache hit, a new prompt beside decoding streams) in CUDA graphs, as decode "
@@ -184,7 +188,7 @@ def _limits(args, model, device, dtype, prefix_bytes: int = 0):
     max_len = min(args.max_model_len, model.config.context_length) if args.max_model_len else None
     kv_format = kv_cache_format(getattr(args, "kv_cache_dtype", "auto"), dtype_name(dtype))
     return choose(model.config, device.type, kv_format, args.max_num_seqs, max_len, free, total,
-                  held_states=verify_graph_states(args, device))
+                  held_states=verify_graph_states(args, device), state_dtype=getattr(args, "state_dtype", "float32"))
 
 
 def verify_graph_states(args, device) -> int:

@@ -29,9 +29,10 @@ class ServingLimits:
 
 def choose(cfg: ModelConfig, device_type: str, kv_dtype: str, max_num_seqs: int | None,
            max_model_len: int | None, free_bytes: int | None = None, total_bytes: int | None = None,
-           held_states: int = 0) -> ServingLimits:
+           held_states: int = 0, state_dtype: str = "float32") -> ServingLimits:
     """Limits for serving `cfg`. `free_bytes`/`total_bytes`: the device's memory after loading (CUDA);
-    `held_states`: DeltaNet states held outside the slots (the verify graphs' per-position states)."""
+    `held_states`: DeltaNet states held outside the slots (the verify graphs' per-position states);
+    `state_dtype`: the DeltaNet recurrent state's."""
     from hf2q.cache.hybrid import kv_bytes_per_token, state_bytes_per_slot  # torch: not for `hf2q serve --help`
 
     if max_model_len is not None and max_model_len < 1:
@@ -46,10 +47,11 @@ def choose(cfg: ModelConfig, device_type: str, kv_dtype: str, max_num_seqs: int 
         length = min(max_model_len or CPU_MAX_MODEL_LEN, cfg.context_length)
         blocks = seqs * -(-length // BLOCK) + 1
         why = (f"max_num_seqs {seqs}, max_model_len {length} (model context {cfg.context_length}), "
-               f"K/V pool {blocks} blocks: every sequence at full length; {_capacity(cfg, kv_dtype, blocks, length)}")
-        return ServingLimits(seqs, length, _cache(slots, blocks, kv_dtype), why)
+               f"K/V pool {blocks} blocks: every sequence at full length; "
+               f"{_capacity(cfg, kv_dtype, blocks, length, state_dtype)}")
+        return ServingLimits(seqs, length, _cache(slots, blocks, kv_dtype, state_dtype), why)
     reserve = max(RESERVE_MIN_BYTES, int(RESERVE_FRACTION * (total_bytes or free_bytes)))
-    budget = free_bytes - reserve - state_bytes_per_slot(cfg, "float32") * (slots + held_states)
+    budget = free_bytes - reserve - state_bytes_per_slot(cfg, state_dtype) * (slots + held_states)
     wanted = min(max_model_len or cfg.context_length, cfg.context_length)
     cap = seqs * -(-wanted // BLOCK) + 1  # more blocks than every sequence at full length is waste
     blocks = min(budget // per_block, cap) if per_block else 0
@@ -64,18 +66,21 @@ def choose(cfg: ModelConfig, device_type: str, kv_dtype: str, max_num_seqs: int 
     why = (f"max_num_seqs {seqs}, max_model_len {length} (model context {cfg.context_length}), K/V pool "
            f"{blocks} blocks = {blocks * BLOCK} tokens, {blocks * per_block / 2**30:.1f} GiB of "
            f"{free_bytes / 2**30:.1f} GiB free after loading ({reserve / 2**30:.1f} GiB kept in reserve); "
-           f"{_capacity(cfg, kv_dtype, blocks, length)}")
-    return ServingLimits(seqs, length, _cache(slots, blocks, kv_dtype), why)
+           f"{_capacity(cfg, kv_dtype, blocks, length, state_dtype)}")
+    return ServingLimits(seqs, length, _cache(slots, blocks, kv_dtype, state_dtype), why)
 
 
-def _capacity(cfg: ModelConfig, kv_dtype: str, blocks: int, length: int) -> str:
-    """The K/V format, its bytes per token and how many sequences of `length` tokens the pool holds."""
-    from hf2q.cache.hybrid import kv_bytes_per_token
+def _capacity(cfg: ModelConfig, kv_dtype: str, blocks: int, length: int, state_dtype: str) -> str:
+    """The K/V format, its bytes per token and how many sequences of `length` tokens the pool holds; the DeltaNet
+    state's dtype and bytes a sequence."""
+    from hf2q.cache.hybrid import kv_bytes_per_token, state_bytes_per_slot
 
     per_seq = -(-length // BLOCK)
     return (f"K/V {kv_dtype} at {kv_bytes_per_token(cfg, kv_dtype)} B/token: room for {blocks // per_seq} "
-            f"sequences of {length} tokens")
+            f"sequences of {length} tokens; DeltaNet state {state_bytes_per_slot(cfg, state_dtype) / 2**20:.1f} MiB "
+            f"a sequence (recurrent {state_dtype})")
 
 
-def _cache(slots: int, blocks: int, kv_dtype: str) -> CacheConfig:
-    return CacheConfig(num_slots=slots, num_blocks=max(blocks, 1), block_size=BLOCK, kv_dtype=kv_dtype)
+def _cache(slots: int, blocks: int, kv_dtype: str, state_dtype: str) -> CacheConfig:
+    return CacheConfig(num_slots=slots, num_blocks=max(blocks, 1), block_size=BLOCK, kv_dtype=kv_dtype,
+                       state_dtype=state_dtype)
