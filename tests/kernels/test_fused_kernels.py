@@ -268,7 +268,8 @@ def test_new_kernels_compile_for_hopper(kernel):
     """The MoE kernels, the one-row GEMV (plain, with the SwiGLU epilogue, for MoE pairs, for the pairs' down
     projections with the combine), the int8-writing norm and SwiGLU (rows in either order) and the two-launch
     DeltaNet decode step, and the two of the DeltaNet verify step (keeping a verify's rows, or a prefill
-    graph's one row), the DeltaNet steps' first kernels also on a bf16 state pool, compile to sm_90 (the interpreter never runs the compiler). Needs Triton's bundled ptxas, not a GPU."""
+    graph's one row), the DeltaNet steps' first kernels also on a bf16 state pool, compile to sm_90 (the
+    interpreter never runs the compiler). Needs Triton's bundled ptxas, not a GPU."""
     from hf2q.kernels.gdn import decode_triton as gdn_decode_triton
     from hf2q.kernels.gdn import verify_triton as gdn_verify_triton
     from hf2q.kernels.linear import gemv_triton
@@ -329,7 +330,8 @@ def test_new_kernels_compile_for_hopper(kernel):
                  state_ptr=state, slot_ptr="*i64", cu_ptr="*i64", o_ptr="*fp32", kept_ptr=state, keep_ptr="*i64",
                  keep_rec_ptr=state, stride_x=i32, stride_conv=i32, stride_ab=i32, stride_bb=i32, C=i32, NK=i32,
                  NV=i32, LIVE=i32, scale="fp32", eps="fp32"), dict(DK=128, DV=128, SPLIT=4, **modes))
-           for suffix, modes, state in (("", dict(PREFIXES=3), "*fp32"), ("_keep", dict(PREFIXES=0, KEEP=True), "*fp32"),
+           for suffix, modes, state in (("", dict(PREFIXES=3), "*fp32"),
+                                        ("_keep", dict(PREFIXES=0, KEEP=True), "*fp32"),
                                         ("_bf16_state", dict(PREFIXES=3, KEEP=True), "*bf16"))},
         **{f"gdn_verify_conv{suffix}": (
             gdn_verify_triton._verify_conv_kernel,

@@ -69,3 +69,21 @@ def test_a_chunk_leaves_the_state_decode_steps_leave(model):
     same = (states[0] == states[1]).float().mean().item()
     print("DeltaNet state values equal after 3 decode steps and after a 3-token chunk:", same)
     assert same >= 0.99 and rel(states[1].float(), states[0].float()) < 2 ** -8
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+@torch.inference_mode()
+def test_cuda_graphs_on_a_bf16_state_stay_within_the_cpu_bound(kind, request):
+    """On CUDA the decode graphs replay the Triton step on a bf16 state pool: the fixture's logits over 24 steps fed
+    the fp32 state's greedy tokens stay within the CPU test's bound, and the copier copies all 256 tokens."""
+    model = hf2q.load(request.getfixturevalue(f"gguf_{kind}_f32"), device="cuda")
+    tokens, base = greedy(model, "float32", 24, device="cuda", cuda_graphs=True)
+    _, logits = greedy(model, "float32", 24, tokens, device="cuda", cuda_graphs=True, state_dtype="bfloat16")
+    error = rel(logits, base)
+    print("CUDA graphs, relative logit error, bf16 state vs fp32 state:", error)
+    assert 1e-5 < error < 0.001
+    copier = hf2q.load(copier_gguf(kind), device="cuda")
+    copied, _ = greedy(copier, "float32", prompt=COPY_PROMPT, device="cuda", cuda_graphs=True, state_dtype="bfloat16")
+    assert agreed(copied, COPIED) == STEPS
