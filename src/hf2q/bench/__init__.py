@@ -33,6 +33,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dense-rows", type=int, default=None,
                    help="with --batched-weights dense: the fewest rows that multiply the copies (the server's "
                         "crossover, hf2q.kernels.linear.ops.DENSE_ROWS, is 16), to find where the copies win")
+    p.add_argument("--state-dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="the DeltaNet recurrent state's dtype in the slot pools (as `hf2q serve --state-dtype`)")
     p.add_argument("--json", default=None, help="also write every figure to this JSON file")
     p.add_argument("--profile-prefill", action="store_true", help="also print the prefill's GPU time per kernel")
     p.add_argument("--spec-accept", type=int, nargs="+", default=None, metavar="L",
@@ -74,20 +76,17 @@ def ceilings() -> tuple[float, float]:
     return bw, flops
 
 
-def _state_bytes(cfg) -> int:
-    return len(cfg.linear_layers) * ((cfg.conv_kernel - 1) * cfg.conv_channels
-                                     + cfg.linear_num_v_heads * cfg.linear_k_head_dim * cfg.linear_v_head_dim) * 4
-
-
-def decode_ceiling(net, cfg, batch: int, context: int, bw: float) -> float:
+def decode_ceiling(net, cfg, batch: int, context: int, bw: float, state_dtype: str = "float32") -> float:
     """Tokens/s if a step only moved its unavoidable bytes: weights (experts actually touched), each
-    sequence's DeltaNet state read and written, its K/V read."""
+    sequence's DeltaNet state (its recurrent part in `state_dtype`) read and written, its K/V read."""
+    from hf2q.cache.hybrid import state_bytes_per_slot
+
     active = None
     if cfg.is_moe:
         e, k = cfg.num_experts, cfg.num_experts_per_tok
         active = e * (1 - (1 - k / e) ** batch)
     kv = len(cfg.full_attention_layers) * 2 * cfg.num_kv_heads * cfg.head_dim * 2 * context
-    step = weight_bytes(net, active) + batch * (2 * _state_bytes(cfg) + kv)
+    step = weight_bytes(net, active) + batch * (2 * state_bytes_per_slot(cfg, state_dtype) + kv)
     return batch * bw / step
 
 
@@ -121,7 +120,7 @@ def bench_ours(net, cfg, args, report: dict) -> None:
     ctx = args.prompt + args.new + 16
     blocks = (max_b + 2) * (-(-ctx // 16)) + -(-args.prefill // 16) + 8
     cache = HybridCache(cfg, CacheConfig(num_slots=max_b + 3, num_blocks=blocks, block_size=16,
-                                         kv_dtype="bfloat16", state_dtype="float32"), device="cuda")
+                                         kv_dtype="bfloat16", state_dtype=args.state_dtype), device="cuda")
     gen = torch.Generator().manual_seed(1)
     slot = cache.acquire()
     long_ids = torch.randint(0, cfg.vocab_size, (args.prefill,), generator=gen).tolist()
@@ -233,6 +232,7 @@ def bench_shape(shape: str, args) -> dict:
     else:
         net = random_model(cfg, tie=tie, device="cuda", dtype=torch.bfloat16)
     report["quant"] = args.quant or "bf16"
+    report["state_dtype"] = args.state_dtype
     if args.quant and getattr(args, "batched_weights", "quantized") == "dense":
         report["dense_copies_GB"] = net.keep_dense_weights(torch.bfloat16) / 1e9
         if getattr(args, "dense_rows", None) is not None:
@@ -242,7 +242,8 @@ def bench_shape(shape: str, args) -> dict:
     report["weight_GB"] = weight_bytes(net) / 1e9
     report["prefill_ceiling_tok_s"] = prefill_ceiling(net, cfg, args.prefill, flops)
     for b in args.batch:
-        report[f"decode_b{b}_ceiling_tok_s"] = decode_ceiling(net, cfg, b, args.prompt + args.new // 2, bw)
+        report[f"decode_b{b}_ceiling_tok_s"] = decode_ceiling(net, cfg, b, args.prompt + args.new // 2, bw,
+                                                              args.state_dtype)
     bench_ours(net, cfg, args, report)
     if getattr(args, "spec_accept", None):
         from hf2q.bench.spec import spec_curve
