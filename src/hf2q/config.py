@@ -147,6 +147,9 @@ class ModelConfig:
         return cls(**common, intermediate_size=count("feed_forward_length"))
 
 
+STATE_DTYPES = ("float32", "bfloat16")  # what CacheConfig.state_dtype may be (the DeltaNet recurrent state's)
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Sizes of the hybrid cache pools: paged K/V blocks and per-slot linear (DeltaNet) state."""

@@ -15,6 +15,7 @@ import torch
 
 from hf2q.bench.profiling import profile_steps
 from hf2q.bench_shapes import QUANT_MIXES, SHAPES, matrix_elems, random_model, random_quant_model, weight_bytes
+from hf2q.config import STATE_DTYPES
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
@@ -33,7 +34,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dense-rows", type=int, default=None,
                    help="with --batched-weights dense: the fewest rows that multiply the copies (the server's "
                         "crossover, hf2q.kernels.linear.ops.DENSE_ROWS, is 16), to find where the copies win")
-    p.add_argument("--state-dtype", choices=("float32", "bfloat16"), default="float32",
+    p.add_argument("--state-dtype", choices=STATE_DTYPES, default="float32",
                    help="the DeltaNet recurrent state's dtype in the slot pools (as `hf2q serve --state-dtype`)")
     p.add_argument("--json", default=None, help="also write every figure to this JSON file")
     p.add_argument("--profile-prefill", action="store_true", help="also print the prefill's GPU time per kernel")

@@ -25,7 +25,7 @@ def keep_dense_weights(net, device, dtype, asked: bool = True) -> None:
 
     from hf2q.kernels.linear.ops import DENSE_ROWS
     from hf2q.layers.linear import Linear
-    from hf2q.server.sizing import RESERVE_FRACTION, RESERVE_MIN_BYTES
+    from hf2q.server.sizing import serving_reserve
 
     need = sum(m.out_features * m.in_features for m in net.modules() if isinstance(m, Linear) and m.quantized) \
         * dtype.itemsize
@@ -38,7 +38,7 @@ def keep_dense_weights(net, device, dtype, asked: bool = True) -> None:
         return
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        room = free - max(RESERVE_MIN_BYTES, int(RESERVE_FRACTION * total))
+        room = free - serving_reserve(total)
         if asked and need > room:
             raise ValueError(f"--batched-weights dense needs {need / 2**30:.1f} GiB for the dense copies; "
                              f"{max(room, 0) / 2**30:.1f} GiB is free beyond the reserve")

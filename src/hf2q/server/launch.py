@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from hf2q import envs
-from hf2q.config import SchedulerConfig
+from hf2q.config import STATE_DTYPES, SchedulerConfig
 from hf2q.devices import add_device_args, dtype_name, keep_quantized, resolve_device, resolve_dtype
 from hf2q.server.sizing import CPU_MAX_MODEL_LEN, CPU_MAX_NUM_SEQS, CUDA_MAX_NUM_SEQS, choose
 
@@ -65,7 +65,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="prompt tokens of one sequence prefilled per step (default: %(default)s)")
     p.add_argument("--max-waiting", type=int, default=d.max_waiting,
                    help="queued requests before 429 (default: %(default)s)")
-    p.add_argument("--state-dtype", choices=("float32", "bfloat16"), default="float32",
+    p.add_argument("--state-dtype", choices=STATE_DTYPES, default="float32",
                    help="DeltaNet recurrent state storage in the slots and prefix checkpoints: bfloat16 halves the "
                         "bytes a decode step reads and writes (the update stays fp32, rounded once as it is "
                         "stored; vLLM's default for these models); default: %(default)s")

@@ -27,6 +27,11 @@ class ServingLimits:
     why: str  # one log line: what was chosen and from what
 
 
+def serving_reserve(total_bytes: int) -> int:
+    """The bytes of a card of `total_bytes` kept out of everything sized from its free memory."""
+    return max(RESERVE_MIN_BYTES, int(RESERVE_FRACTION * total_bytes))
+
+
 def choose(cfg: ModelConfig, device_type: str, kv_dtype: str, max_num_seqs: int | None,
            max_model_len: int | None, free_bytes: int | None = None, total_bytes: int | None = None,
            held_states: int = 0, state_dtype: str = "float32") -> ServingLimits:
@@ -50,7 +55,7 @@ def choose(cfg: ModelConfig, device_type: str, kv_dtype: str, max_num_seqs: int 
                f"K/V pool {blocks} blocks: every sequence at full length; "
                f"{_capacity(cfg, kv_dtype, blocks, length, state_dtype)}")
         return ServingLimits(seqs, length, _cache(slots, blocks, kv_dtype, state_dtype), why)
-    reserve = max(RESERVE_MIN_BYTES, int(RESERVE_FRACTION * (total_bytes or free_bytes)))
+    reserve = serving_reserve(total_bytes or free_bytes)
     budget = free_bytes - reserve - state_bytes_per_slot(cfg, state_dtype) * (slots + held_states)
     wanted = min(max_model_len or cfg.context_length, cfg.context_length)
     cap = seqs * -(-wanted // BLOCK) + 1  # more blocks than every sequence at full length is waste
