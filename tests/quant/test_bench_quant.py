@@ -72,3 +72,5 @@ def test_dense_copy_flags_without_what_they_act_on_are_refused(capsys):
     assert "--quant" in capsys.readouterr().out
     assert main(["--quant", "q4_k_m", "--dense-rows", "8"]) == 2
     assert "--batched-weights dense" in capsys.readouterr().out
+    assert main(["--quant", "q4_k_m", "--batched-weights", "dense", "--dense-rows", "0"]) == 2
+    assert "at least 1" in capsys.readouterr().out

@@ -284,6 +284,9 @@ def run_bench(args) -> int:
     if getattr(args, "dense_rows", None) is not None and getattr(args, "batched_weights", "quantized") != "dense":
         print("hf2q bench: --dense-rows sets where the dense copies take over; give --batched-weights dense too")
         return 2
+    if getattr(args, "dense_rows", None) is not None and args.dense_rows < 1:
+        print(f"hf2q bench: --dense-rows must be at least 1, not {args.dense_rows}")
+        return 2
     if not torch.cuda.is_available():
         print("hf2q bench needs a CUDA GPU")
         return 2
