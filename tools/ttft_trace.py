@@ -7,7 +7,8 @@
 carried (a chunk without text does not count as a first token for `hf2q bench serve`). `--model` times each
 engine step of a few requests (prefill step, then decode steps, synchronised) and with `--profile` prints the
 profiler's top kernels and host calls of one request; `--concurrent N` then does the same for N sequences
-decoding together.
+decoding together; `--burst N` times the steps that take N requests arriving at once to their first tokens
+(twice: the engine's first burst, then another) and profiles the second.
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def chunk_timeline(url: str, prompt_tokens: int, max_tokens: int) -> None:
 
 def engine_steps(model_path: str, prompt_tokens: int, max_tokens: int, requests: int, profile: bool,
                  max_num_seqs: int | None, concurrent: int = 0, history: int = 0,
-                 serve_args: tuple[str, ...] = ()) -> None:
+                 serve_args: tuple[str, ...] = (), burst: int = 0) -> None:
     import random
 
     import torch
@@ -84,6 +85,8 @@ def engine_steps(model_path: str, prompt_tokens: int, max_tokens: int, requests:
         print(f"{tag}: first step {first:.1f} ms, then {len(steps) - 1} steps: median "
               f"{sorted(steps[1:])[len(steps[1:]) // 2] if steps[1:] else 0:.2f} ms, max {max(steps[1:] or [0]):.2f}")
 
+    if burst:  # before any single request: the engine's first burst, as a served load meets it
+        burst_steps(engine, burst, prompt_tokens, rng, sync, profile)
     for i in range(requests):
         one(f"request {i}")
     if history:
@@ -163,6 +166,42 @@ def print_copy_sites(prof, top: int = 8) -> None:
         print(f"{name} x{len(times)}, {sum(times) / 1000:.2f} ms host: " + " <- ".join(stack))
 
 
+def burst_steps(engine, n: int, prompt_tokens: int, rng, sync, profile: bool) -> None:
+    """n requests added at once, stepped until each has its first token: every step's sequences, tokens and
+    time, for the engine's first burst and for a second one; --profile profiles the second (kernels, host calls
+    and the call sites of copies and scalar reads)."""
+    import contextlib
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    from hf2q.engine.sampling_params import SamplingParams
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    for tag in ("first burst", "second burst"):
+        for _ in range(n):
+            engine.add_request([rng.randrange(1000, 100000) for _ in range(prompt_tokens)], params)
+        profiling = profile and tag == "second burst"
+        stacks = dict(with_stack=True, experimental_config=torch._C._profiler._ExperimentalConfig(verbose=True))
+        started, steps, t0 = set(), [], time.perf_counter()
+        with torch_profile(activities=acts, **stacks) if profiling else contextlib.nullcontext() as prof:
+            while len(started) < n and engine.has_work():
+                t = time.perf_counter()
+                started.update(o.request_id for o in engine.step() if o.new_token_ids)
+                sync()
+                steps.append(f"{engine.last_batch[0]} seqs/{engine.last_batch[1]} tokens {(time.perf_counter() - t) * 1000:.1f} ms")
+        print(f"{tag} of {n} x {prompt_tokens} tokens: every first token after {(time.perf_counter() - t0) * 1000:.1f} ms; "
+              f"steps: {'; '.join(steps)}")
+        if profiling:
+            if torch.cuda.is_available():
+                print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+            print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=60))
+            print_copy_sites(prof)
+        while engine.has_work():
+            engine.step()
+
+
 def batch_steps(engine, n: int, prompt_tokens: int, rng, sync, profile: bool) -> None:
     """n requests decoding together: the step time once all are in decode, and (--profile) where it goes."""
     from hf2q.engine.sampling_params import SamplingParams
@@ -207,6 +246,8 @@ def main() -> None:
     p.add_argument("--profile", action="store_true")
     p.add_argument("--max-num-seqs", type=int, help="as `hf2q serve --max-num-seqs` (fewer graphs to capture)")
     p.add_argument("--concurrent", type=int, default=0, help="then time (and profile) this many sequences decoding together")
+    p.add_argument("--burst", type=int, default=0,
+                   help="first, this many requests arriving at once: the steps to their first tokens (twice)")
     p.add_argument("--history", type=int, default=0,
                    help="then a follow-up turn over this many tokens: a prefix-cache hit against cold "
                         "(--prompt-tokens new ones)")
@@ -216,7 +257,7 @@ def main() -> None:
         chunk_timeline(a.url.rstrip("/"), a.prompt_tokens, a.max_tokens)
     if a.model:
         engine_steps(a.model, a.prompt_tokens, a.max_tokens, a.requests, a.profile, a.max_num_seqs, a.concurrent,
-                     a.history, tuple(serve_args))
+                     a.history, tuple(serve_args), a.burst)
 
 
 if __name__ == "__main__":

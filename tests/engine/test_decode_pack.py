@@ -1,8 +1,10 @@
-"""The decode graphs' host pack, on the CPU: the bulk packing writes what the per-row formula wrote."""
+"""The decode graphs' host pack, on the CPU: the bulk packing writes what the per-row formula wrote, and the
+tables' upload (hf2q.engine.graph_tables) leaves the device's tables equal to the host's."""
 import pytest
 import torch
 
 from hf2q.engine.cuda_graphs import DecodeGraphs, pack_decode_rows
+from hf2q.engine.graph_tables import GraphTables
 
 
 class _Cache:
@@ -16,9 +18,12 @@ class _Cache:
 def _graphs(tables, buckets=(1, 2, 4, 8), width=6, block_size=4, pad_slot=9, pad_block=31):
     g = object.__new__(DecodeGraphs)
     g.cache, g.buckets, g.width, g.block_size = _Cache(tables), buckets, width, block_size
-    g.pad_slot, g.pad_block, g._copied, g._written = pad_slot, pad_block, None, None
-    g._host = torch.zeros(5 * buckets[-1] + buckets[-1] * width, dtype=torch.long)  # as DecodeGraphs allocates it
-    g._host[:5 * buckets[-1]] = -7  # fields: each step must write its rows
+    g.pad_slot, g.pad_block, g._copied = pad_slot, pad_block, None
+    n = buckets[-1]
+    g._host = torch.zeros(5 * n + n * width, dtype=torch.long)  # as DecodeGraphs allocates it
+    g._host[:5 * n] = -7  # fields: each step must write its rows
+    g._dev = g._host.clone()
+    g._tables = GraphTables(g._host, g._dev, 5 * n, n, width)
     return g
 
 
@@ -65,6 +70,8 @@ def check_steps(steps):
             assert g._host[k * n: k * n + b].tolist() == want[k * n: k * n + b].tolist()
         used = 5 * n + b * g.width
         assert g._host[5 * n: used].tolist() == want[5 * n: used].tolist()
+        g._tables.upload()  # the device's tables: all of them equal the host's after each step's upload
+        assert g._dev[5 * n:].tolist() == g._host[5 * n:].tolist()
 
 
 def test_pack_rejects_a_table_wider_than_the_graph():

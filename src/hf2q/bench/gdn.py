@@ -1,11 +1,12 @@
 """Timing of the DeltaNet decode step with the causal conv folded in (gdn_decode_triton.gdn_conv_decode_:
-the column kernel and the finish kernel) at one sequence, for each (column parts a head, warps of each
-kernel) configuration, at a model shape's DeltaNet heads (CUDA only).
+the column kernel and the finish kernel) at a batch of sequences (one by default), for each (column parts a
+head, warps of each kernel) configuration, at a model shape's DeltaNet heads, on an fp32 or bf16 recurrent
+state pool (CUDA only).
 
 Each timing replays a CUDA graph over enough distinct state pools to overflow the L2, as a decode step
 finds each layer's recurrent state cold. Every configuration is first run on copies of the same inputs and
 checked against the default's output and new state.
-Run: python -m hf2q.bench.gdn [--shape 9b 35b-a3b] [--int8-for Q4_K]
+Run: python -m hf2q.bench.gdn [--shape 9b 35b-a3b] [--int8-for Q4_K] [--batch 64] [--state-dtype bfloat16]
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ SPLITS = (2, 4, 8, 16)
 WARPS = (1, 2, 4, 8)
 
 
-def _inputs(shape: str, gen: torch.Generator) -> dict:
+def _inputs(shape: str, gen: torch.Generator, batch: int = 1, state_dtype: torch.dtype = torch.float32) -> dict:
     cfg, _ = SHAPES[shape]
     nk, nv = cfg.linear_num_k_heads, cfg.linear_num_v_heads
     dk, dv = cfg.linear_k_head_dim, cfg.linear_v_head_dim
@@ -33,19 +34,21 @@ def _inputs(shape: str, gen: torch.Generator) -> dict:
     def rand(*size, dtype=torch.bfloat16, scale=1.0):
         return (torch.randn(*size, device="cuda", generator=gen) * scale).to(dtype)
 
-    return dict(x=rand(1, c), conv_w=rand(c, 4, dtype=torch.float32, scale=0.5),
-                conv_pool=rand(1, 3, c, dtype=torch.float32), a_raw=rand(1, nv), b_raw=rand(1, nv),
+    b = batch
+    return dict(x=rand(b, c), conv_w=rand(c, 4, dtype=torch.float32, scale=0.5),
+                conv_pool=rand(b, 3, c, dtype=torch.float32), a_raw=rand(b, nv), b_raw=rand(b, nv),
                 A=-torch.rand(nv, device="cuda", generator=gen) * 8, dt_bias=rand(nv, dtype=torch.float32),
-                z=rand(1, nv * dv), norm_w=rand(dv, dtype=torch.float32),
-                state_pool=rand(1, nv, dk, dv, dtype=torch.float32, scale=0.1),
-                slots=torch.zeros(1, dtype=torch.int64, device="cuda"), nk=nk, dk=dk, eps=1e-6,
+                z=rand(b, nv * dv), norm_w=rand(dv, dtype=torch.float32),
+                state_pool=rand(b, nv, dk, dv, dtype=state_dtype, scale=0.1),
+                slots=torch.arange(b, dtype=torch.int64, device="cuda"), nk=nk, dk=dk, eps=1e-6,
                 out_dtype=torch.bfloat16)
 
 
-def bench_shape(shape: str, int8_for: str | None) -> list[tuple[float, tuple[int, int, int]]]:
+def bench_shape(shape: str, int8_for: str | None, batch: int = 1, state_dtype: torch.dtype = torch.float32,
+                finish_warps: tuple[int, ...] = WARPS) -> list[tuple[float, tuple[int, int, int]]]:
     """(µs, config) of every configuration, fastest first; the default is printed beside the best."""
     gen = torch.Generator(device="cuda").manual_seed(0)
-    args = _inputs(shape, gen)
+    args = _inputs(shape, gen, batch, state_dtype)
 
     def run(a, config):
         return gdn_conv_decode_(**a, int8_for=int8_for, config=config)
@@ -62,11 +65,13 @@ def bench_shape(shape: str, int8_for: str | None) -> list[tuple[float, tuple[int
         mine = fresh()
         got = run(mine, config).float()
         state = ref_args["state_pool"]
-        return max(float((got - want).norm() / want.norm()), float((mine["state_pool"] - state).norm() / state.norm()))
+        new = (mine["state_pool"].float() - state.float()).norm() / state.float().norm()
+        return max(float((got - want).norm() / want.norm()), float(new))
 
-    times = time_configs(itertools.product(SPLITS, WARPS, WARPS), error_of,
+    times = time_configs(itertools.product(SPLITS, WARPS, finish_warps), error_of,
                          lambda c: graph_time_us(lambda a: run(a, c), pools))
-    print(f"  {shape} DeltaNet step (int8 rows for {int8_for}): " + describe(times, DEFAULT, "default"))
+    print(f"  {shape} DeltaNet step of {batch} sequences, {state_dtype} state (int8 rows for {int8_for}): "
+          + describe(times, DEFAULT, "default"))
     del pools
     torch.cuda.empty_cache()
     return times
@@ -77,9 +82,14 @@ def main(argv=None) -> None:
     p.add_argument("--shape", nargs="+", default=["9b", "35b-a3b"], choices=sorted(SHAPES))
     p.add_argument("--int8-for", default=None, choices=sorted(QTYPE_ID),
                    help="also write int8 rows for a weight of this type")
+    p.add_argument("--batch", type=int, default=1, help="sequences a step (each its own slot)")
+    p.add_argument("--state-dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--finish-warps", type=int, nargs="+", default=list(WARPS),
+                   help="the finish kernel's warps to try (fewer: fewer kernels to compile)")
     args = p.parse_args(argv)
     for shape in args.shape:
-        best = bench_shape(shape, args.int8_for)[0][1]
+        best = bench_shape(shape, args.int8_for, args.batch, getattr(torch, args.state_dtype),
+                           tuple(args.finish_warps))[0][1]
         print(f"BEST {shape} {','.join(map(str, best))}")
 
 

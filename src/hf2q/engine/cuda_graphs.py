@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from hf2q.cache.hybrid import CacheError, HybridCache
+from hf2q.engine.graph_tables import GraphTables
 from hf2q.forward import ForwardBatch
 from hf2q.kernels.meta import FastMeta
 from hf2q.kernels.tuning.timing import SPENT
@@ -83,7 +84,7 @@ class DecodeGraphs:
         self._pool = None
         self.on_cuda = dev.type == "cuda"
         self._copied = torch.cuda.Event() if self.on_cuda else None  # host pack free to rewrite
-        self._written = None  # block-table cells of the host pack the last step wrote
+        self._tables = GraphTables(self._host, self._dev, 5 * n, n, self.width)
 
     def _views(self, pack: torch.Tensor, b: int):
         n = self.buckets[-1]
@@ -95,7 +96,7 @@ class DecodeGraphs:
                    rope_positions: list[int] | None = None) -> None:
         """Pack the step's rows into the pinned buffer through a numpy view: per-row tensor writes (and even
         a few tensor operations a step) cost more host time than the replay itself at large batches. The
-        block tables stay zero but for the cells the previous step wrote, which are cleared first."""
+        block tables hold this step's cells alone (hf2q.engine.graph_tables)."""
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's upload has left the pinned buffer
         n = self.buckets[-1]
@@ -105,11 +106,7 @@ class DecodeGraphs:
                                                  rope_positions)
         host = self._host.numpy()
         host[:5 * n].reshape(5, n)[:, :b] = np.asarray(fields, dtype=np.int64).reshape(5, b)
-        tab = host[5 * n:]
-        if self._written is not None:
-            tab[self._written] = 0
-        self._written = np.asarray(cells, dtype=np.int64)
-        tab[self._written] = values
+        self._tables.write(cells, values)
 
     def _batch(self, b: int) -> ForwardBatch:
         ids, pos, slots, mapping, lens, tables = self._views(self._dev, b)
@@ -137,6 +134,7 @@ class DecodeGraphs:
             t0, spent = time.monotonic(), SPENT.snapshot()
             self._fill_host(b, [0] * b, [0] * b, [self.pad_slot] * b)
             self._dev.copy_(self._host)
+            self._tables.synced()
             record(self, b, stream)
             if stream is not None:
                 log.info("decode graph for %d sequences captured in %.1f s (%s)", b, time.monotonic() - t0,
@@ -160,8 +158,9 @@ class DecodeGraphs:
         if b not in self.graphs:
             self.capture([b])
         self._fill_host(b, ids, positions, slots, rope_positions)
-        used = 5 * self.buckets[-1] + b * self.width  # the bucket's rows of the block tables, not all of them
-        self._dev[:used].copy_(self._host[:used], non_blocking=True)
+        fields = 5 * self.buckets[-1]
+        self._dev[:fields].copy_(self._host[:fields], non_blocking=True)
+        self._tables.upload()
         if self._copied is not None:
             self._copied.record()
         if torch.is_tensor(ids):

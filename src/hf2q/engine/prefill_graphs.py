@@ -27,6 +27,7 @@ import torch
 
 from hf2q.cache.state_at import GraphStateAt
 from hf2q.engine.cuda_graphs import DecodeGraphs, pack_decode_rows, record
+from hf2q.engine.graph_tables import GraphTables
 from hf2q.forward import ForwardBatch
 from hf2q.kernels.meta import FastMeta
 from hf2q.spec.states import POSITIONS, KeptPositions
@@ -110,7 +111,7 @@ class PrefillGraphs:
         self._pool = None
         self.on_cuda = dev.type == "cuda"
         self._copied = torch.cuda.Event() if self.on_cuda else None
-        self._written = None
+        self._tables = GraphTables(self._host, self._dev, 5 * n, n, self.width)
 
     def serves(self, rows: list[int], blocks: list[int]) -> bool:
         """Whether a step of these sequences' new rows fits a graph, their sequences then `blocks` blocks long."""
@@ -149,11 +150,7 @@ class PrefillGraphs:
         n, empty = self.buckets[-1], self.max_seqs - len(seqs)
         host = self._host.numpy()
         host[:5 * n].reshape(5, n)[:, :b] = np.asarray(fields, dtype=np.int64).reshape(5, b)
-        tab = host[5 * n:5 * n + n * self.width]
-        if self._written is not None:
-            tab[self._written] = 0
-        self._written = np.asarray(cells, dtype=np.int64)
-        tab[self._written] = values
+        self._tables.write(cells, values)
         lens = [len(new) for new, _, _ in seqs] + [0] * empty + spread(b - len(ids))
         cu = [0, *itertools.accumulate(lens)]
         slots = [slot for _, _, slot in seqs] + [self.pad_slot] * (empty + PADDING_SEQS)
@@ -196,6 +193,7 @@ class PrefillGraphs:
             t0 = time.monotonic()
             self._fill_host(b, [([0], 0, self.pad_slot)])
             self._dev.copy_(self._host)
+            self._tables.synced()
             record(self, b, stream)
             if stream is not None:
                 log.info("prefill graph for %d rows captured in %.1f s", b, time.monotonic() - t0)
@@ -213,8 +211,9 @@ class PrefillGraphs:
         if keep is not None and self.inside is None:
             raise ValueError("a verify graph keeps no state after a chosen row")
         self._fill_host(b, seqs, keep if keep is not None else (-1, -1))
-        used, tail = 5 * self.buckets[-1] + b * self.width, 5 * self.buckets[-1] + self.buckets[-1] * self.width
-        self._dev[:used].copy_(self._host[:used], non_blocking=True)  # the bucket's table rows, not all of them
+        fields, tail = 5 * self.buckets[-1], 5 * self.buckets[-1] + self.buckets[-1] * self.width
+        self._dev[:fields].copy_(self._host[:fields], non_blocking=True)
+        self._tables.upload()
         self._dev[tail:].copy_(self._host[tail:], non_blocking=True)
         if self._copied is not None:
             self._copied.record()

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from hf2q.engine.cuda_graphs import DecodeGraphs, pack_decode_rows, record
+from hf2q.engine.graph_tables import GraphTables
 from hf2q.engine.prefill_graphs import capturable_buckets
 from hf2q.forward import ForwardBatch
 from hf2q.kernels.meta import FastMeta
@@ -56,7 +57,10 @@ class MTPGraphs:
         self._pool = None
         self.on_cuda = dev.type == "cuda"
         self._copied = torch.cuda.Event() if self.on_cuda else None
-        self._written: list = []
+        # the block tables (hf2q.engine.graph_tables): the catch-up rows', then the further drafts' at the pack's end
+        self._middle = (5 * r + r * self.width, self._fields - n * self.width)  # what lies between them
+        self._tables = GraphTables(self._host, self._dev, 5 * r, r, self.width)
+        self._depth_tables = GraphTables(self._host, self._dev, self._middle[1], n, self.width)
 
     def serves(self, rows: list[int]) -> bool:
         """Whether a step whose requests bring these catch-up rows fits a graph."""
@@ -92,9 +96,6 @@ class MTPGraphs:
             self._copied.synchronize()  # the previous step's upload has left the pinned buffer
         n, r = self.buckets[-1], ROWS * self.buckets[-1]
         host = self._host.numpy()
-        for at, cells in self._written:
-            host[at + cells] = 0
-        self._written = []
         ids = [t for toks, _, _ in catch_up for t in toks]
         positions = [p for _, ps, _ in catch_up for p in ps]
         slots = [slot for _, ps, slot in catch_up for _ in ps]
@@ -102,7 +103,7 @@ class MTPGraphs:
         fields, cells, values = pack_decode_rows(ROWS * b, ids, positions, slots, tables, self.pad_slot,
                                                  self.pad_block, self.block_size, self.width)
         host[:5 * r].reshape(5, r)[:, :ROWS * b] = np.asarray(fields, dtype=np.int64).reshape(5, ROWS * b)
-        self._write_table(host, 5 * r, cells, values)
+        self._tables.write(cells, values)
         at = 5 * r + r * self.width
         ends = np.cumsum([len(ps) for _, ps, _ in catch_up]) - 1
         host[at:at + b] = np.concatenate([ends, np.full(b - len(catch_up), ROWS * b - 1)])
@@ -120,12 +121,7 @@ class MTPGraphs:
         tables = [self.cache.block_table(slot) for _, _, slot in catch_up]
         _, cells, values = pack_decode_rows(b, None, [0] * len(tables), [0] * len(tables), tables, self.pad_slot,
                                             self.pad_block, self.block_size, self.width)
-        self._write_table(host, at, cells, values)
-
-    def _write_table(self, host: np.ndarray, at: int, cells: list[int], values: list[int]) -> None:
-        cells = np.asarray(cells, dtype=np.int64)
-        host[at + cells] = values
-        self._written.append((at, cells))
+        self._depth_tables.write(cells, values)
 
     def _step(self, b: int) -> torch.Tensor:
         ids, pos, mapping, lens, tables, last, depths, depth_tables = self._views(self._dev, b)
@@ -158,6 +154,8 @@ class MTPGraphs:
             t0 = time.monotonic()
             self._fill_host(b, [([0], [0], self.pad_slot)], [[None] * b] * (self.k - 1))
             self._dev.copy_(self._host)
+            self._tables.synced()
+            self._depth_tables.synced()
             record(self, b, stream)
             if stream is not None:
                 log.info("MTP draft graph for %d requests captured in %.1f s", b, time.monotonic() - t0)
@@ -172,7 +170,11 @@ class MTPGraphs:
         if b not in self.graphs:
             self.capture([b])
         self._fill_host(b, catch_up, [row + [None] * (b - len(row)) for row in depths])
-        self._dev.copy_(self._host, non_blocking=True)
+        fields, (mid, end) = 5 * ROWS * self.buckets[-1], self._middle
+        self._dev[:fields].copy_(self._host[:fields], non_blocking=True)
+        self._dev[mid:end].copy_(self._host[mid:end], non_blocking=True)
+        self._tables.upload()
+        self._depth_tables.upload()
         if self._copied is not None:
             self._copied.record()
         rows = torch.cat(hidden)
