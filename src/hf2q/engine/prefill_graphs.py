@@ -45,6 +45,15 @@ PREFILL_BUCKETS = (4, 8, 16, 32, 48, 64, 128)
 VERIFY_BUCKETS = (4, 8, 16, 32, 64, 128)  # 4 rows a verifying request: a 48-row one would serve only 9-12 of them
 MAX_ROWS = PREFILL_BUCKETS[-1] - 1  # the longest prefill chunk the scheduler sends to a graph
 MAX_SEQS = 64
+# A burst of prompts arriving together is one step of many short sequences (16 prompts of 64 tokens: 1,024 rows),
+# past the buckets above: run eagerly, such steps took 107-330 ms on an H100 (9B Q4_K_M, 4 to 16 prompts, 256 to 772
+# rows), over ten times their arithmetic, and every request waits for its first token behind them. They replay
+# graphs of their own, whose sequences bring at most BURST_SEQ_ROWS rows each (the DeltaNet step walks a sequence's
+# rows in order; fla's chunked kernel takes longer ones) and hold at most BURST_CONTEXT tokens, which keeps the
+# per-row block tables narrow (BURST_CONTEXT / block_size columns, where the short graphs' span the model's context).
+BURST_BUCKETS = (256, 512, 1024, 2048)
+BURST_SEQ_ROWS = 128
+BURST_CONTEXT = 4096
 PADDING_SEQS = 8  # the padding rows' sequences: each one's rows are zeroed by programs of its own
 
 
@@ -72,7 +81,7 @@ def spread(rows: int) -> list[int]:
 
 
 class PrefillGraphs:
-    """Graph-replayed small steps, sharing the decode graphs' padding slot and block-table width.
+    """Graph-replayed small steps, sharing the decode graphs' padding slot and (or a narrower) block-table width.
 
     `verify`: graphs for steps with drafts to verify (hf2q.spec): the logits of each sequence's last POSITIONS
     rows (a sequence's drafts and the row before them), and its DeltaNet states after each of its first
@@ -81,12 +90,14 @@ class PrefillGraphs:
     """
 
     def __init__(self, decode: DecodeGraphs, buckets=PREFILL_BUCKETS, max_seqs: int = MAX_SEQS,
-                 verify: bool = False):
+                 verify: bool = False, width: int | None = None, seq_rows: int | None = None):
         self.net, self.cache = decode.net, decode.cache
         self.buckets, self.usable = capturable_buckets(decode.net, buckets)
         self.max_seqs = max_seqs
         self.verify = verify
-        self.pad_slot, self.pad_block, self.width = decode.pad_slot, decode.pad_block, decode.width
+        self.seq_rows = seq_rows  # the most rows one sequence may bring (None: any the buckets hold)
+        self.pad_slot, self.pad_block = decode.pad_slot, decode.pad_block
+        self.width = decode.width if width is None else min(width, decode.width)  # block-table columns
         self.block_size = decode.block_size
         dev = self.net.embed.device
         n, s = self.buckets[-1], max_seqs + PADDING_SEQS
@@ -116,7 +127,7 @@ class PrefillGraphs:
     def serves(self, rows: list[int], blocks: list[int]) -> bool:
         """Whether a step of these sequences' new rows fits a graph, their sequences then `blocks` blocks long."""
         return (self.usable and len(rows) <= self.max_seqs and 1 <= sum(rows) <= self.buckets[-1]
-                and max(blocks) <= self.width)
+                and max(blocks) <= self.width and (self.seq_rows is None or max(rows) <= self.seq_rows))
 
     def bucket(self, rows: int) -> int:
         """The smallest bucket that holds `rows` (a full one has no padding rows: its padding sequences are

@@ -3,7 +3,8 @@
 On CUDA a batch of pure decode rows (one new token per request, each then sampled; a request with images
 too, its token rotated by index + delta) replays a captured CUDA graph of its batch-size bucket (captured on
 first use); with `short_prefill_graphs`, so does a small step with prefill rows (up to 127 rows over up to 64
-requests, hf2q.engine.prefill_graphs); every other batch, and every batch on CPU, runs eagerly.
+requests, hf2q.engine.prefill_graphs) and a burst of short prompts (up to 2,048 rows, at most 128 a request and
+contexts of at most 4,096 tokens); every other batch, and every batch on CPU, runs eagerly.
 A speculating request (drafts after its known tokens, see hf2q.spec) replays a verify graph on CUDA where
 the step has up to `verify_seqs` requests (else it runs eagerly); its draft rows' logits and the
 DeltaNet state after each of its positions go to its `Verify`, and its cache and `num_computed` are settled
@@ -50,6 +51,7 @@ class ModelRunner:
         self.graphs = None  # DecodeGraphs, made on the first decode batch (it holds one padding slot)
         self.short_prefill_graphs = short_prefill_graphs  # small prefill steps replay graphs too, where graphs run
         self.prefill_graphs = None  # PrefillGraphs, made on the first such step (on the decode graphs' padding)
+        self.burst_graphs = None  # PrefillGraphs for steps of many short prompts (prefill_graphs.BURST_BUCKETS)
         self.paths: list[tuple[str, int, int]] | None = None  # HF2Q_STEP_TRACE: (how, sequences, tokens) a forward
         # steps with drafts of up to this many requests replay verify graphs (0: no speculation)
         self.verify_seqs = verify_seqs
@@ -157,15 +159,15 @@ class ModelRunner:
 
     def _run_prefill_graph(self, scheduled: list[tuple[Request, int]]) -> tuple[list[Request], torch.Tensor] | None:
         """`run`'s result for a small step with prefill rows replayed in its graph (hf2q.engine.prefill_graphs:
-        up to 127 rows over up to 64 requests), or None where no graph serves it: drafts to verify, hidden
-        rows kept, images, more than one checkpoint inside the chunks, too many rows or requests, too long a
-        sequence. A step with one checkpoint inside a chunk (a chat turn's anchor) it serves: the graph keeps
+        up to 127 rows over up to 64 requests, or a burst's many short prompts), or None where no graph serves
+        it: drafts to verify, hidden rows kept, images, more than one checkpoint inside the chunks, too many rows
+        or requests, too long a sequence. A step with one checkpoint inside a chunk (a chat turn's anchor) it serves: the graph keeps
         the DeltaNet states there, handed on as the eager forward hands them (`kept_inside`)."""
         if not (self.use_graphs and self.short_prefill_graphs) or not scheduled:
             return None
         if any(drafts_in(req, n) for req, n in scheduled) or not self._graphable(scheduled, keeps_one=True):
             return None
-        graphs = self._serving(self._prefill_graphs(), scheduled)
+        graphs = self._serving(self._prefill_graphs(), scheduled) or self._serving(self._burst_graphs(), scheduled)
         if graphs is None:
             return None
         samples = [req.num_computed + n == req.num_tokens and not req.prefill_only for req, n in scheduled]
@@ -244,6 +246,17 @@ class ModelRunner:
             from hf2q.engine.prefill_graphs import MAX_SEQS, PrefillGraphs
             self.prefill_graphs = PrefillGraphs(decode, max_seqs=min(MAX_SEQS, self.max_seqs or MAX_SEQS))
         return self.prefill_graphs
+
+    def _burst_graphs(self):
+        if self.burst_graphs is None:
+            decode = self._decode_graphs()
+            if decode is None:
+                return None
+            from hf2q.engine.prefill_graphs import (BURST_BUCKETS, BURST_CONTEXT, BURST_SEQ_ROWS, MAX_SEQS,
+                                                    PrefillGraphs)
+            self.burst_graphs = PrefillGraphs(decode, BURST_BUCKETS, max_seqs=min(MAX_SEQS, self.max_seqs or MAX_SEQS),
+                                              width=-(-BURST_CONTEXT // decode.block_size), seq_rows=BURST_SEQ_ROWS)
+        return self.burst_graphs
 
     def mtp_graphs(self, k: int):
         """The MTP head's draft graphs for k drafts (hf2q.spec.mtp_graphs), made on first use, where verify steps
@@ -371,9 +384,9 @@ class ModelRunner:
             graphs = self._decode_graphs()
             if graphs is not None:
                 graphs.capture([b for b in graphs.buckets if b <= graphs.bucket(min(max_batch, graphs.buckets[-1]))])
-            prefill = self._prefill_graphs() if self.short_prefill_graphs else None
-            if prefill is not None:
-                prefill.capture()
+            for prefill in (self._prefill_graphs(), self._burst_graphs()) if self.short_prefill_graphs else ():
+                if prefill is not None:
+                    prefill.capture()
             verify = self._verify_graphs() if self.verify_seqs else None
             if verify is not None:
                 verify.capture()
