@@ -182,37 +182,55 @@ def test_mixed_prefill_and_decode_steps_replay_prefill_graphs_on_the_cpu():
         torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-4)
 
 
-@torch.inference_mode()
-def test_a_burst_of_short_prompts_replays_a_burst_graph_on_the_cpu():
-    """Six prompts of 25-30 tokens prefilled in one step (171 rows, past the short graphs' 127) replay the
-    256-row burst graph (each prompt a DeltaNet sequence of its own, its rows paged-attention queries); a
-    prompt of more rows than a burst sequence may bring (129) runs eagerly. Every step's logits, and those of
-    the decode steps after (which read what the prefills left), are the eager runner's."""
+def burst(device: str, dtype: torch.dtype, graphed: bool, run_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """Logits of six prompts of 25-35 tokens prefilled in one step (171 rows, past the short graphs' 127), then
+    a prompt of more rows than a burst sequence may bring (129), then two decode steps of all seven. With
+    `run_dtype` the `dtype` weights are cast to it and the model runs in it."""
     from hf2q.engine.prefill_graphs import BURST_SEQ_ROWS
 
-    net = random_model(tiny_config(False), device="cpu", dtype=torch.float32, std=0.08, seed=7)
+    net = random_model(tiny_config(False), device=device, dtype=dtype, std=0.08, seed=7)
+    if run_dtype is not None:
+        net, dtype = net.to(run_dtype), run_dtype
     gen = torch.Generator().manual_seed(1)
     lengths = [25, 26, 27, 28, 30, 35, BURST_SEQ_ROWS + 1]
     prompts = [torch.randint(0, net.config.vocab_size, (n,), generator=gen).tolist() for n in lengths]
-    runs = []
+    cache = HybridCache(net.config, CacheConfig(num_slots=9, num_blocks=96, block_size=16, kv_dtype=str(dtype)[6:]),
+                        device=device)
+    runner = ModelRunner(net, cache, cuda_graphs=graphed, short_prefill_graphs=graphed)
+    runner.use_graphs = graphed  # on the CPU: the graphs' stand-in
+    reqs = [Request(f"r{i}", p, SamplingParams()) for i, p in enumerate(prompts)]
+    for req in reqs:
+        req.slot = cache.acquire()
+    logits = []
+    for step in ([(r, len(r.prompt_ids)) for r in reqs[:6]], [(reqs[6], len(reqs[6].prompt_ids))], None, None):
+        sampling, out = runner.run(step or [(r, 1) for r in reqs])
+        logits.append(out.to("cpu", torch.float32, copy=True))
+        for req, token in zip(sampling, out.argmax(-1).tolist()):
+            req.output_ids.append(token)
+    if graphed:  # the burst took the 256-row graph, the long prompt none (the short graphs neither)
+        assert sorted(runner.burst_graphs.graphs) == [256] and not runner.prefill_graphs.graphs
+    return logits
+
+
+@torch.inference_mode()
+def test_a_burst_of_short_prompts_replays_a_burst_graph_on_the_cpu():
+    """The burst replays the 256-row burst graph (each prompt a DeltaNet sequence of its own, its rows
+    paged-attention queries), the long prompt runs eagerly; every step's logits, and those of the decode steps
+    after (which read what the prefills left), are the eager runner's."""
     with fast_path("force"):
-        for graphs in (False, True):
-            cache = HybridCache(net.config, CacheConfig(num_slots=9, num_blocks=96, block_size=16,
-                                                        kv_dtype="float32"))
-            runner = ModelRunner(net, cache, cuda_graphs=graphs, short_prefill_graphs=graphs)
-            runner.use_graphs = graphs  # on the CPU: the graphs' stand-in
-            reqs = [Request(f"r{i}", p, SamplingParams()) for i, p in enumerate(prompts)]
-            for req in reqs:
-                req.slot = cache.acquire()
-            logits = []
-            for step in ([(r, len(r.prompt_ids)) for r in reqs[:6]], [(reqs[6], len(reqs[6].prompt_ids))],
-                         None, None):
-                sampling, out = runner.run(step or [(r, 1) for r in reqs])
-                logits.append(out.to("cpu", torch.float32, copy=True))
-                for req, token in zip(sampling, out.argmax(-1).tolist()):
-                    req.output_ids.append(token)
-            runs.append(logits)
-            if graphs:  # the burst took the 256-row graph, the long prompt none (the short graphs neither)
-                assert sorted(runner.burst_graphs.graphs) == [256] and not runner.prefill_graphs.graphs
-    for x, y in zip(*runs):
+        eager, graphed = (burst("cpu", torch.float32, g) for g in (False, True))
+    for x, y in zip(eager, graphed):
         torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@torch.inference_mode()
+def test_a_burst_graph_matches_eager():
+    """The same through captured graphs in bf16, each step as close to the fp32 run of the same weights as the
+    eager runner's (the bound of test_short_prefill_graphs_match_eager)."""
+    eager, graphed = (burst("cuda", torch.bfloat16, g) for g in (False, True))
+    reference = burst("cuda", torch.bfloat16, False, run_dtype=torch.float32)
+    for step, (r, x, y) in enumerate(zip(reference, eager, graphed)):
+        eager_error, graph_error = float((x - r).abs().max()), float((y - r).abs().max())
+        assert graph_error <= 2 * eager_error + 0.02, (step, graph_error, eager_error)
