@@ -234,3 +234,24 @@ def test_a_burst_graph_matches_eager():
     for step, (r, x, y) in enumerate(zip(reference, eager, graphed)):
         eager_error, graph_error = float((x - r).abs().max()), float((y - r).abs().max())
         assert graph_error <= 2 * eager_error + 0.02, (step, graph_error, eager_error)
+
+
+@torch.inference_mode()
+def test_a_burst_graph_that_fails_to_capture_leaves_bursts_to_the_eager_forward(monkeypatch, caplog):
+    """A capture that fails (here a RuntimeError, as an operation a graph cannot hold raises) is logged and the
+    burst graphs serve nothing after it: the warm-up goes on, and a burst runs eagerly."""
+    from hf2q.engine.prefill_graphs import PrefillGraphs
+
+    net = random_model(tiny_config(False), device="cpu", dtype=torch.float32, std=0.08, seed=7)
+    cache = HybridCache(net.config, CacheConfig(num_slots=4, num_blocks=32, block_size=16, kv_dtype="float32"))
+    runner = ModelRunner(net, cache, cuda_graphs=True, short_prefill_graphs=True)
+    runner.use_graphs = True  # on the CPU: the graphs' stand-in
+
+    def fails(self, buckets=None):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(PrefillGraphs, "capture", fails)
+    with caplog.at_level("WARNING"):
+        runner._capture_burst_graphs()
+    assert "bursts of short prompts run eagerly" in caplog.text and "not permitted" in caplog.text
+    assert not runner.burst_graphs.serves([60, 70, 80], [5, 5, 6])

@@ -258,6 +258,19 @@ class ModelRunner:
                                               width=-(-BURST_CONTEXT // decode.block_size), seq_rows=BURST_SEQ_ROWS)
         return self.burst_graphs
 
+    def _capture_burst_graphs(self) -> None:
+        """Capture the burst graphs; one that fails to capture (memory, an operation a graph cannot hold) leaves
+        bursts to the eager forward, with the reason logged, rather than failing the warm-up."""
+        graphs = self._burst_graphs()
+        if graphs is None or not graphs.usable:
+            return
+        try:
+            graphs.capture()
+        except (RuntimeError, torch.OutOfMemoryError) as err:
+            graphs.usable = False
+            graphs.graphs.clear()
+            log.warning("burst prefill graphs left out, bursts of short prompts run eagerly: %s", err)
+
     def mtp_graphs(self, k: int):
         """The MTP head's draft graphs for k drafts (hf2q.spec.mtp_graphs), made on first use, where verify steps
         replay graphs; else None."""
@@ -384,9 +397,10 @@ class ModelRunner:
             graphs = self._decode_graphs()
             if graphs is not None:
                 graphs.capture([b for b in graphs.buckets if b <= graphs.bucket(min(max_batch, graphs.buckets[-1]))])
-            for prefill in (self._prefill_graphs(), self._burst_graphs()) if self.short_prefill_graphs else ():
-                if prefill is not None:
-                    prefill.capture()
+            prefill = self._prefill_graphs() if self.short_prefill_graphs else None
+            if prefill is not None:
+                prefill.capture()
+                self._capture_burst_graphs()
             verify = self._verify_graphs() if self.verify_seqs else None
             if verify is not None:
                 verify.capture()
