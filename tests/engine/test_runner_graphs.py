@@ -213,10 +213,14 @@ def burst(device: str, dtype: torch.dtype, graphed: bool, run_dtype: torch.dtype
 
 
 @torch.inference_mode()
-def test_a_burst_of_short_prompts_replays_a_burst_graph_on_the_cpu():
-    """The burst replays the 256-row burst graph (each prompt a DeltaNet sequence of its own, its rows
-    paged-attention queries), the long prompt runs eagerly; every step's logits, and those of the decode steps
-    after (which read what the prefills left), are the eager runner's."""
+def test_a_burst_of_short_prompts_replays_a_burst_graph_on_the_cpu(monkeypatch):
+    """With HF2Q_BURST_GRAPHS=1 the burst replays the 256-row burst graph (each prompt a DeltaNet sequence of its
+    own, its rows paged-attention queries), the long prompt runs eagerly; every step's logits, and those of the
+    decode steps after (which read what the prefills left), are the eager runner's. Unset, there are none."""
+    net = random_model(tiny_config(False), device="cpu", dtype=torch.float32, std=0.08, seed=7)
+    cache = HybridCache(net.config, CacheConfig(num_slots=4, num_blocks=32, block_size=16, kv_dtype="float32"))
+    assert ModelRunner(net, cache, cuda_graphs=True, short_prefill_graphs=True)._burst_graphs() is None
+    monkeypatch.setenv("HF2Q_BURST_GRAPHS", "1")
     with fast_path("force"):
         eager, graphed = (burst("cpu", torch.float32, g) for g in (False, True))
     for x, y in zip(eager, graphed):
@@ -226,9 +230,10 @@ def test_a_burst_of_short_prompts_replays_a_burst_graph_on_the_cpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @torch.inference_mode()
-def test_a_burst_graph_matches_eager():
+def test_a_burst_graph_matches_eager(monkeypatch):
     """The same through captured graphs in bf16, each step as close to the fp32 run of the same weights as the
     eager runner's (the bound of test_short_prefill_graphs_match_eager)."""
+    monkeypatch.setenv("HF2Q_BURST_GRAPHS", "1")
     eager, graphed = (burst("cuda", torch.bfloat16, g) for g in (False, True))
     reference = burst("cuda", torch.bfloat16, False, run_dtype=torch.float32)
     for step, (r, x, y) in enumerate(zip(reference, eager, graphed)):
@@ -250,6 +255,7 @@ def test_a_burst_graph_that_fails_to_capture_leaves_bursts_to_the_eager_forward(
     def fails(self, buckets=None):
         raise RuntimeError("operation not permitted when stream is capturing")
 
+    monkeypatch.setenv("HF2Q_BURST_GRAPHS", "1")
     monkeypatch.setattr(PrefillGraphs, "capture", fails)
     with caplog.at_level("WARNING"):
         runner._capture_burst_graphs()

@@ -3,8 +3,8 @@
 On CUDA a batch of pure decode rows (one new token per request, each then sampled; a request with images
 too, its token rotated by index + delta) replays a captured CUDA graph of its batch-size bucket (captured on
 first use); with `short_prefill_graphs`, so does a small step with prefill rows (up to 127 rows over up to 64
-requests, hf2q.engine.prefill_graphs) and a burst of short prompts (up to 2,048 rows, at most 128 a request and
-contexts of at most 4,096 tokens); every other batch, and every batch on CPU, runs eagerly.
+requests, hf2q.engine.prefill_graphs) and, with HF2Q_BURST_GRAPHS=1, a burst of short prompts (up to 2,048 rows,
+at most 128 a request and contexts of at most 4,096 tokens); every other batch, and every batch on CPU, runs eagerly.
 A speculating request (drafts after its known tokens, see hf2q.spec) replays a verify graph on CUDA where
 the step has up to `verify_seqs` requests (else it runs eagerly); its draft rows' logits and the
 DeltaNet state after each of its positions go to its `Verify`, and its cache and `num_computed` are settled
@@ -20,6 +20,7 @@ from typing import Optional
 
 import torch
 
+from hf2q import envs
 from hf2q.cache.hybrid import CacheError, HybridCache
 from hf2q.cache.state_at import StateAt
 from hf2q.devices import upload
@@ -248,7 +249,10 @@ class ModelRunner:
         return self.prefill_graphs
 
     def _burst_graphs(self):
+        """The burst graphs (prefill_graphs.BURST_BUCKETS), made on first use where HF2Q_BURST_GRAPHS=1; else None."""
         if self.burst_graphs is None:
+            if not envs.burst_graphs():
+                return None
             decode = self._decode_graphs()
             if decode is None:
                 return None
