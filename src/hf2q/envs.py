@@ -55,8 +55,8 @@ STEP_TRACE = Variable("HF2Q_STEP_TRACE", "0", "0 or 1", "1 logs every engine ste
                       "the overlap between steps (read when the engine is built)")
 BURST_GRAPHS = Variable("HF2Q_BURST_GRAPHS", "0", "0 or 1", "1 replays steps of many short prompts (bursts of "
                         "requests arriving together, up to 2,048 rows) in CUDA graphs of their own, beside the short "
-                        "prefill graphs; 0 runs them eagerly. Off until measured on a GPU (read when the runner "
-                        "meets its first such step)")
+                        "prefill graphs; 0 runs them eagerly. Off until measured on a GPU (read when the runner is "
+                        "built)")
 VARIABLES = (PDL, GEMV_TUNE, GEMV, QUANT_MM, PAGED_DECODE, TUNE_CACHE, XDG_CACHE_HOME, TRITON_INTERPRET,
              NCCL_NVLS_ENABLE, TRITON_CACHE_AUTOTUNING, STEP_TRACE, BURST_GRAPHS)
 

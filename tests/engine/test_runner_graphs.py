@@ -247,6 +247,7 @@ def test_a_burst_graph_that_fails_to_capture_leaves_bursts_to_the_eager_forward(
     burst graphs serve nothing after it: the warm-up goes on, and a burst runs eagerly."""
     from hf2q.engine.prefill_graphs import PrefillGraphs
 
+    monkeypatch.setenv("HF2Q_BURST_GRAPHS", "1")  # read when the runner is built
     net = random_model(tiny_config(False), device="cpu", dtype=torch.float32, std=0.08, seed=7)
     cache = HybridCache(net.config, CacheConfig(num_slots=4, num_blocks=32, block_size=16, kv_dtype="float32"))
     runner = ModelRunner(net, cache, cuda_graphs=True, short_prefill_graphs=True)
@@ -255,7 +256,6 @@ def test_a_burst_graph_that_fails_to_capture_leaves_bursts_to_the_eager_forward(
     def fails(self, buckets=None):
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    monkeypatch.setenv("HF2Q_BURST_GRAPHS", "1")
     monkeypatch.setattr(PrefillGraphs, "capture", fails)
     with caplog.at_level("WARNING"):
         runner._capture_burst_graphs()

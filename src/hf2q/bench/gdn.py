@@ -17,6 +17,7 @@ import math
 import torch
 
 from hf2q.bench_shapes import SHAPES
+from hf2q.config import STATE_DTYPES
 from hf2q.kernels.gdn.decode_triton import DEFAULT_CONFIG as DEFAULT, gdn_conv_decode_
 from hf2q.kernels.quant.dequant_triton import QTYPE_ID
 from hf2q.kernels.tuning.timing import describe, graph_time_us, time_configs
@@ -83,7 +84,7 @@ def main(argv=None) -> None:
     p.add_argument("--int8-for", default=None, choices=sorted(QTYPE_ID),
                    help="also write int8 rows for a weight of this type")
     p.add_argument("--batch", type=int, default=1, help="sequences a step (each its own slot)")
-    p.add_argument("--state-dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--state-dtype", default="float32", choices=STATE_DTYPES)
     p.add_argument("--finish-warps", type=int, nargs="+", default=list(WARPS),
                    help="the finish kernel's warps to try (fewer: fewer kernels to compile)")
     args = p.parse_args(argv)

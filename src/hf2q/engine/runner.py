@@ -52,6 +52,7 @@ class ModelRunner:
         self.graphs = None  # DecodeGraphs, made on the first decode batch (it holds one padding slot)
         self.short_prefill_graphs = short_prefill_graphs  # small prefill steps replay graphs too, where graphs run
         self.prefill_graphs = None  # PrefillGraphs, made on the first such step (on the decode graphs' padding)
+        self.bursts_graphed = envs.burst_graphs()  # HF2Q_BURST_GRAPHS: bursts of short prompts replay graphs too
         self.burst_graphs = None  # PrefillGraphs for steps of many short prompts (prefill_graphs.BURST_BUCKETS)
         self.paths: list[tuple[str, int, int]] | None = None  # HF2Q_STEP_TRACE: (how, sequences, tokens) a forward
         # steps with drafts of up to this many requests replay verify graphs (0: no speculation)
@@ -162,8 +163,9 @@ class ModelRunner:
         """`run`'s result for a small step with prefill rows replayed in its graph (hf2q.engine.prefill_graphs:
         up to 127 rows over up to 64 requests, or a burst's many short prompts), or None where no graph serves
         it: drafts to verify, hidden rows kept, images, more than one checkpoint inside the chunks, too many rows
-        or requests, too long a sequence. A step with one checkpoint inside a chunk (a chat turn's anchor) it serves: the graph keeps
-        the DeltaNet states there, handed on as the eager forward hands them (`kept_inside`)."""
+        or requests, too long a sequence. A step with one checkpoint inside a chunk (a chat turn's anchor) it
+        serves: the graph keeps the DeltaNet states there, handed on as the eager forward hands them
+        (`kept_inside`)."""
         if not (self.use_graphs and self.short_prefill_graphs) or not scheduled:
             return None
         if any(drafts_in(req, n) for req, n in scheduled) or not self._graphable(scheduled, keeps_one=True):
@@ -251,7 +253,7 @@ class ModelRunner:
     def _burst_graphs(self):
         """The burst graphs (prefill_graphs.BURST_BUCKETS), made on first use where HF2Q_BURST_GRAPHS=1; else None."""
         if self.burst_graphs is None:
-            if not envs.burst_graphs():
+            if not self.bursts_graphed:
                 return None
             decode = self._decode_graphs()
             if decode is None:
