@@ -108,14 +108,7 @@ def hit_steps(engine, history: int, suffix: int, rng, sync, profile: bool) -> No
     """A follow-up turn: a `history`-token request, then its prompt + answer + `suffix` new tokens, timed step by
     step with the prefix cache (a hit on the finished request's checkpoint) and again with the cache emptied
     (cold); --profile profiles the hit."""
-    import contextlib
-
-    import torch
-    from torch.profiler import ProfilerActivity, profile as torch_profile
-
     from hf2q.engine.sampling_params import SamplingParams
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
 
     def run(ids: list[int], max_tokens: int) -> tuple[list[int], list[float], int]:
         engine.add_request(ids, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
@@ -141,17 +134,38 @@ def hit_steps(engine, history: int, suffix: int, rng, sync, profile: bool) -> No
         if tag == "cold":
             engine.prefix.clear()
         profiling = tag == "hit" and profile
-        stacks = dict(with_stack=True, experimental_config=torch._C._profiler._ExperimentalConfig(verbose=True))
-        with torch_profile(activities=acts, **stacks) if profiling else contextlib.nullcontext() as prof:
+        with stack_profile(profiling) as prof:
             _, steps, cached = run(follow, 4)
         if profiling:
-            if torch.cuda.is_available():  # the kernels of the hit's steps, graph replays' included (CUPTI)
-                print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
-            print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60))
-            print_copy_sites(prof)
+            print_stack_profile(prof)
         prefill = to_first_token(steps, 4)
         print(f"follow-up {tag}: {len(follow)} tokens, {cached} cached, {len(prefill)} prefill steps, "
               f"{sum(prefill):.1f} ms to the first token ({', '.join(f'{t:.1f}' for t in prefill[:6])})")
+
+
+def stack_profile(on: bool):
+    """A profiler of the CPU (and CUDA, graph replays' kernels included) that records Python stacks; with `on`
+    false, a context that does nothing (and gives None)."""
+    import contextlib
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    if not on:
+        return contextlib.nullcontext()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    return torch_profile(activities=acts, with_stack=True,
+                         experimental_config=torch._C._profiler._ExperimentalConfig(verbose=True))
+
+
+def print_stack_profile(prof) -> None:
+    """A `stack_profile`'s top kernels (on CUDA), its top host calls and the call sites of its copies."""
+    import torch
+
+    if torch.cuda.is_available():
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60))
+    print_copy_sites(prof)
 
 
 def print_copy_sites(prof, top: int = 8) -> None:
@@ -170,34 +184,27 @@ def burst_steps(engine, n: int, prompt_tokens: int, rng, sync, profile: bool) ->
     """n requests added at once, stepped until each has its first token: every step's sequences, tokens and
     time, for the engine's first burst and for a second one; --profile profiles the second (kernels, host calls
     and the call sites of copies and scalar reads)."""
-    import contextlib
-
-    import torch
-    from torch.profiler import ProfilerActivity, profile as torch_profile
-
     from hf2q.engine.sampling_params import SamplingParams
 
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     for tag in ("first burst", "second burst"):
         for _ in range(n):
             engine.add_request([rng.randrange(1000, 100000) for _ in range(prompt_tokens)], params)
         profiling = profile and tag == "second burst"
-        stacks = dict(with_stack=True, experimental_config=torch._C._profiler._ExperimentalConfig(verbose=True))
-        started, steps, t0 = set(), [], time.perf_counter()
-        with torch_profile(activities=acts, **stacks) if profiling else contextlib.nullcontext() as prof:
+        started, steps = set(), []
+        with stack_profile(profiling) as prof:
+            t0 = time.perf_counter()  # after the profiler's start
             while len(started) < n and engine.has_work():
                 t = time.perf_counter()
                 started.update(o.request_id for o in engine.step() if o.new_token_ids)
                 sync()
-                steps.append(f"{engine.last_batch[0]} seqs/{engine.last_batch[1]} tokens {(time.perf_counter() - t) * 1000:.1f} ms")
-        print(f"{tag} of {n} x {prompt_tokens} tokens: every first token after {(time.perf_counter() - t0) * 1000:.1f} ms; "
+                seqs, tokens = engine.last_batch
+                steps.append(f"{seqs} seqs/{tokens} tokens {(time.perf_counter() - t) * 1000:.1f} ms")
+            took = time.perf_counter() - t0  # before the profiler's stop
+        print(f"{tag} of {n} x {prompt_tokens} tokens: every first token after {took * 1000:.1f} ms; "
               f"steps: {'; '.join(steps)}")
         if profiling:
-            if torch.cuda.is_available():
-                print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
-            print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=60))
-            print_copy_sites(prof)
+            print_stack_profile(prof)
         while engine.has_work():
             engine.step()
 
