@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Prepares, on a machine that can download, what a GPU call carries (the GPU machine cannot download): wheels for
-# its Python (3.12, x86_64) into .whl/, and into .cache/ the test tokenizer and the llama.cpp sources trimmed from
-# the llama-cpp-python sdist (to build llama-server there, and for the GGUF test fixtures). Both folders are ignored
+# its Python (3.12, x86_64) into .whl/, and into .cache/ the test tokenizer, the trained test fixtures and the
+# llama.cpp sources trimmed from the llama-cpp-python sdist (to build llama-server there, and for the GGUF test
+# fixtures). Both folders are ignored
 # by git; carry them: [".whl", ".cache"]. On the GPU machine, `source tools/gpu_setup.sh` first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,6 +25,10 @@ python -m pip download -q --no-deps --only-binary=:all: --platform manylinux_2_5
 # the test tokenizer (built by the test support code from the Qwen3.5 vocabulary)
 python -c "from tests.support.tokenizer_dir import cached_tokenizer_dir as d; print(d())" > /dev/null
 tar czf .cache/qwen35_tokenizer.tgz -C "${HF2Q_TEST_CACHE:-$HOME/.cache/hf2q-tests}" qwen35_tokenizer
+# the trained copiers' GGUFs (tests/support/trained_checkpoints.py), which the GPU machine cannot train; there
+# HF2Q_TRAINED_FIXTURES names the folder they are unpacked into
+python -c "from tests.support.fixtures import copier_gguf as g; print(g('dense'), g('moe'))" | tr ' ' '\n' \
+  | tar czf .cache/trained_fixtures.tgz --transform 's|.*/||' -T -
 # llama.cpp's sources without its git objects, docs, tests, media and models (but the chat templates), under the
 # sdist's own prefix
 work=$(mktemp -d)

@@ -23,6 +23,10 @@ fi
 export HF2Q_TEST_CACHE=${HF2Q_TEST_CACHE:-$HOME/.cache/hf2q-tests}
 mkdir -p "$HF2Q_TEST_CACHE"
 tar xzf .cache/qwen35_tokenizer.tgz -C "$HF2Q_TEST_CACHE"
+if [ -f .cache/trained_fixtures.tgz ]; then
+  export HF2Q_TRAINED_FIXTURES=$HF2Q_TEST_CACHE/trained-carried
+  mkdir -p "$HF2Q_TRAINED_FIXTURES" && tar xzf .cache/trained_fixtures.tgz -C "$HF2Q_TRAINED_FIXTURES"
+fi
 for sdist in .cache/llama_cpp_python-*.tar.gz; do
   [ -f "$sdist" ] || continue
   cp "$sdist" "$HF2Q_TEST_CACHE/"

@@ -126,10 +126,13 @@ def our_gguf(kind: str, outtype: str) -> Path:
 
 def copier_gguf(kind: str) -> Path:
     """The tiny model trained to continue periodic sequences (tests/support/trained_checkpoints.py), by our
-    converter: trained once per cache, in about 15 s."""
+    converter: trained once per cache, in about 15 s, on the CPU."""
     from hf2q.checkpoint.convert import convert
     from tests.support.trained_checkpoints import write_copier_checkpoint
 
+    carried = Path(os.environ.get("HF2Q_TRAINED_FIXTURES", "/nonexistent")) / f"copier-{kind}.gguf"
+    if carried.exists():  # built on a CPU machine and carried to one that cannot train it (tools/gpu_carry.sh)
+        return carried
     src = cached(fixture_dir("hf-trained"), f"hf_copier_{kind}", lambda p: write_copier_checkpoint(p, kind))
     return cached(fixture_dir("trained"), f"copier-{kind}.gguf", lambda p: convert(src, p, "f32"))
 

@@ -5,10 +5,9 @@ learns (in seconds on a CPU) that the next token is the one a period before it, 
 can fetch (the DeltaNet's short conv reaches three tokens back): its keys must carry the position and its values
 the token. A 259-token byte-level vocabulary keeps the output layer and the training cheap.
 
-Where CUDA is available the model trains there: transformers sends its Gated DeltaNet to fla's Triton kernels when
-fla is installed, and on the GPU machine (transformers 5.17) training on the CPU failed with Triton's "Pointer
-argument (at 0) cannot be accessed from Triton (cpu tensor?)"; newer versions fall back to their torch path for CPU
-tensors, as this machine's CPU-only runs do.
+It trains on the CPU, so every machine builds the same model. The GPU machine cannot train it (its transformers,
+5.17, sends a CPU model's Gated DeltaNet to fla's Triton kernels, and on a Hopper GPU fla refuses the gated backward
+with its Triton): a GPU call carries the converted GGUFs instead (tools/gpu_carry.sh).
 
 Training is seeded but not every seed learns the lag everywhere: seed 0 (torch 2.13, CPU) copies with a top-1 margin
 of at least 3.8 logits over 64 held-out rows of 320 tokens, dense and MoE; seed 1 (dense) misses a few of its
@@ -54,23 +53,24 @@ def copier_config(kind: str = "dense"):
 
 
 def periodic(rows: int, length: int, gen: torch.Generator) -> torch.Tensor:
-    """[rows, length] token ids: each row PERIOD distinct random TOKENS, repeated (on the training device)."""
+    """[rows, length] token ids: each row PERIOD distinct random TOKENS, repeated."""
     alphabet = torch.tensor(TOKENS)
     stretch = alphabet[torch.rand(rows, len(alphabet), generator=gen).argsort(-1)[:, :PERIOD]]
-    return stretch.repeat(1, -(-length // PERIOD))[:, :length].to(_device())
-
-
-def _device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return stretch.repeat(1, -(-length // PERIOD))[:, :length]
 
 
 def train_copier(kind: str = "dense", seed: int = 0):
     """The HF model after LEARN's and SETTLE's AdamW steps on periodic rows; the loss counts only the tokens a
-    period predicts."""
+    period predicts. Grad is switched back on: a test under `torch.inference_mode()` may build it first."""
+    with torch.inference_mode(False), torch.enable_grad():
+        return _train_copier(kind, seed)
+
+
+def _train_copier(kind: str, seed: int):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(copier_config(kind), dtype=torch.float32).to(_device())
+    model = AutoModelForCausalLM.from_config(copier_config(kind), dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed + 1)
     opt = torch.optim.AdamW(model.parameters(), weight_decay=0.0)
     model.train()
@@ -118,7 +118,7 @@ def write_copier_checkpoint(out_dir: Path, kind: str = "dense") -> Path:
     from tests.support.gguf_variants import tiny_vocabulary
 
     out_dir = Path(out_dir)
-    trained_copier(kind).to("cpu").save_pretrained(out_dir, safe_serialization=True)
+    trained_copier(kind).save_pretrained(out_dir, safe_serialization=True)
     tokens, types, merges = tiny_vocabulary()
     vocab = {t: i for i, (t, kind_) in enumerate(zip(tokens, types)) if kind_ == 1}
     added = [{"id": i, "content": t, "special": True, "normalized": False}
