@@ -53,10 +53,9 @@ STEP_TRACE = Variable("HF2Q_STEP_TRACE", "0", "0 or 1", "1 logs every engine ste
                       "path it took: a decode, prefill or verify graph, or eager) with its host and device time, "
                       "waiting for the device after each step: where a served request's time goes, at the cost of "
                       "the overlap between steps (read when the engine is built)")
-BURST_GRAPHS = Variable("HF2Q_BURST_GRAPHS", "0", "0 or 1", "1 replays steps of many short prompts (bursts of "
+BURST_GRAPHS = Variable("HF2Q_BURST_GRAPHS", "1", "0 or 1", "1 replays steps of many short prompts (bursts of "
                         "requests arriving together, up to 2,048 rows) in CUDA graphs of their own, beside the short "
-                        "prefill graphs; 0 runs them eagerly. Off until measured on a GPU (read when the runner is "
-                        "built)")
+                        "prefill graphs; 0 runs them eagerly (read when the runner is built)")
 VARIABLES = (PDL, GEMV_TUNE, GEMV, QUANT_MM, PAGED_DECODE, TUNE_CACHE, XDG_CACHE_HOME, TRITON_INTERPRET,
              NCCL_NVLS_ENABLE, TRITON_CACHE_AUTOTUNING, STEP_TRACE, BURST_GRAPHS)
 

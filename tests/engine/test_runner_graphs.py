@@ -214,13 +214,14 @@ def burst(device: str, dtype: torch.dtype, graphed: bool, run_dtype: torch.dtype
 
 @torch.inference_mode()
 def test_a_burst_of_short_prompts_replays_a_burst_graph_on_the_cpu(monkeypatch):
-    """With HF2Q_BURST_GRAPHS=1 the burst replays the 256-row burst graph (each prompt a DeltaNet sequence of its
+    """By default the burst replays the 256-row burst graph (each prompt a DeltaNet sequence of its
     own, its rows paged-attention queries), the long prompt runs eagerly; every step's logits, and those of the
-    decode steps after (which read what the prefills left), are the eager runner's. Unset, there are none."""
+    decode steps after (which read what the prefills left), are the eager runner's. HF2Q_BURST_GRAPHS=0: none."""
     net = random_model(tiny_config(False), device="cpu", dtype=torch.float32, std=0.08, seed=7)
     cache = HybridCache(net.config, CacheConfig(num_slots=4, num_blocks=32, block_size=16, kv_dtype="float32"))
+    monkeypatch.setenv("HF2Q_BURST_GRAPHS", "0")
     assert ModelRunner(net, cache, cuda_graphs=True, short_prefill_graphs=True)._burst_graphs() is None
-    monkeypatch.setenv("HF2Q_BURST_GRAPHS", "1")
+    monkeypatch.delenv("HF2Q_BURST_GRAPHS")
     with fast_path("force"):
         eager, graphed = (burst("cpu", torch.float32, g) for g in (False, True))
     for x, y in zip(eager, graphed):
@@ -261,3 +262,47 @@ def test_a_burst_graph_that_fails_to_capture_leaves_bursts_to_the_eager_forward(
         runner._capture_burst_graphs()
     assert "bursts of short prompts run eagerly" in caplog.text and "not permitted" in caplog.text
     assert not runner.burst_graphs.serves([60, 70, 80], [5, 5, 6])
+
+
+@torch.inference_mode()
+def test_an_eager_steps_output_layer_runs_a_decode_buckets_rows(monkeypatch):
+    """With decode graphs, an eager step wanting 3 rows' logits runs the output layer over 4 (the last row
+    repeated: the 4-row bucket's kernels are the ones the warm-up compiled) and returns the eager runner's 3."""
+    net = random_model(tiny_config(False), device="cpu", dtype=torch.float32, std=0.08, seed=7)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, net.config.vocab_size, (129 + i,), generator=gen).tolist() for i in range(3)]
+    rows, logits = [], []
+    plain = net.compute_logits
+    monkeypatch.setattr(net, "compute_logits", lambda h: rows.append(h.shape[0]) or plain(h))
+    for graphed in (False, True):
+        cache = HybridCache(net.config, CacheConfig(num_slots=6, num_blocks=64, block_size=16, kv_dtype="float32"))
+        runner = ModelRunner(net, cache, cuda_graphs=graphed, short_prefill_graphs=graphed)
+        runner.use_graphs = graphed  # on the CPU: the graphs' stand-in
+        if graphed:
+            runner._decode_graphs()
+        reqs = [Request(f"r{i}", p, SamplingParams()) for i, p in enumerate(prompts)]
+        for req in reqs:
+            req.slot = cache.acquire()
+        with fast_path("force"):
+            logits.append(runner.run([(r, len(r.prompt_ids)) for r in reqs])[1].clone())
+    assert rows == [3, 4] and logits[1].shape[0] == 3
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+
+
+@torch.inference_mode()
+def test_the_warm_up_keeps_states_inside_its_first_prefill(monkeypatch):
+    """The warm-up's first prefill hands the DeltaNet states after its middle token to a `StateAt`, as a prefix
+    checkpoint inside a chunk does, so the kernels of that longer delta rule are compiled before serving."""
+    from hf2q.cache import state_at
+
+    net = random_model(tiny_config(False), device="cpu", dtype=torch.float32, std=0.08, seed=7)
+    cache = HybridCache(net.config, CacheConfig(num_slots=4, num_blocks=32, block_size=16, kv_dtype="float32"))
+    runner = ModelRunner(net, cache)
+    handed = []
+    plain = state_at.StateAt.__call__
+    monkeypatch.setattr(state_at.StateAt, "__call__",
+                        lambda self, j, *a: handed.append((self.lengths, j)) or plain(self, j, *a))
+    with fast_path("force"):
+        runner._warm_up_prefill([40], inside=20)
+    deltanet_layers = cache.empty_linear_states(1)[0].shape[0]
+    assert deltanet_layers > 0 and handed == [((20,), j) for j in range(deltanet_layers)]

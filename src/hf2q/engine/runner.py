@@ -3,7 +3,7 @@
 On CUDA a batch of pure decode rows (one new token per request, each then sampled; a request with images
 too, its token rotated by index + delta) replays a captured CUDA graph of its batch-size bucket (captured on
 first use); with `short_prefill_graphs`, so does a small step with prefill rows (up to 127 rows over up to 64
-requests, hf2q.engine.prefill_graphs) and, with HF2Q_BURST_GRAPHS=1, a burst of short prompts (up to 2,048 rows,
+requests, hf2q.engine.prefill_graphs) and (unless HF2Q_BURST_GRAPHS=0) a burst of short prompts (up to 2,048 rows,
 at most 128 a request and contexts of at most 4,096 tokens); every other batch, and every batch on CPU, runs eagerly.
 A speculating request (drafts after its known tokens, see hf2q.spec) replays a verify graph on CUDA where
 the step has up to `verify_seqs` requests (else it runs eagerly); its draft rows' logits and the
@@ -149,7 +149,9 @@ class ModelRunner:
                     draft_rows += range(row - d, row)
         if not rows:
             return [], hidden.new_zeros(0, self.net.config.vocab_size, dtype=torch.float32)
-        logits = self.net.compute_logits(hidden[torch.tensor(rows + draft_rows, device=hidden.device)])
+        picked = rows + draft_rows
+        picked += picked[-1:] * (self._logit_rows(len(picked)) - len(picked))
+        logits = self.net.compute_logits(hidden[torch.tensor(picked, device=hidden.device)])
         offset = len(rows)
         for req in sampling:
             verify = verifies.get(req.request_id)
@@ -251,7 +253,7 @@ class ModelRunner:
         return self.prefill_graphs
 
     def _burst_graphs(self):
-        """The burst graphs (prefill_graphs.BURST_BUCKETS), made on first use where HF2Q_BURST_GRAPHS=1; else None."""
+        """The burst graphs (prefill_graphs.BURST_BUCKETS), made on first use unless HF2Q_BURST_GRAPHS=0; else None."""
         if self.burst_graphs is None:
             if not self.bursts_graphed:
                 return None
@@ -387,7 +389,8 @@ class ModelRunner:
         slots are released; the graphs keep their padding slot."""
         t0, spent = time.monotonic(), SPENT.snapshot()
         cuda = self.device.type == "cuda"  # elsewhere nothing compiles: one prefill is enough
-        self._warm_up_prefill([prefill_tokens], then=(*FOLLOW_UP_CHUNKS, prefill_tokens) if cuda else ())
+        self._warm_up_prefill([prefill_tokens], then=(*FOLLOW_UP_CHUNKS, prefill_tokens) if cuda else (),
+                              inside=prefill_tokens // 2 if cuda else 0)
         log.info("warm-up: a %d-token prefill%s in %.1f s (%s)", prefill_tokens,
                  " and chunks over it" if cuda else "", time.monotonic() - t0, SPENT.since(spent))
         half = prefill_tokens // 2
@@ -413,7 +416,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _warm_up_prefill(self, lengths: list[int], then: tuple[int, ...] = ()) -> None:
+    def _warm_up_prefill(self, lengths: list[int], then: tuple[int, ...] = (), inside: int = 0) -> None:
         """One prefill of sequences of `lengths` tokens in scratch slots, released after; `then`: the token
         counts of further chunks of the first sequence (a long prompt's later chunks and a follow-up turn
         attend over a cached prefix, other kernels than a first chunk's). Triton specialises a
@@ -421,11 +424,14 @@ class ModelRunner:
         sequence compiles other code than over two (long prompts in one step, and a prefix-cache checkpoint
         inside a chunk, which runs the chunk's first tokens as one more sequence), and an odd total other code
         than a multiple of 16: the warm-up meets each (on an H100 a first 8,047-token chat turn with the prefix
-        cache on waited 11.6 s for its first token, 0.8 s with it off)."""
+        cache on waited 11.6 s for its first token, 0.8 s with it off). `inside` > 0: the first step also keeps
+        the DeltaNet states after that many tokens, as a prefix checkpoint inside a chunk does (its delta rule
+        runs over more rows than the chunk's, and fla's L2 norm tunes itself again past 2,048 of them: 25
+        candidates compiled while a first 2,048-token prompt waited, on an H100)."""
         slots: list[int] = []
         try:
             slots.extend(self.cache.acquire() for _ in lengths)
-            self._warm_up_step(slots, list(lengths), [0] * len(lengths))
+            self._warm_up_step(slots, list(lengths), [0] * len(lengths), inside)
             try:
                 for n in then:  # further chunks of the first sequence, over what it has cached
                     self._warm_up_step(slots[:1], [n], [self.cache.seq_len(slots[0])])
@@ -435,19 +441,31 @@ class ModelRunner:
             for slot in slots:
                 self.cache.release(slot)
 
-    def _warm_up_step(self, slots: list[int], lengths: list[int], starts: list[int]) -> None:
-        """One forward of `lengths[i]` zero tokens after the `starts[i]` cached in `slots[i]`, kept in the cache."""
+    def _warm_up_step(self, slots: list[int], lengths: list[int], starts: list[int], inside: int = 0) -> None:
+        """One forward of `lengths[i]` zero tokens after the `starts[i]` cached in `slots[i]`, kept in the cache;
+        `inside` > 0: the first sequence's states after that many of its tokens are kept too (`StateAt`)."""
         for slot, n, start in zip(slots, lengths, starts):
             self.cache.reserve(slot, start + n)
         ids = torch.zeros(sum(lengths), dtype=torch.long, device=self.device)
         positions = torch.cat([torch.arange(start, start + n, dtype=torch.long)
                                for n, start in zip(lengths, starts)]).to(self.device)
         batch = ForwardBatch(ids, positions, lengths, starts, slots, self.cache)
+        if 0 < inside < lengths[0]:
+            batch.extras["kept_states"] = {0: [StateAt(self.cache, inside)]}
         self.net.compute_logits(self.net(batch)[-1:])
         for slot, n, start in zip(slots, lengths, starts):
             self.cache.commit(slot, start + n)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def _logit_rows(self, n: int) -> int:
+        """How many rows an eager step's output layer runs for n wanted: on CUDA with graphs, n padded to its
+        decode-graph bucket (the last row repeated), whose mat-vec kernels the warm-up compiled and timed; a
+        first step wanting 3 rows' logits otherwise waited 8.5 s for a 3-row mat-vec to compile on an H100."""
+        graphs = self.graphs if self.use_graphs else None
+        if graphs is None or n > graphs.buckets[-1]:
+            return n
+        return graphs.bucket(n)
 
     def _decode_graphs(self):
         if self.graphs is None:

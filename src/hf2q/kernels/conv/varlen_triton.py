@@ -19,7 +19,9 @@ import triton.language as tl
 _SEARCH_STEPS = 16  # binary search over cu_seqlens: up to 2**16 - 1 sequences, one compiled variant
 
 
-@triton.jit
+# T and N vary with every step's rows and sequences: unspecialised (Triton would compile a variant for each of
+# "1", "a multiple of 16" and neither, and a served step met one the warm-up had not)
+@triton.jit(do_not_specialize=["T", "N"])
 def _conv_varlen_kernel(x_ptr, w_ptr, state_ptr, slot_ptr, cu_ptr, y_ptr, T, C, N, stride_x, stride_ss, stride_sr,
                         stride_y, HAS_STATE: tl.constexpr, STEPS: tl.constexpr, BLOCK_T: tl.constexpr,
                         BLOCK_C: tl.constexpr):
