@@ -161,3 +161,33 @@ def test_attention_ops_vectorised_path_matches_exact_path(fmt):
         assert outs["off"].shape == (t, nh * hd)
         assert rel(outs["force"], outs["off"]) <= 1e-5, (fmt, sizes)
         done = [d + n for d, n in zip(done, sizes)]
+
+
+def test_prefill_attention_leaves_cudnn_out(monkeypatch):
+    """A prefill's SDPA calls run with cuDNN's backend off (it plans every new shape again: half a served
+    engine's time on an H100) and the flash and memory-efficient ones on; the result is the exact path's."""
+    import torch.nn.functional as F
+
+    from hf2q.kernels.attention import ops as attention_ops
+
+    cfg = tiny_config()
+    nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    g = torch.Generator().manual_seed(6)
+    q, gate = torch.randn(7, nh, hd, generator=g), torch.randn(7, nh, hd, generator=g)
+    k, v = torch.randn(7, nkv, hd, generator=g), torch.randn(7, nkv, hd, generator=g)
+    batch = ForwardBatch(torch.zeros(7, dtype=torch.long), torch.cat([torch.arange(4), torch.arange(3)]), [4, 3],
+                         [0, 0], [0, 1], None)
+    backends, sdpa = [], F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        backends.append((torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled(),
+                         torch.backends.cuda.mem_efficient_sdp_enabled()))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(attention_ops.F, "scaled_dot_product_attention", spy)
+    outs = {}
+    for mode in ("off", "force"):
+        with fast_path(mode):
+            outs[mode] = attention_ops.gated_causal_attention(q, k, v, gate, batch, None, hd ** -0.5)
+    assert backends == [(False, True, True)] * 4 and torch.backends.cuda.cudnn_sdp_enabled()  # 2 sequences, 2 paths
+    assert rel(outs["force"], outs["off"]) <= 1e-5

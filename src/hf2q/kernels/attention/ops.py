@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from hf2q.forward import ForwardBatch
 from hf2q.kernels.attention.reference import prefix_attention
@@ -59,25 +60,39 @@ def gated_causal_attention(q, k, v, gate, batch: ForwardBatch, kv: LayerKV | Non
     return out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
 
 
+# SDPA's backends for a prefill's rows, cuDNN's left out: it builds an execution plan for every new shape, and
+# served steps bring a new row count almost every time (a prompt's chunk beside a changing number of decode rows):
+# on an H100 the engine thread spent half its time inside that SDPA call while 16 x 2,048-token prompts were served
+_PREFILL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 def _each_sequence(q, k, v, batch: ForwardBatch, kv: LayerKV | None, scale: float, fused: bool):
     """Each sequence's new rows over its prefix, read from the pool (decoded where it is compressed). With
-    `fused`, SDPA's fused kernels: a sequence without cached rows over a model-dtype pool attends over k/v
-    directly (causal), one with cached rows over its gathered prefix (`_over_prefix_fused`)."""
+    `fused`, SDPA's fused kernels (`_PREFILL_BACKENDS`): a sequence without cached rows over a model-dtype pool
+    attends over k/v directly (causal), one with cached rows over its gathered prefix (`_over_prefix_fused`)."""
     out = torch.empty_like(q)
-    for _, row, n, start, slot in batch.segments():
-        rows = slice(row, row + n)
-        if fused and start == 0 and (kv is None or kv.pool.is_dense):
-            qh, kh, vh = (a[rows].transpose(0, 1)[None] for a in (q, k, v))  # [1, heads, n, hd]
-            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
-            out[rows] = o[0].transpose(0, 1)
-            continue
-        if kv is None:
-            keys, values = k[rows], v[rows]
-        else:
-            keys, values = kv.pool.gather(kv.index, kv.cache.token_indices(slot, 0, start + n), q.dtype)
-        attend = _over_prefix_fused if fused else prefix_attention
-        out[rows] = attend(q[rows], keys, values, start, scale)
+    with sdpa_kernel(_PREFILL_BACKENDS):
+        for _, row, n, start, slot in batch.segments():
+            rows = slice(row, row + n)
+            if fused and start == 0 and (kv is None or kv.pool.is_dense):
+                out[rows] = _causal_fused(q[rows], k[rows], v[rows], scale)
+                continue
+            if kv is None:
+                keys, values = k[rows], v[rows]
+            else:
+                keys, values = kv.pool.gather(kv.index, kv.cache.token_indices(slot, 0, start + n), q.dtype)
+            attend = _over_prefix_fused if fused else prefix_attention
+            out[rows] = attend(q[rows], keys, values, start, scale)
     return out
+
+
+def _causal_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of n new rows over themselves through SDPA's flash or memory-efficient kernel; K/V heads
+    are repeated for GQA, as both kernels take equal head counts."""
+    rep = q.shape[1] // k.shape[1]
+    qh = q.transpose(0, 1)[None]  # [1, nh, n, hd]
+    kh, vh = (a.repeat_interleave(rep, dim=1).transpose(0, 1)[None] for a in (k, v))
+    return F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)[0].transpose(0, 1)
 
 
 def _over_prefix_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
