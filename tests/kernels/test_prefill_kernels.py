@@ -158,3 +158,15 @@ def test_fla_imported_in_background():
     thread = import_in_background()
     thread.join(timeout=120)
     assert not thread.is_alive() and "fla.ops.gated_delta_rule" in sys.modules
+
+
+def test_the_layers_of_a_forward_share_one_host_offsets_tensor():
+    """fla keeps its chunk indices by argument identity: every layer of a forward (same `cu_seqlens`, same
+    lengths) gets the same host offsets tensor; other lengths or another forward's `cu_seqlens` get new ones."""
+    from hf2q.kernels.gdn.chunked_fla import _host_offsets
+
+    cu = torch.tensor([0, 3, 5])
+    first = _host_offsets(cu, [3, 2])
+    assert _host_offsets(cu, [3, 2]) is first and first.tolist() == [0, 3, 5]
+    assert _host_offsets(cu, [3, 3]).tolist() == [0, 3, 6]
+    assert _host_offsets(torch.tensor([0, 3, 5]), [3, 2]) is not first
