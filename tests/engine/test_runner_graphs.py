@@ -290,19 +290,25 @@ def test_an_eager_steps_output_layer_runs_a_decode_buckets_rows(monkeypatch):
 
 
 @torch.inference_mode()
-def test_the_warm_up_keeps_states_inside_its_first_prefill(monkeypatch):
+def test_the_warm_up_keeps_states_inside_its_chunks(monkeypatch):
     """The warm-up's first prefill hands the DeltaNet states after its middle token to a `StateAt`, as a prefix
-    checkpoint inside a chunk does, so the kernels of that longer delta rule are compiled before serving."""
+    checkpoint inside a chunk does, and its whole chunks over the prefix those after two and three of their last
+    tokens, so the kernels of those longer delta rules are compiled and tuned before serving."""
     from hf2q.cache import state_at
+    from hf2q.engine.runner import FOLLOW_UP_CHUNKS, _warm_up_chunks
 
     net = random_model(tiny_config(False), device="cpu", dtype=torch.float32, std=0.08, seed=7)
-    cache = HybridCache(net.config, CacheConfig(num_slots=4, num_blocks=32, block_size=16, kv_dtype="float32"))
-    runner = ModelRunner(net, cache)
     handed = []
     plain = state_at.StateAt.__call__
     monkeypatch.setattr(state_at.StateAt, "__call__",
                         lambda self, j, *a: handed.append((self.lengths, j)) or plain(self, j, *a))
+    chunks = _warm_up_chunks(40)
+    assert chunks == (*((n, ()) for n in FOLLOW_UP_CHUNKS), (40, (38, 39)), (40, (37, 38, 39)))
+    cache = HybridCache(net.config, CacheConfig(num_slots=4, num_blocks=64, block_size=16, kv_dtype="float32"))
+    runner = ModelRunner(net, cache)
     with fast_path("force"):
-        runner._warm_up_prefill([40], inside=20)
+        runner._warm_up_prefill([40], then=chunks, inside=(20,))
     deltanet_layers = cache.empty_linear_states(1)[0].shape[0]
-    assert deltanet_layers > 0 and handed == [((20,), j) for j in range(deltanet_layers)]
+    assert deltanet_layers > 0
+    assert handed == [((m,), j) for kept in ((20,), (38, 39), (37, 38, 39)) for j in range(deltanet_layers)
+                      for m in kept]

@@ -40,6 +40,17 @@ GRAPH_MAX_CONTEXT = 65536  # block-table width of the graphs; longer sequences d
 FOLLOW_UP_CHUNKS = (40, 48)
 
 
+def _warm_up_chunks(n: int) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """The warm-up's chunks over a cached prefix, (tokens, insides) each: a follow-up's short rests, then whole
+    chunks keeping the states after two and three of their last tokens. A checkpoint inside a chunk runs the
+    chunk's first tokens again as one more sequence of the delta rule, and fla's L2 norm tunes itself for each
+    2,048 rows more (its key counts rows x heads / 65,536): a chunk of n rows with up to three checkpoints inside
+    (two stride points and a chat anchor) reaches four such buckets; the first chunk's one checkpoint, the
+    second. Met first by a request, 25 candidates compiled while it waited (5-9 s on an H100)."""
+    whole = tuple((n, tuple(range(n - k, n))) for k in (2, 3) if n > k)
+    return (*((m, ()) for m in FOLLOW_UP_CHUNKS), *whole)
+
+
 class ModelRunner:
     def __init__(self, net: Qwen35Model, cache: HybridCache, cuda_graphs: bool = True, mtp_rows: bool = False,
                  vision=None, short_prefill_graphs: bool = False, verify_seqs: int = 0, max_seqs: int | None = None):
@@ -389,8 +400,8 @@ class ModelRunner:
         slots are released; the graphs keep their padding slot."""
         t0, spent = time.monotonic(), SPENT.snapshot()
         cuda = self.device.type == "cuda"  # elsewhere nothing compiles: one prefill is enough
-        self._warm_up_prefill([prefill_tokens], then=(*FOLLOW_UP_CHUNKS, prefill_tokens) if cuda else (),
-                              inside=prefill_tokens // 2 if cuda else 0)
+        self._warm_up_prefill([prefill_tokens], then=_warm_up_chunks(prefill_tokens) if cuda else (),
+                              inside=(prefill_tokens // 2,) if cuda else ())
         log.info("warm-up: a %d-token prefill%s in %.1f s (%s)", prefill_tokens,
                  " and chunks over it" if cuda else "", time.monotonic() - t0, SPENT.since(spent))
         half = prefill_tokens // 2
@@ -416,42 +427,42 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _warm_up_prefill(self, lengths: list[int], then: tuple[int, ...] = (), inside: int = 0) -> None:
-        """One prefill of sequences of `lengths` tokens in scratch slots, released after; `then`: the token
-        counts of further chunks of the first sequence (a long prompt's later chunks and a follow-up turn
+    def _warm_up_prefill(self, lengths: list[int], then: tuple[tuple[int, tuple[int, ...]], ...] = (),
+                         inside: tuple[int, ...] = ()) -> None:
+        """One prefill of sequences of `lengths` tokens in scratch slots, released after; `then`: further chunks
+        of the first sequence, (tokens, insides) each (a long prompt's later chunks and a follow-up turn
         attend over a cached prefix, other kernels than a first chunk's). Triton specialises a
         kernel on whether an integer argument is 1 or a multiple of 16, so the chunked delta rule over one
         sequence compiles other code than over two (long prompts in one step, and a prefix-cache checkpoint
         inside a chunk, which runs the chunk's first tokens as one more sequence), and an odd total other code
         than a multiple of 16: the warm-up meets each (on an H100 a first 8,047-token chat turn with the prefix
-        cache on waited 11.6 s for its first token, 0.8 s with it off). `inside` > 0: the first step also keeps
-        the DeltaNet states after that many tokens, as a prefix checkpoint inside a chunk does (its delta rule
-        runs over more rows than the chunk's, and fla's L2 norm tunes itself again past 2,048 of them: 25
-        candidates compiled while a first 2,048-token prompt waited, on an H100)."""
+        cache on waited 11.6 s for its first token, 0.8 s with it off). `inside`: token counts after which the
+        first step also keeps the DeltaNet states, as prefix checkpoints inside a chunk do (`_warm_up_chunks`)."""
         slots: list[int] = []
         try:
             slots.extend(self.cache.acquire() for _ in lengths)
             self._warm_up_step(slots, list(lengths), [0] * len(lengths), inside)
             try:
-                for n in then:  # further chunks of the first sequence, over what it has cached
-                    self._warm_up_step(slots[:1], [n], [self.cache.seq_len(slots[0])])
+                for n, kept in then:  # further chunks of the first sequence, over what it has cached
+                    self._warm_up_step(slots[:1], [n], [self.cache.seq_len(slots[0])], kept)
             except CacheError as err:  # no room in the pool: a first request compiles what they would
                 log.info("warm-up: chunks over a cached prefix left out (%s)", err)
         finally:
             for slot in slots:
                 self.cache.release(slot)
 
-    def _warm_up_step(self, slots: list[int], lengths: list[int], starts: list[int], inside: int = 0) -> None:
+    def _warm_up_step(self, slots: list[int], lengths: list[int], starts: list[int],
+                      inside: tuple[int, ...] = ()) -> None:
         """One forward of `lengths[i]` zero tokens after the `starts[i]` cached in `slots[i]`, kept in the cache;
-        `inside` > 0: the first sequence's states after that many of its tokens are kept too (`StateAt`)."""
+        the first sequence's states after each of `inside`'s token counts are kept too (`StateAt`)."""
         for slot, n, start in zip(slots, lengths, starts):
             self.cache.reserve(slot, start + n)
         ids = torch.zeros(sum(lengths), dtype=torch.long, device=self.device)
         positions = torch.cat([torch.arange(start, start + n, dtype=torch.long)
                                for n, start in zip(lengths, starts)]).to(self.device)
         batch = ForwardBatch(ids, positions, lengths, starts, slots, self.cache)
-        if 0 < inside < lengths[0]:
-            batch.extras["kept_states"] = {0: [StateAt(self.cache, inside)]}
+        if inside:
+            batch.extras["kept_states"] = {0: [StateAt(self.cache, m) for m in inside]}
         self.net.compute_logits(self.net(batch)[-1:])
         for slot, n, start in zip(slots, lengths, starts):
             self.cache.commit(slot, start + n)
