@@ -126,7 +126,8 @@ def test_fast_path_off_keeps_the_dense_choosers_on_their_references(monkeypatch)
 def test_attention_ops_vectorised_path_matches_exact_path(fmt):
     """The attention layer's q/k + K/V-write and gated causal attention operations: the vectorised path (writes
     by slot mapping, paged decode, SDPA's causal kernel for a fresh prompt) against the exact per-sequence path,
-    each over its own pool in `fmt`: prefill, chunked prefill mixed with decode, then decode over two slots."""
+    each over its own pool in `fmt`: prefill, chunked prefill beside two decode rows (which the vectorised path
+    takes in one paged call), then decode over three slots."""
     from hf2q.kernels.attention import ops as attention_ops
     from hf2q.kernels.rotary import ops as rotary_ops
     from hf2q.layers.rotary import RotaryEmbedding
@@ -138,9 +139,9 @@ def test_attention_ops_vectorised_path_matches_exact_path(fmt):
     q_w, k_w = 1 + 0.1 * torch.randn(hd), 1 + 0.1 * torch.randn(hd)
     caches = {mode: HybridCache(cfg, CacheConfig(num_slots=3, num_blocks=16, block_size=4, kv_dtype=fmt))
               for mode in ("off", "force")}
-    slots = {mode: [cache.acquire(), cache.acquire()] for mode, cache in caches.items()}
-    g, done = torch.Generator().manual_seed(5), [0, 0]
-    for sizes in ([5, 3], [2, 1], [1, 1], [1, 1]):
+    slots = {mode: [cache.acquire() for _ in range(3)] for mode, cache in caches.items()}
+    g, done = torch.Generator().manual_seed(5), [0, 0, 0]
+    for sizes in ([5, 3, 4], [2, 1, 1], [1, 1, 1], [1, 1, 1]):
         t = sum(sizes)
         q, gate = torch.randn(t, nh, hd, generator=g), torch.randn(t, nh, hd, generator=g)
         k, v = torch.randn(t, nkv, hd, generator=g), torch.randn(t, nkv, hd, generator=g)

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from hf2q.devices import upload
 from hf2q.forward import ForwardBatch
 from hf2q.kernels.attention.reference import prefix_attention
 from hf2q.kernels.choose import triton_runs, use_fast_path
@@ -56,8 +57,29 @@ def gated_causal_attention(q, k, v, gate, batch: ForwardBatch, kv: LayerKV | Non
                                      meta.block_size, scale, gate=gate, pool=kv.pool, sides=kv.sides,
                                      row_firsts=meta.row_firsts)
         return out.reshape(t, -1)
-    out = _each_sequence(q, k, v, batch, kv, scale, fused=True)
+    decoding = _decode_rows(batch) if kv is not None else None
+    out = _each_sequence(q, k, v, batch, kv, scale, fused=True, skip=decoding)
+    if decoding is not None:
+        seqs, rows = decoding
+        out[rows] = paged_decode_attention(q[rows], kv.k_rows, kv.v_rows, meta.block_tables[seqs],
+                                           meta.context_lens[seqs], meta.block_size, scale, pool=kv.pool,
+                                           sides=kv.sides)
     return out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
+
+
+def _decode_rows(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(sequence indices, rows) on the device of a mixed step's decode rows (one new token after a cached
+    prefix), which one paged-attention call takes together; None where there are fewer than two. Made once a
+    forward (`batch.extras`)."""
+    made = batch.extras.get("decode_rows", False)
+    if made is False:
+        picked = [(i, row) for i, row, n, start, _ in batch.segments() if n == 1 and start > 0]
+        made = None
+        if len(picked) > 1:
+            index = upload(torch.tensor(picked, dtype=torch.long).T.contiguous(), batch.input_ids.device)
+            made = (index[0], index[1])
+        batch.extras["decode_rows"] = made
+    return made
 
 
 # SDPA's backends for a prefill's rows, cuDNN's left out: it builds an execution plan for every new shape, and
@@ -66,13 +88,16 @@ def gated_causal_attention(q, k, v, gate, batch: ForwardBatch, kv: LayerKV | Non
 _PREFILL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def _each_sequence(q, k, v, batch: ForwardBatch, kv: LayerKV | None, scale: float, fused: bool):
+def _each_sequence(q, k, v, batch: ForwardBatch, kv: LayerKV | None, scale: float, fused: bool, skip=None):
     """Each sequence's new rows over its prefix, read from the pool (decoded where it is compressed). With
     `fused`, SDPA's fused kernels (`_PREFILL_BACKENDS`): a sequence without cached rows over a model-dtype pool
-    attends over k/v directly (causal), one with cached rows over its gathered prefix (`_over_prefix_fused`)."""
+    attends over k/v directly (causal), one with cached rows over its gathered prefix (`_over_prefix_fused`).
+    With `skip` (`_decode_rows`), the decode rows are left to the caller."""
     out = torch.empty_like(q)
     with sdpa_kernel(_PREFILL_BACKENDS):
         for _, row, n, start, slot in batch.segments():
+            if skip is not None and n == 1 and start > 0:
+                continue
             rows = slice(row, row + n)
             if fused and start == 0 and (kv is None or kv.pool.is_dense):
                 out[rows] = _causal_fused(q[rows], k[rows], v[rows], scale)
