@@ -48,3 +48,9 @@ pack_triton_cache() {
   fi
   ls -la "$1"
 }
+# pack_out: a call brings back at most 8 files from $OUT: everything there but the archives and JSON goes into one
+# $OUT/logs.tgz (run last)
+pack_out() {
+  (cd "$OUT" && find . -maxdepth 2 -type f ! -name '*.tgz' ! -name '*.json' | tar czf logs.tgz -T - --remove-files)
+  ls "$OUT"
+}
