@@ -166,9 +166,9 @@ def test_attention_ops_vectorised_path_matches_exact_path(fmt):
 
 def test_prefill_attention_leaves_cudnn_out(monkeypatch):
     """A prefill's SDPA calls run with cuDNN's backend off (it plans every new shape again: half a served
-    engine's time on an H100) and the flash and memory-efficient ones on; the result is the exact path's."""
-    import torch.nn.functional as F
-
+    engine's time on an H100) and the flash and memory-efficient ones on; the result is the exact path's. The
+    backends are read in the two functions that call SDPA (a stand-in for SDPA itself would hide it from the
+    causal bias the fused one passes, which dispatches on SDPA's identity)."""
     from hf2q.kernels.attention import ops as attention_ops
 
     cfg = tiny_config()
@@ -178,14 +178,17 @@ def test_prefill_attention_leaves_cudnn_out(monkeypatch):
     k, v = torch.randn(7, nkv, hd, generator=g), torch.randn(7, nkv, hd, generator=g)
     batch = ForwardBatch(torch.zeros(7, dtype=torch.long), torch.cat([torch.arange(4), torch.arange(3)]), [4, 3],
                          [0, 0], [0, 1], None)
-    backends, sdpa = [], F.scaled_dot_product_attention
+    backends = []
 
-    def spy(*args, **kwargs):
-        backends.append((torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled(),
-                         torch.backends.cuda.mem_efficient_sdp_enabled()))
-        return sdpa(*args, **kwargs)
+    def spy(attend):
+        def attend_noting_backends(*args):
+            backends.append((torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled(),
+                             torch.backends.cuda.mem_efficient_sdp_enabled()))
+            return attend(*args)
+        return attend_noting_backends
 
-    monkeypatch.setattr(attention_ops.F, "scaled_dot_product_attention", spy)
+    for name in ("_over_prefix_fused", "prefix_attention"):
+        monkeypatch.setattr(attention_ops, name, spy(getattr(attention_ops, name)))
     outs = {}
     for mode in ("off", "force"):
         with fast_path(mode):

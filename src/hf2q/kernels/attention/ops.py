@@ -73,13 +73,18 @@ def _decode_rows(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor] | Non
     forward (`batch.extras`)."""
     made = batch.extras.get("decode_rows", False)
     if made is False:
-        picked = [(i, row) for i, row, n, start, _ in batch.segments() if n == 1 and start > 0]
+        picked = [(i, row) for i, row, n, start, _ in batch.segments() if _decodes(n, start)]
         made = None
         if len(picked) > 1:
             index = upload(torch.tensor(picked, dtype=torch.long).T.contiguous(), batch.input_ids.device)
             made = (index[0], index[1])
         batch.extras["decode_rows"] = made
     return made
+
+
+def _decodes(n: int, start: int) -> bool:
+    """Whether a sequence's rows in a step are a decode row: one new token after a cached prefix."""
+    return n == 1 and start > 0
 
 
 # SDPA's backends for a prefill's rows, cuDNN's left out: it builds an execution plan for every new shape, and
@@ -91,18 +96,15 @@ _PREFILL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
 def _each_sequence(q, k, v, batch: ForwardBatch, kv: LayerKV | None, scale: float, fused: bool, skip=None):
     """Each sequence's new rows over its prefix, read from the pool (decoded where it is compressed). With
     `fused`, SDPA's fused kernels (`_PREFILL_BACKENDS`): a sequence without cached rows over a model-dtype pool
-    attends over k/v directly (causal), one with cached rows over its gathered prefix (`_over_prefix_fused`).
-    With `skip` (`_decode_rows`), the decode rows are left to the caller."""
+    attends over k/v directly, one with cached rows over its gathered prefix (both `_over_prefix_fused`). With
+    `skip` (`_decode_rows`), the decode rows are left to the caller."""
     out = torch.empty_like(q)
     with sdpa_kernel(_PREFILL_BACKENDS):
         for _, row, n, start, slot in batch.segments():
-            if skip is not None and n == 1 and start > 0:
+            if skip is not None and _decodes(n, start):
                 continue
             rows = slice(row, row + n)
-            if fused and start == 0 and (kv is None or kv.pool.is_dense):
-                out[rows] = _causal_fused(q[rows], k[rows], v[rows], scale)
-                continue
-            if kv is None:
+            if kv is None or (fused and start == 0 and kv.pool.is_dense):
                 keys, values = k[rows], v[rows]
             else:
                 keys, values = kv.pool.gather(kv.index, kv.cache.token_indices(slot, 0, start + n), q.dtype)
@@ -111,20 +113,12 @@ def _each_sequence(q, k, v, batch: ForwardBatch, kv: LayerKV | None, scale: floa
     return out
 
 
-def _causal_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of n new rows over themselves through SDPA's flash or memory-efficient kernel; K/V heads
-    are repeated for GQA, as both kernels take equal head counts."""
-    rep = q.shape[1] // k.shape[1]
-    qh = q.transpose(0, 1)[None]  # [1, nh, n, hd]
-    kh, vh = (a.repeat_interleave(rep, dim=1).transpose(0, 1)[None] for a in (k, v))
-    return F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)[0].transpose(0, 1)
-
-
 def _over_prefix_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
     """`prefix_attention` through SDPA's flash or memory-efficient kernel: the causal mask of new rows at the
     prefix's end is the bottom-right triangle, which those kernels take as a `causal_lower_right` bias, where
     an explicit boolean mask sends SDPA to its math kernel (every score materialised: 0.8 ms a layer for 48
-    rows over 8,000 on the H200). K/V heads are repeated for GQA: the flash call takes equal head counts."""
+    rows over 8,000 on the H200); without a prefix (n == total) torch runs it as plain causal attention. K/V heads
+    are repeated for GQA: the flash call takes equal head counts."""
     from torch.nn.attention.bias import causal_lower_right
 
     n, total = q.shape[0], k.shape[0]
