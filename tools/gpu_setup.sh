@@ -30,7 +30,7 @@ fi
 for sdist in .cache/llama_cpp_python-*.tar.gz; do
   [ -f "$sdist" ] || continue
   cp "$sdist" "$HF2Q_TEST_CACHE/"
-  if [ "${LLAMA_CPP:-0}" = 1 ] && [ ! -x /tmp/llama.cpp/build/bin/llama-server ]; then
+  if [ "${LLAMA_CPP:-0}" = 1 ] && [ ! -e /tmp/llama.cpp/build.log ]; then  # not built, nor building
     mkdir -p /tmp/llama.cpp && tar xzf "$sdist" -C /tmp/llama.cpp --strip-components=3 --wildcards '*/vendor/llama.cpp/*'
     (cd /tmp/llama.cpp && setsid nohup nice -n 19 sh -c 'cmake -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
       -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=ON > build.log 2>&1 && cmake --build build \

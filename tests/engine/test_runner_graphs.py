@@ -312,3 +312,27 @@ def test_the_warm_up_keeps_states_inside_its_chunks(monkeypatch):
     assert deltanet_layers > 0
     assert handed == [((m,), j) for kept in ((20,), (38, 39), (37, 38, 39)) for j in range(deltanet_layers)
                       for m in kept]
+
+
+@torch.inference_mode()
+def test_the_warm_up_runs_chunks_beside_decode_rows(monkeypatch):
+    """The warm-up's steps of a chunk beside 2, 4 and 8 other sequences' decode rows send those rows through one
+    paged-attention call each (the split counts a served mixed step meets), and leave every slot free."""
+    from hf2q.engine.runner import DECODE_ROWS
+    from hf2q.kernels.attention import ops
+
+    net = random_model(tiny_config(False), device="cpu", dtype=torch.float32, std=0.08, seed=7)
+    cache = HybridCache(net.config, CacheConfig(num_slots=10, num_blocks=64, block_size=16, kv_dtype="float32"))
+    runner = ModelRunner(net, cache)
+    rows = []
+    plain = ops.paged_decode_attention
+    monkeypatch.setattr(ops, "paged_decode_attention", lambda q, *a, **kw: rows.append(q.shape[0]) or plain(q, *a, **kw))
+    with fast_path("force"):
+        runner._warm_up_decode_rows(40)
+    attention_layers = len(net.config.full_attention_layers)
+    assert attention_layers > 0
+    assert rows == [k for k in DECODE_ROWS for _ in range(attention_layers)]
+    assert cache.num_free_slots == 10
+    small = HybridCache(net.config, CacheConfig(num_slots=4, num_blocks=64, block_size=16, kv_dtype="float32"))
+    ModelRunner(net, small)._warm_up_decode_rows(40)  # too few slots: left out, nothing held
+    assert small.num_free_slots == 4

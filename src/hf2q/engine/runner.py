@@ -38,6 +38,11 @@ GRAPH_MAX_CONTEXT = 65536  # block-table width of the graphs; longer sequences d
 # the warm-up's short chunks over a cached prefix (a follow-up turn after a prefix hit): Triton compiles a kernel
 # apart for integer arguments that are multiples of 16, so one is and one is not, and so their starts
 FOLLOW_UP_CHUNKS = (40, 48)
+# the warm-up's steps of a chunk beside other sequences' decode rows: their one paged-attention call
+# (kernels/attention/ops.py) takes as many splits for 2, 3-4 and 5 or more rows (paged_triton.config_for), over the
+# eager step's block tables, not the graphs' (other pointer types): each split count is a kernel pair of its own
+DECODE_ROWS = (2, 4, 8)
+DECODE_ROWS_PREFIX = 16  # tokens cached before the decode rows' step
 
 
 def _warm_up_chunks(n: int) -> tuple[tuple[int, tuple[int, ...]], ...]:
@@ -413,6 +418,8 @@ class ModelRunner:
                 log.info("warm-up: prefills of two sequences in %.1f s", time.monotonic() - t0)
             except CacheError as err:  # no slot or room for them: a first request compiles what they would
                 log.info("warm-up: prefills of two sequences left out (%s)", err)
+        if cuda:
+            self._warm_up_decode_rows(prefill_tokens)
         if self.use_graphs:
             graphs = self._decode_graphs()
             if graphs is not None:
@@ -447,6 +454,30 @@ class ModelRunner:
                     self._warm_up_step(slots[:1], [n], [self.cache.seq_len(slots[0])], kept)
             except CacheError as err:  # no room in the pool: a first request compiles what they would
                 log.info("warm-up: chunks over a cached prefix left out (%s)", err)
+        finally:
+            for slot in slots:
+                self.cache.release(slot)
+
+    def _warm_up_decode_rows(self, prefill_tokens: int) -> None:
+        """Steps of a prompt's chunk beside the decode rows of DECODE_ROWS other sequences, as long prompts arriving
+        while others decode make them: on an H100 the first 16 x 2,048-token prompts waited for three kernel pairs
+        (0.6-1.4 s each) built after the warm-up. Scratch slots, released after; none where the pool or the slots
+        are too few."""
+        t0, spent = time.monotonic(), SPENT.snapshot()
+        most = max(DECODE_ROWS)
+        slots: list[int] = []
+        try:
+            slots.extend(self.cache.acquire() for _ in range(most + 1))
+            self._warm_up_step(slots[1:], [DECODE_ROWS_PREFIX] * most, [0] * most)
+            for k in DECODE_ROWS:
+                chunk = max(prefill_tokens - k, 1)
+                step = [slots[0], *slots[1:k + 1]]
+                self._warm_up_step(step, [chunk] + [1] * k, [self.cache.seq_len(s) for s in step])
+                self.cache.reset(slots[0])  # the next chunk from the start again: the pool holds one at a time
+            log.info("warm-up: chunks beside %s decode rows in %.1f s (%s)", "/".join(map(str, DECODE_ROWS)),
+                     time.monotonic() - t0, SPENT.since(spent))
+        except CacheError as err:  # too few slots or blocks: a first mixed step compiles what they would
+            log.info("warm-up: chunks beside decode rows left out (%s)", err)
         finally:
             for slot in slots:
                 self.cache.release(slot)
