@@ -64,6 +64,9 @@ def engine_steps(model_path: str, prompt_tokens: int, max_tokens: int, requests:
     t0 = time.perf_counter()
     model = hf2q.load(model_path, device=device, dtype=dtype, keep_quantized=launch.keep_quantized(args))
     print(f"loaded in {time.perf_counter() - t0:.1f} s")
+    if args.batched_weights != "quantized":  # as `hf2q serve` does: steps of 16+ rows on dense copies where they fit
+        from hf2q.server.dense_copies import keep_dense_weights
+        keep_dense_weights(model.net, device, dtype, asked=args.batched_weights == "dense")
     engine = Engine(model, launch.sized_engine_config(args, model, device, dtype, spec_config(args)))
     t0 = time.perf_counter()
     engine.warm_up()

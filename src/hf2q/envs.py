@@ -56,8 +56,11 @@ STEP_TRACE = Variable("HF2Q_STEP_TRACE", "0", "0 or 1", "1 logs every engine ste
 BURST_GRAPHS = Variable("HF2Q_BURST_GRAPHS", "1", "0 or 1", "1 replays steps of many short prompts (bursts of "
                         "requests arriving together, up to 2,048 rows) in CUDA graphs of their own, beside the short "
                         "prefill graphs; 0 runs them eagerly (read when the runner is built)")
+MOE_BLOCKS = Variable("HF2Q_MOE_BLOCKS", "256", "a pair count (0: never)", "from how many token-expert pairs of "
+                      "K-quant experts a step reads each chosen expert once for up to four of its pairs (pairs grouped "
+                      "by expert) instead of once a pair (read at import)")
 VARIABLES = (PDL, GEMV_TUNE, GEMV, QUANT_MM, PAGED_DECODE, TUNE_CACHE, XDG_CACHE_HOME, TRITON_INTERPRET,
-             NCCL_NVLS_ENABLE, TRITON_CACHE_AUTOTUNING, STEP_TRACE, BURST_GRAPHS)
+             NCCL_NVLS_ENABLE, TRITON_CACHE_AUTOTUNING, STEP_TRACE, BURST_GRAPHS, MOE_BLOCKS)
 
 
 def _switch(var: Variable) -> bool:
@@ -103,6 +106,15 @@ def quant_mm() -> str:
     if setting not in ("tile", "mmq"):
         raise ValueError(f"HF2Q_QUANT_MM must be tile or mmq, not {setting!r}")
     return setting
+
+
+def moe_blocks() -> int | None:
+    """HF2Q_MOE_BLOCKS: the token-expert pairs from which K-quant experts are read once a block of pairs (None:
+    never)."""
+    setting = MOE_BLOCKS.raw() or MOE_BLOCKS.default
+    if not setting.isdigit():
+        raise ValueError(f"HF2Q_MOE_BLOCKS must be a pair count, not {setting!r}")
+    return int(setting) or None
 
 
 def paged_decode() -> tuple[int, int, int] | None:

@@ -9,6 +9,7 @@ import torch
 
 import hf2q
 from hf2q.config import CacheConfig
+from hf2q.engine import warm_up
 from hf2q.engine.engine import Engine, EngineConfig
 from hf2q.engine.request import RequestOptions
 from hf2q.engine.sampling_params import SamplingParams
@@ -248,7 +249,7 @@ def test_warm_up_requests_leave_nothing_behind(model):
     engine, fresh = make_engine(model), make_engine(model)
     slots, blocks = engine.cache.num_free_slots, engine.cache.blocks.num_free_blocks
     engine._warm_up_requests()
-    engine.runner._warm_up_prefill([70, 69], then=((40, ()), (70, (68, 69))), inside=(35,))  # the CUDA warm-up's
+    warm_up.prefill(engine.runner, [70, 69], then=((40, ()), (70, (68, 69))), inside=(35,))  # the CUDA warm-up's
     assert len(engine.prefix) == 0 and not engine.requests and not engine.has_work()
     assert (engine.cache.num_free_slots, engine.cache.blocks.num_free_blocks) == (slots, blocks)
     prompt = list(range(2000, 2030))

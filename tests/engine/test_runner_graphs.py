@@ -295,19 +295,20 @@ def test_the_warm_up_keeps_states_inside_its_chunks(monkeypatch):
     checkpoint inside a chunk does, and its whole chunks over the prefix those after two and three of their last
     tokens, so the kernels of those longer delta rules are compiled and tuned before serving."""
     from hf2q.cache import state_at
-    from hf2q.engine.runner import FOLLOW_UP_CHUNKS, _warm_up_chunks
+    from hf2q.engine import warm_up
+    from hf2q.engine.warm_up import FOLLOW_UP_CHUNKS
 
     net = random_model(tiny_config(False), device="cpu", dtype=torch.float32, std=0.08, seed=7)
     handed = []
     plain = state_at.StateAt.__call__
     monkeypatch.setattr(state_at.StateAt, "__call__",
                         lambda self, j, *a: handed.append((self.lengths, j)) or plain(self, j, *a))
-    chunks = _warm_up_chunks(40)
+    chunks = warm_up.chunks_over_prefix(40)
     assert chunks == (*((n, ()) for n in FOLLOW_UP_CHUNKS), (40, (38, 39)), (40, (37, 38, 39)))
     cache = HybridCache(net.config, CacheConfig(num_slots=4, num_blocks=64, block_size=16, kv_dtype="float32"))
     runner = ModelRunner(net, cache)
     with fast_path("force"):
-        runner._warm_up_prefill([40], then=chunks, inside=(20,))
+        warm_up.prefill(runner, [40], then=chunks, inside=(20,))
     deltanet_layers = cache.empty_linear_states(1)[0].shape[0]
     assert deltanet_layers > 0
     assert handed == [((m,), j) for kept in ((20,), (38, 39), (37, 38, 39)) for j in range(deltanet_layers)
@@ -318,7 +319,8 @@ def test_the_warm_up_keeps_states_inside_its_chunks(monkeypatch):
 def test_the_warm_up_runs_chunks_beside_decode_rows(monkeypatch):
     """The warm-up's steps of a chunk beside 2, 4 and 8 other sequences' decode rows send those rows through one
     paged-attention call each (the split counts a served mixed step meets), and leave every slot free."""
-    from hf2q.engine.runner import DECODE_ROWS
+    from hf2q.engine import warm_up
+    from hf2q.engine.warm_up import DECODE_ROWS
     from hf2q.kernels.attention import ops
 
     net = random_model(tiny_config(False), device="cpu", dtype=torch.float32, std=0.08, seed=7)
@@ -328,11 +330,11 @@ def test_the_warm_up_runs_chunks_beside_decode_rows(monkeypatch):
     plain = ops.paged_decode_attention
     monkeypatch.setattr(ops, "paged_decode_attention", lambda q, *a, **kw: rows.append(q.shape[0]) or plain(q, *a, **kw))
     with fast_path("force"):
-        runner._warm_up_decode_rows(40)
+        warm_up.beside_decode_rows(runner, 40)
     attention_layers = len(net.config.full_attention_layers)
     assert attention_layers > 0
     assert rows == [k for k in DECODE_ROWS for _ in range(attention_layers)]
     assert cache.num_free_slots == 10
     small = HybridCache(net.config, CacheConfig(num_slots=4, num_blocks=64, block_size=16, kv_dtype="float32"))
-    ModelRunner(net, small)._warm_up_decode_rows(40)  # too few slots: left out, nothing held
+    warm_up.beside_decode_rows(ModelRunner(net, small), 40)  # too few slots: left out, nothing held
     assert small.num_free_slots == 4

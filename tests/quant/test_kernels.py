@@ -310,6 +310,17 @@ def test_two_types_one_launch(types, monkeypatch):
         assert rel(got, (x.double() @ dense.double().T).repeat_interleave(per_x, 0)) < 1e-5
 
 
+def expert_stacks(qtype, n_exp, hidden, inter, seed):
+    """An MoE's gate, up and down stacks of random `qtype` blocks: ((blocks as the kernels read them, qtype) each,
+    their dequantized values [n_exp, out, in] each)."""
+    stacks, dense = [], []
+    for i, (out, inp) in enumerate([(inter, hidden), (inter, hidden), (hidden, inter)]):
+        raw = random_blocks(qtype, n_exp * out, inp, std=0.05, seed=seed + i)
+        dense.append(dequantize_ref(raw, qtype, (n_exp, out, inp)))
+        stacks.append((kernel_blocks(raw.view(n_exp, out, -1), qtype), qtype))
+    return stacks, dense
+
+
 @kernels
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0"] if CUDA else ["Q8_0", "Q6_K"])
 def test_moe_experts_quant(qtype, monkeypatch):
@@ -321,11 +332,7 @@ def test_moe_experts_quant(qtype, monkeypatch):
         else (3, 256, 256, 1, 2)
     if not CUDA and qtype == "Q6_K":
         monkeypatch.setattr(quant_dp4a_triton, "_K_CANDIDATES", [(64, 1, 4, 1)])
-    stacks, dense = [], []
-    for i, (out, inp) in enumerate([(inter, hidden), (inter, hidden), (hidden, inter)]):
-        raw = random_blocks(qtype, n_exp * out, inp, std=0.05, seed=10 + i)
-        dense.append(dequantize_ref(raw, qtype, (n_exp, out, inp)))
-        stacks.append((kernel_blocks(raw.view(n_exp, out, -1), qtype), qtype))
+    stacks, dense = expert_stacks(qtype, n_exp, hidden, inter, seed=10)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(t, hidden, generator=g)
     experts = torch.stack([torch.randperm(n_exp, generator=g)[:top_k] for _ in range(t)])
@@ -340,6 +347,36 @@ def test_moe_experts_quant(qtype, monkeypatch):
 
     got = moe_combine(quant_moe.moe_expert_pairs_quant(x.to(DEV), experts.to(DEV), *stacks), weights.to(DEV))
     assert rel(got, want) < INT8_TOL
+
+
+@kernels
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"] if CUDA else ["Q4_K"])
+def test_moe_experts_read_once_a_block_of_pairs(qtype, monkeypatch):
+    """From MOE_BLOCKS pairs the pairs go by expert in blocks of four (their layout equal to its torch oracle) and
+    each block's expert is read once for its pairs: every pair's SwiGLU expert within the int8 tolerance of the
+    dequantized reference, and bitwise the same among fewer pairs (a pair's result is its own)."""
+    from hf2q.kernels.moe.blocks_triton import expert_blocks, expert_blocks_ref
+    from hf2q.kernels.quant import dp4a_experts_triton, moe as quant_moe
+
+    # under the interpreter, which pays per program, two tokens over three experts (one expert has two pairs) and
+    # wide programs
+    n_exp, hidden, inter, t, top_k = (16, 512, 256, 40, 4) if CUDA else (3, 256, 256, 2, 2)
+    if not CUDA:
+        monkeypatch.setattr(dp4a_experts_triton, "config", lambda qtype, n, second: (256, 1, 4, 1, True))
+    stacks, dense = expert_stacks(qtype, n_exp, hidden, inter, seed=20)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(t, hidden, generator=g)
+    experts = torch.stack([torch.randperm(n_exp, generator=g)[:top_k] for _ in range(t)]).int()
+    for bm in (2, 4):
+        got_blocks = expert_blocks(experts.to(DEV), n_exp, bm)
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(got_blocks, expert_blocks_ref(experts, n_exp, bm)))
+    monkeypatch.setattr(quant_moe, "MOE_BLOCKS", 1)
+    got = quant_moe.moe_expert_pairs_quant(x.to(DEV), experts.to(DEV), *stacks)
+    want = torch.stack([dense[2][e] @ (torch.nn.functional.silu(dense[0][e] @ x[p // top_k]) * (dense[1][e] @ x[p // top_k]))
+                        for p, e in enumerate(experts.reshape(-1).tolist())])
+    assert rel(got, want) < INT8_TOL
+    fewer = quant_moe.moe_expert_pairs_quant(x[:t // 2].to(DEV), experts[:t // 2].to(DEV), *stacks)
+    assert torch.equal(fewer, got[:t // 2 * top_k])
 
 
 @pytest.mark.parametrize("qtype", KQUANTS)

@@ -43,7 +43,12 @@ def main(argv=None) -> None:
                    help="activation row counts to time (each picks its mat-vec configuration by timing); the "
                         "table shows 1 and the next two")
     p.add_argument("--batch-1-only", action="store_true", help="the same as --rows 1")
+    p.add_argument("--moe", type=int, nargs="+", default=None, metavar="TOKENS",
+                   help="instead: a 35B-A3B expert layer's SwiGLU experts at these token counts, each pair's "
+                        "expert read for it alone against once a block of pairs (HF2Q_MOE_BLOCKS)")
     args = p.parse_args(argv)
+    if args.moe:
+        return moe_pairs(args.moe)
     if min(args.rows) < 1:
         p.error(f"--rows takes counts of at least 1, not {min(args.rows)}")
     row_counts = (1,) if args.batch_1_only else tuple(dict.fromkeys([1, *args.rows]))
@@ -92,6 +97,42 @@ def main(argv=None) -> None:
         line += (f"; prefill 4096 {tot['pre']:.1f} ms ({4096e3 / tot['pre']:.0f} tok/s bound; "
                  f"bf16 weights {tot['bf']:.1f} ms)")
     print(line, flush=True)
+
+def moe_pairs(token_counts: list[int], experts: int = 256, top_k: int = 8, hidden: int = 2048, inter: int = 512,
+              seed: int = 0) -> None:
+    """The expert pairs of one 35B-A3B MoE layer (Q4_K gate and up; Q4_K, then Q6_K down, as Q4_K_M gives its
+    layers) at each token count, routed at random (top_k distinct experts a token): µs a call read once a pair and
+    once a block of pairs, against reading each chosen expert once at the copy rate."""
+    from hf2q import envs
+    from hf2q.bench import ceilings
+    from hf2q.kernels.quant import moe as quant_moe
+
+    bandwidth = ceilings()[0]
+    print(f"{torch.cuda.get_device_name(0)}: copy {bandwidth / 1e12:.2f} TB/s; {experts} experts, top {top_k}, "
+          f"{hidden} x {inter}", flush=True)
+    gen = torch.Generator().manual_seed(seed)
+    for down in ("Q4_K", "Q6_K"):
+        stacks = [(keep_blocks(random_blocks(t, experts * out, inp, std=0.05, seed=seed + i), t, "cuda")
+                   .view(experts, out, -1), t) for i, (out, inp, t) in
+                  enumerate([(inter, hidden, "Q4_K"), (inter, hidden, "Q4_K"), (hidden, inter, down)])]
+        per_expert = sum(raw.nbytes for raw, _ in stacks) / experts
+        print(f"down {down}: {'tokens':>6} {'pairs':>5} {'experts':>7} {'MB read once':>12} {'a pair us':>9} "
+              f"{'blocks us':>9} {'ratio':>6} {'%bw':>5}", flush=True)
+        for t in token_counts:
+            routed = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(t)]).to("cuda")
+            x = torch.randn(t, hidden, device="cuda", dtype=torch.bfloat16)
+            us = {}
+            for name, blocks in (("pair", None), ("blocks", 1)):
+                quant_moe.MOE_BLOCKS = blocks
+                us[name] = _us(lambda w: quant_moe.moe_expert_pairs_quant(x, routed, *w), [stacks])
+            used = len(torch.unique(routed))
+            once = used * per_expert
+            print(f"{'':11} {t:>6} {t * top_k:>5} {used:>7} {once / 1e6:12.1f} {us['pair']:9.1f} {us['blocks']:9.1f} "
+                  f"{us['pair'] / us['blocks']:6.2f} {100 * once / bandwidth / (us['blocks'] * 1e-6):5.0f}",
+                  flush=True)
+        del stacks
+    quant_moe.MOE_BLOCKS = envs.moe_blocks()
+
 
 if __name__ == "__main__":
     main()

@@ -24,6 +24,7 @@ from hf2q import envs
 from hf2q.cache.hybrid import CacheError, HybridCache
 from hf2q.cache.state_at import StateAt
 from hf2q.devices import upload
+from hf2q.engine import warm_up
 from hf2q.engine.request import Request
 from hf2q.forward import ForwardBatch
 from hf2q.kernels.gdn.chunked_fla import RECURRENT_MAX_LEN
@@ -35,27 +36,6 @@ from hf2q.spec.states import POSITIONS, PositionStates
 log = logging.getLogger(__name__)
 
 GRAPH_MAX_CONTEXT = 65536  # block-table width of the graphs; longer sequences decode eagerly
-# the warm-up's short chunks over a cached prefix (a follow-up turn after a prefix hit): Triton compiles a kernel
-# apart for integer arguments that are multiples of 16, so one is and one is not, and so their starts
-FOLLOW_UP_CHUNKS = (40, 48)
-# the warm-up's steps of a chunk beside other sequences' decode rows: their one paged-attention call
-# (kernels/attention/ops.py) takes as many splits for 2, 3-4 and 5 or more rows (paged_triton.config_for), over the
-# eager step's block tables, not the graphs' (other pointer types): each split count is a kernel pair of its own
-DECODE_ROWS = (2, 4, 8)
-DECODE_ROWS_PREFIX = 16  # tokens cached before the decode rows' step
-
-
-def _warm_up_chunks(n: int) -> tuple[tuple[int, tuple[int, ...]], ...]:
-    """The warm-up's chunks over a cached prefix, (tokens, insides) each: a follow-up's short rests, then whole
-    chunks keeping the states after two and three of their last tokens. A checkpoint inside a chunk runs the
-    chunk's first tokens again as one more sequence of the delta rule, and fla's L2 norm tunes itself for each
-    2,048 rows more (its key counts rows x heads / 65,536): a chunk of n rows with up to three checkpoints inside
-    (two stride points and a chat anchor) reaches four such buckets; the first chunk's one checkpoint, the
-    second. Met first by a request, 25 candidates compiled while it waited (5-9 s on an H100)."""
-    whole = tuple((n, tuple(range(n - k, n))) for k in (2, 3) if n > k)
-    return (*((m, ()) for m in FOLLOW_UP_CHUNKS), *whole)
-
-
 class ModelRunner:
     def __init__(self, net: Qwen35Model, cache: HybridCache, cuda_graphs: bool = True, mtp_rows: bool = False,
                  vision=None, short_prefill_graphs: bool = False, verify_seqs: int = 0, max_seqs: int | None = None):
@@ -400,26 +380,26 @@ class ModelRunner:
     def warm_up(self, max_batch: int, prefill_tokens: int) -> None:
         """Do before serving what a first request would otherwise wait for: one prefill of
         `prefill_tokens` tokens (compiles the prefill kernels) in a scratch slot, on CUDA also chunks over a
-        cached prefix and prefills of two sequences (`_warm_up_prefill`), then the decode graphs of every
+        cached prefix and prefills of two sequences (`warm_up.prefill`), then the decode graphs of every
         bucket up to `max_batch` sequences (compiles, times and captures the decode kernels). The scratch
         slots are released; the graphs keep their padding slot."""
         t0, spent = time.monotonic(), SPENT.snapshot()
         cuda = self.device.type == "cuda"  # elsewhere nothing compiles: one prefill is enough
-        self._warm_up_prefill([prefill_tokens], then=_warm_up_chunks(prefill_tokens) if cuda else (),
+        warm_up.prefill(self, [prefill_tokens], then=warm_up.chunks_over_prefix(prefill_tokens) if cuda else (),
                               inside=(prefill_tokens // 2,) if cuda else ())
         log.info("warm-up: a %d-token prefill%s in %.1f s (%s)", prefill_tokens,
                  " and chunks over it" if cuda else "", time.monotonic() - t0, SPENT.since(spent))
         half = prefill_tokens // 2
-        if cuda and half > RECURRENT_MAX_LEN:  # two sequences in one step (`_warm_up_prefill`)
+        if cuda and half > RECURRENT_MAX_LEN:  # two sequences in one step (`warm_up.prefill`)
             t0 = time.monotonic()
             try:
                 for lengths in ([half, half], [half, half - 1]):
-                    self._warm_up_prefill(lengths)
+                    warm_up.prefill(self, lengths)
                 log.info("warm-up: prefills of two sequences in %.1f s", time.monotonic() - t0)
             except CacheError as err:  # no slot or room for them: a first request compiles what they would
                 log.info("warm-up: prefills of two sequences left out (%s)", err)
         if cuda:
-            self._warm_up_decode_rows(prefill_tokens)
+            warm_up.beside_decode_rows(self, prefill_tokens)
         if self.use_graphs:
             graphs = self._decode_graphs()
             if graphs is not None:
@@ -431,72 +411,6 @@ class ModelRunner:
             verify = self._verify_graphs() if self.verify_seqs else None
             if verify is not None:
                 verify.capture()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def _warm_up_prefill(self, lengths: list[int], then: tuple[tuple[int, tuple[int, ...]], ...] = (),
-                         inside: tuple[int, ...] = ()) -> None:
-        """One prefill of sequences of `lengths` tokens in scratch slots, released after; `then`: further chunks
-        of the first sequence, (tokens, insides) each (a long prompt's later chunks and a follow-up turn
-        attend over a cached prefix, other kernels than a first chunk's). Triton specialises a
-        kernel on whether an integer argument is 1 or a multiple of 16, so the chunked delta rule over one
-        sequence compiles other code than over two (long prompts in one step, and a prefix-cache checkpoint
-        inside a chunk, which runs the chunk's first tokens as one more sequence), and an odd total other code
-        than a multiple of 16: the warm-up meets each (on an H100 a first 8,047-token chat turn with the prefix
-        cache on waited 11.6 s for its first token, 0.8 s with it off). `inside`: token counts after which the
-        first step also keeps the DeltaNet states, as prefix checkpoints inside a chunk do (`_warm_up_chunks`)."""
-        slots: list[int] = []
-        try:
-            slots.extend(self.cache.acquire() for _ in lengths)
-            self._warm_up_step(slots, list(lengths), [0] * len(lengths), inside)
-            try:
-                for n, kept in then:  # further chunks of the first sequence, over what it has cached
-                    self._warm_up_step(slots[:1], [n], [self.cache.seq_len(slots[0])], kept)
-            except CacheError as err:  # no room in the pool: a first request compiles what they would
-                log.info("warm-up: chunks over a cached prefix left out (%s)", err)
-        finally:
-            for slot in slots:
-                self.cache.release(slot)
-
-    def _warm_up_decode_rows(self, prefill_tokens: int) -> None:
-        """Steps of a prompt's chunk beside the decode rows of DECODE_ROWS other sequences, as long prompts arriving
-        while others decode make them: on an H100 the first 16 x 2,048-token prompts waited for three kernel pairs
-        (0.6-1.4 s each) built after the warm-up. Scratch slots, released after; none where the pool or the slots
-        are too few."""
-        t0, spent = time.monotonic(), SPENT.snapshot()
-        most = max(DECODE_ROWS)
-        slots: list[int] = []
-        try:
-            slots.extend(self.cache.acquire() for _ in range(most + 1))
-            self._warm_up_step(slots[1:], [DECODE_ROWS_PREFIX] * most, [0] * most)
-            for k in DECODE_ROWS:
-                chunk = max(prefill_tokens - k, 1)
-                step = [slots[0], *slots[1:k + 1]]
-                self._warm_up_step(step, [chunk] + [1] * k, [self.cache.seq_len(s) for s in step])
-                self.cache.reset(slots[0])  # the next chunk from the start again: the pool holds one at a time
-            log.info("warm-up: chunks beside %s decode rows in %.1f s (%s)", "/".join(map(str, DECODE_ROWS)),
-                     time.monotonic() - t0, SPENT.since(spent))
-        except CacheError as err:  # too few slots or blocks: a first mixed step compiles what they would
-            log.info("warm-up: chunks beside decode rows left out (%s)", err)
-        finally:
-            for slot in slots:
-                self.cache.release(slot)
-
-    def _warm_up_step(self, slots: list[int], lengths: list[int], starts: list[int],
-                      inside: tuple[int, ...] = ()) -> None:
-        """One forward of `lengths[i]` zero tokens after the `starts[i]` cached in `slots[i]`, kept in the cache;
-        the first sequence's states after each of `inside`'s token counts are kept too (`StateAt`)."""
-        for slot, n, start in zip(slots, lengths, starts):
-            self.cache.reserve(slot, start + n)
-        ids = torch.zeros(sum(lengths), dtype=torch.long, device=self.device)
-        positions = torch.cat([torch.arange(start, start + n, dtype=torch.long)
-                               for n, start in zip(lengths, starts)]).to(self.device)
-        batch = ForwardBatch(ids, positions, lengths, starts, slots, self.cache)
-        if inside:
-            batch.extras["kept_states"] = {0: [StateAt(self.cache, m) for m in inside]}
-        self.net.compute_logits(self.net(batch)[-1:])
-        for slot, n, start in zip(slots, lengths, starts):
-            self.cache.commit(slot, start + n)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

@@ -8,11 +8,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hf2q import envs
 from hf2q.kernels.activation import ops as activation_ops
 from hf2q.kernels.choose import triton_runs
 from hf2q.kernels.moe import ops as moe_ops
 from hf2q.kernels.quant.ops import MOE_PAIRS, dequantize, scratch
 from hf2q.quant import dequantize_ref
+
+MOE_BLOCKS = envs.moe_blocks()  # pairs from which the experts are read once a block of pairs (None: never)
 
 
 def _expert_linear_ref(x: torch.Tensor, experts: torch.Tensor, raw: torch.Tensor, qtype: str,
@@ -29,7 +32,8 @@ def moe_expert_pairs_quant(x: torch.Tensor, experts: torch.Tensor, gate: tuple, 
     with quantized stacked experts; gate/up/down: (raw, qtype).
 
     Few pairs read only the chosen experts' blocks: x is quantized once, gate and up of every pair come
-    from one launch when their types read activations in the same order, then the down projection; many
+    from one launch when their types read activations in the same order, then the down projection; from
+    MOE_BLOCKS pairs each expert is read once for up to four of its pairs (`_pairs_in_blocks`); many
     pairs dequantize the stacks into scratch and run the dense path (grouped GEMMs).
     """
     t, top_k = experts.shape
@@ -41,8 +45,11 @@ def moe_expert_pairs_quant(x: torch.Tensor, experts: torch.Tensor, gate: tuple, 
         h = F.silu(_expert_linear_ref(xs, flat, *gate, inter)) * _expert_linear_ref(xs, flat, *up, inter)
         return _expert_linear_ref(h, flat, *down, hidden)
     if t * top_k <= MOE_PAIRS:
-        from hf2q.kernels.quant.dp4a_triton import matvec
         from hf2q.kernels.quant.int8_rows import blocked_for, quantize_rows
+
+        if _in_blocks(t * top_k, gate[1], up[1], down[1]):
+            return _pairs_in_blocks(x, experts, gate, up, down)
+        from hf2q.kernels.quant.dp4a_triton import matvec
 
         flat = flat.to(torch.int32)
         xs = quantize_rows(x, blocked=blocked_for(gate[1]))
@@ -61,3 +68,30 @@ def moe_expert_pairs_quant(x: torch.Tensor, experts: torch.Tensor, gate: tuple, 
         buf = scratch(slot, n_exp * shape[1] * shape[2], x.dtype, x.device)
         stacks.append(dequantize(raw, qtype, shape, x.dtype, out=buf))
     return moe_ops.moe_expert_pairs(x, experts, *stacks)
+
+
+def _in_blocks(pairs: int, *qtypes: str) -> bool:
+    """Whether the pairs' experts are read once a block of pairs (kernels/quant/dp4a_experts_triton.py): from
+    MOE_BLOCKS pairs (HF2Q_MOE_BLOCKS), K-quant stacks. Fewer pairs than that spread over nearly as many experts,
+    and a block's four shared rows cost more than one pair's row."""
+    from hf2q.kernels.quant import dp4a_experts_triton
+
+    return MOE_BLOCKS is not None and pairs >= MOE_BLOCKS and dp4a_experts_triton.serves(*qtypes)
+
+
+def _pairs_in_blocks(x: torch.Tensor, experts: torch.Tensor, gate: tuple, up: tuple, down: tuple) -> torch.Tensor:
+    """The pairs' SwiGLU experts with the pairs laid out by expert once (moe/blocks_triton.py) for the gate and up
+    launch and the down launch."""
+    from hf2q.kernels.moe.blocks_triton import expert_blocks
+    from hf2q.kernels.quant.dp4a_experts_triton import BM, experts_matvec
+    from hf2q.kernels.quant.int8_rows import blocked_for, quantize_rows
+
+    t, top_k = experts.shape
+    pairs, inter, hidden = t * top_k, gate[0].shape[1], x.shape[1]
+    slots, blocks = expert_blocks(experts, gate[0].shape[0], BM)
+    xs = quantize_rows(x, blocked=blocked_for(gate[1]))
+    gu = experts_matvec(xs, gate[0], gate[1], inter, slots, blocks, pairs, out_dtype=x.dtype,
+                        second=(up[0], inter, up[1]), rows_per_x=top_k)
+    h = activation_ops.silu_mul(gu[:, :inter], gu[:, inter:], int8_for=down[1])
+    return experts_matvec(quantize_rows(h, blocked=blocked_for(down[1])), down[0], down[1], hidden, slots, blocks,
+                          pairs, out_dtype=x.dtype)
