@@ -56,7 +56,7 @@ STEP_TRACE = Variable("HF2Q_STEP_TRACE", "0", "0 or 1", "1 logs every engine ste
 BURST_GRAPHS = Variable("HF2Q_BURST_GRAPHS", "1", "0 or 1", "1 replays steps of many short prompts (bursts of "
                         "requests arriving together, up to 2,048 rows) in CUDA graphs of their own, beside the short "
                         "prefill graphs; 0 runs them eagerly (read when the runner is built)")
-MOE_BLOCKS = Variable("HF2Q_MOE_BLOCKS", "256", "a pair count (0: never)", "from how many token-expert pairs of "
+MOE_BLOCKS = Variable("HF2Q_MOE_BLOCKS", "0", "a pair count (0: never)", "from how many token-expert pairs of "
                       "K-quant experts a step reads each chosen expert once for up to four of its pairs (pairs grouped "
                       "by expert) instead of once a pair (read at import)")
 VARIABLES = (PDL, GEMV_TUNE, GEMV, QUANT_MM, PAGED_DECODE, TUNE_CACHE, XDG_CACHE_HOME, TRITON_INTERPRET,

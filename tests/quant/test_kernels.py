@@ -362,7 +362,7 @@ def test_moe_experts_read_once_a_block_of_pairs(qtype, monkeypatch):
     # wide programs
     n_exp, hidden, inter, t, top_k = (16, 512, 256, 40, 4) if CUDA else (3, 256, 256, 2, 2)
     if not CUDA:
-        monkeypatch.setattr(dp4a_experts_triton, "config", lambda qtype, n, second: (256, 1, 4, 1, True))
+        monkeypatch.setattr(dp4a_experts_triton, "config", lambda qtype, n, k, second: (256, 1, 4, 1, True))
     stacks, dense = expert_stacks(qtype, n_exp, hidden, inter, seed=20)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(t, hidden, generator=g)

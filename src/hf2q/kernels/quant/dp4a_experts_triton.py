@@ -16,7 +16,7 @@ import triton.language as tl
 
 from hf2q.kernels.quant.dequant_triton import QTYPE_ID, check_layout
 from hf2q.kernels.quant.dp4a_blocks import below, row_products
-from hf2q.kernels.quant.dp4a_triton import EMULATE, _row_units, candidates
+from hf2q.kernels.quant.dp4a_triton import EMULATE, _row_units
 from hf2q.kernels.quant.int8_rows import blocked_for
 from hf2q.kernels.tuning import pdl
 from hf2q.quant import KQUANTS, block_layout
@@ -69,10 +69,17 @@ def serves(*qtypes: str) -> bool:
     return all(t in KQUANTS for t in qtypes) and len({blocked_for(t) for t in qtypes}) == 1
 
 
-def config(qtype: str, n: int, second: bool) -> tuple:
-    """The shared-rows configuration at four rows for an [n, ...] stack (the first that fits: a second stack's
-    columns start at a multiple of BLOCK_N); it depends on the stack alone."""
-    return next(c for c in candidates(qtype, BM) if len(c) > 4 and (not second or n % c[0] == 0))
+def config(qtype: str, n: int, k: int, second: bool) -> tuple:
+    """(BLOCK_N, blocks a step, warps, stages, shared) for an [n, k] stack: one warp, each thread one (weight row,
+    block) unit for the four rows, the step as many blocks as a row has (up to 16: an expert's 2,048-wide rows
+    have 8, its 512-wide down rows 2), so that no thread holds a masked unit; the expert mat-vec's timing picked
+    one-warp programs at these shapes on an H100 (BENCHMARKS.md). It depends on the stack alone."""
+    blocks = k // 256
+    sb = min(16, 1 << (blocks.bit_length() - 1))
+    block_n = max(1, 32 // sb)
+    if second and n % block_n:
+        raise ValueError(f"two stacks in one launch need their rows ({n}) a multiple of {block_n}")
+    return block_n, sb, 1, 1, True
 
 
 def experts_matvec(xs, raw: torch.Tensor, qtype: str, n: int, slots: torch.Tensor, block_experts: torch.Tensor,
@@ -93,7 +100,7 @@ def experts_matvec(xs, raw: torch.Tensor, qtype: str, n: int, slots: torch.Tenso
     check_layout(raw, qtype, k)
     if second:
         check_layout(second[0], qtype2, k)
-    block_n, sb, warps, stages = config(qtype, n, second is not None)[:4]
+    block_n, sb, warps, stages = config(qtype, n, k, second is not None)[:4]
     n_total = n * (2 if second else 1)
     row_units, row_units_b = _row_units(qtype, k), _row_units(qtype2, k)
     out = torch.empty(pairs, n_total, dtype=out_dtype, device=xq.device)
