@@ -58,7 +58,7 @@ BURST_GRAPHS = Variable("HF2Q_BURST_GRAPHS", "1", "0 or 1", "1 replays steps of 
                         "prefill graphs; 0 runs them eagerly (read when the runner is built)")
 MOE_BLOCKS = Variable("HF2Q_MOE_BLOCKS", "0", "a pair count (0: never)", "from how many token-expert pairs of "
                       "K-quant experts a step reads each chosen expert once for up to four of its pairs (pairs grouped "
-                      "by expert) instead of once a pair (read at import)")
+                      "by expert) instead of once a pair; slower below 1,024 pairs on an H100, so off (read at import)")
 VARIABLES = (PDL, GEMV_TUNE, GEMV, QUANT_MM, PAGED_DECODE, TUNE_CACHE, XDG_CACHE_HOME, TRITON_INTERPRET,
              NCCL_NVLS_ENABLE, TRITON_CACHE_AUTOTUNING, STEP_TRACE, BURST_GRAPHS, MOE_BLOCKS)
 

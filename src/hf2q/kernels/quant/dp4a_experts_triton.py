@@ -6,7 +6,10 @@ and over (64 sequences of a 256-expert top-8 MoE: 512 pairs over about 220 exper
 of BM slots of one expert (hf2q.kernels.moe.blocks_triton), and a program takes one block's pairs as the mat-vec's
 shared rows (dp4a_blocks: each weight word unpacked once and dotted with every row), so an expert's bytes are read
 once for up to four pairs. A pair's sums are its own (each row's in variables of their own): its result depends on
-its expert, its activations and the configuration, never on the other pairs.
+its expert, its activations and the configuration, never on the other pairs. On an H100 (BENCHMARKS.md) it reads
+the chosen experts at 26-41% of the copy rate where the mat-vec of a pair at a time reaches 97% (L2 serving a pair's
+expert to its neighbours): 0.59-0.82x that one's speed at 16-64 tokens of a 35B-A3B layer, 1.01-1.16x at 128. So it
+is opt-in (HF2Q_MOE_BLOCKS).
 """
 from __future__ import annotations
 
