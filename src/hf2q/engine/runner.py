@@ -380,13 +380,14 @@ class ModelRunner:
     def warm_up(self, max_batch: int, prefill_tokens: int) -> None:
         """Do before serving what a first request would otherwise wait for: one prefill of
         `prefill_tokens` tokens (compiles the prefill kernels) in a scratch slot, on CUDA also chunks over a
-        cached prefix and prefills of two sequences (`warm_up.prefill`), then the decode graphs of every
+        cached prefix, prefills of two sequences and chunks beside other sequences' decode rows (engine/warm_up.py),
+        then the decode graphs of every
         bucket up to `max_batch` sequences (compiles, times and captures the decode kernels). The scratch
         slots are released; the graphs keep their padding slot."""
         t0, spent = time.monotonic(), SPENT.snapshot()
         cuda = self.device.type == "cuda"  # elsewhere nothing compiles: one prefill is enough
         warm_up.prefill(self, [prefill_tokens], then=warm_up.chunks_over_prefix(prefill_tokens) if cuda else (),
-                              inside=(prefill_tokens // 2,) if cuda else ())
+                        inside=(prefill_tokens // 2,) if cuda else ())
         log.info("warm-up: a %d-token prefill%s in %.1f s (%s)", prefill_tokens,
                  " and chunks over it" if cuda else "", time.monotonic() - t0, SPENT.since(spent))
         half = prefill_tokens // 2
