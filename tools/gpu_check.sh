@@ -14,7 +14,7 @@
 # configuration; ncu-mm: the same view of the batched-decode tile kernel (attn.o and gate+up at 16 and 64 rows);
 # mm: the batched-decode kernels' tests on the device, the tile kernel against the int8
 # tensor-core kernel (HF2Q_QUANT_MM=mmq) and dequantize + cuBLAS (tools/quant_mm_sweep.py; SWEEP_FLAGS adds
-# flags, e.g. SWEEP_FLAGS=--gemlite for GemLite's kernels, carried as a wheel); serve: a random 9B GGUF (MIX=q4_k_m or bf16,
+# flags, e.g. SWEEP_FLAGS=--gemlite for GemLite's kernels, carried as a wheel); serve: a random GGUF (SHAPE, 9b; MIX=q4_k_m or bf16,
 # tools/random_gguf.py) served by hf2q serve and measured by hf2q bench serve at 1, 4, 16 and 64 clients (64-token
 # prompts, 256 new tokens), then 16 clients with 2048-token prompts, then a second start (warm caches) and 1 client
 # (HF2Q_QUANT_MM=mmq in the environment serves 5-64 rows on the int8 tensor-core kernel; SERVE_FLAGS adds
@@ -191,8 +191,8 @@ torch.cuda.synchronize()" | tee "$out/ncu_mm.txt" ;;
            -k "quant_mm or quant_linear or mmq"
          timeout 400 python tools/quant_mm_sweep.py --rows 16 32 64 --configs 64,4 --split-factors 1 ${SWEEP_FLAGS:-} \
            | tee "$out/quant_mm_sweep.txt" ;;
-  serve) mix=${MIX:-q4_k_m}; mtp=${MTP:+-mtp}; model=${MODEL_DIR:-/tmp}/hf2q-9b-$mix$mtp.gguf; port=8090
-         [ -f "$model" ] || python tools/random_gguf.py --shape 9b --mix "$mix" ${MTP:+--mtp} -o "$model"
+  serve) mix=${MIX:-q4_k_m}; mtp=${MTP:+-mtp}; shape=${SHAPE:-9b}; model=${MODEL_DIR:-/tmp}/hf2q-$shape-$mix$mtp.gguf; port=8090
+         [ -f "$model" ] || python tools/random_gguf.py --shape "$shape" --mix "$mix" ${MTP:+--mtp} -o "$model"
          start "$out/serve_$mix.log" ${SERVE_FLAGS:-}
          load --clients 1 4 16 64 --prompt-tokens 64 --max-tokens 256 --json "$out/serve_${mix}.json"
          load --clients 16 --prompt-tokens 2048 --max-tokens 64 --json "$out/serve_${mix}_16x2048.json"
@@ -225,8 +225,8 @@ torch.cuda.synchronize()" | tee "$out/ncu_mm.txt" ;;
          python tools/ttft_trace.py --model "$model" --max-num-seqs 4 --profile ;;
   peer)  # llama-server on the serve stage's GGUF, measured by the same load generator (llama.cpp built by
          # tools/gpu_setup.sh with LLAMA_CPP=1, in the background since the call's start)
-         mix=${MIX:-q4_k_m}; model=${MODEL_DIR:-/tmp}/hf2q-9b-$mix.gguf; port=8091
-         [ -f "$model" ] || python tools/random_gguf.py --shape 9b --mix "$mix" -o "$model"
+         mix=${MIX:-q4_k_m}; shape=${SHAPE:-9b}; model=${MODEL_DIR:-/tmp}/hf2q-$shape-$mix.gguf; port=8091
+         [ -f "$model" ] || python tools/random_gguf.py --shape "$shape" --mix "$mix" -o "$model"
          until [ -f /tmp/llama.cpp/build.done ]; do sleep 5; done
          [ "$(cat /tmp/llama.cpp/build.done)" = 0 ] || { tail -30 /tmp/llama.cpp/build.log; exit 1; }
          /tmp/llama.cpp/build/bin/llama-server -m "$model" -ngl 99 -fa on -np 64 -c 65536 --port $port \
@@ -285,9 +285,9 @@ torch.cuda.synchronize()" | tee "$out/ncu_mm.txt" ;;
          tail -5 "$keep/serve.log"
          cp "$keep"/soak.json "$keep"/soak.log "$keep"/serve.log "$out"/ 2> /dev/null
          [ -f "$out/soak.json" ] ;;
-  prime) mix=${MIX:-q4_k_m}; mtp=${MTP:+-mtp}; model=${MODEL_DIR:-/tmp}/hf2q-9b-$mix$mtp.gguf; port=8090
+  prime) mix=${MIX:-q4_k_m}; mtp=${MTP:+-mtp}; shape=${SHAPE:-9b}; model=${MODEL_DIR:-/tmp}/hf2q-$shape-$mix$mtp.gguf; port=8090
          keep=/tmp/hf2q-prime; mkdir -p "$keep"; t0=$(date +%s)
-         [ -f "$model" ] || python tools/random_gguf.py --shape 9b --mix "$mix" ${MTP:+--mtp} -o "$model" > /dev/null
+         [ -f "$model" ] || python tools/random_gguf.py --shape "$shape" --mix "$mix" ${MTP:+--mtp} -o "$model" > /dev/null
          pid=$(cat "$keep/pid" 2> /dev/null)
          if [ -z "$pid" ] || ! kill -0 "$pid" 2> /dev/null; then
            setsid python -m hf2q.cli serve --model "$model" --port $port --max-num-seqs 64 --log-level info \
