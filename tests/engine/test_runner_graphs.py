@@ -318,7 +318,8 @@ def test_the_warm_up_keeps_states_inside_its_chunks(monkeypatch):
 @torch.inference_mode()
 def test_the_warm_up_runs_chunks_beside_decode_rows(monkeypatch):
     """The warm-up's steps of a chunk beside 2, 4 and 8 other sequences' decode rows send those rows through one
-    paged-attention call each (the split counts a served mixed step meets), and leave every slot free."""
+    paged-attention call each (the split counts a served mixed step meets), as many as the free slots allow, and
+    leave every slot free."""
     from hf2q.engine import warm_up
     from hf2q.engine.warm_up import DECODE_ROWS
     from hf2q.kernels.attention import ops
@@ -335,6 +336,11 @@ def test_the_warm_up_runs_chunks_beside_decode_rows(monkeypatch):
     assert attention_layers > 0
     assert rows == [k for k in DECODE_ROWS for _ in range(attention_layers)]
     assert cache.num_free_slots == 10
+    rows.clear()
     small = HybridCache(net.config, CacheConfig(num_slots=4, num_blocks=64, block_size=16, kv_dtype="float32"))
-    warm_up.beside_decode_rows(ModelRunner(net, small), 40)  # too few slots: left out, nothing held
-    assert small.num_free_slots == 4
+    with fast_path("force"):  # room for 2 decode rows beside the chunk, not for 4 or 8
+        warm_up.beside_decode_rows(ModelRunner(net, small), 40)
+    assert rows == [2] * attention_layers and small.num_free_slots == 4
+    tiny = HybridCache(net.config, CacheConfig(num_slots=2, num_blocks=64, block_size=16, kv_dtype="float32"))
+    warm_up.beside_decode_rows(ModelRunner(net, tiny), 40)  # no room for two: left out, nothing held
+    assert tiny.num_free_slots == 2

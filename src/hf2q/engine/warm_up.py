@@ -65,20 +65,24 @@ def prefill(runner, lengths: list[int], then: tuple[tuple[int, tuple[int, ...]],
 def beside_decode_rows(runner, prefill_tokens: int) -> None:
     """Steps of a prompt's chunk beside the decode rows of DECODE_ROWS other sequences, as long prompts arriving
     while others decode make them: on an H100 the first 16 x 2,048-token prompts waited for three kernel pairs
-    (0.6-1.4 s each) built after the warm-up. Scratch slots, released after; none where the pool or the slots
-    are too few."""
+    (0.6-1.4 s each) built after the warm-up. Scratch slots, released after: as many decode rows as the free slots
+    allow beside the chunk's (a server of few sequences meets no more), none where the pool is too small."""
     t0, spent = time.monotonic(), SPENT.snapshot()
-    most = max(DECODE_ROWS)
+    rows = [k for k in DECODE_ROWS if k < runner.cache.num_free_slots]
+    if not rows:
+        log.info("warm-up: chunks beside decode rows left out (%d free slots)", runner.cache.num_free_slots)
+        return
+    most = max(rows)
     slots: list[int] = []
     try:
         slots.extend(runner.cache.acquire() for _ in range(most + 1))
         step(runner, slots[1:], [DECODE_ROWS_PREFIX] * most, [0] * most)
-        for k in DECODE_ROWS:
+        for k in rows:
             chunk = max(prefill_tokens - k, 1)
             seqs = [slots[0], *slots[1:k + 1]]
             step(runner, seqs, [chunk] + [1] * k, [runner.cache.seq_len(s) for s in seqs])
             runner.cache.reset(slots[0])  # the next chunk from the start again: the pool holds one at a time
-        log.info("warm-up: chunks beside %s decode rows in %.1f s (%s)", "/".join(map(str, DECODE_ROWS)),
+        log.info("warm-up: chunks beside %s decode rows in %.1f s (%s)", "/".join(map(str, rows)),
                  time.monotonic() - t0, SPENT.since(spent))
     except CacheError as err:  # too few slots or blocks: a first mixed step compiles what they would
         log.info("warm-up: chunks beside decode rows left out (%s)", err)
