@@ -126,7 +126,8 @@ def test_mmq_refuses_what_it_does_not_read(dev):
 @pytest.mark.parametrize("qtype", ["Q5_K", "Q6_K"])
 def test_mmq_compiles_to_int8_tensor_core_dots(qtype):
     """The kernel compiles for sm_90 (no GPU needed; Q5_K's and Q6_K's bit operations are PTX, which the
-    interpreter does not run) with its group dots on int8 tensor cores (16 rows: 64 take ptxas three times as long)."""
+    interpreter does not run) with its group dots on int8 tensor cores (16 rows: 64 take ptxas three times as long);
+    Q5_K's group sums become floats without int-to-float conversions (Q6_K's joined sums reach 2^27: converted)."""
     from tests.support.triton_targets import compile_for_hopper
     from hf2q.kernels.quant import mmq_triton as mmq
 
@@ -136,3 +137,5 @@ def test_mmq_compiles_to_int8_tensor_core_dots(qtype):
                              BLOCK_N=mmq.config(4096, 4096, 16)[0], EMULATE=False), 4,
                              ("N", "K", "nblk"))
     assert re.search(r"mma\.sync\.aligned\.m16n8k32\.row\.col\.(satfinite\.)?s32\.s8\.s8\.s32", ptx)
+    conversions = len(re.findall(r"cvt\.rn\.f32\.s32\b", ptx))
+    assert (conversions == 0) == (qtype == "Q5_K"), conversions
