@@ -29,3 +29,18 @@ def kquant_scale_min(w8, blk, s, mask):
 def f16_bits(bits):
     """float32 value of the f16 whose bits are the low 16 of int32 `bits`."""
     return (bits & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+# Int-to-float conversions issue at 16 a clock and SM on Hopper, float adds at 128: the kernels that turn a value
+# a weight into a float (the tile kernel's fields, mmq's group dots) build the float from its bits instead.
+@triton.jit
+def small_float(f):
+    """float32 of integers 0 <= f < 2^23: f's bits under the exponent of 2^23 make 2^23 + f exactly (an OR, which
+    fuses with the mask that cut f out), and subtracting 2^23 is exact."""
+    return (f | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def int_float(i):
+    """float32 of integers |i| < 2^22 (signed): 2^23 + 2^22 + i in the bits of 2^23 + 2^22, exact, minus that."""
+    return (i + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0

@@ -24,32 +24,24 @@ import triton
 import triton.language as tl
 
 from hf2q.kernels.quant.dequant_triton import QTYPE_ID, _geometry, check_layout
-from hf2q.kernels.quant.fields_triton import f16_bits
+from hf2q.kernels.quant.fields_triton import f16_bits, small_float
 
 PROGRAMS = 264  # about two programs per SM of the largest cards: split K until the grid has this many
-
-
-@triton.jit
-def _small_float(f):
-    """float32 of integers f < 2^23 without a conversion instruction: f's bits under the exponent of 2^23 make
-    2^23 + f exactly, and subtracting 2^23 is exact. An int-to-float conversion issues at an eighth of the rate
-    of a float add on Hopper (16 a clock and SM against 128): it was the tile kernel's costliest instruction."""
-    return (f | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
 
 @triton.jit
 def _scaled_bytes(words, shift, mask, a, b):
     """a * ((byte >> shift) & mask) + b [BN, 32] in byte order for words [BN, 8] holding 32 bytes (byte
     4w + j in bits 8j.. of word w; a, b [BN, 1] or scalars). Each field is masked in place (the upper two
-    bytes' after one shift of the word by 16) and made a float whole (exact: it sits below bit 23), its place
-    undone by a power of two in the scale: no shift per value, and the same rounding as scaling the field
-    itself."""
+    bytes' after one shift of the word by 16) and made a float whole from its bits (`small_float`: exact, it
+    sits below bit 23, and no int-to-float conversion), its place undone by a power of two in the scale: no
+    shift per value, and the same rounding as scaling the field itself."""
     u = words.to(tl.uint32, bitcast=True)
     hi = u >> 16
-    v0 = _small_float(u & (mask << shift)) * (a * (1.0 / (1 << shift))) + b
-    v1 = _small_float(u & (mask << (8 + shift))) * (a * (1.0 / (1 << (8 + shift)))) + b
-    v2 = _small_float(hi & (mask << shift)) * (a * (1.0 / (1 << shift))) + b
-    v3 = _small_float(hi & (mask << (8 + shift))) * (a * (1.0 / (1 << (8 + shift)))) + b
+    v0 = small_float(u & (mask << shift)) * (a * (1.0 / (1 << shift))) + b
+    v1 = small_float(u & (mask << (8 + shift))) * (a * (1.0 / (1 << (8 + shift)))) + b
+    v2 = small_float(hi & (mask << shift)) * (a * (1.0 / (1 << shift))) + b
+    v3 = small_float(hi & (mask << (8 + shift))) * (a * (1.0 / (1 << (8 + shift)))) + b
     return tl.interleave(tl.interleave(v0, v2), tl.interleave(v1, v3))
 
 
@@ -85,7 +77,7 @@ def _scale_min(h1, h2, h3, s: tl.constexpr):
         hi = _header_byte(h1, h2, h3, s + 4)
         sc = (hi & 15) | ((_header_byte(h1, h2, h3, s - 4) >> 6) << 4)
         mn = (hi >> 4) | ((_header_byte(h1, h2, h3, s) >> 6) << 4)
-    return _small_float(sc), _small_float(mn)
+    return small_float(sc), small_float(mn)
 
 
 @triton.jit

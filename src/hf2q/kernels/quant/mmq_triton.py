@@ -26,7 +26,7 @@ import triton.language as tl
 from hf2q import envs
 from hf2q.kernels.quant import mm_triton
 from hf2q.kernels.quant.dequant_triton import QTYPE_ID, _geometry, check_layout
-from hf2q.kernels.quant.fields_triton import f16_bits
+from hf2q.kernels.quant.fields_triton import f16_bits, int_float
 from hf2q.kernels.quant.int8_rows import Int8Rows, blocked_for, quantize_rows
 from hf2q.kernels.quant.mm_triton import chunks, program_block, split_launch, store_chunks, sum_splits
 
@@ -168,15 +168,8 @@ def _chunk(acc, x_row, act_row, piece0, step, wq, scale, dx):
     if dx is None:
         dx = dx_read
     dot = tl.dot(x, wq, out_dtype=tl.int32)
-    return acc + (_int_float(dot) * dx[:, None]) * scale[None, :]
+    return acc + (int_float(dot) * dx[:, None]) * scale[None, :]  # |dot| <= 32 * 127 * 127
 
-
-@triton.jit
-def _int_float(i):
-    """float32 of integers |i| < 2^22 (a group's int8 dot: at most 32·127·127) without a conversion instruction
-    (16 a clock and SM on Hopper, against 128 float adds; it was this kernel's most frequent one after the
-    dots): 2^23 + 2^22 + i in the bits of 2^23 + 2^22, exact, minus that."""
-    return (i + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
 
 
 @triton.jit
