@@ -5,6 +5,8 @@ dense expert pairs of moe/ops.py), so it sits above them: quant/ops.py imports n
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -31,8 +33,8 @@ def moe_expert_pairs_quant(x: torch.Tensor, experts: torch.Tensor, gate: tuple, 
     """SwiGLU expert_k(x) of every token-expert pair [T·k, H] (pair p: token p // k, its (p % k)-th expert)
     with quantized stacked experts; gate/up/down: (raw, qtype).
 
-    Few pairs read only the chosen experts' blocks: x is quantized once, gate and up of every pair come
-    from one launch when their types read activations in the same order, then the down projection; from
+    Few pairs read only the chosen experts' blocks (`_swiglu_pairs`: x quantized once, gate and up of every
+    pair in one launch when their types read activations in the same order, then the down projection); from
     MOE_BLOCKS pairs each expert is read once for up to four of its pairs (`_pairs_in_blocks`); many
     pairs dequantize the stacks into scratch and run the dense path (grouped GEMMs).
     """
@@ -45,23 +47,11 @@ def moe_expert_pairs_quant(x: torch.Tensor, experts: torch.Tensor, gate: tuple, 
         h = F.silu(_expert_linear_ref(xs, flat, *gate, inter)) * _expert_linear_ref(xs, flat, *up, inter)
         return _expert_linear_ref(h, flat, *down, hidden)
     if t * top_k <= MOE_PAIRS:
-        from hf2q.kernels.quant.int8_rows import blocked_for, quantize_rows
-
         if _in_blocks(t * top_k, gate[1], up[1], down[1]):
             return _pairs_in_blocks(x, experts, gate, up, down)
         from hf2q.kernels.quant.dp4a_triton import matvec
 
-        flat = flat.to(torch.int32)
-        xs = quantize_rows(x, blocked=blocked_for(gate[1]))
-        if blocked_for(gate[1]) == blocked_for(up[1]):  # one launch, also for two types
-            gu = matvec(xs, gate[0], gate[1], inter, flat, out_dtype=x.dtype, second=(up[0], inter, up[1]),
-                        rows_per_x=top_k)
-            h = activation_ops.silu_mul(gu[:, :inter], gu[:, inter:], int8_for=down[1])
-        else:
-            h = activation_ops.silu_mul(matvec(xs, *gate, inter, flat, out_dtype=x.dtype, rows_per_x=top_k),
-                                        matvec(quantize_rows(x, blocked=blocked_for(up[1])), *up, inter, flat,
-                                               out_dtype=x.dtype, rows_per_x=top_k), int8_for=down[1])
-        return matvec(quantize_rows(h, blocked=blocked_for(down[1])), *down, hidden, flat, out_dtype=x.dtype)
+        return _swiglu_pairs(x, top_k, gate, up, down, functools.partial(matvec, experts=flat.to(torch.int32)))
     stacks = []
     for slot, (raw, qtype), shape in (("gate_exps", gate, (n_exp, inter, hidden)), ("up_exps", up, (n_exp, inter, hidden)),
                                       ("down_exps", down, (n_exp, hidden, inter))):
@@ -84,14 +74,27 @@ def _pairs_in_blocks(x: torch.Tensor, experts: torch.Tensor, gate: tuple, up: tu
     launch and the down launch."""
     from hf2q.kernels.moe.blocks_triton import expert_blocks
     from hf2q.kernels.quant.dp4a_experts_triton import BM, experts_matvec
-    from hf2q.kernels.quant.int8_rows import blocked_for, quantize_rows
 
     t, top_k = experts.shape
-    pairs, inter, hidden = t * top_k, gate[0].shape[1], x.shape[1]
     slots, blocks = expert_blocks(experts, gate[0].shape[0], BM)
+    product = functools.partial(experts_matvec, slots=slots, block_experts=blocks, pairs=t * top_k)
+    return _swiglu_pairs(x, top_k, gate, up, down, product)
+
+
+def _swiglu_pairs(x: torch.Tensor, top_k: int, gate: tuple, up: tuple, down: tuple, product) -> torch.Tensor:
+    """The pairs' SwiGLU experts through `product(xs, raw, qtype, n, out_dtype=, second=, rows_per_x=)`, one pair
+    layout's int8 mat-vec: x quantized once, gate and up in one launch when their types read activations in the
+    same order (also for two types; else one launch each), the SwiGLU writing the down projection's int8 rows,
+    then the down projection."""
+    from hf2q.kernels.quant.int8_rows import blocked_for, quantize_rows
+
+    hidden, inter = x.shape[1], gate[0].shape[1]
     xs = quantize_rows(x, blocked=blocked_for(gate[1]))
-    gu = experts_matvec(xs, gate[0], gate[1], inter, slots, blocks, pairs, out_dtype=x.dtype,
-                        second=(up[0], inter, up[1]), rows_per_x=top_k)
-    h = activation_ops.silu_mul(gu[:, :inter], gu[:, inter:], int8_for=down[1])
-    return experts_matvec(quantize_rows(h, blocked=blocked_for(down[1])), down[0], down[1], hidden, slots, blocks,
-                          pairs, out_dtype=x.dtype)
+    if blocked_for(gate[1]) == blocked_for(up[1]):
+        gu = product(xs, *gate, inter, out_dtype=x.dtype, second=(up[0], inter, up[1]), rows_per_x=top_k)
+        h = activation_ops.silu_mul(gu[:, :inter], gu[:, inter:], int8_for=down[1])
+    else:
+        h = activation_ops.silu_mul(product(xs, *gate, inter, out_dtype=x.dtype, rows_per_x=top_k),
+                                    product(quantize_rows(x, blocked=blocked_for(up[1])), *up, inter,
+                                            out_dtype=x.dtype, rows_per_x=top_k), int8_for=down[1])
+    return product(quantize_rows(h, blocked=blocked_for(down[1])), *down, hidden, out_dtype=x.dtype)
