@@ -98,6 +98,7 @@ def main(argv=None) -> None:
                  f"bf16 weights {tot['bf']:.1f} ms)")
     print(line, flush=True)
 
+
 def moe_pairs(token_counts: list[int], experts: int = 256, top_k: int = 8, hidden: int = 2048, inter: int = 512,
               seed: int = 0) -> None:
     """The expert pairs of one 35B-A3B MoE layer (Q4_K gate and up; Q4_K, then Q6_K down, as Q4_K_M gives its
