@@ -6,7 +6,10 @@ state pool (CUDA only).
 Each timing replays a CUDA graph over enough distinct state pools to overflow the L2, as a decode step
 finds each layer's recurrent state cold. Every configuration is first run on copies of the same inputs and
 checked against the default's output and new state.
+With --verify-rows, instead the step of a prefill graph or a speculative verify (gdn/verify_triton.gdn_verify_:
+each sequence several rows, walked in order) at those row counts a sequence.
 Run: python -m hf2q.bench.gdn [--shape 9b 35b-a3b] [--int8-for Q4_K] [--batch 64] [--state-dtype bfloat16]
+     [--verify-rows 4 41 127]
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import torch
 from hf2q.bench_shapes import SHAPES
 from hf2q.config import STATE_DTYPES
 from hf2q.kernels.gdn.decode_triton import DEFAULT_CONFIG as DEFAULT, gdn_conv_decode_
+from hf2q.kernels.gdn.verify_triton import gdn_verify_
 from hf2q.kernels.quant.dequant_triton import QTYPE_ID
 from hf2q.kernels.tuning.timing import describe, graph_time_us, time_configs
 
@@ -78,6 +82,28 @@ def bench_shape(shape: str, int8_for: str | None, batch: int = 1, state_dtype: t
     return times
 
 
+def bench_verify(shape: str, rows: int, batch: int = 1, state_dtype: torch.dtype = torch.float32) -> float:
+    """µs of one verify-kernel step (the columns and the conv kernel) over `batch` sequences of `rows` rows,
+    keeping nothing (a prefill graph's step; a verify of k drafts keeps k states, a small part of its time)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    one = _inputs(shape, gen, batch * rows, state_dtype)
+    c, nv = one["x"].shape[1], one["state_pool"].shape[1]
+    args = dict(x=one["x"], conv_w=one["conv_w"], conv_pool=one["conv_pool"][:batch].clone(), a_raw=one["a_raw"],
+                b_raw=one["b_raw"], A=one["A"], dt_bias=one["dt_bias"],
+                state_pool=one["state_pool"][:batch].clone(), slots=one["slots"][:batch].clone(),
+                cu_seqlens=torch.arange(0, batch * rows + 1, rows, device="cuda"), live=batch,
+                kept_conv=torch.empty(0, 3, c, device="cuda"),
+                kept_rec=torch.empty(0, nv, one["dk"], one["dk"], device="cuda", dtype=state_dtype), nk=one["nk"],
+                dk=one["dk"], eps=1e-6)
+    copies = max(2, min(64, math.ceil(256e6 / args["state_pool"].nbytes)))
+    pools = [{**args, "state_pool": args["state_pool"].clone(), "conv_pool": args["conv_pool"].clone()}
+             for _ in range(copies)]
+    us = graph_time_us(lambda a: gdn_verify_(**a), pools)
+    print(f"  {shape} DeltaNet verify step, {batch} x {rows} rows, {state_dtype} state: {us:.1f} us "
+          f"({us / rows:.2f} us a row)")
+    return us
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", nargs="+", default=["9b", "35b-a3b"], choices=sorted(SHAPES))
@@ -87,7 +113,13 @@ def main(argv=None) -> None:
     p.add_argument("--state-dtype", default="float32", choices=STATE_DTYPES)
     p.add_argument("--finish-warps", type=int, nargs="+", default=list(WARPS),
                    help="the finish kernel's warps to try (fewer: fewer kernels to compile)")
+    p.add_argument("--verify-rows", type=int, nargs="+", metavar="N",
+                   help="time the verify/prefill-graph step at N rows a sequence instead")
     args = p.parse_args(argv)
+    if args.verify_rows:
+        for shape, rows in itertools.product(args.shape, args.verify_rows):
+            bench_verify(shape, rows, args.batch, getattr(torch, args.state_dtype))
+        return
     for shape in args.shape:
         best = bench_shape(shape, args.int8_for, args.batch, getattr(torch, args.state_dtype),
                            tuple(args.finish_warps))[0][1]

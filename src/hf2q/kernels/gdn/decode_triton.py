@@ -53,10 +53,18 @@ def _conv_shift(row, conv, c, C):
 @triton.jit
 def _decay_beta(a_ptr, b_ptr, A_ptr, dtb_ptr, b, h, stride_ab, stride_bb):
     """Head h's decay exp(A · softplus(alpha + dt_bias)) and beta = sigmoid(b) for sequence b."""
-    a = tl.load(a_ptr + b * stride_ab + h).to(tl.float32) + tl.load(dtb_ptr + h).to(tl.float32)
+    alpha = tl.load(a_ptr + b * stride_ab + h).to(tl.float32)
+    beta = tl.load(b_ptr + b * stride_bb + h).to(tl.float32)
+    return _decay_beta_of(alpha, beta, tl.load(A_ptr + h).to(tl.float32), tl.load(dtb_ptr + h).to(tl.float32))
+
+
+@triton.jit
+def _decay_beta_of(alpha, b, A, dt_bias):
+    """exp(A · softplus(alpha + dt_bias)) and sigmoid(b) from the loaded values (fp32): the verify kernel loads a
+    row's ahead of its use."""
+    a = alpha + dt_bias
     softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))
-    decay = tl.exp(tl.load(A_ptr + h).to(tl.float32) * softplus)
-    return decay, tl.sigmoid(tl.load(b_ptr + b * stride_bb + h).to(tl.float32))
+    return tl.exp(A * softplus), tl.sigmoid(b)
 
 
 @triton.jit

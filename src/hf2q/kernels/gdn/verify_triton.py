@@ -11,7 +11,8 @@ Two kernels, as the decode step (gdn/decode_triton.py) is split:
 The first runs one program per (sequence, value head, part of the head's columns): each column of the
 delta rule needs only its own column of the state, so a sequence's 2 MB of 9B state is walked by 128
 programs at batch 1. It walks the sequence's rows in order, the state in registers: the causal conv +
-SiLU of the row (from the slot's conv state and the step's earlier rows), L2-normalised q/k (key head
+SiLU of the row (over a window of the last three inputs kept in registers, first the slot's conv state; the
+next row's inputs are loaded before this row's arithmetic, so a row waits on no load), L2-normalised q/k (key head
 h % n_k, the GGUF tiled order), decay and beta, the delta-rule update, the read-out; after each row but
 the last (up to `prefixes`) it writes the state into the kept buffer, after the `keep` row into the keep
 buffer (one scalar compare a row), and after the last into the pool. The arithmetic is fp32 whatever the pool
@@ -32,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf2q.kernels.gdn.decode_triton import SPLIT, _decay_beta
+from hf2q.kernels.gdn.decode_triton import SPLIT, _decay_beta_of
 from hf2q.kernels.tuning import pdl
 
 
@@ -43,17 +44,40 @@ def _mask(cond, shape):
 
 
 @triton.jit
-def _conv_row(x_ptr, conv, w_ptr, start, t, c, stride_x, C):
-    """SiLU(causal conv, width 4) of channels c at row t of the sequence whose rows start at `start`; taps
-    before its first row read the slot's conv state rows [3, C]."""
-    acc = tl.zeros(c.shape, tl.float32)
-    for i in tl.static_range(4):
-        p = t - 3 + i
-        fresh = _mask(p >= 0, c.shape)
-        new = tl.load(x_ptr + (start + p) * stride_x + c, mask=fresh, other=0.0).to(tl.float32)
-        old = tl.load(conv + (3 + p) * C + c, mask=~fresh, other=0.0).to(tl.float32)
-        acc += (new + old) * tl.load(w_ptr + c * 4 + i).to(tl.float32)
+def _taps(conv, w_ptr, c, C):
+    """Channels c's conv weights (4 taps) and the slot's conv state rows (inputs -3, -2, -1), fp32: the window
+    a sequence's first row starts from."""
+    w0 = tl.load(w_ptr + c * 4).to(tl.float32)
+    w1 = tl.load(w_ptr + c * 4 + 1).to(tl.float32)
+    w2 = tl.load(w_ptr + c * 4 + 2).to(tl.float32)
+    w3 = tl.load(w_ptr + c * 4 + 3).to(tl.float32)
+    p3 = tl.load(conv + c).to(tl.float32)
+    p2 = tl.load(conv + C + c).to(tl.float32)
+    p1 = tl.load(conv + 2 * C + c).to(tl.float32)
+    return w0, w1, w2, w3, p3, p2, p1
+
+
+@triton.jit
+def _silu_conv(p3, p2, p1, new, w0, w1, w2, w3):
+    """SiLU of the causal conv (width 4) over inputs t-3, t-2, t-1 and t, summed in that order."""
+    acc = p3 * w0
+    acc += p2 * w1
+    acc += p1 * w2
+    acc += new * w3
     return acc * tl.sigmoid(acc)
+
+
+@triton.jit
+def _row_inputs(x_ptr, a_ptr, b_ptr, row, cq, ck, cv, h, stride_x, stride_ab, stride_bb, ok):
+    """Row `row`'s q, k and v inputs (before the conv) and its raw alpha and beta, fp32; zeros where not ok
+    (past the sequence's last row)."""
+    xs = x_ptr + row * stride_x
+    xq = tl.load(xs + cq, mask=_mask(ok, cq.shape), other=0.0).to(tl.float32)
+    xk = tl.load(xs + ck, mask=_mask(ok, ck.shape), other=0.0).to(tl.float32)
+    xv = tl.load(xs + cv, mask=_mask(ok, cv.shape), other=0.0).to(tl.float32)
+    a = tl.load(a_ptr + row * stride_ab + h, mask=ok, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + row * stride_bb + h, mask=ok, other=0.0).to(tl.float32)
+    return xq, xk, xv, a, b
 
 
 @triton.jit
@@ -84,13 +108,26 @@ def _verify_columns_kernel(x_ptr, cw_ptr, conv_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr
         s = tl.load(sp).to(tl.float32)
         if KEEP:  # the row of this sequence whose state is kept (-1: none)
             keep_t = tl.where(tl.load(keep_ptr) == i, tl.load(keep_ptr + 1), -1)
+        cq, ck, cv = kh * DK + dk, NK * DK + kh * DK + dk, 2 * NK * DK + h * DV + dv
+        qw0, qw1, qw2, qw3, q3, q2, q1 = _taps(conv, cw_ptr, cq, C)
+        kw0, kw1, kw2, kw3, k3, k2, k1 = _taps(conv, cw_ptr, ck, C)
+        vw0, vw1, vw2, vw3, v3, v2, v1 = _taps(conv, cw_ptr, cv, C)
+        dt_bias = tl.load(dtb_ptr + h).to(tl.float32)
+        A = tl.load(A_ptr + h).to(tl.float32)
+        xq, xk, xv, ra, rb = _row_inputs(x_ptr, a_ptr, b_ptr, start, cq, ck, cv, h, stride_x, stride_ab, stride_bb,
+                                         n > 0)
         for t in range(0, n):
-            q = _conv_row(x_ptr, conv, cw_ptr, start, t, kh * DK + dk, stride_x, C)
-            k = _conv_row(x_ptr, conv, cw_ptr, start, t, NK * DK + kh * DK + dk, stride_x, C)
-            v = _conv_row(x_ptr, conv, cw_ptr, start, t, 2 * NK * DK + h * DV + dv, stride_x, C)
+            # the next row's inputs are loaded before this row's arithmetic, which hides their latency
+            nxq, nxk, nxv, na, nb = _row_inputs(x_ptr, a_ptr, b_ptr, start + t + 1, cq, ck, cv, h, stride_x, stride_ab,
+                                             stride_bb, t + 1 < n)
+            q = _silu_conv(q3, q2, q1, xq, qw0, qw1, qw2, qw3)
+            k = _silu_conv(k3, k2, k1, xk, kw0, kw1, kw2, kw3)
+            v = _silu_conv(v3, v2, v1, xv, vw0, vw1, vw2, vw3)
+            q3, q2, q1, k3, k2, k1, v3, v2, v1 = q2, q1, xq, k2, k1, xk, v2, v1, xv
+            decay, beta = _decay_beta_of(ra, rb, A, dt_bias)
+            xq, xk, xv, ra, rb = nxq, nxk, nxv, na, nb
             q = q * tl.rsqrt(tl.sum(q * q, 0) + eps) * scale
             k = k * tl.rsqrt(tl.sum(k * k, 0) + eps)
-            decay, beta = _decay_beta(a_ptr, b_ptr, A_ptr, dtb_ptr, start + t, h, stride_ab, stride_bb)
             s = s * decay
             delta = (v - tl.sum(s * k[:, None], 0)) * beta
             s = s + k[:, None] * delta[None, :]
