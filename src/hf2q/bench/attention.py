@@ -5,9 +5,10 @@ Each timing replays a CUDA graph over enough distinct K/V pools to overflow the 
 finds each layer's keys cold. Every configuration is checked against the served one's output first.
 --kv-format times the kernel over each pool format's stored rows (random K/V encoded by the pool's codec) and
 compares each format's fastest and served configurations with the first format's fastest, at every context and
-batch (sequences a step).
+batch (sequences a step). --rows R gives each sequence R rows, each a query at its own position (the last at the
+context), as a small prefill step replayed in a graph has them (a chat follow-up's rows over a cached history).
 Run: python -m hf2q.bench.attention [--shape 35b-a3b 9b] [--context 512 4096] [--batch 1 64]
-     [--kv-format bfloat16 fp8 tq8]
+     [--kv-format bfloat16 fp8 tq8] [--rows 41]
 """
 from __future__ import annotations
 
@@ -28,12 +29,13 @@ WARPS = (4, 8)
 BLOCK_SIZE = 16
 
 
-def bench_shape(shape: str, context: int, batch: int = 1,
-                kv_format: str = "bfloat16") -> list[tuple[float, tuple[int, int, int]]]:
+def bench_shape(shape: str, context: int, batch: int = 1, kv_format: str = "bfloat16",
+                rows: int = 1) -> list[tuple[float, tuple[int, int, int]]]:
     """(µs, (splits, block_n, warps)) of every configuration, fastest first; the served one (config_for) is
-    printed beside the best. (HF2Q_PAGED_DECODE=S,N,W makes a configuration the served one.)"""
+    printed beside the best. (HF2Q_PAGED_DECODE=S,N,W makes a configuration the served one.) rows: each
+    sequence's query rows, at positions context - rows + 1 .. context."""
     coded = kv_format in COMPRESSED_FORMATS
-    served_config = config_for(batch, coded)
+    served_config = config_for(batch * rows, coded)
     cfg, _ = SHAPES[shape]
     nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -52,22 +54,26 @@ def bench_shape(shape: str, context: int, batch: int = 1,
         return k, v, k_side, v_side
 
     pools = [stored() for _ in range(copies)]
-    q = torch.randn(batch, nh, hd, device="cuda", dtype=torch.bfloat16, generator=gen)
-    gate = torch.randn(batch, nh, hd, device="cuda", dtype=torch.bfloat16, generator=gen)
+    q = torch.randn(batch * rows, nh, hd, device="cuda", dtype=torch.bfloat16, generator=gen)
+    gate = torch.randn(batch * rows, nh, hd, device="cuda", dtype=torch.bfloat16, generator=gen)
     tables = torch.randperm(blocks, device="cuda", generator=gen).view(batch, -1).to(torch.int32)
-    lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
+    tables = tables.repeat_interleave(rows, 0)  # each row of a sequence with its table
+    lens = (context - rows + 1 + torch.arange(rows, device="cuda", dtype=torch.int32)).repeat(batch)
+    firsts = torch.arange(0, batch * rows, rows, device="cuda").repeat_interleave(rows) if rows > 1 else None
 
     def run(kv, config):
         splits, block_n, warps = config
         return paged_decode_attention(q, kv[0], kv[1], tables, lens, BLOCK_SIZE, hd ** -0.5, num_splits=splits,
                                       gate=gate, block_n=block_n, num_warps=warps,
-                                      kv_format=kv_format if coded else None, k_side=kv[2], v_side=kv[3])
+                                      kv_format=kv_format if coded else None, k_side=kv[2], v_side=kv[3],
+                                      row_firsts=firsts)
 
     want = run(pools[0], served_config).float()
     times = time_configs(itertools.product(SPLITS, BLOCK_N, WARPS),
                          lambda c: float((run(pools[0], c).float() - want).norm() / want.norm()),
                          lambda c: graph_time_us(lambda kv: run(kv, c), pools))
-    print(f"  {shape} context {context} batch {batch} K/V {kv_format} (heads {nh}/{nkv}, dim {hd}): "
+    print(f"  {shape} context {context} batch {batch}" + (f" x {rows} rows" if rows > 1 else "")
+          + f" K/V {kv_format} (heads {nh}/{nkv}, dim {hd}): "
           + describe(times, served_config, "served"))
     del pools
     torch.cuda.empty_cache()
@@ -98,16 +104,18 @@ def main(argv=None) -> None:
     p.add_argument("--batch", type=int, nargs="+", default=[1], help="sequences a step")
     p.add_argument("--kv-format", nargs="+", default=["bfloat16"], choices=("bfloat16",) + COMPRESSED_FORMATS,
                    help="the pool formats whose stored rows the kernel reads (the first is the yardstick)")
+    p.add_argument("--rows", type=int, default=1, help="query rows a sequence (a small prefill step's)")
     args = p.parse_args(argv)
-    if min(args.context) < 1 or min(args.batch) < 1:
-        p.error("--context and --batch: counts of at least 1")
+    if min(args.context) < 1 or min(args.batch) < 1 or not 1 <= args.rows <= min(args.context):
+        p.error("--context, --batch and --rows: counts of at least 1, --rows at most the context")
     for shape in args.shape:
         for context in args.context:
             for batch in args.batch:
-                times = {fmt: bench_shape(shape, context, batch, fmt) for fmt in dict.fromkeys(args.kv_format)}
+                times = {fmt: bench_shape(shape, context, batch, fmt, args.rows)
+                         for fmt in dict.fromkeys(args.kv_format)}
                 for fmt, fmt_times in times.items():  # HF2Q_PAGED_DECODE's form
                     print(f"BEST {shape} {context} {batch} {fmt} {','.join(map(str, fmt_times[0][1]))}")
-                served = {fmt: config_for(batch, fmt in COMPRESSED_FORMATS) for fmt in times}
+                served = {fmt: config_for(batch * args.rows, fmt in COMPRESSED_FORMATS) for fmt in times}
                 for line in comparison(times, served):
                     print(f"COMPARE {shape} {context} {batch} {line}")
 
