@@ -1,10 +1,10 @@
-"""Batched decode on Q4_K_M weights: the tensor-core kernel (mm_triton) in several configurations
-against the int8 tensor-core kernel (mmq_triton, HF2Q_QUANT_MM=mmq; Q8_0 and K-quants), the int8
-mat-vec and dequantize + cuBLAS, per 9B projection and row count (CUDA only); with --gemlite, also GemLite's
-weight-only int4/int8 kernels (a Triton low-bit library, carried as a wheel) on the same weights in their affine
-groups of 32 (hf2q.quant.affine_groups: Q4_K and Q4_0 as 4-bit codes, Q5_K and Q8_0 as 8-bit; Q6_K stays on the
-tile kernel in the "gemlite path" total); with --int4pack, PyTorch's own int4 weight-only CUDA kernel
-(torch._weight_int4pack_mm, "tinygemm": bf16 scale and zero a group of 32) on the 4-bit types' affine groups.
+"""Batched decode on Q4_K_M weights: the tensor-core kernel (mm_triton) in several configurations, and with its K-quant
+values made by bf16 fmas (HF2Q_QUANT_MM=packed), against the int8 tensor-core kernel (mmq_triton, HF2Q_QUANT_MM=mmq;
+Q8_0 and K-quants), the int8 mat-vec and dequantize + cuBLAS, per 9B projection and row count (CUDA only); with
+--gemlite, also GemLite's weight-only int4/int8 kernels (a Triton low-bit library, carried as a wheel) on the same
+weights in their affine groups of 32 (hf2q.quant.affine_groups: Q4_K and Q4_0 as 4-bit codes, Q5_K and Q8_0 as 8-bit;
+Q6_K stays on the tile kernel in the "gemlite path" total); with --int4pack, PyTorch's own int4 weight-only CUDA
+kernel (torch._weight_int4pack_mm, "tinygemm": bf16 scale and zero a group of 32) on the 4-bit types' affine groups.
 
     python tools/quant_mm_sweep.py [--rows 8 16 32 64] [--gemlite] [--int4pack]
 
@@ -138,6 +138,13 @@ def main() -> None:
                             f"{_rel(mmq.quant_mmq(rows8, raw, qtype, n), ref):.1e} tile "
                             f"{_rel(mm.quant_mm(x, raw, qtype, n), ref):.1e}")
             first_rows.setdefault("tile", []).append(mm.quant_mm(x, raw, qtype, n)[0].clone())
+            packed_note = ""
+            if qtype in mm.PACKED_TYPES:  # HF2Q_QUANT_MM=packed: each value one bf16 fma
+                row["packed"] = _us(lambda w: mm.quant_mm(x, w, qtype, n, packed=True), copies)
+                once = mm.quant_mm(x, raw, qtype, n, packed=True)
+                first_rows.setdefault("packed", []).append(once[0].clone())
+                packed_note = f", packed {row['packed']:8.1f} (error {_rel(once, ref):.1e})"
+            row["packed path"] = row.get("packed", row["default"])
             gl_note = ""
             if gl is not None:
                 first_rows.setdefault("gemlite", []).append(gl[0](x.to(gl_dtype))[0].clone())
@@ -159,7 +166,8 @@ def main() -> None:
             best = min((v, c) for c, v in row.items() if isinstance(c, tuple))
             print(f"{name:12} {qtype} {n}x{k} m={m:3}: default {row['default']:8.1f} us, best {best[0]:8.1f} "
                   f"{best[1]}, dequant+cublas {row['dequant+cublas']:8.1f}" + mmq_note
-                  + (f", int8 mat-vec {row['int8 mat-vec']:8.1f}" if "int8 mat-vec" in row else "") + gl_note,
+                  + (f", int8 mat-vec {row['int8 mat-vec']:8.1f}" if "int8 mat-vec" in row else "") + packed_note
+                  + gl_note,
                   flush=True)
             for c, v in row.items():
                 totals[(m, c)] = totals.get((m, c), 0.0) + v * times
@@ -177,7 +185,8 @@ def main() -> None:
         per = {c: v for (mm_, c), v in totals.items() if mm_ == m}
         best = sum(best_of[(m, name)] for name in names)
         print(f"9B step, m={m}: default {per['default'] / 1e3:.3f} ms; best configuration per projection {best / 1e3:.3f} ms; dequant+cublas {per['dequant+cublas'] / 1e3:.3f} ms; HF2Q_QUANT_MM=mmq "
-              f"{per['mmq path'] / 1e3:.3f} ms (with quantization {per['mmq+quantize path'] / 1e3:.3f} ms)"
+              f"{per['mmq path'] / 1e3:.3f} ms (with quantization {per['mmq+quantize path'] / 1e3:.3f} ms); "
+              f"HF2Q_QUANT_MM=packed {per['packed path'] / 1e3:.3f} ms"
               + (f"; int8 mat-vec {per['int8 mat-vec'] / 1e3:.3f} ms" if "int8 mat-vec" in per else "")
               + (f"; gemlite path {per['gemlite path'] / 1e3:.3f} ms" if args.gemlite else "")
               + (f"; int4pack path {per['int4pack path'] / 1e3:.3f} ms" if args.int4pack else ""), flush=True)

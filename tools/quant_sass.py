@@ -3,14 +3,14 @@ with Triton's bundled ptxas, its main loop (the longest backward branch) counted
 the count turned into instructions per weight value (loop instructions x threads / weight values a loop
 trip reads), with ptxas' registers and spills.
 
-    python tools/quant_sass.py [--types Q4_K Q6_K] [--rows 16 64] [--kernels tile mmq] [--launch]
+    python tools/quant_sass.py [--types Q4_K Q6_K] [--rows 16 64] [--kernels tile packed mmq] [--launch]
 
-Compares the bf16 tile kernel (mm_triton) with the int8 tensor-core kernel (mmq_triton) in the
-configurations each takes for that many activation rows (sizes marked as multiples of 16, as the
-launcher finds the 9B shapes). --launch also marks the activations' row stride a multiple of 16, as a
-real launch specialises it (the address arithmetic, and so the count, differ). ptxas' warnings (such as
-C7515, a serialized wgmma) and the loop's tensor-core instructions are printed too: the tile kernel is
-meant to keep mma.sync (HMMA).
+Compares the bf16 tile kernel (mm_triton; "packed": its K-quant values by bf16 fmas, HF2Q_QUANT_MM=packed) with the
+int8 tensor-core kernel (mmq_triton) in the configurations each takes for that many activation rows (sizes marked as
+multiples of 16, as the launcher finds the 9B shapes). --launch also marks the activations' row stride a multiple of
+16, as a real launch specialises it (the address arithmetic, and so the count, differ). ptxas' warnings (such as
+C7515, a serialized wgmma) and the loop's tensor-core instructions are printed too: the tile kernel is meant to keep
+mma.sync (HMMA).
 """
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--types", nargs="+", default=list(mmq.TYPES), choices=list(mmq.TYPES))
     p.add_argument("--rows", type=int, nargs="+", default=[16, 64])
-    p.add_argument("--kernels", nargs="+", default=["tile", "mmq"], choices=["tile", "mmq"])
+    p.add_argument("--kernels", nargs="+", default=["tile", "packed", "mmq"], choices=["tile", "packed", "mmq"])
     p.add_argument("--launch", action="store_true", help="also mark x_stride a multiple of 16, as launches do")
     args = p.parse_args()
     sizes = SIZES + ("x_stride",) if args.launch else SIZES
@@ -89,9 +89,10 @@ def main() -> None:
         for m in args.rows:
             c = mm.chunks(m)
             block_n, warps, _ = mm.config(4096, 4096)
-            cases = [("tile", mm._quant_mm_kernel, tile_sig, dict(QTYPE=mm.QTYPE_ID[qtype], CHUNKS=c,
-                                                                  BLOCK_N=block_n, IEEE=False, EVEN_K=True),
-                      warps, block_n)]
+            tile = dict(QTYPE=mm.QTYPE_ID[qtype], CHUNKS=c, BLOCK_N=block_n, IEEE=False, EVEN_K=True, EMULATE=False)
+            cases = [("tile", mm._quant_mm_kernel, tile_sig, dict(tile, PACKED=False), warps, block_n)]
+            if qtype in mm.PACKED_TYPES:
+                cases.append(("packed", mm._quant_mm_kernel, tile_sig, dict(tile, PACKED=True), warps, block_n))
             block_n, warps, _ = mmq.config(4096, 4096, m)
             cases.append(("mmq", mmq._mmq_kernel, mmq_sig, dict(QTYPE=mmq.QTYPE_ID[qtype], CHUNKS=c, BLOCK_N=block_n,
                                                                 EMULATE=False), warps, block_n))
@@ -101,7 +102,7 @@ def main() -> None:
                 per_value, info, ops = measure(fn, sig, const, warps, block_n, sizes)
                 top = ", ".join(f"{op} {n}" for op, n in ops.most_common(8))
                 mma = ", ".join(f"{op} {n}" for op, n in sorted(ops.items()) if "MMA" in op or "GMMA" in op)
-                print(f"{qtype} {m:2} rows {name:4} (BLOCK_N {block_n}, {warps} warps): {per_value:5.2f} instructions "
+                print(f"{qtype} {m:2} rows {name:6} (BLOCK_N {block_n}, {warps} warps): {per_value:5.2f} instructions "
                       f"a weight value; {info}; loop: {top}; tensor cores: {mma}", flush=True)
 
 

@@ -35,9 +35,11 @@ PAGED_DECODE = Variable("HF2Q_PAGED_DECODE", None, "S,N,W (powers of two, N >= 1
                         "attention kernel's splits, keys a step and warps at every batch size and K/V format; "
                         "unset: 32,64,8 for one sequence, 4,32,4 for 8 or more (4,64,4 over a compressed pool; "
                         "16, 8 splits for 2, 4) (read at import)")
-QUANT_MM = Variable("HF2Q_QUANT_MM", "tile", "tile or mmq", "which kernel multiplies 5-64 rows by Q8_0, "
-                    "Q4_K, Q5_K and Q6_K weights: the bf16 tile kernel, or int8 tensor-core dots on int8-quantized "
-                    "activations (llama.cpp's MMQ; the int8 mat-vec's numerics) (read at import)")
+QUANT_MM = Variable("HF2Q_QUANT_MM", "tile", "tile, packed or mmq", "which kernel multiplies 5-64 rows by Q8_0, "
+                    "Q4_K, Q5_K and Q6_K weights: the bf16 tile kernel; the same with bf16 activations making each "
+                    "K-quant value by one bf16 fma (scale and min rounded to bf16, fewer instructions); or int8 "
+                    "tensor-core dots on int8-quantized activations (llama.cpp's MMQ; the int8 mat-vec's numerics) "
+                    "(read at import)")
 TUNE_CACHE = Variable("HF2Q_TUNE_CACHE", None, "a file path, or empty", "where the timed mat-vec choices are kept "
                       "across starts; unset: hf2q/matvec_configs.json under the cache directory; empty: nowhere")
 XDG_CACHE_HOME = Variable("XDG_CACHE_HOME", None, "a directory", "the cache directory (unset: ~/.cache) for the "
@@ -101,10 +103,10 @@ def gemv_rows() -> str | int:
 
 
 def quant_mm() -> str:
-    """HF2Q_QUANT_MM: "tile" or "mmq", the kernel for 5-64 rows of Q8_0, Q4_K, Q5_K and Q6_K weights."""
+    """HF2Q_QUANT_MM: "tile", "packed" or "mmq", the kernel for 5-64 rows of Q8_0, Q4_K, Q5_K and Q6_K weights."""
     setting = QUANT_MM.raw() or QUANT_MM.default
-    if setting not in ("tile", "mmq"):
-        raise ValueError(f"HF2Q_QUANT_MM must be tile or mmq, not {setting!r}")
+    if setting not in ("tile", "packed", "mmq"):
+        raise ValueError(f"HF2Q_QUANT_MM must be tile, packed or mmq, not {setting!r}")
     return setting
 
 

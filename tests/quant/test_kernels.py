@@ -203,6 +203,51 @@ def test_quant_mm(qtype):
     assert config(n, k)[2] == 3  # few rows, long K: split
 
 
+def _packed_weights(raw, qtype, n, k):
+    """(weights, bound) as HF2Q_QUANT_MM=packed makes them from ggml-order blocks: each value bf16(q * bf16(a) +
+    bf16(c)), one rounding (exact in float64 before it), for the group's scale a and offset c (Q4_K/Q5_K: the
+    affine groups of 32; Q6_K: d * sc a group of 16, q - 32, no offset), and the stated bound on each value's
+    distance from the exact weight: 2^-8 (2 + 2^-8) (|q a| + |c|)."""
+    import numpy as np
+
+    from hf2q.quant import affine_groups
+
+    if qtype == "Q6_K":
+        w = dequantize_ref(raw, qtype, (n, k)).double()
+        blocks = raw.numpy().reshape(-1, 210)  # ql 128, qh 64, 16 int8 scales, f16 d
+        d = blocks[:, 208:210].copy().view(np.float16).astype(np.float64)
+        a = torch.from_numpy(d * blocks[:, 192:208].view(np.int8)).reshape(n, k // 16).repeat_interleave(16, 1)
+        q, c = torch.where(a != 0, w / a, 0.0).round(), torch.zeros_like(a)
+    else:
+        codes, scale, offset = affine_groups(raw, qtype, (n, k))
+        q = codes.double()
+        a, c = (v.double().repeat_interleave(32, 1) for v in (scale, offset))
+    rounded = lambda v: v.float().bfloat16().double()  # noqa: E731
+    weights = rounded(q * rounded(a) + rounded(c))
+    return weights, 2.0 ** -8 * (2 + 2.0 ** -8) * ((q * a).abs() + c.abs())
+
+
+@kernels
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
+def test_quant_mm_packed(qtype):
+    """HF2Q_QUANT_MM=packed: the tile kernel's K-quant values each one bf16 fma of the exact quant with the
+    group's scale and min rounded to bf16. Its products are those of exactly those weights (fp32 sums), which
+    lie within the stated bound of the exact ones, and each row's result is the same bitwise at any batch."""
+    from hf2q.kernels.quant.mm_triton import quant_mm
+
+    n, k = 37, 768
+    raw = random_blocks(qtype, n, k, seed=5)
+    wp, bound = _packed_weights(raw, qtype, n, k)
+    assert ((wp - dequantize_ref(raw, qtype, (n, k)).double()).abs() <= bound).all()
+    dtype = torch.bfloat16 if CUDA else torch.float32  # the interpreter's bf16 arithmetic is wrong
+    x = torch.randn(64, k, generator=torch.Generator().manual_seed(7)).to(DEV, dtype)
+    blocks = kernel_blocks(raw, qtype)
+    full = quant_mm(x, blocks, qtype, n, packed=True)
+    assert rel(full, x.double().cpu() @ wp.T) < (1e-5 if dtype == torch.float32 else 4e-3)
+    for m in (1, 17):
+        assert torch.equal(quant_mm(x[:m].clone(), blocks, qtype, n, packed=True), full[:m]), m
+
+
 def _gemv_cases():
     """Every candidate on the device, and the shared-rows ones of 2-4 rows; under the interpreter (slow) the
     extreme tile sizes."""
@@ -493,18 +538,21 @@ def test_dequantize_compiles_for_hopper(qtype):
         assert min(sizes) == 4, sizes
 
 
-@pytest.mark.parametrize("qtype,chunks", [(q, 4) for q in QUANT_TYPES] + [("Q4_K", 1)])
-def test_quant_mm_compiles_for_hopper(qtype, chunks):
+@pytest.mark.parametrize("qtype,chunks,packed", [(q, 4, False) for q in QUANT_TYPES]
+                         + [("Q4_K", 1, False), ("Q4_K", 1, True), ("Q6_K", 4, True)])
+def test_quant_mm_compiles_for_hopper(qtype, chunks, packed):
     """The batched-decode kernel compiles to sm_90 machine code with tensor-core dots (mma), and makes the
     K-quants' fields floats without int-to-float conversions (an eighth of a float add's rate on Hopper): none for
-    Q4_K and Q5_K, only Q6_K's signed scales (8 a tile), where the values and scales took 80 and 40."""
+    Q4_K and Q5_K, only Q6_K's signed scales (8 a tile), where the values and scales took 80 and 40. Packed, the
+    values are made by fmas on bf16 pairs."""
     from hf2q.kernels.quant import mm_triton as mm
 
     sig = {"x_ptr": "*bf16", "w8": "*u8", "w16": "*fp16", "w32": "*i32", "out_ptr": "*fp32", "M": "i32", "N": "i32",
            "K": "i32", "x_stride": "i32", "row_stride": "i32", "nblk": "i32", "tiles_per_split": "i32",
            "n_tiles": "i32"}
-    const = dict(QTYPE=mm.QTYPE_ID[qtype], CHUNKS=chunks, BLOCK_N=32, IEEE=False, EVEN_K=True)
+    const = dict(QTYPE=mm.QTYPE_ID[qtype], CHUNKS=chunks, BLOCK_N=32, IEEE=False, EVEN_K=True, PACKED=packed)
     ptx = compile_for_hopper(mm._quant_mm_kernel, sig, const, 8)
     assert "mma" in ptx
+    assert (re.search(r"(fma\.rn|mul)\.bf16x2", ptx) is not None) == packed
     conversions = len(re.findall(r"cvt\.rn\.f32\.[us](?:8|16|32)\b", ptx))
     assert conversions == {"Q4_K": 0, "Q5_K": 0, "Q6_K": 8}.get(qtype, conversions), conversions

@@ -84,7 +84,7 @@ def test_mmq_matches_the_int8_matvec_and_ignores_the_batch(target_of, qtype):
 def test_quant_linear_takes_mmq_behind_its_switch(dev, monkeypatch):
     """HF2Q_QUANT_MM=mmq sends 5-64 rows of the weight types mmq_triton reads to it (and has the kernels
     that produce its inputs write their int8 rows) and leaves the others (Q4_0) on the tile kernel;
-    the default (tile) leaves them all there."""
+    the default (tile) leaves them all there; packed gives the K-quants the tile kernel's bf16 fmas."""
     from hf2q import envs
     from hf2q.kernels.quant import ops
     from hf2q.kernels.quant.mm_triton import quant_mm
@@ -93,19 +93,21 @@ def test_quant_linear_takes_mmq_behind_its_switch(dev, monkeypatch):
     assert ops.QUANT_MM == "tile" and envs.QUANT_MM.default == "tile"
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(1)).to(dev)
     kept = {q: kernel_blocks(random_blocks(q, 3, 256), q).to(dev) for q in ("Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q4_0")}
-    for mode in ("tile", "mmq"):
+    for mode in ("tile", "packed", "mmq"):  # mmq last: the int8 readers below are its
         monkeypatch.setattr(ops, "QUANT_MM", mode)
         for qtype, raw in kept.items():
             mmq = mode == "mmq" and qtype != "Q4_0"
-            want = quant_mmq(x, raw, qtype, 3) if mmq else quant_mm(x, raw, qtype, 3)
+            want = quant_mmq(x, raw, qtype, 3) if mmq else quant_mm(x, raw, qtype, 3, packed=mode == "packed")
             assert torch.equal(ops.quant_linear(x, raw, qtype, 3), want), (mode, qtype)
+            if mode == "packed":  # the K-quants' values rounded to bf16 differ; Q8_0 and Q4_0 keep the tile kernel's
+                assert torch.equal(want, quant_mm(x, raw, qtype, 3)) == (qtype in ("Q8_0", "Q4_0")), qtype
     rows40 = torch.zeros(40, 256).to(dev)  # producers write int8 rows for mmq's types, not the tile kernel's
     assert [ops.int8_reader(rows40, q) for q in ("Q4_K", "Q4_0")] == ["Q4_K", None]
     assert ops.int8_reader(torch.zeros(65, 256).to(dev), "Q4_K") is None
     monkeypatch.setattr(ops, "QUANT_MM", "tile")
     assert ops.int8_reader(rows40, "Q4_K") is None and ops.int8_reader(rows40[:4], "Q5_K") == "Q5_K"
     monkeypatch.setenv("HF2Q_QUANT_MM", "int8")
-    with pytest.raises(ValueError, match="HF2Q_QUANT_MM must be tile or mmq"):
+    with pytest.raises(ValueError, match="HF2Q_QUANT_MM must be tile, packed or mmq"):
         envs.quant_mm()
 
 

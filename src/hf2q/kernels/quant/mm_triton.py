@@ -13,6 +13,11 @@ on tensor cores against the matching 32 columns of the activations. So the step 
 quantized bytes however many rows share it (the Marlin approach, on the blocks in the layout the other
 kernels read).
 
+With `packed` (HF2Q_QUANT_MM=packed, K-quants) a group's values are made in bf16 pairs instead: each quant put
+under the bits of 128.0 (exact), less 128, times the group's scale plus its min, both rounded to bf16 first, in
+one bf16 fma. A third to a half fewer instructions a value (tools/quant_sass.py), for a value within
+2^-8 (2 + 2^-8) (|q scale| + |min|) of the exact weight instead of half a bf16 unit of it.
+
 Every 16 activation rows are their own dot with their own accumulator, and K is split over programs by
 the weight's shape alone, with fp32 partial sums added in a fixed order: a row's result depends on the
 weight and the configuration, never on the other rows of the batch.
@@ -23,10 +28,13 @@ import torch
 import triton
 import triton.language as tl
 
+from hf2q import envs
 from hf2q.kernels.quant.dequant_triton import QTYPE_ID, _geometry, check_layout
 from hf2q.kernels.quant.fields_triton import f16_bits, small_float
 
 PROGRAMS = 264  # about two programs per SM of the largest cards: split K until the grid has this many
+_INTERPRETED = envs.triton_interpret()  # the interpreter's bf16 arithmetic is wrong: `_packed` emulates it
+PACKED_TYPES = ("Q4_K", "Q5_K", "Q6_K")  # quants of at most 7 bits: exact under the bits of bf16's 128.0
 
 
 @triton.jit
@@ -43,6 +51,38 @@ def _scaled_bytes(words, shift, mask, a, b):
     v2 = small_float(hi & (mask << shift)) * (a * (1.0 / (1 << shift))) + b
     v3 = small_float(hi & (mask << (8 + shift))) * (a * (1.0 / (1 << (8 + shift)))) + b
     return tl.interleave(tl.interleave(v0, v2), tl.interleave(v1, v3))
+
+
+@triton.jit
+def _packed(words, shift: tl.constexpr, mask: tl.constexpr, offset: tl.constexpr, a, b, EMULATE: tl.constexpr):
+    """bf16 [BN, 32] of fma(field - offset, a, b) for field = (byte >> shift) & mask (mask < 128) of the 32 bytes
+    in words [BN, 8], in byte order; a and b (fp32, broadcast to [BN, 32]; b None: 0) rounded to bf16 first. Each
+    field goes under the bits of 128.0 (0x4300, whose last place is 1), two a 32-bit word (bytes 0 and 2, then 1
+    and 3): the values are exact with one shift and one LOP3 a pair, and the arithmetic is on bf16 pairs. EMULATE
+    (Triton's interpreter, whose bf16 arithmetic is wrong): the same in fp32, rounded to bf16 after the fma."""
+    u = words.to(tl.uint32, bitcast=True)
+    m: tl.constexpr = (mask << 16) | mask
+    even = ((u >> shift) & m) | 0x43004300
+    odd = ((u >> (shift + 8)) & m) | 0x43004300
+    v0 = (even & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    v2 = (even >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    v1 = (odd & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    v3 = (odd >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    v = tl.interleave(tl.interleave(v0, v2), tl.interleave(v1, v3))  # 128 + field
+    if EMULATE:
+        q = v.to(tl.float32) - (128.0 + offset)
+        w = q * _bf16_rounded(a) if b is None else tl.fma(q, _bf16_rounded(a), _bf16_rounded(b))
+        return _bf16_rounded(w).to(tl.bfloat16)
+    q = v - (128.0 + offset)  # exact
+    return q * a.to(tl.bfloat16) if b is None else tl.fma(q, a.to(tl.bfloat16), b.to(tl.bfloat16))
+
+
+@triton.jit
+def _bf16_rounded(x):
+    """fp32 x rounded to the nearest bf16 (ties to even), as fp32: the interpreter's own conversion truncates."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -81,9 +121,11 @@ def _scale_min(h1, h2, h3, s: tl.constexpr):
 
 
 @triton.jit
-def _kquant45_group(w32, row_q, t, nblk, G: tl.constexpr, QTYPE: tl.constexpr):
+def _kquant45_group(w32, row_q, t, nblk, G: tl.constexpr, QTYPE: tl.constexpr, PACKED: tl.constexpr = False,
+                    EMULATE: tl.constexpr = False):
     """fp32 values [BN, 32] of sub-block G of Q4_K/Q5_K block t: value 64g + 32h + l (G = 2g + h) is nibble h
-    of nibble byte 32g + l, plus (Q5_K) bit G of fifth-bit byte l as 16; times d * scale, minus dmin * min."""
+    of nibble byte 32g + l, plus (Q5_K) bit G of fifth-bit byte l as 16; times d * scale, minus dmin * min.
+    PACKED: bf16 values, each one fma of the exact quant with d * scale and -dmin * min rounded to bf16."""
     QS: tl.constexpr = 4 if QTYPE == 2 else 12  # first word of the nibbles (after the header, Q5_K's fifth bits)
     header = w32 + (row_q + t) * 4  # quad 0 of block t: f16 d and dmin, then the 12 scale bytes
     h0 = tl.load(header)
@@ -93,15 +135,20 @@ def _kquant45_group(w32, row_q, t, nblk, G: tl.constexpr, QTYPE: tl.constexpr):
     sc, mn = _scale_min(h1, h2, h3, G)
     a, b = (f16_bits(h0) * sc)[:, None], -(f16_bits(h0 >> 16) * mn)[:, None]
     q = _block_words(w32, row_q, QS + 8 * (G // 2), t, nblk)
-    if QTYPE == 2:
-        return _scaled_bytes(q, 4 * (G % 2), 15, a, b)
-    fifth = _block_words(w32, row_q, 4, t, nblk)  # bit G of each byte: 16 in value G
-    q = ((q >> (4 * (G % 2))) & 0x0F0F0F0F) | (((fifth >> G) << 4) & 0x10101010)
-    return _scaled_bytes(q, 0, 31, a, b)
+    SHIFT: tl.constexpr = 4 * (G % 2) if QTYPE == 2 else 0
+    MASK: tl.constexpr = 15 if QTYPE == 2 else 31
+    if QTYPE == 3:
+        fifth = _block_words(w32, row_q, 4, t, nblk)  # bit G of each byte: 16 in value G
+        q = ((q >> (4 * (G % 2))) & 0x0F0F0F0F) | (((fifth >> G) << 4) & 0x10101010)
+    if PACKED:  # one return: Triton wants every return of a function the same type
+        values = _packed(q, SHIFT, MASK, 0.0, a, b, EMULATE)
+    else:
+        values = _scaled_bytes(q, SHIFT, MASK, a, b)
+    return values
 
 
 @triton.jit
-def _q6k_group(w32, row_q, t, nblk, G: tl.constexpr):
+def _q6k_group(w32, row_q, t, nblk, G: tl.constexpr, PACKED: tl.constexpr = False, EMULATE: tl.constexpr = False):
     """fp32 values [BN, 32] of group G = 4h + j of Q6_K block t: value 128h + 32j + l has its low nibble in
     ql byte 64h + 32(j % 2) + l (shifted by 4(j // 2)), its top two bits in qh byte 32h + l (shifted by 2j),
     and scale 8h + 2j + l // 16 (signed bytes in words 48-51); d sits in the row's plane after the quads.
@@ -120,7 +167,11 @@ def _q6k_group(w32, row_q, t, nblk, G: tl.constexpr):
     sc0 = d * ((sw << (24 - 8 * B)) >> 24).to(tl.float32)  # exact: 11 by 8 bits
     sc1 = d * ((sw << (16 - 8 * B)) >> 24).to(tl.float32)
     scale = tl.where((tl.arange(0, 32) < 16)[None, :], sc0[:, None], sc1[:, None])
-    return _scaled_bytes(q, 0, 255, 1.0, -32.0) * scale  # d * sc exact, so one rounding, as of d * (sc * q)
+    if PACKED:  # q - 32 exact in bf16, times d * sc rounded to bf16: one more rounding
+        values = _packed(q, 0, 63, 32.0, scale, None, EMULATE)
+    else:  # d * sc exact, so one rounding, as of d * (sc * q)
+        values = _scaled_bytes(q, 0, 255, 1.0, -32.0) * scale
+    return values
 
 
 @triton.jit
@@ -141,12 +192,13 @@ def _q8_q4_group(w8, w16, row_base, t, nblk, G: tl.constexpr, QTYPE: tl.constexp
 
 
 @triton.jit
-def _group(w8, w16, w32, row_base, t, nblk, G: tl.constexpr, QTYPE: tl.constexpr):
-    """fp32 values [BN, 32] of weight columns 256t + 32G.. of each row."""
+def _group(w8, w16, w32, row_base, t, nblk, G: tl.constexpr, QTYPE: tl.constexpr, PACKED: tl.constexpr = False,
+           EMULATE: tl.constexpr = False):
+    """fp32 values [BN, 32] of weight columns 256t + 32G.. of each row (K-quants with PACKED: bf16)."""
     if QTYPE == 2 or QTYPE == 3:
-        return _kquant45_group(w32, row_base, t, nblk, G, QTYPE)
+        return _kquant45_group(w32, row_base, t, nblk, G, QTYPE, PACKED, EMULATE)
     elif QTYPE == 4:
-        return _q6k_group(w32, row_base, t, nblk, G)
+        return _q6k_group(w32, row_base, t, nblk, G, PACKED, EMULATE)
     else:
         return _q8_q4_group(w8, w16, row_base, t, nblk, G, QTYPE)
 
@@ -169,9 +221,10 @@ def _x_cols(ptrs, k0, K, EVEN_K: tl.constexpr):
 
 @triton.jit
 def _dot(x, w, acc, IEEE: tl.constexpr):
-    """acc + x @ w; w arrives in fp32 and is rounded to x's dtype first, as the dequantized copy would be."""
+    """acc + x @ w; w arrives in fp32 (bf16 where packed) and is rounded to x's dtype first, as the dequantized
+    copy would be."""
     if IEEE:  # fp32 activations (tests, CPU): no tf32 rounding
-        return tl.dot(x, w, acc, input_precision="ieee")
+        return tl.dot(x, w.to(x.dtype), acc, input_precision="ieee")
     return tl.dot(x, w.to(x.dtype), acc)
 
 
@@ -208,7 +261,7 @@ def program_block(N, row_stride, tiles_per_split, n_tiles, CHUNKS: tl.constexpr,
 @triton.jit(do_not_specialize=["M"])  # one build for every row count: a new count must not compile mid-serve
 def _quant_mm_kernel(x_ptr, w8, w16, w32, out_ptr, M, N, K, x_stride, row_stride, nblk, tiles_per_split,
                      n_tiles, QTYPE: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-                     EVEN_K: tl.constexpr):
+                     EVEN_K: tl.constexpr, PACKED: tl.constexpr = False, EMULATE: tl.constexpr = False):
     """A program: BLOCK_N weight rows times CHUNKS x 16 activation rows over one split of K. Each chunk of 16
     rows is its own dot with its own accumulator, so a row's sums never depend on how many rows a program
     takes."""
@@ -224,7 +277,7 @@ def _quant_mm_kernel(x_ptr, w8, w16, w32, out_ptr, M, N, K, x_stride, row_stride
     x3 = _x_ptrs(x_ptr, m0 + 48, M, x_stride)
     for t in range(first, last):
         for g in tl.static_range(8):
-            w = tl.trans(_group(w8, w16, w32, row_base, t, nblk, g, QTYPE))  # [32, BLOCK_N]
+            w = tl.trans(_group(w8, w16, w32, row_base, t, nblk, g, QTYPE, PACKED, EMULATE))  # [32, BLOCK_N]
             k0 = t * 256 + 32 * g
             acc0 = _dot(_x_cols(x0, k0, K, EVEN_K), w, acc0, IEEE)
             if CHUNKS > 1:
@@ -274,11 +327,12 @@ def sum_splits(out: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
 
 
 def quant_mm(x: torch.Tensor, raw: torch.Tensor, qtype: str, n: int, cfg: tuple[int, int, int] | None = None,
-             stages: int | None = None) -> torch.Tensor:
+             stages: int | None = None, packed: bool = False) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32) times quantized rows raw [N, row_bytes] (K-quants: interleaved int32 rows)
     -> [M, N] in x's dtype, fp32 accumulation. `stages`: Triton's software-pipeline depth (default:
     `pipeline_stages(M)`), which sets the shared memory a program takes and so how many fit on an SM
-    (tools/quant_mm_sweep.py)."""
+    (tools/quant_mm_sweep.py). `packed` (bf16 x, K-quants): each value one bf16 fma of its exact quant with
+    the group's scale and min rounded to bf16 (`packed_error_bound`), instead of fp32 arithmetic rounded once."""
     m, k = x.shape
     check_layout(raw, qtype, k)
     x = x.contiguous()
@@ -289,6 +343,7 @@ def quant_mm(x: torch.Tensor, raw: torch.Tensor, qtype: str, n: int, cfg: tuple[
     w8, w16 = flat.view(torch.uint8), flat.view(torch.float16)
     _quant_mm_kernel[grid](x, w8, w16, flat if raw.dtype == torch.int32 else w16, out, m, n, k, x.stride(0),
                            row_stride, nblk, per_split, n_tiles, QTYPE=QTYPE_ID[qtype], CHUNKS=chunks(m),
-                           BLOCK_N=block_n, IEEE=x.dtype == torch.float32, EVEN_K=k % 256 == 0, num_warps=warps,
+                           BLOCK_N=block_n, IEEE=x.dtype == torch.float32, EVEN_K=k % 256 == 0,
+                           PACKED=packed and qtype in PACKED_TYPES, EMULATE=_INTERPRETED, num_warps=warps,
                            **({"num_stages": depth} if (depth := stages or pipeline_stages(m)) else {}))
     return sum_splits(out, x.dtype)

@@ -33,7 +33,8 @@ from hf2q.quant import KQUANTS, dequantize_ref, is_interleaved, kept_row
 # --matvec).
 MATVEC_ROWS = 4
 MM_ROWS = 64  # at most this many rows go through mm_triton (one pass over the blocks for all rows)
-QUANT_MM = envs.quant_mm()  # "mmq": Q8_0 and K-quant rows up to MM_ROWS on int8 tensor cores (mmq_triton)
+# "mmq": Q8_0 and K-quant rows up to MM_ROWS on int8 tensor cores (mmq_triton); "packed": the tile kernel's bf16 fmas
+QUANT_MM = envs.quant_mm()
 MOE_PAIRS = 1024  # token-expert pairs below which reading chosen experts beats dequantizing every expert
 _SCRATCH: dict[tuple, torch.Tensor] = {}
 
@@ -116,14 +117,14 @@ def quant_linear(x: torch.Tensor, raw: torch.Tensor, qtype: str, out_features: i
 
 def _batched(x2: torch.Tensor, raw: torch.Tensor, qtype: str, n: int, key: torch.Tensor) -> torch.Tensor:
     """Up to MM_ROWS rows x2 [M, K] @ W.T: mmq_triton's int8 dots where HF2Q_QUANT_MM=mmq and it reads the
-    type, else mm_triton's bf16 tiles."""
+    type, else mm_triton's bf16 tiles (K-quant values by bf16 fmas where HF2Q_QUANT_MM=packed)."""
     if QUANT_MM == "mmq" and qtype in _mmq_types():
         from hf2q.kernels.quant.mmq_triton import quant_mmq
 
         return quant_mmq(x2, raw, qtype, n, key=key)
     from hf2q.kernels.quant.mm_triton import quant_mm
 
-    return quant_mm(x2, raw, qtype, n)
+    return quant_mm(x2, raw, qtype, n, packed=QUANT_MM == "packed")
 
 
 def quant_linear_pair(x: torch.Tensor, first: tuple, second: tuple) -> torch.Tensor | None:
