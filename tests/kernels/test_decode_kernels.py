@@ -399,17 +399,19 @@ def _verify_inputs(dev, dtype, real: bool, seed: int = 0, keep: bool = True,
                 eps=1e-6)
 
 
-@pytest.mark.parametrize("keep", [True, False], ids=["verify", "prefill"])
-def test_gdn_verify_matches_reference(env, keep):
-    """The verify kernel against its reference, mixed row counts (0..4) and padding: the read-outs (zeros on
+@pytest.mark.parametrize("keep,config", [(True, None), (False, None), (True, (8, 1))],
+                         ids=["verify", "prefill", "verify-one-warp"])
+def test_gdn_verify_matches_reference(env, keep, config):
+    """The verify kernel against its reference, mixed row counts (0..6) and padding: the read-outs (zeros on
     padding rows), every slot's recurrent and conv state after the step, and every row of the kept buffers
-    (the states after each kept position; the rest untouched)."""
+    (the states after each kept position; the rest untouched); also with another split of the columns on one
+    warp (bench.gdn's alternatives)."""
     from hf2q.kernels.gdn.verify_triton import gdn_verify_
 
     dev, dtype, real = env
     args = _verify_inputs(dev, dtype, real, keep=keep)
     ref = _on_cpu(args)
-    o = gdn_verify_(**args)
+    o = gdn_verify_(**args, config=config)
     ref_o = gdn_ops.gdn_verify_reference(**ref)
     tol = 2e-3 if real else 1e-5
     assert rel(o, ref_o) <= tol and not o[sum(VERIFY_ROWS):].any()

@@ -22,7 +22,7 @@ import torch
 from hf2q.bench_shapes import SHAPES
 from hf2q.config import STATE_DTYPES
 from hf2q.kernels.gdn.decode_triton import DEFAULT_CONFIG as DEFAULT, gdn_conv_decode_
-from hf2q.kernels.gdn.verify_triton import gdn_verify_
+from hf2q.kernels.gdn.verify_triton import COLUMNS_CONFIG, COLUMNS_CONFIGS, gdn_verify_
 from hf2q.kernels.quant.dequant_triton import QTYPE_ID
 from hf2q.kernels.tuning.timing import describe, graph_time_us, time_configs
 
@@ -84,7 +84,8 @@ def bench_shape(shape: str, int8_for: str | None, batch: int = 1, state_dtype: t
 
 def bench_verify(shape: str, rows: int, batch: int = 1, state_dtype: torch.dtype = torch.float32) -> float:
     """µs of one verify-kernel step (the columns and the conv kernel) over `batch` sequences of `rows` rows,
-    keeping nothing (a prefill graph's step; a verify of k drafts keeps k states, a small part of its time)."""
+    keeping nothing (a prefill graph's step; a verify of k drafts keeps k states, a small part of its time), at
+    the fastest of the columns kernel's configurations (each checked against the default's read-outs)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     one = _inputs(shape, gen, batch * rows, state_dtype)
     c, nv = one["x"].shape[1], one["state_pool"].shape[1]
@@ -98,10 +99,20 @@ def bench_verify(shape: str, rows: int, batch: int = 1, state_dtype: torch.dtype
     copies = max(2, min(64, math.ceil(256e6 / args["state_pool"].nbytes)))
     pools = [{**args, "state_pool": args["state_pool"].clone(), "conv_pool": args["conv_pool"].clone()}
              for _ in range(copies)]
-    us = graph_time_us(lambda a: gdn_verify_(**a), pools)
-    print(f"  {shape} DeltaNet verify step, {batch} x {rows} rows, {state_dtype} state: {us:.1f} us "
-          f"({us / rows:.2f} us a row)")
-    return us
+
+    def fresh():
+        return {**args, "state_pool": args["state_pool"].clone(), "conv_pool": args["conv_pool"].clone()}
+
+    want = gdn_verify_(**fresh(), config=COLUMNS_CONFIG)
+
+    def error_of(config):
+        return float((gdn_verify_(**fresh(), config=config) - want).norm() / want.norm())
+
+    times = time_configs(COLUMNS_CONFIGS, error_of,
+                         lambda c: graph_time_us(lambda a: gdn_verify_(**a, config=c), pools))
+    print(f"  {shape} DeltaNet verify step, {batch} x {rows} rows, {state_dtype} state (column parts, warps): "
+          + describe(times, COLUMNS_CONFIG, "default"))
+    return times[0][0]
 
 
 def main(argv=None) -> None:

@@ -189,7 +189,8 @@ def _verify_conv_kernel(x_ptr, conv_ptr, slot_ptr, cu_ptr, kept_ptr, keep_ptr, k
 def gdn_verify_(x: torch.Tensor, conv_w: torch.Tensor, conv_pool: torch.Tensor, a_raw: torch.Tensor,
                 b_raw: torch.Tensor, A: torch.Tensor, dt_bias: torch.Tensor, state_pool: torch.Tensor,
                 slots: torch.Tensor, cu_seqlens: torch.Tensor, live: int, kept_conv: torch.Tensor,
-                kept_rec: torch.Tensor, nk: int, dk: int, eps: float, keep=None) -> torch.Tensor:
+                kept_rec: torch.Tensor, nk: int, dk: int, eps: float, keep=None,
+                config: tuple[int, int] | None = None) -> torch.Tensor:
     """x [T, C]: the qkv projection before the conv, sequences' rows end to end at cu_seqlens [N + 1] (read
     on the device only); conv_w [C, 4]; conv_pool [S, 3, C] and state_pool [S, nv, dk, dv] (fp32 or bf16),
     updated in place at slots [N]; sequences i >= live are padding. kept_conv [P * live, 3, C] and kept_rec
@@ -197,7 +198,8 @@ def gdn_verify_(x: torch.Tensor, conv_w: torch.Tensor, conv_pool: torch.Tensor, 
     t < min(rows - 1, P). keep: None, or (at [2] int on the device: sequence i, row t, -1 for none; conv [3, C];
     recurrent [nv, dk, dv] in the pool's dtype) which get sequence i's states after its row t (left alone where no
     such row is in the step).
-    Returns the read-outs o [T, nv, dv] fp32 (before the gated RMSNorm)."""
+    config: (column parts a value head, warps) of the columns kernel (default COLUMNS_CONFIG; bench.gdn
+    --verify-rows times others). Returns the read-outs o [T, nv, dv] fp32 (before the gated RMSNorm)."""
     t, c = x.shape
     nv, dv = state_pool.shape[1], state_pool.shape[3]
     prefixes = kept_rec.shape[0] // live
@@ -217,12 +219,13 @@ def gdn_verify_(x: torch.Tensor, conv_w: torch.Tensor, conv_pool: torch.Tensor, 
     else:
         at, keep_conv, keep_rec = cu_seqlens, kept_conv, kept_rec  # never read
     o = torch.empty(t, nv, dv, dtype=torch.float32, device=x.device)
-    split = SPLIT if dv % SPLIT == 0 else 1
+    split, warps = config or COLUMNS_CONFIG
+    split = split if dv % split == 0 else 1
     launch = pdl.launch_options(x.device)
     _verify_columns_kernel[(slots.shape[0], nv, split)](
         x, conv_w.contiguous(), conv_pool, a_raw, b_raw, A, dt_bias, state_pool, slots, cu_seqlens, o, kept_rec, at,
         keep_rec, x.stride(0), conv_pool.stride(0), a_raw.stride(0), b_raw.stride(0), c, nk, nv, live, dk ** -0.5, eps,
-        DK=dk, DV=dv, SPLIT=split, PREFIXES=prefixes, KEEP=keep is not None, num_warps=4, **launch)
+        DK=dk, DV=dv, SPLIT=split, PREFIXES=prefixes, KEEP=keep is not None, num_warps=warps, **launch)
     _verify_conv_kernel[(live, triton.cdiv(c, CONV_BLOCK))](
         x, conv_pool, slots, cu_seqlens, kept_conv, at, keep_conv, x.stride(0), conv_pool.stride(0), c,
         PREFIXES=prefixes, BLOCK=CONV_BLOCK, KEEP=keep is not None, num_warps=4, **launch)
@@ -230,3 +233,7 @@ def gdn_verify_(x: torch.Tensor, conv_w: torch.Tensor, conv_pool: torch.Tensor, 
 
 
 CONV_BLOCK = 1024  # channels a program of the conv kernel writes (a 9B layer's 8192: 8 programs a sequence)
+# (column parts a value head, warps) of the columns kernel: a row's reductions over the key dimension cross the
+# program's warps (barriers) where it has several; bench.gdn --verify-rows times the alternatives
+COLUMNS_CONFIG = (SPLIT, 4)
+COLUMNS_CONFIGS = ((4, 4), (4, 2), (4, 1), (8, 1), (8, 2), (16, 1))
