@@ -30,10 +30,11 @@ BLOCK_SIZE = 16
 
 
 def bench_shape(shape: str, context: int, batch: int = 1, kv_format: str = "bfloat16",
-                rows: int = 1) -> list[tuple[float, tuple[int, int, int]]]:
+                rows: int = 1, configs=None) -> list[tuple[float, tuple[int, int, int]]]:
     """(µs, (splits, block_n, warps)) of every configuration, fastest first; the served one (config_for) is
     printed beside the best. (HF2Q_PAGED_DECODE=S,N,W makes a configuration the served one.) rows: each
-    sequence's query rows, at positions context - rows + 1 .. context."""
+    sequence's query rows, at positions context - rows + 1 .. context. configs: (splits, keys, warps) to time
+    (default: every product of SPLITS, BLOCK_N and WARPS)."""
     coded = kv_format in COMPRESSED_FORMATS
     served_config = config_for(batch * rows, coded)
     cfg, _ = SHAPES[shape]
@@ -69,7 +70,8 @@ def bench_shape(shape: str, context: int, batch: int = 1, kv_format: str = "bflo
                                       row_firsts=firsts)
 
     want = run(pools[0], served_config).float()
-    times = time_configs(itertools.product(SPLITS, BLOCK_N, WARPS),
+    configs = configs or list(itertools.product(SPLITS, BLOCK_N, WARPS))
+    times = time_configs(dict.fromkeys([served_config, *configs]),
                          lambda c: float((run(pools[0], c).float() - want).norm() / want.norm()),
                          lambda c: graph_time_us(lambda kv: run(kv, c), pools))
     print(f"  {shape} context {context} batch {batch}" + (f" x {rows} rows" if rows > 1 else "")
@@ -105,13 +107,15 @@ def main(argv=None) -> None:
     p.add_argument("--kv-format", nargs="+", default=["bfloat16"], choices=("bfloat16",) + COMPRESSED_FORMATS,
                    help="the pool formats whose stored rows the kernel reads (the first is the yardstick)")
     p.add_argument("--rows", type=int, default=1, help="query rows a sequence (a small prefill step's)")
+    p.add_argument("--configs", nargs="+", metavar="S,N,W", help="only these (splits, keys a step, warps)")
     args = p.parse_args(argv)
     if min(args.context) < 1 or min(args.batch) < 1 or not 1 <= args.rows <= min(args.context):
         p.error("--context, --batch and --rows: counts of at least 1, --rows at most the context")
     for shape in args.shape:
         for context in args.context:
             for batch in args.batch:
-                times = {fmt: bench_shape(shape, context, batch, fmt, args.rows)
+                configs = [tuple(int(v) for v in c.split(",")) for c in args.configs or []]
+                times = {fmt: bench_shape(shape, context, batch, fmt, args.rows, configs)
                          for fmt in dict.fromkeys(args.kv_format)}
                 for fmt, fmt_times in times.items():  # HF2Q_PAGED_DECODE's form
                     print(f"BEST {shape} {context} {batch} {fmt} {','.join(map(str, fmt_times[0][1]))}")
