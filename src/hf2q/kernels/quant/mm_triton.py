@@ -15,8 +15,9 @@ kernels read).
 
 With `packed` (HF2Q_QUANT_MM=packed, K-quants) a group's values are made in bf16 pairs instead: each quant put
 under the bits of 128.0 (exact), less 128, times the group's scale plus its min, both rounded to bf16 first, in
-one bf16 fma. A third to a half fewer instructions a value (tools/quant_sass.py), for a value within
-2^-8 (2 + 2^-8) (|q scale| + |min|) of the exact weight instead of half a bf16 unit of it.
+one bf16 fma. A third to a half fewer instructions a value (tools/quant_sass.py) but 5% less time on an H100 (a 9B
+token's projections; the kernel is not bound by its instructions), for a value within 2^-8 (2 + 2^-8)
+(|q scale| + |min|) of the exact weight instead of half a bf16 unit of it: opt-in.
 
 Every 16 activation rows are their own dot with their own accumulator, and K is split over programs by
 the weight's shape alone, with fp32 partial sums added in a fixed order: a row's result depends on the
