@@ -96,13 +96,11 @@ def bench_verify(shape: str, rows: int, batch: int = 1, state_dtype: torch.dtype
                 kept_conv=torch.empty(0, 3, c, device="cuda"),
                 kept_rec=torch.empty(0, nv, one["dk"], one["dk"], device="cuda", dtype=state_dtype), nk=one["nk"],
                 dk=one["dk"], eps=1e-6)
-    copies = max(2, min(64, math.ceil(256e6 / args["state_pool"].nbytes)))
-    pools = [{**args, "state_pool": args["state_pool"].clone(), "conv_pool": args["conv_pool"].clone()}
-             for _ in range(copies)]
 
     def fresh():
         return {**args, "state_pool": args["state_pool"].clone(), "conv_pool": args["conv_pool"].clone()}
 
+    pools = [fresh() for _ in range(max(2, min(64, math.ceil(256e6 / args["state_pool"].nbytes))))]
     want = gdn_verify_(**fresh(), config=COLUMNS_CONFIG)
 
     def error_of(config):

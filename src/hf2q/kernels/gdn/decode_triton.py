@@ -54,8 +54,8 @@ def _conv_shift(row, conv, c, C):
 def _decay_beta(a_ptr, b_ptr, A_ptr, dtb_ptr, b, h, stride_ab, stride_bb):
     """Head h's decay exp(A · softplus(alpha + dt_bias)) and beta = sigmoid(b) for sequence b."""
     alpha = tl.load(a_ptr + b * stride_ab + h).to(tl.float32)
-    beta = tl.load(b_ptr + b * stride_bb + h).to(tl.float32)
-    return _decay_beta_of(alpha, beta, tl.load(A_ptr + h).to(tl.float32), tl.load(dtb_ptr + h).to(tl.float32))
+    b_raw = tl.load(b_ptr + b * stride_bb + h).to(tl.float32)
+    return _decay_beta_of(alpha, b_raw, tl.load(A_ptr + h).to(tl.float32), tl.load(dtb_ptr + h).to(tl.float32))
 
 
 @triton.jit

@@ -34,7 +34,7 @@ from hf2q.kernels.quant.dequant_triton import QTYPE_ID, _geometry, check_layout
 from hf2q.kernels.quant.fields_triton import f16_bits, small_float
 
 PROGRAMS = 264  # about two programs per SM of the largest cards: split K until the grid has this many
-_INTERPRETED = envs.triton_interpret()  # the interpreter's bf16 arithmetic is wrong: `_packed` emulates it
+EMULATE = envs.triton_interpret()  # the interpreter's bf16 arithmetic is wrong: `_packed` emulates it
 PACKED_TYPES = ("Q4_K", "Q5_K", "Q6_K")  # quants of at most 7 bits: exact under the bits of bf16's 128.0
 
 
@@ -345,6 +345,6 @@ def quant_mm(x: torch.Tensor, raw: torch.Tensor, qtype: str, n: int, cfg: tuple[
     _quant_mm_kernel[grid](x, w8, w16, flat if raw.dtype == torch.int32 else w16, out, m, n, k, x.stride(0),
                            row_stride, nblk, per_split, n_tiles, QTYPE=QTYPE_ID[qtype], CHUNKS=chunks(m),
                            BLOCK_N=block_n, IEEE=x.dtype == torch.float32, EVEN_K=k % 256 == 0,
-                           PACKED=packed and qtype in PACKED_TYPES, EMULATE=_INTERPRETED, num_warps=warps,
+                           PACKED=packed and qtype in PACKED_TYPES, EMULATE=EMULATE, num_warps=warps,
                            **({"num_stages": depth} if (depth := stages or pipeline_stages(m)) else {}))
     return sum_splits(out, x.dtype)

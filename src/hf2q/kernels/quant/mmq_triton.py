@@ -171,7 +171,6 @@ def _chunk(acc, x_row, act_row, piece0, step, wq, scale, dx):
     return acc + (int_float(dot) * dx[:, None]) * scale[None, :]  # |dot| <= 32 * 127 * 127
 
 
-
 @triton.jit
 def _sums(acc, act_row, t, nblk, c_hi, c_lo, FIX: tl.constexpr):
     """acc + the tile's terms in Σx and Σx - dx·Σxq (_x_sums times the coefficients of _kquant_scales): one
