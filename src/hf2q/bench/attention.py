@@ -111,10 +111,15 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if min(args.context) < 1 or min(args.batch) < 1 or not 1 <= args.rows <= min(args.context):
         p.error("--context, --batch and --rows: counts of at least 1, --rows at most the context")
+    try:
+        configs = [tuple(int(v) for v in c.split(",")) for c in args.configs or []]
+    except ValueError:
+        configs = []
+    if any(len(c) != 3 or min(c) < 1 for c in configs) or len(configs) != len(args.configs or []):
+        p.error("--configs: splits,keys,warps triples of positive integers, e.g. 16,32,4")
     for shape in args.shape:
         for context in args.context:
             for batch in args.batch:
-                configs = [tuple(int(v) for v in c.split(",")) for c in args.configs or []]
                 times = {fmt: bench_shape(shape, context, batch, fmt, args.rows, configs)
                          for fmt in dict.fromkeys(args.kv_format)}
                 for fmt, fmt_times in times.items():  # HF2Q_PAGED_DECODE's form
