@@ -157,8 +157,9 @@ def test_paged_attention_with_output_gate(env, gated, one):
     assert rel(out, ref) <= max(tol, 2e-5)
 
 
-@pytest.mark.parametrize("nh,nkv", [(4, 1), (6, 2)])  # 4 rows a program; 5 (3 heads a group, 15 of 16 tile rows)
-def test_paged_attention_groups_a_sequences_rows(env, nh, nkv):
+# 16 tile rows: 4 rows a program; 5 (3 heads a group, 15 of 16 tile rows); 32: 8 and 10 rows
+@pytest.mark.parametrize("nh,nkv,tile", [(4, 1, None), (6, 2, None), (4, 1, 32), (6, 2, 32)])
+def test_paged_attention_groups_a_sequences_rows(env, nh, nkv, tile):
     """A prefill graph's rows (several of one sequence, each at its own position) taken a group a program with
     row_firsts: the reference's output for every row, with a sequence longer than a group, one shorter than a
     key step, a lone row and padding rows; splits left without keys for the shorter rows of a group."""
@@ -169,7 +170,7 @@ def test_paged_attention_groups_a_sequences_rows(env, nh, nkv):
     hd, bs, blocks = (256, 16, 64) if real else (32, 4, 16)
     rows_k = randn(blocks * bs, nkv, hd, dev=dev, dtype=dtype, gen=gen)
     rows_v = randn(blocks * bs, nkv, hd, dev=dev, dtype=dtype, gen=gen)
-    seqs = [(20, 7), (8, 1), (2, 3), (0, 1), (0, 1)]  # (cached tokens, rows); the last two: padding rows
+    seqs = [(20, 11), (8, 1), (2, 3), (0, 1), (0, 1)]  # (cached tokens, rows); the last two: padding rows
     lens, firsts, tables = [], [], []
     for cached, n in seqs:
         table = torch.randperm(blocks, generator=gen)[:blocks // 2].to(torch.int32)
@@ -181,7 +182,8 @@ def test_paged_attention_groups_a_sequences_rows(env, nh, nkv):
     gate = randn(len(lens), nh, hd, dev=dev, dtype=dtype, gen=gen)
     kernel = k["paged_attention_triton"].paged_decode_attention
     args = (q, rows_k, rows_v, tables.to(dev), lens.to(dev), bs, hd ** -0.5)
-    out = kernel(*args, gate=gate, num_splits=4, block_n=16, row_firsts=torch.tensor(firsts, device=dev))
+    out = kernel(*args, gate=gate, num_splits=4, block_n=16, row_firsts=torch.tensor(firsts, device=dev),
+                 group_tile=tile)
     alone = kernel(*args, gate=gate, num_splits=4, block_n=16)
     with torch_only():
         ref = attention_ops.paged_decode_attention(q.cpu().float(), rows_k.cpu().float(), rows_v.cpu().float(),

@@ -6,7 +6,9 @@ finds each layer's keys cold. Every configuration is checked against the served 
 --kv-format times the kernel over each pool format's stored rows (random K/V encoded by the pool's codec) and
 compares each format's fastest and served configurations with the first format's fastest, at every context and
 batch (sequences a step). --rows R gives each sequence R rows, each a query at its own position (the last at the
-context), as a small prefill step replayed in a graph has them (a chat follow-up's rows over a cached history).
+context), as a small prefill step replayed in a graph has them (a chat follow-up's rows over a cached history);
+its configurations take a fourth number, a program's tile rows (GROUPED_TILE: how many of a sequence's rows share
+a read of its keys).
 Run: python -m hf2q.bench.attention [--shape 35b-a3b 9b] [--context 512 4096] [--batch 1 64]
      [--kv-format bfloat16 fp8 tq8] [--rows 41]
 """
@@ -20,7 +22,7 @@ import torch
 
 from hf2q.bench_shapes import SHAPES
 from hf2q.cache.kv_pool import COMPRESSED_FORMATS, make_pool, row_bytes
-from hf2q.kernels.attention.paged_triton import config_for, paged_decode_attention
+from hf2q.kernels.attention.paged_triton import GROUPED_TILE, config_for, grouped_config_for, paged_decode_attention
 from hf2q.kernels.tuning.timing import describe, graph_time_us, time_configs
 
 SPLITS = (4, 8, 16, 32)
@@ -30,15 +32,16 @@ BLOCK_SIZE = 16
 
 
 def bench_shape(shape: str, context: int, batch: int = 1, kv_format: str = "bfloat16",
-                rows: int = 1, configs=None) -> list[tuple[float, tuple[int, int, int]]]:
-    """(µs, (splits, block_n, warps)) of every configuration, fastest first; the served one (config_for) is
-    printed beside the best. (HF2Q_PAGED_DECODE=S,N,W makes a configuration the served one.) rows: each
-    sequence's query rows, at positions context - rows + 1 .. context. configs: (splits, keys, warps) to time
-    (default: every product of SPLITS, BLOCK_N and WARPS)."""
+                rows: int = 1, configs=None) -> list[tuple[float, tuple[int, ...]]]:
+    """(µs, (splits, block_n, warps[, tile rows])) of every configuration, fastest first; the served one
+    (config_for, and GROUPED_TILE with rows) is printed beside the best. (HF2Q_PAGED_DECODE=S,N,W makes a
+    configuration the served one.) rows: each sequence's query rows, at positions context - rows + 1 .. context,
+    a grouped step (the configurations' fourth number its tile rows). configs: (splits, keys, warps[, tile rows])
+    to time (default: every product of SPLITS, BLOCK_N and WARPS, with the served tile)."""
     coded = kv_format in COMPRESSED_FORMATS
-    served_config = config_for(batch * rows, coded)
     cfg, _ = SHAPES[shape]
     nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    served_config = served(batch, rows, nh, nkv, coded)
     gen = torch.Generator(device="cuda").manual_seed(0)
     blocks = batch * math.ceil(context / BLOCK_SIZE)
     pool_bytes = 2 * blocks * BLOCK_SIZE * nkv * row_bytes(kv_format, hd)
@@ -63,14 +66,14 @@ def bench_shape(shape: str, context: int, batch: int = 1, kv_format: str = "bflo
     firsts = torch.arange(0, batch * rows, rows, device="cuda").repeat_interleave(rows) if rows > 1 else None
 
     def run(kv, config):
-        splits, block_n, warps = config
+        splits, block_n, warps, *tile = config
         return paged_decode_attention(q, kv[0], kv[1], tables, lens, BLOCK_SIZE, hd ** -0.5, num_splits=splits,
                                       gate=gate, block_n=block_n, num_warps=warps,
                                       kv_format=kv_format if coded else None, k_side=kv[2], v_side=kv[3],
-                                      row_firsts=firsts)
+                                      row_firsts=firsts, group_tile=tile[0] if tile else None)
 
     want = run(pools[0], served_config).float()
-    configs = configs or list(itertools.product(SPLITS, BLOCK_N, WARPS))
+    configs = configs or list(itertools.product(SPLITS, BLOCK_N, WARPS, *[[GROUPED_TILE]] * (rows > 1)))
     times = time_configs(dict.fromkeys([served_config, *configs]),
                          lambda c: float((run(pools[0], c).float() - want).norm() / want.norm()),
                          lambda c: graph_time_us(lambda kv: run(kv, c), pools))
@@ -80,6 +83,13 @@ def bench_shape(shape: str, context: int, batch: int = 1, kv_format: str = "bflo
     del pools
     torch.cuda.empty_cache()
     return times
+
+
+def served(batch: int, rows: int, nh: int, nkv: int, coded: bool) -> tuple[int, ...]:
+    """The configuration the server takes for `batch` sequences of `rows` rows (a grouped step's with its tile)."""
+    if rows == 1:
+        return config_for(batch, coded)
+    return grouped_config_for(batch * rows, nh // nkv, nkv, coded) + (GROUPED_TILE,)
 
 
 def comparison(times: dict[str, list[tuple[float, tuple[int, int, int]]]], served: dict[str, tuple[int, int, int]]
@@ -107,7 +117,8 @@ def main(argv=None) -> None:
     p.add_argument("--kv-format", nargs="+", default=["bfloat16"], choices=("bfloat16",) + COMPRESSED_FORMATS,
                    help="the pool formats whose stored rows the kernel reads (the first is the yardstick)")
     p.add_argument("--rows", type=int, default=1, help="query rows a sequence (a small prefill step's)")
-    p.add_argument("--configs", nargs="+", metavar="S,N,W", help="only these (splits, keys a step, warps)")
+    p.add_argument("--configs", nargs="+", metavar="S,N,W[,T]",
+                   help="only these (splits, keys a step, warps[, tile rows of a grouped step: with --rows])")
     args = p.parse_args(argv)
     if min(args.context) < 1 or min(args.batch) < 1 or not 1 <= args.rows <= min(args.context):
         p.error("--context, --batch and --rows: counts of at least 1, --rows at most the context")
@@ -115,8 +126,12 @@ def main(argv=None) -> None:
         configs = [tuple(int(v) for v in c.split(",")) for c in args.configs or []]
     except ValueError:
         configs = []
-    if any(len(c) != 3 or min(c) < 1 for c in configs) or len(configs) != len(args.configs or []):
-        p.error("--configs: splits,keys,warps triples of positive integers, e.g. 16,32,4")
+    sizes = (3, 4) if args.rows > 1 else (3,)
+    if any(len(c) not in sizes or min(c) < 1 for c in configs) or len(configs) != len(args.configs or []):
+        p.error("--configs: splits,keys,warps triples of positive integers, e.g. 16,32,4 (with --rows, a fourth: "
+                "the tile rows, e.g. 16,32,4,64)")
+    if args.rows > 1:  # a triple takes the served tile
+        configs = [c + (GROUPED_TILE,) * (4 - len(c)) for c in configs]
     for shape in args.shape:
         for context in args.context:
             for batch in args.batch:
@@ -124,8 +139,10 @@ def main(argv=None) -> None:
                          for fmt in dict.fromkeys(args.kv_format)}
                 for fmt, fmt_times in times.items():  # HF2Q_PAGED_DECODE's form
                     print(f"BEST {shape} {context} {batch} {fmt} {','.join(map(str, fmt_times[0][1]))}")
-                served = {fmt: config_for(batch * args.rows, fmt in COMPRESSED_FORMATS) for fmt in times}
-                for line in comparison(times, served):
+                cfg = SHAPES[shape][0]
+                served_configs = {fmt: served(batch, args.rows, cfg.num_heads, cfg.num_kv_heads, fmt in COMPRESSED_FORMATS)
+                                  for fmt in times}
+                for line in comparison(times, served_configs):
                     print(f"COMPARE {shape} {context} {batch} {line}")
 
 

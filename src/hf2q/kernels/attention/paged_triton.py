@@ -191,6 +191,14 @@ ONE_SEQUENCE = (32, 64, 8)
 BATCHED = (4, 32, 4)
 CODED_ONE_SEQUENCE = (32, 64, 8)
 CODED_BATCHED = (4, 64, 4)
+# A grouped step (row_firsts): a program's tensor-core rows, filled with the GQA groups of as many consecutive rows
+# of one sequence as they hold (bench.attention --rows times wider tiles, which read a sequence's keys fewer times:
+# on an H100, 41 rows over 8,000 keys on the 9B's heads took 80 µs with 16 rows, 91-99 with 32 or 64), and its
+# splits keep about GROUPED_PROGRAMS programs (groups of rows x KV heads x splits), as the fastest did there: 8
+# splits for those 41 rows (11 groups x 4 KV heads; 80 µs, against 134 at the batched decode's 4 and 88 at 16), and
+# for the 35B-A3B's heads (21 groups x 2; 71 µs against 129 at 4).
+GROUPED_TILE = 16
+GROUPED_PROGRAMS = 384
 
 
 def _config_setting() -> tuple[int, int, int] | None:
@@ -213,13 +221,25 @@ def config_for(batch: int, coded: bool = False) -> tuple[int, int, int]:
     return max(splits, ONE_SEQUENCE[0] >> (batch - 1).bit_length()), keys, warps  # powers of two
 
 
+def grouped_config_for(rows: int, rep: int, nkv: int, coded: bool = False) -> tuple[int, int, int]:
+    """A grouped step's (splits, keys a step, warps) over `rows` rows, taken as one sequence's (a chat follow-up's
+    rows; a step of shorter sequences has more groups and is then over-split, its partial outputs more but no key
+    read twice): splits a power of two from 4 to 32 for about GROUPED_PROGRAMS programs."""
+    if CONFIG:
+        return CONFIG
+    groups = -(-rows // max(1, GROUPED_TILE // rep))
+    wanted = max(1, GROUPED_PROGRAMS // (groups * nkv))
+    splits = min(32, max(4, 1 << (wanted.bit_length() - 1)))
+    return (splits, *(CODED_BATCHED if coded else BATCHED)[1:])
+
+
 def paged_decode_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
                            scale: float, num_splits: int | None = None, gate: Optional[torch.Tensor] = None,
                            block_n: int | None = None, num_warps: int | None = None,
                            kv_format: str | None = None, k_side: torch.Tensor | None = None,
                            v_side: torch.Tensor | None = None, row_firsts: torch.Tensor | None = None,
-                           ) -> torch.Tensor:
+                           group_tile: int | None = None) -> torch.Tensor:
     """q: [B, nh, hd]; k_rows/v_rows: [num_blocks * block_size, nkv, hd] (the flat pool), or with kv_format (fp8,
     tq8, tq6, tq5) a compressed pool's u8 payload rows and k_side/v_side its side values [.., nkv] (fp8: u8
     exponents, TurboQuant: fp32 norms);
@@ -227,15 +247,19 @@ def paged_decode_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.
     context_lens: [B] int32 (>= 1); gate: [B, nh, hd] or None; row_firsts: [B] integers, each row's sequence's
     first row (rows of one sequence consecutive, with one block table), or None: each row alone.
     Returns [B, nh, hd] in q's dtype, times sigmoid(gate) when given. num_splits, block_n (keys a
-    step) and num_warps shape the first kernel (default: config_for(B, coded); bench.attention times them)."""
+    step) and num_warps shape the first kernel (default: config_for(B, coded), grouped_config_for with row_firsts;
+    bench.attention times them); group_tile: with row_firsts, a program's tile rows (a power of two, default
+    GROUPED_TILE), filled with the GQA groups of consecutive rows of one sequence."""
     bsz, nh, hd = q.shape
     coded = VALUES if kv_format is None else FP8 if kv_format == "fp8" else TURBOQUANT
-    config = config_for(bsz, coded != VALUES)
+    nkv = k_rows.shape[1]
+    rep = nh // nkv
+    tile = max(16, triton.next_power_of_2(rep), group_tile or GROUPED_TILE)  # a grouped program's tile rows
+    grouped = row_firsts is not None and tile // rep > 1
+    config = grouped_config_for(bsz, rep, nkv, coded != VALUES) if grouped else config_for(bsz, coded != VALUES)
     num_splits = num_splits or config[0]
     block_n = block_n or config[1]
     num_warps = num_warps or config[2]
-    nkv = k_rows.shape[1]
-    rep = nh // nkv
     assert k_rows.stride(2) == 1 and q.stride(2) == 1 and k_rows.stride() == v_rows.stride()
     # a compressed pool's tiles go through the tensor cores in fp16, which holds every e4m3 value exactly (fp32 for
     # an fp32 model)
@@ -255,8 +279,8 @@ def paged_decode_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.
         k_side = v_side = k_rows  # unread
     parts = torch.empty(bsz, nh, num_splits, hd, dtype=torch.float32, device=q.device)
     lse = torch.empty(bsz, nh, num_splits, dtype=torch.float32, device=q.device)
-    rep_pad = max(16, triton.next_power_of_2(rep))
-    grouped = row_firsts is not None and rep_pad // rep > 1
+    # a decode row's group, padded to the tensor cores' 16 rows
+    rep_pad = tile if grouped else max(16, triton.next_power_of_2(rep))
     _paged_decode_kernel[(bsz, nkv, num_splits)](
         q, k_rows, v_rows, k_side, v_side, codebook, signs, block_tables, context_lens,
         row_firsts if grouped else context_lens, parts, lse, scale, bsz,
