@@ -35,6 +35,9 @@ PAGED_DECODE = Variable("HF2Q_PAGED_DECODE", None, "S,N,W (powers of two, N >= 1
                         "attention kernel's splits, keys a step and warps at every batch size and K/V format; "
                         "unset: 32,64,8 for one sequence, 4,32,4 for 8 or more (4,64,4 over a compressed pool; "
                         "16, 8 splits for 2, 4) (read at import)")
+GDN_VERIFY = Variable("HF2Q_GDN_VERIFY", None, "P,W (powers of two)", "the DeltaNet verify walk's columns kernel "
+                      "(prefill-graph, prefix-hit and speculative verify steps): column parts a value head and warps; "
+                      "unset: 4,4 (read at import)")
 QUANT_MM = Variable("HF2Q_QUANT_MM", "tile", "tile, packed or mmq", "which kernel multiplies 5-64 rows by Q8_0, "
                     "Q4_K, Q5_K and Q6_K weights: the bf16 tile kernel; the same with bf16 activations making each "
                     "K-quant value by one bf16 fma (scale and min rounded to bf16, fewer instructions); or int8 "
@@ -61,7 +64,7 @@ BURST_GRAPHS = Variable("HF2Q_BURST_GRAPHS", "1", "0 or 1", "1 replays steps of 
 MOE_BLOCKS = Variable("HF2Q_MOE_BLOCKS", "0", "a pair count (0: never)", "from how many token-expert pairs of "
                       "K-quant experts a step reads each chosen expert once for up to four of its pairs (pairs grouped "
                       "by expert) instead of once a pair; slower below 1,024 pairs on an H100, so off (read at import)")
-VARIABLES = (PDL, GEMV_TUNE, GEMV, QUANT_MM, PAGED_DECODE, TUNE_CACHE, XDG_CACHE_HOME, TRITON_INTERPRET,
+VARIABLES = (PDL, GEMV_TUNE, GEMV, QUANT_MM, PAGED_DECODE, GDN_VERIFY, TUNE_CACHE, XDG_CACHE_HOME, TRITON_INTERPRET,
              NCCL_NVLS_ENABLE, TRITON_CACHE_AUTOTUNING, STEP_TRACE, BURST_GRAPHS, MOE_BLOCKS)
 
 
@@ -131,6 +134,20 @@ def paged_decode() -> tuple[int, int, int] | None:
     if any(v < 1 or v & (v - 1) for v in (splits, block_n, warps)) or block_n < 16:
         raise ValueError(f"HF2Q_PAGED_DECODE: powers of two with N >= 16, not {setting!r}")
     return splits, block_n, warps
+
+
+def gdn_verify() -> tuple[int, int] | None:
+    """HF2Q_GDN_VERIFY: (column parts a value head, warps), or None where unset or empty."""
+    setting = GDN_VERIFY.raw()
+    if not setting:
+        return None
+    try:
+        parts, warps = (int(v) for v in setting.split(","))
+    except ValueError:
+        raise ValueError(f"HF2Q_GDN_VERIFY must be two integers P,W, not {setting!r}") from None
+    if any(v < 1 or v & (v - 1) for v in (parts, warps)):
+        raise ValueError(f"HF2Q_GDN_VERIFY: powers of two, not {setting!r}")
+    return parts, warps
 
 
 def cache_home() -> Path:

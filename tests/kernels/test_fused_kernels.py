@@ -394,3 +394,32 @@ def test_paged_decode_config_setting(monkeypatch):
         monkeypatch.setenv("HF2Q_PAGED_DECODE", bad)
         with pytest.raises(ValueError, match="HF2Q_PAGED_DECODE"):
             paged._config_setting()
+
+
+def test_grouped_step_splits(monkeypatch):
+    """A grouped step's splits keep about GROUPED_PROGRAMS programs (row groups x KV heads x splits), powers of two
+    from 4 to 32: a follow-up's 41 rows on the 9B's heads (11 groups of 4 rows, 4 KV heads) and the 35B-A3B's (21
+    of 2, 2 KV heads) take 8, 64 verifying sequences of 4 rows the batched decode's 4, a 4-row step 32."""
+    from hf2q.kernels.attention import paged_triton as paged
+
+    monkeypatch.setattr(paged, "CONFIG", None)
+    assert paged.grouped_config_for(41, rep=4, nkv=4) == (8, *paged.BATCHED[1:])
+    assert paged.grouped_config_for(41, rep=8, nkv=2)[0] == 8
+    assert paged.grouped_config_for(256, rep=4, nkv=4)[0] == 4 and paged.grouped_config_for(4, rep=4, nkv=4)[0] == 32
+    assert paged.grouped_config_for(41, rep=4, nkv=4, coded=True) == (8, *paged.CODED_BATCHED[1:])
+    monkeypatch.setattr(paged, "CONFIG", (16, 64, 4))
+    assert paged.grouped_config_for(41, rep=4, nkv=4) == (16, 64, 4)
+
+
+def test_gdn_verify_setting(monkeypatch):
+    """HF2Q_GDN_VERIFY sets the verify walk's (column parts, warps); malformed values fail loudly."""
+    from hf2q import envs
+
+    monkeypatch.delenv("HF2Q_GDN_VERIFY", raising=False)
+    assert envs.gdn_verify() is None
+    monkeypatch.setenv("HF2Q_GDN_VERIFY", "8,1")
+    assert envs.gdn_verify() == (8, 1)
+    for bad in ("8", "a,b", "6,1", "8,0"):
+        monkeypatch.setenv("HF2Q_GDN_VERIFY", bad)
+        with pytest.raises(ValueError, match="HF2Q_GDN_VERIFY"):
+            envs.gdn_verify()

@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hf2q import envs
 from hf2q.kernels.gdn.decode_triton import SPLIT, _decay_beta_of
 from hf2q.kernels.tuning import pdl
 
@@ -235,5 +236,5 @@ def gdn_verify_(x: torch.Tensor, conv_w: torch.Tensor, conv_pool: torch.Tensor, 
 CONV_BLOCK = 1024  # channels a program of the conv kernel writes (a 9B layer's 8192: 8 programs a sequence)
 # (column parts a value head, warps) of the columns kernel: a row's reductions over the key dimension cross the
 # program's warps (barriers) where it has several; bench.gdn --verify-rows times the alternatives
-COLUMNS_CONFIG = (SPLIT, 4)
+COLUMNS_CONFIG = envs.gdn_verify() or (SPLIT, 4)
 COLUMNS_CONFIGS = ((4, 4), (4, 2), (4, 1), (8, 1), (8, 2), (16, 1))
