@@ -37,7 +37,7 @@ PAGED_DECODE = Variable("HF2Q_PAGED_DECODE", None, "S,N,W (powers of two, N >= 1
                         "16, 8 splits for 2, 4) (read at import)")
 GDN_VERIFY = Variable("HF2Q_GDN_VERIFY", None, "P,W (powers of two)", "the DeltaNet verify walk's columns kernel "
                       "(prefill-graph, prefix-hit and speculative verify steps): column parts a value head and warps; "
-                      "unset: 4,4 (read at import)")
+                      "unset: 4,2 (read at import)")
 QUANT_MM = Variable("HF2Q_QUANT_MM", "tile", "tile, packed or mmq", "which kernel multiplies 5-64 rows by Q8_0, "
                     "Q4_K, Q5_K and Q6_K weights: the bf16 tile kernel; the same with bf16 activations making each "
                     "K-quant value by one bf16 fma (scale and min rounded to bf16, fewer instructions); or int8 "

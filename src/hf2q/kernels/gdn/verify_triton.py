@@ -235,6 +235,10 @@ def gdn_verify_(x: torch.Tensor, conv_w: torch.Tensor, conv_pool: torch.Tensor, 
 
 CONV_BLOCK = 1024  # channels a program of the conv kernel writes (a 9B layer's 8192: 8 programs a sequence)
 # (column parts a value head, warps) of the columns kernel: a row's reductions over the key dimension cross the
-# program's warps (barriers) where it has several; bench.gdn --verify-rows times the alternatives
-COLUMNS_CONFIG = envs.gdn_verify() or (SPLIT, 4)
+# program's warps (barriers) where it has several; bench.gdn --verify-rows times the alternatives. Two warps were
+# never slower than four on an H100 (9B heads, fp32 state; µs a step, (4, 4) -> (4, 2)): one sequence of 4 / 41 / 127
+# rows 10.2 -> 8.8 / 57.0 -> 47.0 / 169.5 -> 135.9, 4 of 41 rows 74.9 -> 69.9, 16 and 64 of 4 rows 46.1 -> 41.8 and
+# 154.3 -> 136.4. (8, 1) was fastest for few sequences (one of 41 rows: 32.6) and slowest for many (64 of 4: 195.3),
+# and a graph's kernel serves both (a prefill graph's step is a hit's rows or a prompt beside others' decode rows).
+COLUMNS_CONFIG = envs.gdn_verify() or (SPLIT, 2)
 COLUMNS_CONFIGS = ((4, 4), (4, 2), (4, 1), (8, 1), (8, 2), (16, 1))
