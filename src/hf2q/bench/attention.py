@@ -140,8 +140,8 @@ def main(argv=None) -> None:
                 for fmt, fmt_times in times.items():  # HF2Q_PAGED_DECODE's form
                     print(f"BEST {shape} {context} {batch} {fmt} {','.join(map(str, fmt_times[0][1]))}")
                 cfg = SHAPES[shape][0]
-                served_configs = {fmt: served(batch, args.rows, cfg.num_heads, cfg.num_kv_heads, fmt in COMPRESSED_FORMATS)
-                                  for fmt in times}
+                served_configs = {fmt: served(batch, args.rows, cfg.num_heads, cfg.num_kv_heads,
+                                              fmt in COMPRESSED_FORMATS) for fmt in times}
                 for line in comparison(times, served_configs):
                     print(f"COMPARE {shape} {context} {batch} {line}")
 
