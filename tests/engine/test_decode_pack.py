@@ -91,3 +91,15 @@ def test_rotary_positions_apart_from_the_cache_positions():
     fields, _, _ = pack_decode_rows(2, [7], [5], [0], [[2, 3]], pad_slot=9, pad_block=4, block_size=4, width=3,
                                     rope_positions=[2])
     assert fields == [7, 0, 2, 0, 0, 9, 3 * 4 + 1, 4 * 4, 6, 1]
+
+
+def test_rows_after_their_sequences_first_get_no_table():
+    """With `firsts` (a prefill graph's rows, several of one sequence), only a sequence's first row and the padding
+    rows get block-table cells (the attention kernel reads the first row's for them all); the slot mapping and
+    context lengths are each row's own."""
+    table, width, bs = [7, 3, 5], 4, 4
+    plain = pack_decode_rows(5, [1, 2, 3], [4, 5, 9], [0, 0, 0], [table] * 3, 9, 31, bs, width)
+    fields, cells, values = pack_decode_rows(5, [1, 2, 3], [4, 5, 9], [0, 0, 0], [table] * 3, 9, 31, bs, width,
+                                             firsts=[0, 0, 0])
+    assert fields == plain[0]
+    assert cells == [0, 1, 2, 3 * width, 4 * width] and values == table + [31, 31]

@@ -162,7 +162,8 @@ def test_paged_attention_with_output_gate(env, gated, one):
 def test_paged_attention_groups_a_sequences_rows(env, nh, nkv, tile):
     """A prefill graph's rows (several of one sequence, each at its own position) taken a group a program with
     row_firsts: the reference's output for every row, with a sequence longer than a group, one shorter than a
-    key step, a lone row and padding rows; splits left without keys for the shorter rows of a group."""
+    key step, a lone row and padding rows; splits left without keys for the shorter rows of a group. Each row reads
+    its sequence's first row's block table: the other rows' tables (which a graph step leaves empty) are garbage."""
     dev, dtype, tol, k, real = env
     gen = torch.Generator().manual_seed(5)
     if real:
@@ -182,13 +183,21 @@ def test_paged_attention_groups_a_sequences_rows(env, nh, nkv, tile):
     gate = randn(len(lens), nh, hd, dev=dev, dtype=dtype, gen=gen)
     kernel = k["paged_attention_triton"].paged_decode_attention
     args = (q, rows_k, rows_v, tables.to(dev), lens.to(dev), bs, hd ** -0.5)
-    out = kernel(*args, gate=gate, num_splits=4, block_n=16, row_firsts=torch.tensor(firsts, device=dev),
+    unread = torch.tensor([r != f for r, f in enumerate(firsts)])
+    garbage = tables.clone()
+    garbage[unread] = torch.randint(0, blocks, (int(unread.sum()), garbage.shape[1]), generator=gen, dtype=torch.int32)
+    grouped = (q, rows_k, rows_v, garbage.to(dev), *args[4:])
+    out = kernel(*grouped, gate=gate, num_splits=4, block_n=16, row_firsts=torch.tensor(firsts, device=dev),
                  group_tile=tile)
     alone = kernel(*args, gate=gate, num_splits=4, block_n=16)
     with torch_only():
         ref = attention_ops.paged_decode_attention(q.cpu().float(), rows_k.cpu().float(), rows_v.cpu().float(),
                                                    tables, lens, bs, hd ** -0.5, gate=gate.cpu().float())
+        shared = attention_ops.paged_decode_attention(q.cpu().float(), rows_k.cpu().float(), rows_v.cpu().float(),
+                                                      garbage, lens, bs, hd ** -0.5, gate=gate.cpu().float(),
+                                                      row_firsts=torch.tensor(firsts))
     assert rel(out, ref) <= max(tol, 2e-5) and rel(alone, ref) <= max(tol, 2e-5)
+    assert torch.equal(shared, ref)
 
 
 @pytest.mark.parametrize("n_exp,top_k", [(256, 8), (10, 3)])  # real routing; non-power-of-two counts

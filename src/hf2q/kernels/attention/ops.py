@@ -134,7 +134,8 @@ def paged_decode_attention(q, k_rows, v_rows, block_tables, context_lens, block_
     """q: [B, nh, hd]; k_rows/v_rows: flat payload rows [rows, nkv, hd] of `pool` (None: a dense pool's rows) and,
     for a compressed pool, sides = its (K, V) side values [rows, nkv]; a compressed pool's rows are decoded as its
     `decode` does. Returns [B, nh, hd], times sigmoid(gate) ([B, nh, hd]) when given. row_firsts (each row's
-    sequence's first row) lets the kernel read a sequence's keys once for several rows; the result is the same."""
+    sequence's first row) lets the kernel read a sequence's keys once for several rows, each row through its first
+    row's block table (the others' are not read); the result is the same."""
     compressed = pool is not None and not pool.is_dense
     k_side, v_side = sides if compressed else (None, None)
     if triton_runs(q):
@@ -142,6 +143,8 @@ def paged_decode_attention(q, k_rows, v_rows, block_tables, context_lens, block_
         return kernel(q, k_rows, v_rows, block_tables, context_lens, block_size, scale, gate=gate,
                       kv_format=pool.format if compressed else None, k_side=k_side, v_side=v_side,
                       row_firsts=row_firsts)
+    if row_firsts is not None:
+        block_tables = block_tables[row_firsts.long()]
     longest = block_tables.shape[1] * block_size
     pos = torch.arange(longest, device=q.device)
     rows = block_tables.long()[:, pos // block_size] * block_size + pos % block_size  # [B, L]

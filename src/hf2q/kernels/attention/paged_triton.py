@@ -8,9 +8,10 @@ Splitting keeps the GPU busy at batch 1 with long contexts.
 
 The rows of a small prefill step replayed in a graph are decode rows too, several of one sequence (each a query
 at its own position over the same block table). With `row_firsts` (each row's sequence's first row) a program
-takes up to 16 // GQA-group consecutive rows of one sequence in the tensor-core rows a lone decode row leaves as
-padding, each row masked at its own length: the sequence's keys are read once for them instead of once a row
-(a chat follow-up's 40 rows over an 8,000-token history read it 10 times instead of 40 on the 9B's heads).
+takes up to GROUPED_TILE // GQA-group consecutive rows of one sequence in the tensor-core rows a lone decode row
+leaves as padding, each row masked at its own length: the sequence's keys are read once for them instead of once a
+row (a chat follow-up's 40 rows over an 8,000-token history read it 10 times instead of 40 on the 9B's heads), and
+every row reads the block table of its sequence's first row, the only one a graph step's host pack writes.
 
 A compressed pool (fp8, tq8/tq6/tq5) takes the same kernel with its rows decoded in registers (compressed_triton):
 the codes are read 16 bytes at a time from their own rows, the side values (fp8's scale exponent, TurboQuant's norm)
@@ -50,7 +51,8 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, kside_ptr, vside_ptr, cb_ptr, sign
                          REP_PAD: tl.constexpr, HD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                          NSPLIT: tl.constexpr, CODED: tl.constexpr = 0, DOT: tl.constexpr = tl.float16,
                          LOG2_HD: tl.constexpr = 0, INV_SQRT_HD: tl.constexpr = 1.0, PLANES: tl.constexpr = False,
-                         CVT: tl.constexpr = False, GROUPED: tl.constexpr = False, PDL: tl.constexpr = False):
+                         CVT: tl.constexpr = False, GROUPED: tl.constexpr = False, SHARED_TABLES: tl.constexpr = False,
+                         PDL: tl.constexpr = False):
     pdl.enter(PDL)
     b = tl.program_id(0)
     g = tl.program_id(1)
@@ -75,6 +77,10 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, kside_ptr, vside_ptr, cb_ptr, sign
         rmask = r < REP
         heads = g * REP + r
         length = tl.max(tl.load(len_ptr + b + tl.arange(0, 1)), 0)  # a 0-d scalar (also under the interpreter)
+    if SHARED_TABLES:  # each row reads its sequence's first row's block table (the host writes no other)
+        table_row = tl.load(first_ptr + b)
+    else:
+        table_row = b
     per_split = tl.cdiv(tl.cdiv(length, BLOCK_N), NSPLIT) * BLOCK_N
     start = sp * per_split
     end = tl.minimum(start + per_split, length)
@@ -101,7 +107,7 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, kside_ptr, vside_ptr, cb_ptr, sign
     for n0 in range(start, end, BLOCK_N):
         toks = n0 + n
         valid = toks < end
-        blk = tl.load(bt_ptr + b * stride_bt + toks // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        blk = tl.load(bt_ptr + table_row * stride_bt + toks // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         rows = blk * BLOCK_SIZE + toks % BLOCK_SIZE
         # a compressed pool's rows give unit values and a factor per row (scale, or norm/√D); its strides are in
         # vectors (payload rows of HD bytes)
@@ -245,7 +251,8 @@ def paged_decode_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.
     exponents, TurboQuant: fp32 norms);
     block_tables: [B, max_blocks] int32;
     context_lens: [B] int32 (>= 1); gate: [B, nh, hd] or None; row_firsts: [B] integers, each row's sequence's
-    first row (rows of one sequence consecutive, with one block table), or None: each row alone.
+    first row (rows of one sequence consecutive), whose block table serves them all (the others' rows are not
+    read), or None: each row alone with its own.
     Returns [B, nh, hd] in q's dtype, times sigmoid(gate) when given. num_splits, block_n (keys a
     step) and num_warps shape the first kernel (default: config_for(B, coded), grouped_config_for with row_firsts;
     bench.attention times them); group_tile: with row_firsts, a program's tile rows (a power of two, default
@@ -283,13 +290,13 @@ def paged_decode_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.
     rep_pad = tile if grouped else max(16, triton.next_power_of_2(rep))
     _paged_decode_kernel[(bsz, nkv, num_splits)](
         q, k_rows, v_rows, k_side, v_side, codebook, signs, block_tables, context_lens,
-        row_firsts if grouped else context_lens, parts, lse, scale, bsz,
+        context_lens if row_firsts is None else row_firsts, parts, lse, scale, bsz,
         q.stride(0), q.stride(1), k_rows.stride(0) // unit, k_rows.stride(1) // unit, block_tables.stride(0),
         parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0), lse.stride(1),
         REP=rep, REP_PAD=rep_pad, HD=hd, BLOCK_SIZE=block_size, BLOCK_N=block_n,
         NSPLIT=num_splits, CODED=coded, DOT=tl.float32 if dot == torch.float32 else tl.float16, LOG2_HD=log2_hd,
         INV_SQRT_HD=inv_sqrt_hd, PLANES=planes, CVT=planes and dot == torch.float16 and not _INTERPRETED,
-        GROUPED=grouped, num_warps=num_warps, **pdl.launch_options(q.device))
+        GROUPED=grouped, SHARED_TABLES=row_firsts is not None, num_warps=num_warps, **pdl.launch_options(q.device))
     out = torch.empty(bsz, nh, hd, dtype=q.dtype, device=q.device)
     if gate is not None:
         assert gate.shape == q.shape and gate.stride(2) == 1
