@@ -33,7 +33,7 @@
 # model served with speculation and without at 1 and 64 streams, then a random 9B with an MTP head (SPEC_9B=0 skips
 # it); verify: the forced-acceptance verify-cost curves at batch 1 (9B
 # Q4_K_M, then bf16), each in a time cap of its own, with the profile of a plain step and an L = 3 round; matvec: the int8 mat-vec at 1, 2 and 4 rows per 9B Q4_K_M
-# projection, every candidate timed (the served default) and then the first candidates (HF2Q_GEMV_TUNE=0); prefix: a follow-up turn over an
+# projection, every candidate timed (the served default) and then the first candidates (HF2Q_GEMV_TUNE=0); prefix: three follow-up turns over an
 # 8,000-token shared history, served with the prefix cache and without (PREFIX_OFF=0: with only); warmup: one start of hf2q serve under
 # cProfile (the warm-up's top functions) on a random SHAPE (9b) model; soak: 64 streaming clients against a served
 # 9B Q4_K_M for SOAK_S seconds, RSS and GPU memory sampled (tools/soak.py); soak-start and soak-finish: the same
@@ -157,8 +157,9 @@ case "$stage" in
              pid=$!
              healthy $pid $port "$out/serve_prefix_$mix$cache.log"
              echo "## $mix ${cache:-with the prefix cache}"
-             # a follow-up turn over an 8,000-token shared history (its TTFT: hit against cold)
-             python -m hf2q.cli bench serve --url "http://127.0.0.1:$port" --no-progress --endpoint chat --multi-turn 2 \
+             # follow-up turns over an 8,000-token shared history (their TTFT: hit against cold), three a conversation:
+             # one follow-up's TTFT spread by 6-12 ms from run to run on one server (H100, fortieth session)
+             python -m hf2q.cli bench serve --url "http://127.0.0.1:$port" --no-progress --endpoint chat --multi-turn 4 \
                --shared-prefix-tokens 8000 --prompt-tokens 32 --max-tokens 16 --clients 1 \
                --json "$out/prefix_8k_$mix$cache.json"
              # the served load with multi-turn conversations: hit rate and throughput (PREFIX_LOAD=0 skips it)
