@@ -44,7 +44,8 @@ def add_loadgen_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
                    help="streaming /v1/completions (raw prompt) or /v1/chat/completions (one user message)")
     p.add_argument("--clients", type=int, nargs="+", default=[1, 16, 64], help="concurrency levels, run in turn")
-    p.add_argument("--requests-per-client", type=int, default=1, help="requests each client sends back to back")
+    p.add_argument("--requests-per-client", type=int, default=1,
+                   help="requests each client sends back to back (with --multi-turn: conversations)")
     p.add_argument("--prompt-tokens", type=int, default=512, help="prompt length in tokens (without --dataset)")
     p.add_argument("--max-tokens", type=int, default=None,
                    help=f"tokens generated per request, with ignore_eos (default {DEFAULT_MAX_TOKENS}; with "
@@ -311,7 +312,7 @@ def _check_args(args) -> None:
 async def measure(args, url: str, model_name: Optional[str], prompts: list[Prompt]) -> list[dict]:
     path = "/v1/chat/completions" if args.endpoint == "chat" else "/v1/completions"
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    total = sum(args.clients) * (args.multi_turn or args.requests_per_client)
+    total = sum(args.clients) * (args.multi_turn or 1) * args.requests_per_client
     from tqdm import tqdm
 
     show = not args.no_progress and sys.stderr.isatty()
@@ -343,9 +344,18 @@ async def _conversations(client: httpx.AsyncClient, args, model_name: Optional[s
     system = shared_prefix(args.shared_prefix_tokens, args.seed) if args.shared_prefix_tokens else None
     body = {k: v for k, v in request_body("chat", Prompt("", args.max_tokens or DEFAULT_MAX_TOKENS), model_name,
                                           args.temperature).items() if k != "messages"}
+    each = args.requests_per_client
+
+    async def conversations(c: int) -> list:
+        """Client c's conversations, one after another, each with questions of its own."""
+        done = []
+        for k in range(each):
+            done += await play(client, questions(c * each + k, args.multi_turn, args.prompt_tokens, args.seed),
+                               system, body, progress)
+        return done
+
     start = time.perf_counter()
-    played = await asyncio.gather(*(play(client, questions(c, args.multi_turn, args.prompt_tokens, args.seed),
-                                         system, body, progress) for c in range(n)))
+    played = await asyncio.gather(*(conversations(c) for c in range(n)))
     return [r for conversation in played for r in conversation], time.perf_counter() - start
 
 

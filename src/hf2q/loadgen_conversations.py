@@ -1,6 +1,7 @@
-"""`hf2q bench serve --multi-turn`: each client plays one conversation, sending turn k with the server's
-earlier answers appended, the way a chat client does, so a server that retains prefixes can resume each
-follow-up from the turn before. The hit rate comes from `usage.prompt_tokens_details.cached_tokens`.
+"""`hf2q bench serve --multi-turn`: each client plays `--requests-per-client` conversations, one after another,
+sending turn k with the server's earlier answers appended, the way a chat client does, so a server that retains
+prefixes can resume each follow-up from the turn before. The hit rate comes from
+`usage.prompt_tokens_details.cached_tokens`.
 
 `--shared-prefix-tokens N` opens every conversation with the same N-token system prompt (a shared history),
 so the first turns of different clients can hit too.

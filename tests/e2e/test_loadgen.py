@@ -182,3 +182,14 @@ def test_multi_turn_conversations_report_the_prefix_cache_hit_rate(plain_server,
         assert (r["cached_tokens"] > 150) == (r["turn"] > 0), r
     assert level["hit_rate"] == level["cached_tokens"] / level["prompt_tokens"] > 0.5
     assert level["follow_up_ttft_ms"]["p50"] is not None and "follow-up TTFT" in done.stdout
+
+
+def test_multi_turn_clients_play_their_conversations_one_after_another(plain_server, tmp_path):
+    """--requests-per-client with --multi-turn: each client's conversations in turn, each with questions of its own."""
+    out = tmp_path / "each.json"
+    done = bench_serve("--url", plain_server.url, "--endpoint", "chat", "--multi-turn", "2", "--clients", "1",
+                       "--requests-per-client", "2", "--prompt-tokens", "6", "--max-tokens", "2", "--json", str(out))
+    assert done.returncode == 0, done.stderr
+    requests = json.loads(out.read_text())["levels"][0]["per_request"]
+    assert [r["turn"] for r in requests] == [0, 1, 0, 1]
+    assert requests[1]["cached_tokens"] > 0 and requests[2]["prompt_tokens"] < requests[1]["prompt_tokens"]
