@@ -122,32 +122,34 @@ def moe_blocks() -> int | None:
     return int(setting) or None
 
 
-def paged_decode() -> tuple[int, int, int] | None:
-    """HF2Q_PAGED_DECODE: (splits, keys a step, warps), or None where unset or empty."""
-    setting = PAGED_DECODE.raw()
+def _powers_of_two(var: Variable, form: str) -> tuple[int, ...] | None:
+    """`var` as comma-separated powers of two in `form` (e.g. S,N,W), or None where unset or empty."""
+    setting = var.raw()
     if not setting:
         return None
+    count = form.count(",") + 1
     try:
-        splits, block_n, warps = (int(v) for v in setting.split(","))
+        values = tuple(int(v) for v in setting.split(","))
     except ValueError:
-        raise ValueError(f"HF2Q_PAGED_DECODE must be three integers S,N,W, not {setting!r}") from None
-    if any(v < 1 or v & (v - 1) for v in (splits, block_n, warps)) or block_n < 16:
-        raise ValueError(f"HF2Q_PAGED_DECODE: powers of two with N >= 16, not {setting!r}")
-    return splits, block_n, warps
+        values = ()
+    if len(values) != count:
+        raise ValueError(f"{var.name} must be {count} integers {form}, not {setting!r}")
+    if any(v < 1 or v & (v - 1) for v in values):
+        raise ValueError(f"{var.name}: powers of two, not {setting!r}")
+    return values
+
+
+def paged_decode() -> tuple[int, int, int] | None:
+    """HF2Q_PAGED_DECODE: (splits, keys a step, warps), or None where unset or empty."""
+    values = _powers_of_two(PAGED_DECODE, "S,N,W")
+    if values and values[1] < 16:
+        raise ValueError(f"HF2Q_PAGED_DECODE: N >= 16 (the tensor cores' width), not {PAGED_DECODE.raw()!r}")
+    return values
 
 
 def gdn_verify() -> tuple[int, int] | None:
     """HF2Q_GDN_VERIFY: (column parts a value head, warps), or None where unset or empty."""
-    setting = GDN_VERIFY.raw()
-    if not setting:
-        return None
-    try:
-        parts, warps = (int(v) for v in setting.split(","))
-    except ValueError:
-        raise ValueError(f"HF2Q_GDN_VERIFY must be two integers P,W, not {setting!r}") from None
-    if any(v < 1 or v & (v - 1) for v in (parts, warps)):
-        raise ValueError(f"HF2Q_GDN_VERIFY: powers of two, not {setting!r}")
-    return parts, warps
+    return _powers_of_two(GDN_VERIFY, "P,W")
 
 
 def cache_home() -> Path:
