@@ -156,17 +156,15 @@ class PrefillGraphs:
         positions = [p for new, start, _ in seqs for p in range(start, start + len(new))]
         slots = [slot for new, _, slot in seqs for _ in new]
         tables = [table for new, _, slot in seqs for table in [self.cache.block_table(slot)] * len(new)]
-        lens = [len(new) for new, _, _ in seqs]
+        n, empty = self.buckets[-1], self.max_seqs - len(seqs)
+        lens = [len(new) for new, _, _ in seqs] + [0] * empty + spread(b - len(ids))
         cu = [0, *itertools.accumulate(lens)]
-        firsts = [first for count, first in zip(lens, cu) for _ in range(count)]
+        firsts = [first for (new, _, _), first in zip(seqs, cu) for _ in new]
         fields, cells, values = pack_decode_rows(b, ids, positions, slots, tables, self.pad_slot, self.pad_block,
                                                  self.block_size, self.width, firsts=firsts)
-        n, empty = self.buckets[-1], self.max_seqs - len(seqs)
         host = self._host.numpy()
         host[:5 * n].reshape(5, n)[:, :b] = np.asarray(fields, dtype=np.int64).reshape(5, b)
         self._tables.write(cells, values)
-        lens += [0] * empty + spread(b - len(ids))
-        cu = [0, *itertools.accumulate(lens)]
         slots = [slot for _, _, slot in seqs] + [self.pad_slot] * (empty + PADDING_SEQS)
         k = self._logit_rows // self.max_seqs  # each sequence's last k rows (the first repeated where it has fewer)
         logit_rows = [max(first, first + len(new) - k + p) for (new, _, _), first in zip(seqs, cu)

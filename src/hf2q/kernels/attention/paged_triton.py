@@ -286,7 +286,7 @@ def paged_decode_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.
         k_side = v_side = k_rows  # unread
     parts = torch.empty(bsz, nh, num_splits, hd, dtype=torch.float32, device=q.device)
     lse = torch.empty(bsz, nh, num_splits, dtype=torch.float32, device=q.device)
-    # a decode row's group, padded to the tensor cores' 16 rows
+    # a grouped program's tile, or a decode row's group padded to the tensor cores' 16 rows
     rep_pad = tile if grouped else max(16, triton.next_power_of_2(rep))
     _paged_decode_kernel[(bsz, nkv, num_splits)](
         q, k_rows, v_rows, k_side, v_side, codebook, signs, block_tables, context_lens,
