@@ -154,7 +154,7 @@ COMMANDS = {
 
 
 # pip's name for a module whose package is named otherwise
-_PIP_NAMES = {"fla": "flash-linear-attention", "prometheus_client": "prometheus-client"}
+_PIP_NAMES = {"fla": "fla-core", "prometheus_client": "prometheus-client"}
 
 
 def _missing_module(exc: ImportError) -> str | None:
