@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks behind BENCHMARKS.md, in stages that each fit a few minutes:
-#   tools/gpu_check.sh tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu|ncu-mm|mm|serve|serve-ab|peer|ttft|kv|mtp|spec-serve|verify|matvec|prefix|warmup|soak|soak-start|soak-finish|prime [OUT_DIR]
+#   tools/gpu_check.sh tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu|ncu-mm|mm|serve|serve-ab|peer|ttft|kv|mtp|spec-serve|verify|matvec|prefix|trace|warmup|soak|soak-start|soak-finish|prime [OUT_DIR]
 # tests: every GPU-marked test (the quantized greedy-token test first) and the Triton kernel tests on the device;
 # quant: 9B Q4_K_M end to end and per projection; bf16: 9B and 2B; moe: 35B-A3B bf16 and Q4_K_M;
 # decode (bf16: 35B-A3B, 2B, 9B), decode-q (9B Q4_K_M) and decode-q-moe (35B-A3B Q4_K_M): batch-1
@@ -34,7 +34,10 @@
 # it); verify: the forced-acceptance verify-cost curves at batch 1 (9B
 # Q4_K_M, then bf16), each in a time cap of its own, with the profile of a plain step and an L = 3 round; matvec: the int8 mat-vec at 1, 2 and 4 rows per 9B Q4_K_M
 # projection, every candidate timed (the served default) and then the first candidates (HF2Q_GEMV_TUNE=0); prefix: three follow-up turns over an
-# 8,000-token shared history, served with the prefix cache and without (PREFIX_OFF=0: with only); warmup: one start of hf2q serve under
+# 8,000-token shared history, served with the prefix cache and without (PREFIX_OFF=0: with only); trace: where a served
+# request waits, by the engine's step lines (HF2Q_STEP_TRACE=1) beside the client's times, on a SHAPE (9b) MIX (q4_k_m)
+# file: a lone 64-token request's chunk timeline, three lone requests, three follow-ups over 8,000 tokens, bursts of 16
+# and 64 prompts (OUT_DIR/trace.log holds every step line); warmup: one start of hf2q serve under
 # cProfile (the warm-up's top functions) on a random SHAPE (9b) model; soak: 64 streaming clients against a served
 # 9B Q4_K_M for SOAK_S seconds, RSS and GPU memory sampled (tools/soak.py); soak-start and soak-finish: the same
 # for SOAK_S (600) seconds over two chained calls; prime: a fresh machine's first start of the 9B (MIX, MTP as for
@@ -43,7 +46,7 @@
 # once ready; `prime` again in the next call waits for the same start. Figures also go to OUT_DIR/*.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?stage: tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu|mm|serve|serve-ab|peer|ttft|kv|mtp|spec-serve|verify|matvec|prefix|warmup|soak|soak-start|soak-finish|prime}
+stage=${1:?stage: tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu|mm|serve|serve-ab|peer|ttft|kv|mtp|spec-serve|verify|matvec|prefix|trace|warmup|soak|soak-start|soak-finish|prime}
 out=${2:-.}
 mkdir -p "$out"
 # healthy PID PORT LOG: wait until the server on PORT answers /health with 200; if PID ends first, LOG's tail, exit 1
@@ -237,6 +240,30 @@ torch.cuda.synchronize()" | tee "$out/ncu_mm.txt" ;;
          python -m hf2q.cli bench serve --url "http://127.0.0.1:$port" --no-progress --clients 1 16 64 \
            --prompt-tokens 64 --max-tokens 256 --json "$out/peer_$mix.json"
          kill $pid; wait $pid ;;
+  trace) mix=${MIX:-q4_k_m}; shape=${SHAPE:-9b}; model=${MODEL_DIR:-/tmp}/hf2q-$shape-$mix.gguf; port=8090
+         [ -f "$model" ] || python tools/random_gguf.py --shape "$shape" --mix "$mix" -o "$model"
+         export HF2Q_STEP_TRACE=1; start "$out/trace.log" --max-model-len 16384
+         # steps FROM N: the step lines logged after line FROM of the log, their first N
+         steps() { sed -n "$(( $1 + 1 )),\$p" "$out/trace.log" | grep "step:" | cut -c12-24,50-220 | head -"$2"; }
+         per() { python -c "import json, sys; [print(lv['clients'], [(r['turn'], r['cached_tokens'], r['ttft_ms']) \
+           for r in lv['per_request']][:8]) for lv in json.load(open(sys.argv[1]))['levels']]" "$1"; }
+         echo "## a lone request's chunks, then its steps"; m=$(wc -l < "$out/trace.log")
+         python tools/ttft_trace.py --url "http://127.0.0.1:$port" --prompt-tokens 64 --max-tokens 4 2>&1 | grep -v HTTP
+         steps $m 8
+         echo "## three lone requests (TTFT ms), their prefill steps"; m=$(wc -l < "$out/trace.log")
+         load --clients 1 --requests-per-client 3 --prompt-tokens 64 --max-tokens 32 --json "$out/trace_lone.json" > /dev/null
+         per "$out/trace_lone.json"; steps $m 400 | grep -v "1 sequences, 1 tokens" | head -6
+         echo "## three follow-ups over 8,000 tokens (turn, cached, TTFT ms), the steps that are not one-row decodes"
+         m=$(wc -l < "$out/trace.log")
+         load --endpoint chat --multi-turn 4 --shared-prefix-tokens 8000 --prompt-tokens 32 --max-tokens 16 --clients 1 \
+           --json "$out/trace_follow_ups.json" > /dev/null
+         per "$out/trace_follow_ups.json"; steps $m 400 | grep -v "1 sequences, 1 tokens" | head -30
+         for n in 16 64; do
+           echo "## a burst of $n 64-token prompts: its first steps"; m=$(wc -l < "$out/trace.log")
+           load --clients $n --prompt-tokens 64 --max-tokens 16 --json "$out/trace_burst$n.json" > /dev/null
+           per "$out/trace_burst$n.json" | cut -c1-200; steps $m 10
+         done
+         kill -INT $pid; wait $pid ;;
   warmup) # where a start's warm-up goes: hf2q serve under cProfile until /health says 200, then Ctrl-C; the
          # functions with the most cumulative and own time (main thread; compiles run in worker threads)
          shape=${SHAPE:-9b}; model=${MODEL_DIR:-/tmp}/hf2q-$shape-${MIX:-q4_k_m}.gguf; port=8090
