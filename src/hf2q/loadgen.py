@@ -190,7 +190,7 @@ def summarize(clients: int, results: list[RequestResult], wall: float) -> dict:
                          "ttft_ms": None if r.ttft is None else round(r.ttft * 1000, 3),
                          "itl_ms": None if r.itl is None else round(r.itl * 1000, 3),
                          "latency_ms": None if r.latency is None else round(r.latency * 1000, 3),
-                         "error": r.error} for r in results],
+                         "text_chunks": r.text_chunks, "error": r.error} for r in results],
     }
 
 

@@ -42,6 +42,13 @@ class RequestResult:
             return None
         return (self.last_token - self.ttft) / (self.completion_tokens - 1)
 
+    @property
+    def text_chunks(self) -> int:
+        """Chunks that carried text: fewer than the tokens where tokens without text of their own (a
+        character's first bytes, skipped special tokens) were sent with a later one or not at all, and then
+        TTFT waited for such tokens and ITL spreads the time after the first text over all the tokens."""
+        return 0 if self.ttft is None else len(self.gaps) + 1
+
 
 # ---------------------------------------------------------------- prompts
 

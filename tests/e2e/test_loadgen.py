@@ -42,6 +42,7 @@ def test_summary_counts_usage_tokens_and_leaves_out_failed_requests():
     assert level["chunk_gap_ms"]["p99"] == pytest.approx(200.0)
     assert level["ttft_ms"]["p90"] == pytest.approx(100.0)
     assert len(level["per_request"]) == 4
+    assert [r["text_chunks"] for r in level["per_request"]] == [3, 3, 3, 0]  # the failed one carried none
 
 
 def _canned(*lines: str):
@@ -127,7 +128,7 @@ def test_fixed_prompts_against_a_real_server(plain_server, tmp_path):
         assert level["requests"] == level["ok"] == n
         # ignore_eos: every request makes exactly max_tokens, as the server's usage says
         assert level["output_tokens"] == n * 4 == sum(r["completion_tokens"] for r in level["per_request"])
-        assert all(r["prompt_tokens"] == 8 for r in level["per_request"])
+        assert all(r["prompt_tokens"] == 8 and 1 <= r["text_chunks"] <= 4 for r in level["per_request"])
         assert level["ttft_ms"]["p50"] > 0 and level["itl_ms"]["p50"] > 0 and level["output_tok_s"] > 0
 
 
