@@ -13,6 +13,7 @@ from hf2q.checkpoint.loader import build_model
 from hf2q.config import CacheConfig, ModelConfig
 from hf2q.forward import ForwardBatch
 from hf2q.kernels.choose import fast_path
+from hf2q.kernels.linear import ops as linear_ops
 from hf2q.kernels.linear.ops import packed_linear
 from hf2q.kernels.moe import ops as moe_ops
 from hf2q.kernels.quant import moe as quant_moe
@@ -228,10 +229,18 @@ def test_packed_linear_multiplies_dense_copies_from_dense_rows(qtypes, monkeypat
     assert all((lin.dense is None) == (q is None) for lin, q in zip(kept, qtypes))
     if qtypes[0] == qtypes[1] == qtypes[2]:  # one copy for the pack, each projection's a view of its rows
         assert kept[1].dense.data_ptr() == kept[0]._dpacked[64:].data_ptr()
+    if None not in qtypes and len(set(qtypes)) > 1:  # several types: one copy for all of them too
+        assert kept[1].dense.data_ptr() == kept[0]._dense_whole[64:].data_ptr()
     rows = quant_products(monkeypatch)
+    gemms, real_linear = [], linear_ops.linear
+    monkeypatch.setattr(linear_ops, "linear", lambda x, w, *a: gemms.append(w.shape[0]) or real_linear(x, w, *a))
     for m in (DENSE_ROWS, 4):
+        gemms.clear()
         x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m))
-        for y, d in zip(packed_linear(x, kept), dense):
+        got = packed_linear(x, kept)
+        if m == DENSE_ROWS and None not in qtypes:  # the whole pack in one product, as a dense file's
+            assert gemms == [104]
+        for y, d in zip(got, dense):
             assert rel(y, d(x)) <= 1e-5
         for lin, d in zip(kept, dense):  # each projection alone as well
             assert rel(lin(x), d(x)) <= 1e-5

@@ -161,6 +161,9 @@ def _views_of(packed: torch.Tensor, parts) -> bool:
 
 
 def _packed_by_type(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
+    whole = _whole_dense_copy(linears)
+    if dense_serves(x, whole):  # several quantized types, one dense copy: one GEMM, as a dense file's pack
+        return torch.split(linear(x, whole), [lin.out_features for lin in linears], dim=-1)
     groups = _type_groups(linears)
     if len(groups) == 1:
         return _packed_quant_linear(x, linears)
@@ -214,6 +217,16 @@ def dense_serves(x: torch.Tensor, dense: torch.Tensor | None) -> bool:
     return dense is not None and x.numel() >= DENSE_ROWS * x.shape[-1]
 
 
+def _whole_dense_copy(linears) -> torch.Tensor | None:
+    """The one dense copy `keep_dense` keeps for a pack of several quantized types, its projections' copies views of
+    its rows in order, else None."""
+    whole = getattr(linears[0], "_dense_whole", None)
+    if whole is None or whole.shape[0] != sum(lin.out_features for lin in linears) \
+            or any(lin.dense is None for lin in linears) or not _views_of(whole, [lin.dense for lin in linears]):
+        return None
+    return whole
+
+
 def _dense_copy(linears, rows: int) -> torch.Tensor | None:
     """The dense copy kept for exactly these projections (a lone one's own, or the pack's, whose rows are
     theirs in order), else None."""
@@ -230,11 +243,29 @@ def keep_dense(linears, dtype: torch.dtype) -> int:
     """Dequantize the quantized projections among `linears` (one input's, as `pack` groups them) into dense
     copies of `dtype` kept beside their blocks: one copy per pack of one type, each projection's a view of its
     rows. Returns the bytes kept. Products of DENSE_ROWS rows or more then multiply the copies (cuBLAS reading
-    them once per step) instead of dequantizing every block in the tile kernels on every step."""
+    them once per step) instead of dequantizing every block in the tile kernels on every step.
+
+    A pack of several quantized types and nothing else (llama.cpp's Q4_K_M gives a DeltaNet's qkv Q5_K beside
+    its z, alpha and beta Q4_K, and an attention's v Q6_K beside its q and k Q4_K) gets one copy for all of it,
+    so that many rows make the one GEMM a dense file's pack makes, not one a type. A pack with dense weights too
+    (a MoE's router, kept in float) keeps its copies by type."""
     from hf2q.kernels.quant.ops import dequantize
 
+    groups = _type_groups(linears)
+    if len(groups) > 1 and None not in groups:
+        if any(lin.dense is not None for lin in linears):
+            return 0
+        whole = torch.empty(sum(lin.out_features for lin in linears), linears[0].in_features, dtype=dtype,
+                            device=linears[0].qweight.device)
+        row = 0
+        for lin in linears:
+            lin.dense = whole[row:row + lin.out_features]
+            lin.dense.copy_(dequantize(lin.qweight, lin.qtype, (lin.out_features, lin.in_features), dtype))
+            row += lin.out_features
+        linears[0]._dense_whole = whole
+        return whole.numel() * whole.element_size()
     kept = 0
-    for qtype, idx in _type_groups(linears).items():
+    for qtype, idx in groups.items():
         part = [linears[i] for i in idx]
         if qtype is None or part[0].dense is not None:
             continue
