@@ -1,6 +1,7 @@
 """AsyncEngine hands each step's deltas to the event loop in one callback, and each request still gets its
 own deltas in order."""
 import asyncio
+import concurrent.futures
 
 from hf2q.engine import async_engine
 from hf2q.engine.async_engine import AsyncEngine
@@ -61,3 +62,52 @@ def test_one_callback_per_step_and_deltas_reach_their_requests_in_order(monkeypa
     assert got == [[100 * k + i for i in range(3 + k)] for k in range(8)]
     assert len(calls) == fake.steps_with_outputs  # one wake-up of the loop per step, whatever the batch
     assert sum(calls) == sum(3 + k for k in range(8))
+
+
+class _NoThreads(concurrent.futures.ThreadPoolExecutor):
+    def submit(self, *args, **kwargs):
+        raise AssertionError("a request waited for the engine on an executor thread")
+
+
+def test_requests_are_taken_in_without_executor_threads():
+    """Acceptance is a future the engine thread settles: a burst of requests holds none of the loop's executor
+    threads, which tokenization needs meanwhile."""
+    fake = _Engine()
+    aengine = AsyncEngine(fake)
+
+    async def collect(rid: str):
+        return [o async for o in aengine.generate(rid, [1, 2], SamplingParams())]
+
+    async def main():
+        asyncio.get_running_loop().set_default_executor(_NoThreads(1))
+        return [await collect("alone")] + list(await asyncio.gather(*(collect(f"b{k}") for k in range(16))))
+
+    aengine.start()
+    try:
+        got = asyncio.run(main())
+    finally:
+        aengine.shutdown()
+    assert [len(o) for o in got] == [2] * 17
+
+
+def test_a_request_left_before_the_engine_took_it_is_aborted():
+    fake = _Engine()
+    aengine = AsyncEngine(fake)
+
+    async def main():
+        long = [1] * 10**6  # a request that does not end by itself within the test
+        task = asyncio.ensure_future(anext(aengine.generate("r0", long, SamplingParams())))
+        await asyncio.sleep(0.05)  # submitted; the engine thread has not started, so it is not taken in yet
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        aengine.start()  # now it takes the request in, then the abort that followed it
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if not fake.live and aengine._commands.empty():
+                break
+
+    try:
+        asyncio.run(main())
+    finally:
+        aengine.shutdown()
+    assert fake.live == {}

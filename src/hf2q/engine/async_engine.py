@@ -38,7 +38,17 @@ class _Submit:
     params: SamplingParams
     options: RequestOptions
     sink: _Sink
-    accepted: "queue.Queue[Optional[BaseException]]"
+    accepted: asyncio.Future  # on the sink's loop: None once the engine holds the request, else why not
+
+    def answer(self, error: Optional[BaseException]) -> None:
+        """Settle `accepted` from the engine thread (a caller that went away meanwhile is not waiting)."""
+        def settle() -> None:
+            if not self.accepted.done():
+                self.accepted.set_result(error)
+        try:
+            self.sink.loop.call_soon_threadsafe(settle)
+        except RuntimeError:  # that loop has closed
+            pass
 
 
 @dataclass
@@ -87,10 +97,15 @@ class AsyncEngine:
         """Deltas of one request. Validation errors raise before the first yield; leaving early aborts."""
         loop = asyncio.get_running_loop()
         deltas: asyncio.Queue = asyncio.Queue()
-        accepted: "queue.Queue[Optional[BaseException]]" = queue.Queue()
-
+        # awaited on this loop, settled by the engine thread: no executor thread waits for the engine (a burst of
+        # requests would otherwise hold the loop's few executor threads, which tokenization needs too)
+        accepted = loop.create_future()
         self._commands.put(_Submit(request_id, prompt_ids, params, options, _Sink(loop, deltas), accepted))
-        error = await loop.run_in_executor(None, accepted.get)
+        try:
+            error = await accepted
+        except asyncio.CancelledError:  # the caller left while the engine took it in: it must not run on
+            self._commands.put(_Abort(request_id))
+            raise
         if error is not None:
             raise error
         finished = False
@@ -161,15 +176,15 @@ class AsyncEngine:
     def _apply(self, cmd: object) -> None:
         if isinstance(cmd, _Submit):
             if self._refusal is not None:
-                cmd.accepted.put(ShuttingDown(self._refusal))
+                cmd.answer(ShuttingDown(self._refusal))
                 return
             try:
                 self.engine.add_request(cmd.prompt_ids, cmd.params, request_id=cmd.request_id, options=cmd.options)
             except Exception as exc:
-                cmd.accepted.put(exc)
+                cmd.answer(exc)
                 return
             self._sinks[cmd.request_id] = cmd.sink
-            cmd.accepted.put(None)
+            cmd.answer(None)
         elif isinstance(cmd, _Abort):
             self._sinks.pop(cmd.request_id, None)
             self.engine.abort(cmd.request_id)

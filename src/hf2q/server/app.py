@@ -80,7 +80,7 @@ def build_app(state: ServerState) -> FastAPI:
     chat, completions, embeddings = ChatServing(state), CompletionServing(state), EmbeddingServing(state)
     responses = ResponsesServing(state, chat)
 
-    def check_key(request: Request) -> None:
+    async def check_key(request: Request) -> None:  # async: a plain function would cost each request a thread hop
         key = state.config.api_key
         if key is None:
             return
