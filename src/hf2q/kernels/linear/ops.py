@@ -161,8 +161,8 @@ def _views_of(packed: torch.Tensor, parts) -> bool:
 
 
 def _packed_by_type(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
-    whole = _whole_dense_copy(linears)
-    if dense_serves(x, whole):  # several quantized types, one dense copy: one GEMM, as a dense file's pack
+    whole = _dense_copy(linears, sum(lin.out_features for lin in linears))
+    if dense_serves(x, whole):  # one copy of the whole pack, whatever its types: one GEMM, as a dense file's pack
         return torch.split(linear(x, whole), [lin.out_features for lin in linears], dim=-1)
     groups = _type_groups(linears)
     if len(groups) == 1:
@@ -217,16 +217,6 @@ def dense_serves(x: torch.Tensor, dense: torch.Tensor | None) -> bool:
     return dense is not None and x.numel() >= DENSE_ROWS * x.shape[-1]
 
 
-def _whole_dense_copy(linears) -> torch.Tensor | None:
-    """The one dense copy `keep_dense` keeps for a pack of several quantized types, its projections' copies views of
-    its rows in order, else None."""
-    whole = getattr(linears[0], "_dense_whole", None)
-    if whole is None or whole.shape[0] != sum(lin.out_features for lin in linears) \
-            or any(lin.dense is None for lin in linears) or not _views_of(whole, [lin.dense for lin in linears]):
-        return None
-    return whole
-
-
 def _dense_copy(linears, rows: int) -> torch.Tensor | None:
     """The dense copy kept for exactly these projections (a lone one's own, or the pack's, whose rows are
     theirs in order), else None."""
@@ -262,7 +252,7 @@ def keep_dense(linears, dtype: torch.dtype) -> int:
             lin.dense = whole[row:row + lin.out_features]
             lin.dense.copy_(dequantize(lin.qweight, lin.qtype, (lin.out_features, lin.in_features), dtype))
             row += lin.out_features
-        linears[0]._dense_whole = whole
+        linears[0]._dpacked = whole
         return whole.numel() * whole.element_size()
     kept = 0
     for qtype, idx in groups.items():
