@@ -82,6 +82,16 @@ def test_compiler_is_built_once_per_tokenizer(tok, compiler):
     assert grammar.compiler_for(tok, tok.vocab_size) is compiler
 
 
+def test_prepare_leaves_the_request_independent_formats_compiled(tok, compiler):
+    """What `prepare` compiles (before /health on CUDA: hf2q.server.first_use) is what a `response_format`
+    json_object request asks for, with and without a reasoning prefix: that request compiles nothing more."""
+    assert grammar.prepare(tok, tok.vocab_size) is compiler
+    held = compiler._compiler.get_cache_size_bytes()
+    for opens_reasoning in (False, True):
+        compiler.compile(grammar.request_format(None, None, True, {"type": "json_object"}, opens_reasoning))
+    assert compiler._compiler.get_cache_size_bytes() == held > 0
+
+
 def test_required_accepts_template_calls_only(compiler, tok):
     fmt = grammar.request_format(TOOLS, "required", True, None, False)
     assert accepts(compiler, tok, fmt, WEATHER_CALL)

@@ -22,6 +22,7 @@ from hf2q.server.sizing import CPU_MAX_MODEL_LEN, CPU_MAX_NUM_SEQS, CUDA_MAX_NUM
 
 from hf2q.server.body_limit import DEFAULT_MAX_REQUEST_BYTES
 from hf2q.server.media import add_media_args, media_policy
+from hf2q.server.first_use import grammar_in_background
 from hf2q.server.settle import settle
 from hf2q.spec.proposer import add_spec_args, spec_config
 
@@ -283,6 +284,7 @@ def build_state(args):
     if args.max_model_len and args.max_model_len > model.config.context_length:
         log.warning("--max-model-len %d exceeds the model's context %d; using %d", args.max_model_len,
                     model.config.context_length, model.config.context_length)
+    ahead = grammar_in_background(model, device)
     if tp == 1 and getattr(args, "batched_weights", "auto") != "quantized":
         from hf2q.server.dense_copies import keep_dense_weights
         keep_dense_weights(model.net, device, dtype, asked=args.batched_weights == "dense")
@@ -301,7 +303,7 @@ def build_state(args):
     engine.warm_up()
     log.info("warmed up in %.1f s (%s; timed choices kept in %s)", time.monotonic() - t0, SPENT.since(Spent()),
              envs.tune_cache() or "memory only")
-    settle(device)
+    settle(device, ahead)
     if aengine is None:
         aengine = AsyncEngine(engine)
     config = ServerConfig(model_name=_model_name(args, model, is_demo), is_demo=is_demo, api_key=args.api_key,

@@ -1,16 +1,24 @@
-"""What `hf2q serve` does once warmed up, before `/health` says 200: it takes what the start left alive out of
-the garbage collector's scans, and on CUDA starts watching for kernels Triton still builds (each one a wait some
-request would pay: hf2q.kernels.tuning.late_compiles)."""
+"""What `hf2q serve` does once warmed up, before `/health` says 200: it finishes what a first request would
+otherwise pay for (hf2q.server.first_use), takes what the start left alive out of the garbage collector's scans,
+and on CUDA starts watching for kernels Triton still builds (each one a wait some request would pay:
+hf2q.kernels.tuning.late_compiles)."""
 from __future__ import annotations
 
 import gc
 import logging
+import threading
+
+from hf2q.server.first_use import import_streaming
 
 log = logging.getLogger("hf2q.serve")
 
 
-def settle(device) -> None:
-    """The server's last start-up step (see the module's docstring)."""
+def settle(device, ahead: threading.Thread | None = None) -> None:
+    """The server's last start-up step (see the module's docstring); `ahead`: the grammar compiler's build
+    (first_use.grammar_in_background), waited for here."""
+    import_streaming()
+    if ahead is not None:
+        ahead.join()
     log.info("froze %d objects out of the garbage collector's scans", freeze_startup_heap())
     if device.type == "cuda":
         from hf2q.kernels.tuning.late_compiles import WATCH
