@@ -6,7 +6,11 @@ come only from the server's `usage` (requested with `stream_options.include_usag
 of chunks: a chunk may carry several tokens, or none. A stream that ends without usage is an error.
 
 Each level of `--clients N` starts N clients at once; each sends `--requests-per-client` requests back to
-back, so a level is N x R requests with at most N in flight.
+back, so a level is N x R requests with at most N in flight. Before the first level, `--warm-up-requests`
+requests (one by default, a prompt of their own) are sent one after another and not counted, as vLLM's
+benchmark sends its test prompt first: the client's own first request pays for its connection and lazy imports
+(about 18 ms of its time to first token on a 2-core host), which is not the server's time. Their figures are
+reported apart (`warm_up`): the first one's TTFT is a fresh server's first-request TTFT.
 """
 from __future__ import annotations
 
@@ -31,6 +35,8 @@ from hf2q.loadgen_stream import (  # noqa: F401  (re-exported for tests and tool
     PROMPT_WORDS, RequestResult, parse_sse_line, read_stream, send)
 
 DEFAULT_MAX_TOKENS = 128
+WARM_UP_TOKENS = 4  # tokens a warm-up request asks for: a few streamed chunks
+WARM_UP_SEED = 1_000_003  # the warm-up prompts' seed offset: words no measured prompt starts with
 CHARS_PER_TOKEN = 4  # the dataset reply's length in characters / this = its max_tokens hint
 
 
@@ -57,6 +63,8 @@ def add_loadgen_args(p: argparse.ArgumentParser) -> None:
                         "answers appended; reports the prefix cache hit rate and the follow-up turns' TTFT")
     p.add_argument("--shared-prefix-tokens", type=int, default=0,
                    help="with --multi-turn: every conversation opens with the same system prompt of this many tokens")
+    p.add_argument("--warm-up-requests", type=int, default=1,
+                   help="requests sent before the first level and not counted (reported apart; 0: none)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompt words")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take")
@@ -305,11 +313,32 @@ def _check_args(args) -> None:
         raise ValueError("--multi-turn and --shared-prefix-tokens must be >= 0")
     if args.shared_prefix_tokens and not args.multi_turn:
         raise ValueError("--shared-prefix-tokens needs --multi-turn")
+    if args.warm_up_requests < 0:
+        raise ValueError("--warm-up-requests must be >= 0")
     if args.multi_turn and (args.dataset or args.endpoint != "chat"):
         raise ValueError("--multi-turn needs --endpoint chat and no --dataset")
 
 
-async def measure(args, url: str, model_name: Optional[str], prompts: list[Prompt]) -> list[dict]:
+async def warm_up(client: httpx.AsyncClient, path: str, args, model_name: Optional[str],
+                  first: Prompt) -> Optional[dict]:
+    """Send the --warm-up-requests, one after another (None when there are none): their count, the first one's
+    TTFT and latency, and the first error. Their prompts are random words, as many as the first measured prompt
+    has (never its text: the measured request would find it in the prefix cache)."""
+    words = len(first.text.split()) if args.dataset else args.prompt_tokens
+    prompts = fixed_prompts(args.warm_up_requests, max(words, 1), WARM_UP_TOKENS, args.seed + WARM_UP_SEED)
+    results = [await send(client, path, request_body(args.endpoint, p, model_name, args.temperature)) for p in prompts]
+    if not results:
+        return None
+    first = results[0]
+    errors = [r.error for r in results if r.error is not None]
+    return {"requests": len(results), "errors": len(errors), "first_error": errors[0] if errors else None,
+            "ttft_ms": None if first.ttft is None else round(first.ttft * 1000, 3),
+            "latency_ms": None if first.latency is None else round(first.latency * 1000, 3)}
+
+
+async def measure(args, url: str, model_name: Optional[str],
+                  prompts: list[Prompt]) -> tuple[Optional[dict], list[dict]]:
+    """The warm-up's figures (None without one) and each level's."""
     path = "/v1/chat/completions" if args.endpoint == "chat" else "/v1/completions"
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     total = sum(args.clients) * (args.multi_turn or 1) * args.requests_per_client
@@ -321,6 +350,8 @@ async def measure(args, url: str, model_name: Optional[str], prompts: list[Promp
     timeout = httpx.Timeout(args.timeout, connect=30)
     with tqdm(total=total, unit="req", file=sys.stderr, disable=not show) as progress:
         async with httpx.AsyncClient(base_url=url, headers=headers, limits=limits, timeout=timeout) as client:
+            progress.set_description("warm-up")
+            warm = await warm_up(client, path, args, model_name, prompts[0] if prompts else Prompt("", 1))
             for n in args.clients:
                 progress.set_description(f"{n} clients")
                 if args.multi_turn:
@@ -334,7 +365,7 @@ async def measure(args, url: str, model_name: Optional[str], prompts: list[Promp
                     bodies.append([request_body(args.endpoint, p, model_name, args.temperature) for p in mine])
                 results, wall = await run_level(client, path, bodies, progress)
                 levels.append(summarize(n, results, wall))
-    return levels
+    return warm, levels
 
 
 async def _conversations(client: httpx.AsyncClient, args, model_name: Optional[str], n: int,
@@ -372,16 +403,19 @@ def run_loadgen(args) -> int:
     try:
         url = server.url if server else base_url(args.url)
         model_name = args.model_name or probe(url, headers)
-        levels = asyncio.run(measure(args, url, model_name, prompts))
+        warm, levels = asyncio.run(measure(args, url, model_name, prompts))
     finally:
         if server:
             server.stop()
     report = {"url": url, "endpoint": args.endpoint, "model": model_name, "dataset": args.dataset,
               "prompt_tokens_asked": None if args.dataset else args.prompt_tokens, "max_tokens": args.max_tokens,
-              "requests_per_client": args.requests_per_client, "levels": levels}
+              "requests_per_client": args.requests_per_client, "warm_up": warm, "levels": levels}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
+    if warm is not None:
+        print(f"warm-up (not counted): {warm['requests']} request(s), the first's TTFT "
+              f"{'-' if warm['ttft_ms'] is None else format(warm['ttft_ms'], ',.1f')} ms")
     print(format_table(levels))
     counted = {r["prompt_tokens"] for lv in levels for r in lv["per_request"] if r["error"] is None}
     if not args.dataset and args.endpoint == "completions" and counted and counted != {args.prompt_tokens}:
@@ -390,5 +424,7 @@ def run_loadgen(args) -> int:
     for lv in levels:
         if lv["errors"]:
             print(f"{lv['clients']} clients: {lv['errors']} failed; first: {lv['first_error']}", file=sys.stderr)
-    return 1 if any(lv["errors"] for lv in levels) else 0
+    if warm is not None and warm["errors"]:
+        print(f"warm-up: {warm['errors']} failed; first: {warm['first_error']}", file=sys.stderr)
+    return 1 if any(lv["errors"] for lv in levels) or (warm is not None and warm["errors"]) else 0
 

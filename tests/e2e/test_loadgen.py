@@ -122,6 +122,10 @@ def test_fixed_prompts_against_a_real_server(plain_server, tmp_path):
     assert "| clients |" in run.stdout
     report = json.loads(out.read_text())
     assert report["model"] == "tiny"
+    # one warm-up request first, reported apart and counted in no level
+    warm = report["warm_up"]
+    assert (warm["requests"], warm["errors"]) == (1, 0) and 0 < warm["ttft_ms"] <= warm["latency_ms"]
+    assert "warm-up (not counted): 1 request(s)" in run.stdout
     for level in report["levels"]:
         assert level["errors"] == 0 and level["first_error"] is None
         n = level["clients"] * 2
