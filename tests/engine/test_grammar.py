@@ -90,6 +90,24 @@ def test_prepare_leaves_the_request_independent_formats_compiled(tok, compiler):
     for opens_reasoning in (False, True):
         compiler.compile(grammar.request_format(None, None, True, {"type": "json_object"}, opens_reasoning))
     assert compiler._compiler.get_cache_size_bytes() == held > 0
+    grammar.mask_once(compiler, "cpu")  # what the server does on the device, then
+    assert compiler._compiler.get_cache_size_bytes() == held
+
+
+def test_grammar_ahead_builds_on_a_thread_and_never_fails_the_start(tok, compiler, caplog):
+    """The server's build beside the warm-up (on CUDA; here on the CPU): the tokenizer's one compiler, and a
+    model whose compiler cannot be built is a log line, not a failed start."""
+    from types import SimpleNamespace
+
+    from hf2q.server.first_use import GrammarAhead
+
+    model = SimpleNamespace(tokenizer=tok, config=SimpleNamespace(vocab_size=tok.vocab_size))
+    ahead = GrammarAhead(model, torch.device("cpu"))
+    ahead.finish()
+    assert ahead.compiler is compiler
+    broken = GrammarAhead(SimpleNamespace(tokenizer=None, config=model.config), torch.device("cpu"))
+    broken.finish()
+    assert broken.compiler is None and "grammar compiler not built ahead" in caplog.text
 
 
 def test_required_accepts_template_calls_only(compiler, tok):

@@ -142,17 +142,25 @@ def compiler_for(tokenizer, vocab_size: int) -> GrammarCompiler:
         return compiler
 
 
-def prepare(tokenizer, vocab_size: int, device="cpu") -> GrammarCompiler:
-    """Build the tokenizer's compiler, compile the formats that do not depend on the request (`response_format`
-    json_object, with and without a reasoning prefix) and mask one fp32 logits row on `device` (on CUDA, xgrammar's
-    Triton kernel compiles on first use), so that a first constrained request pays none of it: on a 2-core host
-    the import, the vocabulary's index and a JSON compile took 1.3 s of a first `tool_choice` 'required' request's
-    1.6 s. xgrammar keeps compiled formats in the compiler's cache."""
+JSON_OBJECT = {"type": "json_object"}
+
+
+def prepare(tokenizer, vocab_size: int) -> GrammarCompiler:
+    """Build the tokenizer's compiler and compile the formats that do not depend on the request (`response_format`
+    json_object, with and without a reasoning prefix), so that a first constrained request pays neither: on a
+    2-core host the import, the vocabulary's index and a JSON compile took 1.3 s of a first `tool_choice`
+    'required' request's 1.6 s. xgrammar keeps compiled formats in the compiler's cache. Host work only."""
     compiler = compiler_for(tokenizer, vocab_size)
     for opens_reasoning in (False, True):
-        grammar = compiler.compile(after_reasoning(json_format({"type": "json_object"}), opens_reasoning))
-    grammar.constraint().mask(torch.zeros(vocab_size, device=device))
+        compiler.compile(after_reasoning(json_format(JSON_OBJECT), opens_reasoning))
     return compiler
+
+
+def mask_once(compiler: GrammarCompiler, device) -> None:
+    """Mask one fp32 logits row on `device` as a constrained request does: on CUDA, xgrammar's Triton kernel
+    compiles on first use."""
+    constraint = compiler.compile(json_format(JSON_OBJECT)).constraint()
+    constraint.mask(torch.zeros(compiler.vocab_size, device=device))
 
 
 # ---- formats (xgrammar structural-tag JSON) --------------------------------------------------------

@@ -2,8 +2,9 @@
 that Starlette's streaming response makes on first use, and on CUDA the grammar compiler for the vocabulary.
 
 The compiler is built on a thread of its own beside the warm-up, which on CUDA is seconds of compiling and
-capturing anyway. On the CPU the warm-up is next to nothing and the start would wait for the build, so there a
-first constrained request builds it, as before."""
+capturing anyway; that thread does host work only (a CUDA call from another thread can break a graph capture), and
+the mask's kernel is compiled after the warm-up. On the CPU the warm-up is next to nothing and the start would wait
+for the build, so there a first constrained request builds it, as before."""
 from __future__ import annotations
 
 import logging
@@ -19,23 +20,35 @@ def import_streaming() -> None:
     import anyio._backends._asyncio  # noqa: F401
 
 
-def grammar_in_background(model, device) -> threading.Thread | None:
-    """On CUDA, start building the grammar compiler of `model`'s vocabulary, the request-independent formats and
-    the mask's kernel (`hf2q.engine.grammar.prepare`) on a thread, returned to be joined before `/health` says
-    200; None elsewhere. A failure is left for the first constrained request, which reports it."""
-    if device.type != "cuda":
-        return None
+class GrammarAhead:
+    """The grammar compiler of a model's vocabulary and the request-independent formats
+    (`hf2q.engine.grammar.prepare`), built on a thread from construction; `finish` waits for it and masks one logits
+    row on the device. A failure is a log line, left for the first constrained request, which reports it."""
 
-    def run() -> None:
+    def __init__(self, model, device):
+        self.device = device
+        self.compiler = None
+        self._thread = threading.Thread(target=self._build, args=(model,), name="grammar-ahead", daemon=True)
+        self._thread.start()
+
+    def _build(self, model) -> None:
         t0 = time.monotonic()
         try:
             from hf2q.engine import grammar
-            grammar.prepare(model.tokenizer, model.config.vocab_size, device)
+            self.compiler = grammar.prepare(model.tokenizer, model.config.vocab_size)
         except Exception as err:  # noqa: BLE001 - reported by the first request that needs a grammar
             log.warning("grammar compiler not built ahead (%s): the first constrained request builds it", err)
             return
         log.info("grammar compiler built beside the warm-up in %.1f s", time.monotonic() - t0)
 
-    thread = threading.Thread(target=run, name="grammar-ahead", daemon=True)
-    thread.start()
-    return thread
+    def finish(self) -> None:
+        self._thread.join()
+        if self.compiler is not None:
+            from hf2q.engine import grammar
+            grammar.mask_once(self.compiler, self.device)
+
+
+def grammar_in_background(model, device) -> GrammarAhead | None:
+    """On CUDA, the grammar compiler's build, begun (finished by `settle` before `/health` says 200); None
+    elsewhere."""
+    return GrammarAhead(model, device) if device.type == "cuda" else None

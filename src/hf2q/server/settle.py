@@ -6,19 +6,17 @@ from __future__ import annotations
 
 import gc
 import logging
-import threading
-
-from hf2q.server.first_use import import_streaming
+from hf2q.server.first_use import GrammarAhead, import_streaming
 
 log = logging.getLogger("hf2q.serve")
 
 
-def settle(device, ahead: threading.Thread | None = None) -> None:
+def settle(device, ahead: GrammarAhead | None = None) -> None:
     """The server's last start-up step (see the module's docstring); `ahead`: the grammar compiler's build
-    (first_use.grammar_in_background), waited for here."""
+    (first_use.grammar_in_background), finished here."""
     import_streaming()
     if ahead is not None:
-        ahead.join()
+        ahead.finish()
     log.info("froze %d objects out of the garbage collector's scans", freeze_startup_heap())
     if device.type == "cuda":
         from hf2q.kernels.tuning.late_compiles import WATCH
