@@ -1,8 +1,10 @@
 """The `hf2q serve` process's start and stop: it takes its port before loading (a port in use is a clean error
-at once, not after the model has loaded), answers /health only once warmed up, and on Ctrl-C ends the running
-streams cleanly. The last two share one server, which the Ctrl-C test stops."""
+at once, not after the model has loaded), answers /health only once warmed up with nothing left for a first request
+to import, profiles its steps on request (--profile-dir), and on Ctrl-C ends the running streams cleanly. The tests
+from the warm-up's on share one server, which the Ctrl-C test stops."""
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import signal
@@ -10,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -81,7 +84,9 @@ def test_first_streamed_requests_import_nothing(served_model_path):
 
 @pytest.fixture(scope="module")
 def own_server(served_model_path, tmp_path_factory):
-    server = Server(served_model_path, ["--log-level", "info"], tmp_path_factory.mktemp("own") / "serve.log")
+    own = tmp_path_factory.mktemp("own")
+    server = Server(served_model_path, ["--log-level", "info", "--profile-dir", str(own / "profiles")],
+                    own / "serve.log")
     yield server  # returns at the first /health 200
     server.stop()
 
@@ -101,6 +106,26 @@ def test_serves_on_uvloop(own_server):
     """The event loop is uvloop's (a dependency, which uvicorn picks by itself): asyncio's own loop costs a
     streamed token about a third more GIL time (BENCHMARKS.md)."""
     assert "event loop: uvloop" in own_server.log_path.read_text()
+
+
+def test_profile_records_the_served_steps(own_server, plain_server):
+    """--profile-dir: POST /start_profile, requests, POST /stop_profile write torch's profile of the engine steps in
+    between (each marked hf2q.step) as a Chrome trace and a table; a second start or stop is a 409; without the flag
+    there are no such routes."""
+    url = own_server.url
+    assert httpx.post(url + "/start_profile", timeout=30).json() == {"status": "profiling"}
+    again = httpx.post(url + "/start_profile", timeout=30)
+    assert again.status_code == 409 and "already running" in again.json()["error"]["message"]
+    body = {"prompt": "hello", "max_tokens": 4, "ignore_eos": True}
+    assert httpx.post(url + "/v1/completions", json=body, timeout=60).json()["usage"]["completion_tokens"] == 4
+    stopped = httpx.post(url + "/stop_profile", timeout=60).json()
+    assert stopped["status"] == "stopped" and stopped["steps"] >= 4, stopped
+    with gzip.open(stopped["trace"], "rt") as f:
+        events = json.load(f)["traceEvents"]
+    assert sum(e.get("name") == "hf2q.step" for e in events) == stopped["steps"]
+    assert Path(stopped["table"]).read_text().startswith(f"{stopped['steps']} engine steps in ")
+    assert httpx.post(url + "/stop_profile", timeout=30).status_code == 409
+    assert httpx.post(plain_server.url + "/start_profile", timeout=30).status_code == 404
 
 
 def test_ctrl_c_ends_a_running_stream_cleanly(own_server):

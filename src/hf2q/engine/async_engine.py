@@ -15,6 +15,7 @@ from typing import AsyncIterator, Callable, Optional
 from hf2q.engine.engine import Engine
 from hf2q.engine.request import RequestOptions, RequestOutput
 from hf2q.engine.sampling_params import SamplingParams
+from hf2q.engine.step_profiler import StepProfiler
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,27 @@ class _Stop:
     reason: str
 
 
+@dataclass
+class _Call:
+    """A function to run on the engine's thread between steps, and the future (on `loop`) of its outcome."""
+    fn: Callable[[], object]
+    loop: asyncio.AbstractEventLoop
+    done: asyncio.Future
+
+    def settle(self, result: object, error: Optional[BaseException]) -> None:
+        def settle() -> None:
+            if self.done.done():  # the caller went away
+                return
+            if error is not None:
+                self.done.set_exception(error)
+            else:
+                self.done.set_result(result)
+        try:
+            self.loop.call_soon_threadsafe(settle)
+        except RuntimeError:  # that loop has closed
+            pass
+
+
 class ShuttingDown(RuntimeError):
     """The server is stopping: running requests end with this error and new ones are refused."""
 
@@ -80,6 +102,7 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._loop, name="hf2q-engine", daemon=True)
         self.on_step: Optional[Callable[[Engine, list[RequestOutput]], None]] = None  # metrics hook
         self.failure: Optional[str] = None  # why this engine stopped the server, if it did (exit status 1)
+        self.profiler: Optional[StepProfiler] = None  # with --profile-dir: marks and counts each step it records
 
     def start(self) -> None:
         self._thread.start()
@@ -122,6 +145,13 @@ class AsyncEngine:
             if not finished:
                 self._commands.put(_Abort(request_id))
 
+    async def call(self, fn: Callable[[], object]) -> object:
+        """fn() run on the engine's thread between two steps: its result, or its exception raised here."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._commands.put(_Call(fn, loop, done))
+        return await done
+
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
 
@@ -141,7 +171,11 @@ class AsyncEngine:
             if self._stop.is_set() or not self.engine.has_work():
                 continue
             try:
-                outputs = self.engine.step()
+                if self.profiler is not None and self.profiler.active:
+                    with self.profiler.step():
+                        outputs = self.engine.step()
+                else:
+                    outputs = self.engine.step()
             except Exception as exc:  # a broken step fails its requests, never the server
                 log.exception("engine step failed")
                 self._fail_all(RuntimeError(f"internal error while generating: {exc}"))
@@ -194,6 +228,12 @@ class AsyncEngine:
                     self.engine.prefill_in_background(cmd.prompt_ids)
                 except Exception:  # an optimisation: its failure is a log line, never a request's
                     log.exception("background prefill refused")
+        elif isinstance(cmd, _Call):
+            try:
+                result, error = cmd.fn(), None
+            except Exception as exc:  # the caller's to handle
+                result, error = None, exc
+            cmd.settle(result, error)
         elif isinstance(cmd, _Stop):
             self._refusal = cmd.reason
             self._fail_all(ShuttingDown(cmd.reason))

@@ -10,6 +10,7 @@ from contextlib import asynccontextmanager
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from hf2q.engine.step_profiler import ProfileError
 from hf2q.server.body_limit import BodyLimit
 from hf2q.server.errors import APIError, install_error_handlers
 from hf2q.server.metrics import CONTENT_TYPE
@@ -52,7 +53,7 @@ class _RequestMetrics:
 
 
 _ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings", "/v1/models", "/tokenize",
-           "/detokenize", "/tokenizer_info", "/health", "/metrics", "/openapi.json")
+           "/detokenize", "/tokenizer_info", "/health", "/metrics", "/openapi.json", "/start_profile", "/stop_profile")
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -151,6 +152,23 @@ def build_app(state: ServerState) -> FastAPI:
     async def metrics() -> Response:
         state.metrics.observe_engine(state.engine.engine)
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    if state.engine.profiler is not None:  # --profile-dir: torch's profiler over the steps between the two calls
+        profiler = state.engine.profiler
+
+        async def on_engine(fn) -> JSONResponse:
+            try:
+                return JSONResponse(await state.engine.call(fn))
+            except ProfileError as exc:
+                raise APIError(409, str(exc), code="profile_state") from None
+
+        @app.post("/start_profile", dependencies=auth)
+        async def start_profile() -> JSONResponse:
+            return await on_engine(profiler.start)
+
+        @app.post("/stop_profile", dependencies=auth)
+        async def stop_profile() -> JSONResponse:
+            return await on_engine(profiler.stop)
 
     @app.get("/openapi.json", dependencies=auth, include_in_schema=False)
     async def openapi() -> JSONResponse:

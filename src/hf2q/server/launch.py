@@ -18,6 +18,7 @@ from pathlib import Path
 from hf2q import envs
 from hf2q.config import STATE_DTYPES, SchedulerConfig
 from hf2q.devices import add_device_args, dtype_name, keep_quantized, resolve_device, resolve_dtype
+from hf2q.engine.step_profiler import StepProfiler
 from hf2q.server.sizing import CPU_MAX_MODEL_LEN, CPU_MAX_NUM_SEQS, CUDA_MAX_NUM_SEQS, choose
 
 from hf2q.server.body_limit import DEFAULT_MAX_REQUEST_BYTES
@@ -41,6 +42,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but /health (default: none, no key)")
     p.add_argument("--metrics-public", action="store_true",
                    help="serve /metrics without the API key (for a Prometheus scraper that sends none)")
+    p.add_argument("--profile-dir", metavar="DIR",
+                   help="serve POST /start_profile and /stop_profile: torch's profiler over the engine's steps between "
+                        "the two, written to DIR as a Chrome trace and a table of the top ops (default: not served)")
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help="largest request body accepted; larger ones get 413 before parsing (default: %(default)s)")
     p.add_argument("--allowed-origins", type=origins, default=(),
@@ -319,6 +323,9 @@ def build_state(args):
     state = ServerState(model, aengine, config, scripted_replies=_scripted(args.scripted_replies, model.tokenizer),
                         vision=vision)
     aengine.on_step = lambda eng, _outputs: state.metrics.observe_step(eng)
+    if getattr(args, "profile_dir", None):
+        aengine.profiler = StepProfiler(args.profile_dir, device)
+        log.info("profiling on request: POST /start_profile, then /stop_profile, writes to %s", args.profile_dir)
     aengine.start()
     return state
 
