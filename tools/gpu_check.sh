@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks behind BENCHMARKS.md, in stages that each fit a few minutes:
-#   tools/gpu_check.sh tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu|ncu-mm|mm|serve|serve-ab|peer|ttft|kv|mtp|spec-serve|verify|matvec|prefix|trace|warmup|soak|soak-start|soak-finish|prime [OUT_DIR]
+#   tools/gpu_check.sh tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu|ncu-mm|mm|serve|serve-ab|peer|ttft|kv|mtp|spec-serve|verify|matvec|prefix|trace|served-profile|warmup|soak|soak-start|soak-finish|prime [OUT_DIR]
 # tests: every GPU-marked test (the quantized greedy-token test first) and the Triton kernel tests on the device;
 # quant: 9B Q4_K_M end to end and per projection; bf16: 9B and 2B; moe: 35B-A3B bf16 and Q4_K_M;
 # decode (bf16: 35B-A3B, 2B, 9B), decode-q (9B Q4_K_M) and decode-q-moe (35B-A3B Q4_K_M): batch-1
@@ -37,7 +37,8 @@
 # 8,000-token shared history, served with the prefix cache and without (PREFIX_OFF=0: with only); trace: where a served
 # request waits, by the engine's step lines (HF2Q_STEP_TRACE=1) beside the client's times, on a SHAPE (9b) MIX (q4_k_m)
 # file: a lone 64-token request's chunk timeline, three lone requests, three follow-ups over 8,000 tokens, bursts of 16
-# and 64 prompts (OUT_DIR/trace.log holds every step line); warmup: one start of hf2q serve under
+# and 64 prompts (OUT_DIR/trace.log holds every step line); served-profile: torch's profile of served steps at 1, 16
+# and 64 clients (hf2q serve --profile-dir, POST /start_profile and /stop_profile); warmup: one start of hf2q serve under
 # cProfile (the warm-up's top functions) on a random SHAPE (9b) model; soak: 64 streaming clients against a served
 # 9B Q4_K_M for SOAK_S seconds, RSS and GPU memory sampled (tools/soak.py); soak-start and soak-finish: the same
 # for SOAK_S (600) seconds over two chained calls; prime: a fresh machine's first start of the 9B (MIX, MTP as for
@@ -46,7 +47,7 @@
 # once ready; `prime` again in the next call waits for the same start. Figures also go to OUT_DIR/*.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?stage: tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu|mm|serve|serve-ab|peer|ttft|kv|mtp|spec-serve|verify|matvec|prefix|trace|warmup|soak|soak-start|soak-finish|prime}
+stage=${1:?stage: tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu|mm|serve|serve-ab|peer|ttft|kv|mtp|spec-serve|verify|matvec|prefix|trace|served-profile|warmup|soak|soak-start|soak-finish|prime}
 out=${2:-.}
 mkdir -p "$out"
 # healthy PID PORT LOG: wait until the server on PORT answers /health with 200; if PID ends first, LOG's tail, exit 1
@@ -262,6 +263,24 @@ torch.cuda.synchronize()" | tee "$out/ncu_mm.txt" ;;
            echo "## a burst of $n 64-token prompts: its first steps"; m=$(wc -l < "$out/trace.log")
            load --clients $n --prompt-tokens 64 --max-tokens 16 --json "$out/trace_burst$n.json" > /dev/null
            per "$out/trace_burst$n.json" | cut -c1-200; steps $m 10
+         done
+         kill -INT $pid; wait $pid ;;
+  served-profile) # one served step's time under load (issue 20's "where the time goes"): hf2q serve --profile-dir,
+         # SHAPE (9b) MIX (q4_k_m), then for 1, 16 and 64 clients (64-token prompts, 256 new tokens) torch's profiler
+         # over PROFILE_S (0.3) s of steady decode from 1 s into the load; each table's head is printed, the tables and
+         # traces stay in OUT_DIR/profiles
+         mix=${MIX:-q4_k_m}; shape=${SHAPE:-9b}; model=${MODEL_DIR:-/tmp}/hf2q-$shape-$mix.gguf; port=8090
+         [ -f "$model" ] || python tools/random_gguf.py --shape "$shape" --mix "$mix" -o "$model"
+         start "$out/serve_profile.log" --profile-dir "$out/profiles" ${SERVE_FLAGS:-}
+         for n in 1 16 64; do
+           load --clients $n --prompt-tokens 64 --max-tokens 256 --json "$out/profile_load_$n.json" > /dev/null &
+           lpid=$!
+           sleep 1
+           curl -s -X POST "http://127.0.0.1:$port/start_profile" > /dev/null
+           sleep "${PROFILE_S:-0.3}"
+           echo "## $n clients: $(curl -s -X POST "http://127.0.0.1:$port/stop_profile")"
+           wait $lpid
+           head -32 "$(ls -t "$out"/profiles/*.txt | head -1)" | cut -c1-200
          done
          kill -INT $pid; wait $pid ;;
   warmup) # where a start's warm-up goes: hf2q serve under cProfile until /health says 200, then Ctrl-C; the
