@@ -108,6 +108,9 @@ def test_grammar_ahead_builds_on_a_thread_and_never_fails_the_start(tok, compile
     broken = GrammarAhead(SimpleNamespace(tokenizer=None, config=model.config), torch.device("cpu"))
     broken.finish()
     assert broken.compiler is None and "grammar compiler not built ahead" in caplog.text
+    nowhere = GrammarAhead(model, torch.device("cuda", 99))  # a device the mask cannot run on
+    nowhere.finish()
+    assert nowhere.compiler is compiler and "grammar mask not run ahead" in caplog.text
 
 
 def test_required_accepts_template_calls_only(compiler, tok):

@@ -43,9 +43,13 @@ class GrammarAhead:
 
     def finish(self) -> None:
         self._thread.join()
-        if self.compiler is not None:
-            from hf2q.engine import grammar
+        if self.compiler is None:
+            return
+        from hf2q.engine import grammar
+        try:
             grammar.mask_once(self.compiler, self.device)
+        except Exception as err:  # noqa: BLE001 - the first constrained request meets it again and reports it
+            log.warning("grammar mask not run ahead (%s): the first constrained request compiles it", err)
 
 
 def grammar_in_background(model, device) -> GrammarAhead | None:
