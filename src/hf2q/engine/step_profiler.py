@@ -5,14 +5,13 @@ in-process.
 
 Start and stop run on the engine's own thread (`AsyncEngine.call`), so the profiler records that thread's work;
 each step is marked `hf2q.step` in the trace. A stop writes a Chrome trace (gzip; chrome://tracing or Perfetto
-read it) and a table of the ops with the most time, named hf2q-<date>-<time>-<pid>-<n>."""
+read it) and a table of the ops with the most time, named hf2q-<date>-<time>-<pid>-<n>. (torch is imported on use:
+`hf2q serve --help` imports this module and must not wait for torch.)"""
 from __future__ import annotations
 
 import os
 import time
 from pathlib import Path
-
-import torch
 
 
 class ProfileError(ValueError):
@@ -20,7 +19,7 @@ class ProfileError(ValueError):
 
 
 class StepProfiler:
-    def __init__(self, directory: str | Path, device: torch.device):
+    def __init__(self, directory: str | Path, device):
         self.directory = Path(directory)
         self.device = device
         self._profile = None
@@ -47,13 +46,17 @@ class StepProfiler:
 
     def step(self):
         """A context marking one engine step in the trace (and counting it)."""
+        from torch.profiler import record_function
+
         self._steps += 1
-        return torch.profiler.record_function("hf2q.step")
+        return record_function("hf2q.step")
 
     def stop(self) -> dict:
         """End recording (on the engine's thread) and write the trace and the table; their paths and counts."""
         if self._profile is None:
             raise ProfileError("no profile is running: POST /start_profile first")
+        import torch
+
         prof, self._profile = self._profile, None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

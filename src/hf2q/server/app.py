@@ -153,9 +153,8 @@ def build_app(state: ServerState) -> FastAPI:
         state.metrics.observe_engine(state.engine.engine)
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
-    if state.engine.profiler is not None:  # --profile-dir: torch's profiler over the steps between the two calls
-        profiler = state.engine.profiler
-
+    profiler = getattr(state.engine, "profiler", None)
+    if profiler is not None:  # --profile-dir: torch's profiler over the steps between the two calls
         async def on_engine(fn) -> JSONResponse:
             try:
                 return JSONResponse(await state.engine.call(fn))
