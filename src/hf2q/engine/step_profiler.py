@@ -66,7 +66,7 @@ class StepProfiler:
         name = f"hf2q-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{self._written}"
         trace = self.directory / f"{name}.trace.json.gz"
         prof.export_chrome_trace(str(trace))
-        sort_by = "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
+        sort_by = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
         table = self.directory / f"{name}.txt"
         table.write_text(f"{self._steps} engine steps in {seconds:.3f} s\n\n"
                          + prof.key_averages().table(sort_by=sort_by, row_limit=40, max_name_column_width=70) + "\n")
