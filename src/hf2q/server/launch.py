@@ -234,6 +234,10 @@ def resolve_short_prefill_graphs(asked: bool | None, device, tp: int) -> bool:
 
 def build_state(args):
     """Load the model and start the engine: everything `build_app` needs."""
+    device = resolve_device(args.device)
+    if device.type == "cuda":  # fla's delta-rule kernels (seconds of import) on a thread from here: beside the load
+        from hf2q.kernels.gdn.chunked_fla import import_in_background
+        import_in_background()
     import hf2q
     from hf2q.engine.async_engine import AsyncEngine
     from hf2q.engine.engine import Engine
@@ -255,7 +259,6 @@ def build_state(args):
         # the repository's projector only where the one beside the model would be used
         beside = not (getattr(args, "no_mmproj", False) or getattr(args, "mmproj", None))
         path = local_model_path(args.model, projector=beside)
-    device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     tp = getattr(args, "tensor_parallel_size", 1)
     spec = spec_config(args)
@@ -276,9 +279,6 @@ def build_state(args):
 
         check_tensor_parallel(path, tp, device)
         workers = TPWorkers(TPLaunch(tp, str(path), device.type, dtype, keep_quantized(args)))
-    if device.type == "cuda":  # the delta rule's kernels import while the weights load
-        from hf2q.kernels.gdn.chunked_fla import import_in_background
-        import_in_background()
     log.info("loading %s on %s (%s) ...", path, device, dtype_name(dtype))
     t0 = time.monotonic()
     model = hf2q.load(path, device=device, dtype=dtype, chat_template=args.chat_template,

@@ -26,7 +26,8 @@ log = logging.getLogger(__name__)
 def import_in_background() -> threading.Thread:
     """Import fla's delta-rule kernels on a thread of their own (started, returned). fla's package imports all
     its ops and torch's compiler stack on first use: seconds, and on a 9B start with no bytecode cached it was the
-    most of the warm-up's first prefill. Begun beside the weights' load, it is done before the warm-up needs it.
+    most of the warm-up's first prefill. Begun once `hf2q serve` knows its device is CUDA, beside the rest of its
+    imports and the weights' load, it is done before the warm-up needs it.
     A failure is left for the import `chunk_gdn` makes, which reports it."""
     def run():
         t0 = time.monotonic()
@@ -35,7 +36,7 @@ def import_in_background() -> threading.Thread:
         except Exception as err:  # noqa: BLE001 - reported by the first real import
             log.debug("fla's kernels not imported ahead (%s)", err)
             return
-        log.info("fla's kernels imported beside the load in %.1f s", time.monotonic() - t0)
+        log.info("fla's kernels imported on a thread beside the start in %.1f s", time.monotonic() - t0)
 
     thread = threading.Thread(target=run, name="import-fla", daemon=True)
     thread.start()
