@@ -2,6 +2,7 @@
 own deltas in order."""
 import asyncio
 import concurrent.futures
+import threading
 
 from hf2q.engine import async_engine
 from hf2q.engine.async_engine import AsyncEngine
@@ -111,3 +112,39 @@ def test_a_request_left_before_the_engine_took_it_is_aborted():
     finally:
         aengine.shutdown()
     assert fake.live == {}
+
+
+def test_a_call_runs_on_the_engine_thread_between_steps():
+    """`AsyncEngine.call` (how /start_profile and /stop_profile reach the profiler): the function runs on the engine's
+    own thread while a request is running, and its result or its exception comes back to the caller."""
+    fake = _Engine()
+    aengine = AsyncEngine(fake)
+    seen = []
+
+    def probe():
+        seen.append((threading.current_thread() is aengine._thread, {k: v[2] for k, v in fake.live.items()}))
+        return "done"
+
+    def fail():
+        raise ValueError("refused")
+
+    async def main():
+        stream = aengine.generate("r0", [7] * 10**6, SamplingParams())  # runs until the stream is closed
+        await anext(stream)
+        result = await aengine.call(probe)
+        try:
+            await aengine.call(fail)
+        except ValueError as exc:
+            error = str(exc)
+        after = (await anext(stream)).num_output_tokens  # the request went on
+        await stream.aclose()
+        return result, error, after
+
+    aengine.start()
+    try:
+        result, error, after = asyncio.run(main())
+    finally:
+        aengine.shutdown()
+    assert (result, error) == ("done", "refused")
+    (on_engine_thread, steps), = seen
+    assert on_engine_thread and steps["r0"] >= 1 and after > 1
