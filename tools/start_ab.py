@@ -2,17 +2,20 @@
 
     python tools/start_ab.py --model M.gguf [--device cuda] [--repeat 2]
 
-`hf2q serve` imports fla's delta-rule kernels on a thread while the weights load (hf2q.kernels.gdn.chunked_fla).
+`hf2q serve` imports fla's delta-rule kernels on a thread beside its start and load (hf2q.kernels.gdn.chunked_fla).
 Both are Python work under one interpreter lock, so side by side they can take as long as one after the other, or
-longer where each waits for the lock. Each variant runs in a fresh process (Python's import happens once a process),
-after torch's import and the device's first use, and prints its seconds:
+longer where each waits for the lock. Each variant runs in a fresh process (Python's import happens once a process)
+and prints its seconds from torch's import on: setup_s (the device's first use and hf2q's imports), load_s, fla_s
+and total_s:
 
     alone:      the load alone (as `hf2q serve` loads: quantized weights kept as blocks)
     fla:        fla's import alone
     then:       fla's import, then the load
-    beside:     the load with fla's import on a thread, as `hf2q serve` does (and the import's own time)
+    beside:     the load with fla's import on a thread, as `hf2q serve` did before 4c2a035 (and the import's own time)
     beside-1ms: the same with the interpreter's switch interval at 1 ms instead of 5 (a thread waiting for the
                 lock gets it sooner)
+    early:      fla's import on a thread from right after torch's import, before the device's first use and hf2q's
+                own imports, as `hf2q serve` starts it since 4c2a035
 """
 from __future__ import annotations
 
@@ -21,22 +24,27 @@ import json
 import subprocess
 import sys
 
-VARIANTS = ("alone", "fla", "then", "beside", "beside-1ms")
+VARIANTS = ("alone", "fla", "then", "beside", "beside-1ms", "early")
 
 RUN = r"""
 import json, sys, threading, time
 import torch
 variant, model, device = sys.argv[1:4]
-if device == "cuda":
-    torch.zeros(1, device="cuda")
-import hf2q
-from hf2q.checkpoint.loader import staged_copier  # noqa: F401  (the loader's modules imported beforehand)
 times = {}
 
 def import_fla():
     t0 = time.perf_counter()
     import fla.ops.gated_delta_rule  # noqa: F401
     times["fla_s"] = time.perf_counter() - t0
+
+t_early = time.perf_counter()
+if variant == "early":
+    early = threading.Thread(target=import_fla)
+    early.start()
+if device == "cuda":
+    torch.zeros(1, device="cuda")
+import hf2q
+from hf2q.checkpoint.loader import staged_copier  # noqa: F401  (the loader's modules imported beforehand)
 
 def load():
     t0 = time.perf_counter()
@@ -46,8 +54,11 @@ def load():
         torch.cuda.synchronize()
     times["load_s"] = time.perf_counter() - t0
 
-t0 = time.perf_counter()
-if variant == "fla":
+times["setup_s"] = time.perf_counter() - t_early  # the device's first use and hf2q's imports
+if variant == "early":
+    load()
+    early.join()
+elif variant == "fla":
     import_fla()
 elif variant == "alone":
     load()
@@ -61,7 +72,7 @@ else:
     thread.start()
     load()
     thread.join()
-times["total_s"] = time.perf_counter() - t0
+times["total_s"] = time.perf_counter() - t_early
 print(json.dumps({"variant": variant, **{k: round(v, 2) for k, v in times.items()}}))
 """
 
