@@ -5,7 +5,7 @@
 `hf2q serve` imports fla's delta-rule kernels on a thread beside its start and load (hf2q.kernels.gdn.chunked_fla).
 Both are Python work under one interpreter lock, so side by side they can take as long as one after the other, or
 longer where each waits for the lock. Each variant runs in a fresh process (Python's import happens once a process)
-and prints its seconds from torch's import on: setup_s (the device's first use and hf2q's imports), load_s, fla_s
+and prints its seconds from torch's import on: setup_s (hf2q's imports and the device's first use), load_s, fla_s
 and total_s:
 
     alone:      the load alone (as `hf2q serve` loads: quantized weights kept as blocks)
@@ -14,8 +14,8 @@ and total_s:
     beside:     the load with fla's import on a thread, as `hf2q serve` did before 4c2a035 (and the import's own time)
     beside-1ms: the same with the interpreter's switch interval at 1 ms instead of 5 (a thread waiting for the
                 lock gets it sooner)
-    early:      fla's import on a thread from right after torch's import, before the device's first use and hf2q's
-                own imports, as `hf2q serve` starts it since 4c2a035
+    early:      fla's import on a thread from right after hf2q's imports, before the device's first use, as `hf2q serve`
+                starts it since 4c2a035
 """
 from __future__ import annotations
 
@@ -38,13 +38,13 @@ def import_fla():
     times["fla_s"] = time.perf_counter() - t0
 
 t_early = time.perf_counter()
+import hf2q
+from hf2q.checkpoint.loader import staged_copier  # noqa: F401  (the loader's modules imported beforehand)
 if variant == "early":
     early = threading.Thread(target=import_fla)
     early.start()
 if device == "cuda":
     torch.zeros(1, device="cuda")
-import hf2q
-from hf2q.checkpoint.loader import staged_copier  # noqa: F401  (the loader's modules imported beforehand)
 
 def load():
     t0 = time.perf_counter()
@@ -54,7 +54,7 @@ def load():
         torch.cuda.synchronize()
     times["load_s"] = time.perf_counter() - t0
 
-times["setup_s"] = time.perf_counter() - t_early  # the device's first use and hf2q's imports
+times["setup_s"] = time.perf_counter() - t_early  # hf2q's imports and the device's first use
 if variant == "early":
     load()
     early.join()

@@ -234,15 +234,18 @@ def resolve_short_prefill_graphs(asked: bool | None, device, tp: int) -> bool:
 
 def build_state(args):
     """Load the model and start the engine: everything `build_app` needs."""
-    device = resolve_device(args.device)
-    if device.type == "cuda":  # fla's delta-rule kernels (seconds of import) on a thread from here: beside the load
-        from hf2q.kernels.gdn.chunked_fla import import_in_background
-        import_in_background()
     import hf2q
     from hf2q.engine.async_engine import AsyncEngine
     from hf2q.engine.engine import Engine
     from hf2q.server.state import ServerConfig, ServerState
     from hf2q.vision.preprocess import image_processing
+
+    device = resolve_device(args.device)
+    # fla's delta-rule kernels (seconds of import) on a thread from here, beside the rest of the start and the load;
+    # not before the imports above, which a thread importing beside them could meet half done or in a lock cycle
+    if device.type == "cuda":
+        from hf2q.kernels.gdn.chunked_fla import import_in_background
+        import_in_background()
 
     if not isinstance(args.default_chat_template_kwargs, dict):
         raise ValueError("--default-chat-template-kwargs must be a JSON object")

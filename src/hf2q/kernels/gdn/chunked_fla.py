@@ -27,7 +27,7 @@ def import_in_background() -> threading.Thread:
     """Import fla's delta-rule kernels on a thread of their own (started, returned). fla's package imports all
     its ops and torch's compiler stack on first use: seconds, and on a 9B start with no bytecode cached it was the
     most of the warm-up's first prefill. Begun once `hf2q serve` knows its device is CUDA, beside the rest of its
-    imports and the weights' load, it is done before the warm-up needs it.
+    start and the weights' load, it is done before the warm-up needs it.
     A failure is left for the import `chunk_gdn` makes, which reports it."""
     def run():
         t0 = time.monotonic()
