@@ -42,14 +42,8 @@ class _Submit:
     accepted: asyncio.Future  # on the sink's loop: None once the engine holds the request, else why not
 
     def answer(self, error: Optional[BaseException]) -> None:
-        """Settle `accepted` from the engine thread (a caller that went away meanwhile is not waiting)."""
-        def settle() -> None:
-            if not self.accepted.done():
-                self.accepted.set_result(error)
-        try:
-            self.sink.loop.call_soon_threadsafe(settle)
-        except RuntimeError:  # that loop has closed
-            pass
+        """Settle `accepted` from the engine thread; a refusal is its value, raised by `generate`, not here."""
+        _settle(self.sink.loop, self.accepted, result=error)
 
 
 @dataclass
@@ -75,17 +69,24 @@ class _Call:
     done: asyncio.Future
 
     def settle(self, result: object, error: Optional[BaseException]) -> None:
-        def settle() -> None:
-            if self.done.done():  # the caller went away
-                return
-            if error is not None:
-                self.done.set_exception(error)
-            else:
-                self.done.set_result(result)
-        try:
-            self.loop.call_soon_threadsafe(settle)
-        except RuntimeError:  # that loop has closed
-            pass
+        _settle(self.loop, self.done, result, error)
+
+
+def _settle(loop: asyncio.AbstractEventLoop, future: asyncio.Future, result: object = None,
+            error: Optional[BaseException] = None) -> None:
+    """Settle `future`, awaited on `loop`, from the engine thread: with `error` raised, else with `result`. A caller
+    that went away meanwhile, or a loop that has closed, is not waiting."""
+    def settle() -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    try:
+        loop.call_soon_threadsafe(settle)
+    except RuntimeError:  # that loop has closed
+        pass
 
 
 class ShuttingDown(RuntimeError):

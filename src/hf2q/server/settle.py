@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import logging
+
 from hf2q.server.first_use import GrammarAhead, import_streaming
 
 log = logging.getLogger("hf2q.serve")
