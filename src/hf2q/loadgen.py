@@ -168,10 +168,14 @@ def percentile(values: list[float], q: float) -> Optional[float]:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
+def _ms(seconds: Optional[float]) -> Optional[float]:
+    return None if seconds is None else round(seconds * 1000, 3)
+
+
 def _spread_ms(values: list[float]) -> dict:
     out = {f"p{q}": percentile(values, q) for q in (50, 90, 99)}
     out["mean"] = sum(values) / len(values) if values else None
-    return {k: (None if v is None else round(v * 1000, 3)) for k, v in out.items()}
+    return {k: _ms(v) for k, v in out.items()}
 
 
 def summarize(clients: int, results: list[RequestResult], wall: float) -> dict:
@@ -195,9 +199,7 @@ def summarize(clients: int, results: list[RequestResult], wall: float) -> dict:
         "latency_ms": _spread_ms([r.latency for r in ok]),
         "per_request": [{"prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
                          "cached_tokens": r.cached_tokens, "turn": r.turn,
-                         "ttft_ms": None if r.ttft is None else round(r.ttft * 1000, 3),
-                         "itl_ms": None if r.itl is None else round(r.itl * 1000, 3),
-                         "latency_ms": None if r.latency is None else round(r.latency * 1000, 3),
+                         "ttft_ms": _ms(r.ttft), "itl_ms": _ms(r.itl), "latency_ms": _ms(r.latency),
                          "text_chunks": r.text_chunks, "error": r.error} for r in results],
     }
 
@@ -320,20 +322,18 @@ def _check_args(args) -> None:
 
 
 async def warm_up(client: httpx.AsyncClient, path: str, args, model_name: Optional[str],
-                  first: Prompt) -> Optional[dict]:
+                  measured: Prompt) -> Optional[dict]:
     """Send the --warm-up-requests, one after another (None when there are none): their count, the first one's
     TTFT and latency, and the first error. Their prompts are random words, as many as the first measured prompt
     has (never its text: the measured request would find it in the prefix cache)."""
-    words = len(first.text.split()) if args.dataset else args.prompt_tokens
+    words = len(measured.text.split()) if args.dataset else args.prompt_tokens
     prompts = fixed_prompts(args.warm_up_requests, max(words, 1), WARM_UP_TOKENS, args.seed + WARM_UP_SEED)
     results = [await send(client, path, request_body(args.endpoint, p, model_name, args.temperature)) for p in prompts]
     if not results:
         return None
-    first = results[0]
     errors = [r.error for r in results if r.error is not None]
     return {"requests": len(results), "errors": len(errors), "first_error": errors[0] if errors else None,
-            "ttft_ms": None if first.ttft is None else round(first.ttft * 1000, 3),
-            "latency_ms": None if first.latency is None else round(first.latency * 1000, 3)}
+            "ttft_ms": _ms(results[0].ttft), "latency_ms": _ms(results[0].latency)}
 
 
 async def measure(args, url: str, model_name: Optional[str],
