@@ -556,3 +556,82 @@ def test_quant_mm_compiles_for_hopper(qtype, chunks, packed):
     assert (re.search(r"(fma\.rn|mul)\.bf16x2", ptx) is not None) == packed
     conversions = len(re.findall(r"cvt\.rn\.f32\.[us](?:8|16|32)\b", ptx))
     assert conversions == {"Q4_K": 0, "Q5_K": 0, "Q6_K": 8}.get(qtype, conversions), conversions
+
+
+def test_q4k_columns_layout_dequantizes_to_ggml():
+    """The column layout of the batched Q4_K kernel holds exactly ggml's values (codes, 6-bit scales and mins,
+    d and dmin moved, nothing rounded), for weights of one and of several 256-value tiles."""
+    from hf2q.kernels.quant import q4k_columns as qc
+
+    for n, k in [(5, 256), (37, 768)]:
+        raw = random_blocks("Q4_K", n, k, seed=n)
+        cols = qc.from_blocks(raw, n)
+        assert cols.shape == (n, k) and cols.codes.shape == (k // 8, n)
+        assert torch.equal(qc.dequantize(cols), dequantize_ref(raw, "Q4_K", (n, k)))
+
+
+@kernels
+def test_q4k_columns_mm():
+    """The batched Q4_K kernel on its column layout: 1 to 64 activation rows, weight rows not a multiple of the
+    column block, K split over programs or not; each row's result is the same bitwise whatever the other rows."""
+    from hf2q.kernels.quant import q4k_columns as qc
+
+    n, k = 37, 768
+    raw = random_blocks("Q4_K", n, k, seed=5)
+    cols = qc.from_blocks(raw.to(DEV), n)
+    x = torch.randn(64, k, generator=torch.Generator().manual_seed(7))
+    want = x.double() @ dequantize_ref(raw, "Q4_K", (n, k)).double().T
+    dtypes = (torch.float32, torch.bfloat16) if CUDA else (torch.float32,)
+    for cfg in (None, (32, 4, 2, 1)):
+        for dtype in dtypes:
+            xd = x.to(DEV, dtype)
+            full = qc.columns_mm(xd, cols, cfg)
+            assert full.shape == (64, n) and full.dtype == dtype
+            assert rel(full, want) < (1e-5 if dtype == torch.float32 else 1e-2), (cfg, dtype)
+            for m in (1, 17, 33):
+                assert torch.equal(qc.columns_mm(xd[:m].clone(), cols, cfg), full[:m]), (cfg, dtype, m)
+    assert qc.config(n, k)[3] == 3  # few columns, long K: split
+
+
+@pytest.mark.parametrize("chunks", [1, 4])
+def test_q4k_columns_compiles_for_hopper(chunks):
+    """The column kernel compiles to sm_90 machine code with tensor-core dots."""
+    from hf2q.kernels.quant import q4k_columns as qc
+
+    sig = {"x_ptr": "*bf16", "codes_ptr": "*i32", "scales_ptr": "*i16", "d_ptr": "*fp16", "dmin_ptr": "*fp16",
+           "out_ptr": "*fp32", "M": "i32", "N": "i32", "stride_x": "i32", "tiles_per_split": "i32", "n_tiles": "i32"}
+    assert "mma" in compile_for_hopper(qc._q4k_columns_kernel, sig, dict(BN=64, CHUNKS=chunks), 4)
+
+
+@kernels
+def test_kept_columns_serve_5_to_64_rows(monkeypatch):
+    """`keep_columns` lays out a pack's Q4_K projections once (a mixed pack's Q4_K part, a lone projection its own);
+    products of 5-64 rows then read the column layout, whole pack or Q4_K part, fewer or more rows the blocks, with
+    the blocks' products."""
+    from hf2q.kernels.linear import ops as linear_ops
+    from hf2q.kernels.quant import q4k_columns as qc
+    from hf2q.layers.linear import Linear
+
+    def kept(qtype, n, seed):
+        lin, raw = Linear(256, n), random_blocks(qtype, n, 256, seed=seed)
+        lin.set_quantized(kernel_blocks(raw, qtype), qtype)
+        return lin, dequantize_ref(raw, qtype, (n, 256))
+
+    (q, wq), (k, wk), (v, wv), (o, wo) = (kept(t, n, i) for i, (t, n) in
+                                          enumerate([("Q4_K", 64), ("Q4_K", 32), ("Q6_K", 16), ("Q4_K", 48)]))
+    pack, whole = (q, k), torch.cat([wq, wk])
+    linear_ops.pack(pack)
+    assert linear_ops.keep_columns(pack) == linear_ops.keep_columns([o]) // 48 * 96
+    mixed = (q, k, v)
+    calls, real = [], qc.columns_mm
+    monkeypatch.setattr(qc, "columns_mm", lambda x, c, *a: calls.append((x.shape[0], c.shape[0])) or real(x, c, *a))
+    for rows, served in [(3, False), (5, True), (64, True), (65, False)]:
+        calls.clear()
+        x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).to(DEV)
+        for got, want in zip(linear_ops.packed_linear(x, pack), (wq, wk)):
+            assert rel(got, x.cpu().double() @ want.double().T) < 2e-2
+        assert rel(o(x), x.cpu().double() @ wo.double().T) < 2e-2
+        assert calls == ([(rows, 96), (rows, 48)] if served else []), rows
+        calls.clear()
+        linear_ops.packed_linear(x, mixed)
+        assert calls == ([(rows, 96)] if served else []), rows

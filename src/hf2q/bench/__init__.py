@@ -27,10 +27,11 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-new", type=int, default=32, help="tokens HF generates per timing (0: skip HF)")
     p.add_argument("--quant", choices=QUANT_MIXES, default=None,
                    help="weights as random GGUF blocks of this mix, multiplied by the quantized kernels")
-    p.add_argument("--batched-weights", choices=("quantized", "dense"), default="quantized",
+    p.add_argument("--batched-weights", choices=("quantized", "dense", "columns"), default="quantized",
                    help="with --quant: dense keeps a dequantized copy of every quantized projection, which steps of "
-                        "16+ rows multiply (as `hf2q serve --batched-weights`); the ceilings still count the blocks, "
-                        "the bytes a step must read")
+                        "16+ rows multiply (as `hf2q serve --batched-weights`); columns also lays out the Q4_K "
+                        "projections by column for steps of 5-64 rows; the ceilings still count the blocks, the "
+                        "bytes a step must read")
     p.add_argument("--dense-rows", type=int, default=None,
                    help="with --batched-weights dense: the fewest rows that multiply the copies (the server's "
                         "crossover, hf2q.kernels.linear.ops.DENSE_ROWS, is 16), to find where the copies win")
@@ -234,7 +235,9 @@ def bench_shape(shape: str, args) -> dict:
         net = random_model(cfg, tie=tie, device="cuda", dtype=torch.bfloat16)
     report["quant"] = args.quant or "bf16"
     report["state_dtype"] = args.state_dtype
-    if args.quant and getattr(args, "batched_weights", "quantized") == "dense":
+    if args.quant and getattr(args, "batched_weights", "quantized") == "columns":
+        report["columns_GB"] = net.keep_column_weights() / 1e9
+    if args.quant and getattr(args, "batched_weights", "quantized") in ("dense", "columns"):
         report["dense_copies_GB"] = net.keep_dense_weights(torch.bfloat16) / 1e9
         if getattr(args, "dense_rows", None) is not None:
             from hf2q.kernels.linear import ops as linear_ops
@@ -278,8 +281,8 @@ def run_bench(args) -> int:
     if getattr(args, "profile_spec", False) and not args.spec_accept:
         print("hf2q bench: --profile-spec profiles the --spec-accept rounds; give --spec-accept too")
         return 2
-    if getattr(args, "batched_weights", "quantized") == "dense" and not args.quant:
-        print("hf2q bench: --batched-weights dense copies quantized blocks; give --quant too")
+    if getattr(args, "batched_weights", "quantized") != "quantized" and not args.quant:
+        print(f"hf2q bench: --batched-weights {args.batched_weights} lays out quantized blocks; give --quant too")
         return 2
     if getattr(args, "dense_rows", None) is not None and getattr(args, "batched_weights", "quantized") != "dense":
         print("hf2q bench: --dense-rows sets where the dense copies take over; give --batched-weights dense too")

@@ -37,6 +37,9 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweight is None:
             return linear_ops.linear(x, self.weight)
+        columns = linear_ops.kept_columns([self])
+        if linear_ops.columns_serve(x, columns):
+            return linear_ops.columns_linear(x, columns)
         if linear_ops.dense_serves(x, self.dense):
             return linear_ops.linear(x, self.dense)
         from hf2q.kernels.quant.ops import quant_linear

@@ -120,6 +120,20 @@ class Qwen35Model(nn.Module):
                 kept += linear_ops.keep_dense([module], dtype)
         return kept
 
+    def keep_column_weights(self) -> int:
+        """Lay out every Q4_K projection by column beside its blocks, a pack's once (linear_ops.keep_columns),
+        for products of 5-64 rows; MoE experts stay blocks only. Returns the bytes kept; call after
+        pack_weights."""
+        kept, packed = 0, set()
+        for layer in list(self.layers) + ([self.mtp.layer] if self.mtp is not None else []):
+            for group in layer.mixer.packs + layer.ffn.packs:
+                kept += linear_ops.keep_columns(group)
+                packed.update(id(lin) for lin in group)
+        for module in self.modules():  # the projections outside packs (the LM head, output projections)
+            if isinstance(module, Linear) and module.qtype == "Q4_K" and id(module) not in packed:
+                kept += linear_ops.keep_columns([module])
+        return kept
+
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.embed)
 

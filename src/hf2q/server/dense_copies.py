@@ -1,4 +1,5 @@
-"""`hf2q serve --batched-weights`: whether a quantized file's projections get dense copies for batched steps.
+"""`hf2q serve --batched-weights`: whether a quantized file's projections get dense copies (and, with `columns`, a
+column layout of the Q4_K ones) for batched steps.
 
 The copies (hf2q.kernels.linear.ops.keep_dense) cost two bytes a weight of GPU memory, taken from the K/V pool, and
 make steps of many rows run on cuBLAS instead of dequantizing every block in the tile kernels on every step.
@@ -52,3 +53,16 @@ def keep_dense_weights(net, device, dtype, asked: bool = True) -> None:
     log.info("kept dense copies of the quantized projections for steps of %d+ rows: %.1f GiB in %.1f s%s", DENSE_ROWS,
              kept / 2**30, time.monotonic() - t0, "" if asked else " (--batched-weights auto: within a quarter of "
              "the free memory; --batched-weights quantized keeps it for the K/V pool)")
+
+
+def keep_column_weights(net) -> None:
+    """--batched-weights columns: every Q4_K projection laid out once more by column (quant/q4k_columns) for steps
+    of 5-64 rows, before the dense copies and the K/V pool take their share; refused by name where the model keeps
+    no Q4_K projection."""
+    t0 = time.monotonic()
+    kept = net.keep_column_weights()
+    if kept == 0:
+        raise ValueError("--batched-weights columns: this model keeps no Q4_K projection to lay out (another type, "
+                         "a dense file, or --dequantize)")
+    log.info("laid out the Q4_K projections by column for steps of 5-64 rows: %.1f GiB in %.1f s", kept / 2**30,
+             time.monotonic() - t0)

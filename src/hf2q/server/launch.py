@@ -79,12 +79,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "after a prefix-cache hit, a new prompt beside decoding streams) in CUDA graphs, as decode "
                         "steps are; a chat turn's anchor then cuts its chunk where the rest fits a graph "
                         "(default: on for CUDA without --tensor-parallel-size, off elsewhere)")
-    p.add_argument("--batched-weights", choices=("auto", "quantized", "dense"), default="auto",
+    p.add_argument("--batched-weights", choices=("auto", "quantized", "dense", "columns"), default="auto",
                    help="what steps of 16 or more rows multiply for a quantized file's projections: its blocks "
                         "(the tile kernels), or `dense`: a copy dequantized once after load and kept beside the "
                         "blocks (cuBLAS; two bytes a weight more of GPU memory, so a smaller K/V pool); fewer rows "
                         "always read the blocks. auto: dense on one CUDA device where the copies take at most a "
-                        "quarter of the memory free after loading, else quantized (default: %(default)s)")
+                        "quarter of the memory free after loading, else quantized. columns (CUDA): as auto, and "
+                        "the Q4_K projections laid out once more by column for steps of 5-64 rows (about 0.58 "
+                        "bytes a weight) (default: %(default)s)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="queue each decode step before reading the previous step's tokens, so the host's work "
                         "(stop checks, detokenizing, streaming) overlaps the GPU's; for rows without penalties, "
@@ -269,8 +271,10 @@ def build_state(args):
         raise ValueError("--speculative does not work with --tensor-parallel-size yet")
     args.async_scheduling = resolve_async_scheduling(getattr(args, "async_scheduling", None), device, tp)
     args.short_prefill_graphs = resolve_short_prefill_graphs(getattr(args, "short_prefill_graphs", None), device, tp)
-    if tp != 1 and getattr(args, "batched_weights", "auto") == "dense":  # the other ranks load their own shards
-        raise ValueError("--batched-weights dense does not work with --tensor-parallel-size yet")
+    if tp != 1 and getattr(args, "batched_weights", "auto") in ("dense", "columns"):  # ranks load their own shards
+        raise ValueError(f"--batched-weights {args.batched_weights} does not work with --tensor-parallel-size yet")
+    if getattr(args, "batched_weights", "auto") == "columns" and device.type != "cuda":
+        raise ValueError("--batched-weights columns needs a CUDA device (the column layout is read by a GPU kernel)")
     mmproj = _mmproj_path(args, path, is_demo)
     if tp != 1 and mmproj is not None:  # the vision tower runs on rank 0's side only
         raise ValueError("a vision projector (--mmproj, or one beside the model) does not work with "
@@ -293,7 +297,9 @@ def build_state(args):
                     model.config.context_length, model.config.context_length)
     ahead = grammar_in_background(model, device)
     if tp == 1 and getattr(args, "batched_weights", "auto") != "quantized":
-        from hf2q.server.dense_copies import keep_dense_weights
+        from hf2q.server.dense_copies import keep_column_weights, keep_dense_weights
+        if args.batched_weights == "columns":
+            keep_column_weights(model.net)
         keep_dense_weights(model.net, device, dtype, asked=args.batched_weights == "dense")
     engine_config = sized_engine_config(args, model, device, dtype, spec)
     max_len, cache = engine_config.max_model_len, engine_config.cache

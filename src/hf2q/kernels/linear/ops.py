@@ -161,6 +161,9 @@ def _views_of(packed: torch.Tensor, parts) -> bool:
 
 
 def _packed_by_type(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
+    columns = kept_columns(linears)
+    if columns_serve(x, columns):
+        return torch.split(columns_linear(x, columns), [lin.out_features for lin in linears], dim=-1)
     whole = _dense_copy(linears, sum(lin.out_features for lin in linears))
     if dense_serves(x, whole):  # one copy of the whole pack, whatever its types: one GEMM, as a dense file's pack
         return torch.split(linear(x, whole), [lin.out_features for lin in linears], dim=-1)
@@ -193,11 +196,14 @@ def _packed_by_type(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
 
 
 def _packed_quant_linear(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
-    """packed_linear for projections quantized as one type (see _packed_raw); many rows multiply the pack's
-    dense copy where one is kept (`keep_dense`)."""
+    """packed_linear for projections quantized as one type (see _packed_raw); 5-64 rows multiply the pack's
+    column layout where one is kept (`keep_columns`), many rows its dense copy where one is kept (`keep_dense`)."""
     from hf2q.kernels.quant.ops import quant_linear
 
     sizes = [lin.out_features for lin in linears]
+    columns = kept_columns(linears)
+    if columns_serve(x, columns):
+        return torch.split(columns_linear(x, columns), sizes, dim=-1)
     dense = _dense_copy(linears, sum(sizes))
     if dense_serves(x, dense):
         out = linear(x, dense)
@@ -270,6 +276,53 @@ def keep_dense(linears, dtype: torch.dtype) -> int:
             part[0]._dpacked = dense
         kept += dense.numel() * dense.element_size()
     return kept
+
+
+def keep_columns(linears) -> int:
+    """Lay out the Q4_K projections among `linears` by column (quant/q4k_columns), a pack's once (its rows those of
+    the projections in order), beside their blocks: products of more rows than the mat-vec takes, up to 64, then
+    read the column layout (`columns_serve`). Returns the bytes kept."""
+    from hf2q.kernels.quant.q4k_columns import from_blocks
+    from hf2q.quant import from_gpu_rows, is_interleaved
+
+    kept = 0
+    for qtype, idx in _type_groups(linears).items():
+        part = [linears[i] for i in idx]
+        if qtype != "Q4_K" or kept_columns(part) is not None:
+            continue
+        raw = _packed_raw(part)
+        rows, k = sum(lin.out_features for lin in part), part[0].in_features
+        if is_interleaved(raw, qtype):
+            raw = from_gpu_rows(raw, qtype, k)
+        columns = from_blocks(raw, rows)
+        part[0]._columns = (tuple(id(lin) for lin in part), columns)
+        kept += columns.nbytes
+    return kept
+
+
+def kept_columns(linears):
+    """The column layout kept for exactly these projections (`keep_columns`), else None."""
+    kept = getattr(linears[0], "_columns", None)
+    return kept[1] if kept is not None and kept[0] == tuple(id(lin) for lin in linears) else None
+
+
+def columns_serve(x: torch.Tensor, columns) -> bool:
+    """Whether x multiplies the column layout `columns` (None: none kept): more rows than the int8 mat-vec
+    takes, up to the column kernel's 64, where Triton runs."""
+    from hf2q.kernels.choose import triton_runs
+    from hf2q.kernels.quant.ops import MATVEC_ROWS
+
+    if columns is None or not triton_runs(x):
+        return False
+    return MATVEC_ROWS < x.numel() // x.shape[-1] <= 64
+
+
+def columns_linear(x: torch.Tensor, columns) -> torch.Tensor:
+    """x [..., K] times a column-laid-out Q4_K weight [N, K] transposed -> [..., N] in x's dtype."""
+    from hf2q.kernels.quant.q4k_columns import columns_mm
+
+    y = columns_mm(x.reshape(-1, x.shape[-1]), columns)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def _packed_raw(linears) -> torch.Tensor:
