@@ -590,17 +590,24 @@ def test_q4k_columns_mm():
             assert rel(full, want) < (1e-5 if dtype == torch.float32 else 1e-2), (cfg, dtype)
             for m in (1, 17, 33):
                 assert torch.equal(qc.columns_mm(xd[:m].clone(), cols, cfg), full[:m]), (cfg, dtype, m)
+            assert torch.equal(qc.columns_mm(xd, cols, cfg, bits=True), full), (cfg, dtype)  # the same values
     assert qc.config(n, k)[3] == 3  # few columns, long K: split
 
 
 @pytest.mark.parametrize("chunks", [1, 4])
 def test_q4k_columns_compiles_for_hopper(chunks):
-    """The column kernel compiles to sm_90 machine code with tensor-core dots."""
+    """The column kernel compiles to sm_90 machine code with tensor-core dots; with BITS its codes become floats
+    without int-to-float conversions (the scale fields keep theirs)."""
     from hf2q.kernels.quant import q4k_columns as qc
 
     sig = {"x_ptr": "*bf16", "codes_ptr": "*i32", "scales_ptr": "*i16", "d_ptr": "*fp16", "dmin_ptr": "*fp16",
            "out_ptr": "*fp32", "M": "i32", "N": "i32", "stride_x": "i32", "tiles_per_split": "i32", "n_tiles": "i32"}
-    assert "mma" in compile_for_hopper(qc._q4k_columns_kernel, sig, dict(BN=64, CHUNKS=chunks), 4)
+    conversions = {}
+    for bits in (False, True):
+        ptx = compile_for_hopper(qc._q4k_columns_kernel, sig, dict(BN=64, CHUNKS=chunks, BITS=bits), 4)
+        assert "mma" in ptx
+        conversions[bits] = len(re.findall(r"cvt\.rn\.f32\.[us]32\b", ptx))
+    assert conversions[True] * 2 <= conversions[False], conversions
 
 
 @kernels

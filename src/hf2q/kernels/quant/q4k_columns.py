@@ -86,9 +86,10 @@ def _chunk_dot(acc, x_ptr, rows, stride_x, M, k0, j, v):
 
 @triton.jit
 def _q4k_columns_kernel(x_ptr, codes_ptr, scales_ptr, d_ptr, dmin_ptr, out_ptr, M, N, stride_x, tiles_per_split,
-                        n_tiles, BN: tl.constexpr, CHUNKS: tl.constexpr):
+                        n_tiles, BN: tl.constexpr, CHUNKS: tl.constexpr, BITS: tl.constexpr = False):
     """Program (row block, column block, split): BN weight columns over its split's 256-value tiles, for up to
-    16 * CHUNKS activation rows, each 16-row chunk its own dot and accumulator."""
+    16 * CHUNKS activation rows, each 16-row chunk its own dot and accumulator. BITS: codes made floats from their
+    bits (exact, the place undone by a power of two in the scale: the same values) instead of conversions."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -110,7 +111,12 @@ def _q4k_columns_kernel(x_ptr, codes_ptr, scales_ptr, d_ptr, dmin_ptr, out_ptr, 
             field = tl.load(scales_ptr + (t * 8 + s) * N + cols, mask=col_ok, other=0).to(tl.int32)
             scale = (field & 255).to(tl.float32) * d
             mins = ((field >> 8) & 255).to(tl.float32) * dmin
-            v = ((words >> (4 * s)) & 15).to(tl.float32) * scale[None, :] - mins[None, :]
+            if BITS:  # the code masked in place (bits 4s.., or 4s - 16.. of the upper half) under 2^23's exponent
+                half = words if s < 4 else words >> 16
+                code = ((half & (15 << (4 * (s % 4)))) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+                v = code * (scale * (1.0 / (1 << (4 * (s % 4)))))[None, :] - mins[None, :]
+            else:
+                v = ((words >> (4 * s)) & 15).to(tl.float32) * scale[None, :] - mins[None, :]
             v = v.to(x_ptr.dtype.element_ty)
             k0 = t * 256 + s * 32
             acc0 = _chunk_dot(acc0, x_ptr, r, stride_x, M, k0, j, v)
@@ -145,7 +151,8 @@ def config(n: int, k: int) -> tuple[int, int, int, int]:
     return block_n, 4, 3, split
 
 
-def columns_mm(x: torch.Tensor, cols: Q4KColumns, cfg: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+def columns_mm(x: torch.Tensor, cols: Q4KColumns, cfg: tuple[int, int, int, int] | None = None,
+               bits: bool = False) -> torch.Tensor:
     """x [M, K] (M <= 64) times the laid-out weight [N, K] transposed -> [M, N] in x's dtype, fp32 sums."""
     m, k = x.shape
     n, kw = cols.shape
@@ -160,5 +167,5 @@ def columns_mm(x: torch.Tensor, cols: Q4KColumns, cfg: tuple[int, int, int, int]
     out = torch.empty((split, m, n), dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
     grid = (triton.cdiv(m, 16 * c), triton.cdiv(n, block_n), split)
     _q4k_columns_kernel[grid](x, cols.codes, cols.scales, cols.d, cols.dmin, out, m, n, x.stride(0), per_split,
-                              n_tiles, BN=block_n, CHUNKS=c, num_warps=warps, num_stages=stages)
+                              n_tiles, BN=block_n, CHUNKS=c, BITS=bits, num_warps=warps, num_stages=stages)
     return out[0] if split == 1 else out.sum(0).to(x.dtype)
