@@ -591,6 +591,9 @@ def test_q4k_columns_mm():
             for m in (1, 17, 33):
                 assert torch.equal(qc.columns_mm(xd[:m].clone(), cols, cfg), full[:m]), (cfg, dtype, m)
             assert torch.equal(qc.columns_mm(xd, cols, cfg, bits=True), full), (cfg, dtype)  # the same values
+            wide = qc.columns_mm(xd, cols, cfg, wide=True)  # the same products in another order
+            assert rel(wide, want) < (1e-5 if dtype == torch.float32 else 1e-2), (cfg, dtype)
+            assert torch.equal(qc.columns_mm(xd[:17].clone(), cols, cfg, wide=True), wide[:17]), (cfg, dtype)
     assert qc.config(n, k)[3] == 3  # few columns, long K: split
 
 

@@ -86,10 +86,13 @@ def _chunk_dot(acc, x_ptr, rows, stride_x, M, k0, j, v):
 
 @triton.jit
 def _q4k_columns_kernel(x_ptr, codes_ptr, scales_ptr, d_ptr, dmin_ptr, out_ptr, M, N, stride_x, tiles_per_split,
-                        n_tiles, BN: tl.constexpr, CHUNKS: tl.constexpr, BITS: tl.constexpr = False):
+                        n_tiles, BN: tl.constexpr, CHUNKS: tl.constexpr, BITS: tl.constexpr = False,
+                        WIDE: tl.constexpr = False):
     """Program (row block, column block, split): BN weight columns over its split's 256-value tiles, for up to
     16 * CHUNKS activation rows, each 16-row chunk its own dot and accumulator. BITS: codes made floats from their
-    bits (exact, the place undone by a power of two in the scale: the same values) instead of conversions."""
+    bits (exact, the place undone by a power of two in the scale: the same values) instead of conversions. WIDE: a
+    tile's 256 values made at once and each chunk's one dot of K = 256 (the same products, summed in another
+    order) instead of eight dots of K = 32."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -107,7 +110,23 @@ def _q4k_columns_kernel(x_ptr, codes_ptr, scales_ptr, d_ptr, dmin_ptr, out_ptr, 
         words = words.to(tl.uint32, bitcast=True)
         d = tl.load(d_ptr + t * N + cols, mask=col_ok, other=0.0).to(tl.float32)
         dmin = tl.load(dmin_ptr + t * N + cols, mask=col_ok, other=0.0).to(tl.float32)
-        for s in tl.static_range(8):
+        if WIDE:  # the tile's 8 sub-blocks as [8, 32, BN], reshaped to [256, BN]: one dot of K = 256 a chunk
+            g = tl.arange(0, 8)
+            fields = tl.load(scales_ptr + (t * 8 + g)[:, None] * N + cols[None, :], mask=col_ok[None, :],
+                             other=0).to(tl.int32)
+            scale = (fields & 255).to(tl.float32) * d[None, :]
+            mins = ((fields >> 8) & 255).to(tl.float32) * dmin[None, :]
+            codes = (words[None, :, :] >> (4 * g).to(tl.uint32)[:, None, None]) & 15
+            v = codes.to(tl.float32) * scale[:, None, :] - mins[:, None, :]
+            v = tl.reshape(v, (256, BN)).to(x_ptr.dtype.element_ty)
+            kk = tl.arange(0, 256)
+            acc0 = _chunk_dot(acc0, x_ptr, r, stride_x, M, t * 256, kk, v)
+            if CHUNKS > 1:
+                acc1 = _chunk_dot(acc1, x_ptr, r + 16, stride_x, M, t * 256, kk, v)
+            if CHUNKS > 2:
+                acc2 = _chunk_dot(acc2, x_ptr, r + 32, stride_x, M, t * 256, kk, v)
+                acc3 = _chunk_dot(acc3, x_ptr, r + 48, stride_x, M, t * 256, kk, v)
+        for s in tl.static_range(0 if WIDE else 8):
             field = tl.load(scales_ptr + (t * 8 + s) * N + cols, mask=col_ok, other=0).to(tl.int32)
             scale = (field & 255).to(tl.float32) * d
             mins = ((field >> 8) & 255).to(tl.float32) * dmin
@@ -152,7 +171,7 @@ def config(n: int, k: int) -> tuple[int, int, int, int]:
 
 
 def columns_mm(x: torch.Tensor, cols: Q4KColumns, cfg: tuple[int, int, int, int] | None = None,
-               bits: bool = False) -> torch.Tensor:
+               bits: bool = False, wide: bool = False) -> torch.Tensor:
     """x [M, K] (M <= 64) times the laid-out weight [N, K] transposed -> [M, N] in x's dtype, fp32 sums."""
     m, k = x.shape
     n, kw = cols.shape
@@ -167,5 +186,5 @@ def columns_mm(x: torch.Tensor, cols: Q4KColumns, cfg: tuple[int, int, int, int]
     out = torch.empty((split, m, n), dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
     grid = (triton.cdiv(m, 16 * c), triton.cdiv(n, block_n), split)
     _q4k_columns_kernel[grid](x, cols.codes, cols.scales, cols.d, cols.dmin, out, m, n, x.stride(0), per_split,
-                              n_tiles, BN=block_n, CHUNKS=c, BITS=bits, num_warps=warps, num_stages=stages)
+                              n_tiles, BN=block_n, CHUNKS=c, BITS=bits, WIDE=wide, num_warps=warps, num_stages=stages)
     return out[0] if split == 1 else out.sum(0).to(x.dtype)
