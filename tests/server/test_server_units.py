@@ -228,6 +228,22 @@ def test_batched_weights_dense_is_refused_by_name_where_nothing_would_be_copied(
     keep_dense_weights(torch.nn.Sequential(Linear(8, 8)), torch.device("cpu"), torch.float32, asked=False)
 
 
+def test_batched_weights_columns_is_refused_by_name_without_q4_k_projections(gguf_dense_q8_0):
+    """--batched-weights columns lays out Q4_K projections only: a model that keeps none (this one's are Q8_0) is
+    refused by name, not served as if the layout were there."""
+    import torch
+
+    from hf2q.checkpoint.gguf_file import GGUFFile
+    from hf2q.checkpoint.loader import build_model
+    from hf2q.config import ModelConfig
+    from hf2q.server.dense_copies import keep_column_weights
+    gguf = GGUFFile(gguf_dense_q8_0)
+    net = build_model(gguf, ModelConfig.from_gguf_metadata(gguf.metadata), device="cpu", dtype=torch.float32,
+                      with_mtp=False, keep_quantized=True)
+    with pytest.raises(ValueError, match="--batched-weights columns: this model keeps no Q4_K projection"):
+        keep_column_weights(net)
+
+
 def test_batched_weights_dense_checks_the_room_for_its_copies(gguf_dense_q8_0, monkeypatch):
     """On CUDA the copies must fit in the free memory beyond the serving reserve: refused by name with the sizes
     where they do not, made (every quantized projection, before the K/V pool is sized) where they do. `auto`
