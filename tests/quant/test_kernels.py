@@ -590,34 +590,24 @@ def test_q4k_columns_mm():
             assert rel(full, want) < (1e-5 if dtype == torch.float32 else 1e-2), (cfg, dtype)
             for m in (1, 17, 33):
                 assert torch.equal(qc.columns_mm(xd[:m].clone(), cols, cfg), full[:m]), (cfg, dtype, m)
-            assert torch.equal(qc.columns_mm(xd, cols, cfg, bits=True), full), (cfg, dtype)  # the same values
-            wide = qc.columns_mm(xd, cols, cfg, wide=True)  # the same products in another order
-            assert rel(wide, want) < (1e-5 if dtype == torch.float32 else 1e-2), (cfg, dtype)
-            assert torch.equal(qc.columns_mm(xd[:17].clone(), cols, cfg, wide=True), wide[:17]), (cfg, dtype)
     assert qc.config(n, k)[3] == 3  # few columns, long K: split
 
 
 @pytest.mark.parametrize("chunks", [1, 4])
 def test_q4k_columns_compiles_for_hopper(chunks):
-    """The column kernel compiles to sm_90 machine code with tensor-core dots; with BITS its codes become floats
-    without int-to-float conversions (the scale fields keep theirs)."""
+    """The column kernel compiles to sm_90 machine code with tensor-core dots."""
     from hf2q.kernels.quant import q4k_columns as qc
 
     sig = {"x_ptr": "*bf16", "codes_ptr": "*i32", "scales_ptr": "*i16", "d_ptr": "*fp16", "dmin_ptr": "*fp16",
            "out_ptr": "*fp32", "M": "i32", "N": "i32", "stride_x": "i32", "tiles_per_split": "i32", "n_tiles": "i32"}
-    conversions = {}
-    for bits in (False, True):
-        ptx = compile_for_hopper(qc._q4k_columns_kernel, sig, dict(BN=64, CHUNKS=chunks, BITS=bits), 4)
-        assert "mma" in ptx
-        conversions[bits] = len(re.findall(r"cvt\.rn\.f32\.[us]32\b", ptx))
-    assert conversions[True] * 2 <= conversions[False], conversions
+    assert "mma" in compile_for_hopper(qc._q4k_columns_kernel, sig, dict(BN=64, CHUNKS=chunks), 4)
 
 
 @kernels
-def test_kept_columns_serve_5_to_64_rows(monkeypatch):
+def test_kept_columns_serve_5_to_16_rows(monkeypatch):
     """`keep_columns` lays out a pack's Q4_K projections once (a mixed pack's Q4_K part, a lone projection its own);
-    products of 5-64 rows then read the column layout, whole pack or Q4_K part, fewer or more rows the blocks, with
-    the blocks' products."""
+    products of 5-16 rows (COLUMNS_ROWS) then read the column layout, whole pack or Q4_K part, fewer or more rows the
+    blocks, with the blocks' products."""
     from hf2q.kernels.linear import ops as linear_ops
     from hf2q.kernels.quant import q4k_columns as qc
     from hf2q.layers.linear import Linear
@@ -635,7 +625,7 @@ def test_kept_columns_serve_5_to_64_rows(monkeypatch):
     mixed = (q, k, v)
     calls, real = [], qc.columns_mm
     monkeypatch.setattr(qc, "columns_mm", lambda x, c, *a: calls.append((x.shape[0], c.shape[0])) or real(x, c, *a))
-    for rows, served in [(3, False), (5, True), (64, True), (65, False)]:
+    for rows, served in [(3, False), (5, True), (linear_ops.COLUMNS_ROWS, True), (linear_ops.COLUMNS_ROWS + 1, False)]:
         calls.clear()
         x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).to(DEV)
         for got, want in zip(linear_ops.packed_linear(x, pack), (wq, wk)):

@@ -30,7 +30,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batched-weights", choices=("quantized", "dense", "columns"), default="quantized",
                    help="with --quant: dense keeps a dequantized copy of every quantized projection, which steps of "
                         "16+ rows multiply (as `hf2q serve --batched-weights`); columns also lays out the Q4_K "
-                        "projections by column for steps of 5-64 rows; the ceilings still count the blocks, the "
+                        "projections by column for steps of 5-16 rows; the ceilings still count the blocks, the "
                         "bytes a step must read")
     p.add_argument("--dense-rows", type=int, default=None,
                    help="with --batched-weights dense: the fewest rows that multiply the copies (the server's "

@@ -122,7 +122,7 @@ class Qwen35Model(nn.Module):
 
     def keep_column_weights(self) -> int:
         """Lay out every Q4_K projection by column beside its blocks, a pack's once (linear_ops.keep_columns),
-        for products of 5-64 rows; MoE experts stay blocks only. Returns the bytes kept; call after
+        for products of 5-16 rows; MoE experts stay blocks only. Returns the bytes kept; call after
         pack_weights."""
         kept, packed = 0, set()
         for layer in list(self.layers) + ([self.mtp.layer] if self.mtp is not None else []):

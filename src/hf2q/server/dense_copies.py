@@ -57,12 +57,12 @@ def keep_dense_weights(net, device, dtype, asked: bool = True) -> None:
 
 def keep_column_weights(net) -> None:
     """--batched-weights columns: every Q4_K projection laid out once more by column (quant/q4k_columns) for steps
-    of 5-64 rows, before the dense copies and the K/V pool take their share; refused by name where the model keeps
+    of 5-16 rows, before the dense copies and the K/V pool take their share; refused by name where the model keeps
     no Q4_K projection."""
     t0 = time.monotonic()
     kept = net.keep_column_weights()
     if kept == 0:
         raise ValueError("--batched-weights columns: this model keeps no Q4_K projection to lay out (another type, "
                          "a dense file, or --dequantize)")
-    log.info("laid out the Q4_K projections by column for steps of 5-64 rows: %.1f GiB in %.1f s", kept / 2**30,
+    log.info("laid out the Q4_K projections by column for steps of 5-16 rows: %.1f GiB in %.1f s", kept / 2**30,
              time.monotonic() - t0)

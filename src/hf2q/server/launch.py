@@ -85,7 +85,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "blocks (cuBLAS; two bytes a weight more of GPU memory, so a smaller K/V pool); fewer rows "
                         "always read the blocks. auto: dense on one CUDA device where the copies take at most a "
                         "quarter of the memory free after loading, else quantized. columns (CUDA): as auto, and "
-                        "the Q4_K projections laid out once more by column for steps of 5-64 rows (about 0.58 "
+                        "the Q4_K projections laid out once more by column for steps of 5-16 rows (about 0.58 "
                         "bytes a weight) (default: %(default)s)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="queue each decode step before reading the previous step's tokens, so the host's work "

@@ -196,7 +196,7 @@ def _packed_by_type(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
 
 
 def _packed_quant_linear(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
-    """packed_linear for projections quantized as one type (see _packed_raw); 5-64 rows multiply the pack's
+    """packed_linear for projections quantized as one type (see _packed_raw); 5-16 rows multiply the pack's
     column layout where one is kept (`keep_columns`), many rows its dense copy where one is kept (`keep_dense`)."""
     from hf2q.kernels.quant.ops import quant_linear
 
@@ -280,8 +280,8 @@ def keep_dense(linears, dtype: torch.dtype) -> int:
 
 def keep_columns(linears) -> int:
     """Lay out the Q4_K projections among `linears` by column (quant/q4k_columns), a pack's once (its rows those of
-    the projections in order), beside their blocks: products of more rows than the mat-vec takes, up to 64, then
-    read the column layout (`columns_serve`). Returns the bytes kept."""
+    the projections in order), beside their blocks: products of more rows than the mat-vec takes, up to
+    COLUMNS_ROWS, then read the column layout (`columns_serve`). Returns the bytes kept."""
     from hf2q.kernels.quant.q4k_columns import from_blocks
     from hf2q.quant import from_gpu_rows, is_interleaved
 
@@ -306,15 +306,22 @@ def kept_columns(linears):
     return kept[1] if kept is not None and kept[0] == tuple(id(lin) for lin in linears) else None
 
 
+# Products of more rows than the int8 mat-vec takes, up to this many, read a Q4_K projection's column layout where
+# one is kept (`keep_columns`). On an H100 a 9B token's Q4_K projections took 2.88 ms at 16 rows on the column
+# kernel against 4.06 ms on cuBLAS over the dense copies, and 5.32 against 4.04 at 64 rows (BENCHMARKS.md): more
+# rows multiply the copies.
+COLUMNS_ROWS = 16
+
+
 def columns_serve(x: torch.Tensor, columns) -> bool:
     """Whether x multiplies the column layout `columns` (None: none kept): more rows than the int8 mat-vec
-    takes, up to the column kernel's 64, where Triton runs."""
+    takes, up to COLUMNS_ROWS, where Triton runs."""
     from hf2q.kernels.choose import triton_runs
     from hf2q.kernels.quant.ops import MATVEC_ROWS
 
     if columns is None or not triton_runs(x):
         return False
-    return MATVEC_ROWS < x.numel() // x.shape[-1] <= 64
+    return MATVEC_ROWS < x.numel() // x.shape[-1] <= COLUMNS_ROWS
 
 
 def columns_linear(x: torch.Tensor, columns) -> torch.Tensor:

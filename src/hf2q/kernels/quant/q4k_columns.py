@@ -1,4 +1,5 @@
-"""Q4_K weights laid out by column for batched decode (5-64 activation rows), and the Triton kernel that reads them.
+"""Q4_K weights laid out by column for batched decode (up to 64 activation rows), and the Triton kernel that reads
+them.
 
 The tile kernel (mm_triton) reads the blocks in the layout every other kernel reads: a program takes a few weight
 rows and walks each one's 144-byte blocks, unpacking 6-bit scale fields and putting nibbles back in order. Here a
@@ -26,7 +27,11 @@ import torch
 import triton
 import triton.language as tl
 
-PROGRAMS = 264  # about two programs a SM of the largest cards: K is split until the grid has about this many
+# K is split until the grid has about PROGRAMS programs, in at most MAX_SPLIT parts: on an H100 at 16 rows the 9B's
+# Q4_K shapes were fastest so (of 1, 4 and 16 parts: 4 for the 4096-row weights and attention's q+k, 1 for the
+# 24576-row gate+up; BENCHMARKS.md), where more parts cost more in the partial sums than a fuller grid gains.
+PROGRAMS = 600
+MAX_SPLIT = 4
 
 
 @dataclass
@@ -78,21 +83,20 @@ def dequantize(cols: Q4KColumns) -> torch.Tensor:
 
 
 @triton.jit
-def _chunk_dot(acc, x_ptr, rows, stride_x, M, k0, j, v):
-    """acc + x[rows, k0 + j] @ v for one 16-row chunk (rows past M read as zero)."""
+def _chunk_dot(acc, x_ptr, rows, stride_x, M, k0, j, v, IEEE: tl.constexpr):
+    """acc + x[rows, k0 + j] @ v for one 16-row chunk (rows past M read as zero). IEEE: fp32 activations (tests,
+    CPU), multiplied without tf32 rounding."""
     x = tl.load(x_ptr + rows[:, None] * stride_x + (k0 + j)[None, :], mask=rows[:, None] < M, other=0.0)
+    if IEEE:
+        return acc + tl.dot(x, v, input_precision="ieee")
     return acc + tl.dot(x, v)
 
 
 @triton.jit
 def _q4k_columns_kernel(x_ptr, codes_ptr, scales_ptr, d_ptr, dmin_ptr, out_ptr, M, N, stride_x, tiles_per_split,
-                        n_tiles, BN: tl.constexpr, CHUNKS: tl.constexpr, BITS: tl.constexpr = False,
-                        WIDE: tl.constexpr = False):
+                        n_tiles, BN: tl.constexpr, CHUNKS: tl.constexpr, IEEE: tl.constexpr = False):
     """Program (row block, column block, split): BN weight columns over its split's 256-value tiles, for up to
-    16 * CHUNKS activation rows, each 16-row chunk its own dot and accumulator. BITS: codes made floats from their
-    bits (exact, the place undone by a power of two in the scale: the same values) instead of conversions. WIDE: a
-    tile's 256 values made at once and each chunk's one dot of K = 256 (the same products, summed in another
-    order) instead of eight dots of K = 32."""
+    16 * CHUNKS activation rows, each 16-row chunk its own dot and accumulator."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -110,40 +114,19 @@ def _q4k_columns_kernel(x_ptr, codes_ptr, scales_ptr, d_ptr, dmin_ptr, out_ptr, 
         words = words.to(tl.uint32, bitcast=True)
         d = tl.load(d_ptr + t * N + cols, mask=col_ok, other=0.0).to(tl.float32)
         dmin = tl.load(dmin_ptr + t * N + cols, mask=col_ok, other=0.0).to(tl.float32)
-        if WIDE:  # the tile's 8 sub-blocks as [8, 32, BN], reshaped to [256, BN]: one dot of K = 256 a chunk
-            g = tl.arange(0, 8)
-            fields = tl.load(scales_ptr + (t * 8 + g)[:, None] * N + cols[None, :], mask=col_ok[None, :],
-                             other=0).to(tl.int32)
-            scale = (fields & 255).to(tl.float32) * d[None, :]
-            mins = ((fields >> 8) & 255).to(tl.float32) * dmin[None, :]
-            codes = (words[None, :, :] >> (4 * g).to(tl.uint32)[:, None, None]) & 15
-            v = codes.to(tl.float32) * scale[:, None, :] - mins[:, None, :]
-            v = tl.reshape(v, (256, BN)).to(x_ptr.dtype.element_ty)
-            kk = tl.arange(0, 256)
-            acc0 = _chunk_dot(acc0, x_ptr, r, stride_x, M, t * 256, kk, v)
-            if CHUNKS > 1:
-                acc1 = _chunk_dot(acc1, x_ptr, r + 16, stride_x, M, t * 256, kk, v)
-            if CHUNKS > 2:
-                acc2 = _chunk_dot(acc2, x_ptr, r + 32, stride_x, M, t * 256, kk, v)
-                acc3 = _chunk_dot(acc3, x_ptr, r + 48, stride_x, M, t * 256, kk, v)
-        for s in tl.static_range(0 if WIDE else 8):
+        for s in tl.static_range(8):
             field = tl.load(scales_ptr + (t * 8 + s) * N + cols, mask=col_ok, other=0).to(tl.int32)
             scale = (field & 255).to(tl.float32) * d
             mins = ((field >> 8) & 255).to(tl.float32) * dmin
-            if BITS:  # the code masked in place (bits 4s.., or 4s - 16.. of the upper half) under 2^23's exponent
-                half = words if s < 4 else words >> 16
-                code = ((half & (15 << (4 * (s % 4)))) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-                v = code * (scale * (1.0 / (1 << (4 * (s % 4)))))[None, :] - mins[None, :]
-            else:
-                v = ((words >> (4 * s)) & 15).to(tl.float32) * scale[None, :] - mins[None, :]
+            v = ((words >> (4 * s)) & 15).to(tl.float32) * scale[None, :] - mins[None, :]
             v = v.to(x_ptr.dtype.element_ty)
             k0 = t * 256 + s * 32
-            acc0 = _chunk_dot(acc0, x_ptr, r, stride_x, M, k0, j, v)
+            acc0 = _chunk_dot(acc0, x_ptr, r, stride_x, M, k0, j, v, IEEE)
             if CHUNKS > 1:
-                acc1 = _chunk_dot(acc1, x_ptr, r + 16, stride_x, M, k0, j, v)
+                acc1 = _chunk_dot(acc1, x_ptr, r + 16, stride_x, M, k0, j, v, IEEE)
             if CHUNKS > 2:
-                acc2 = _chunk_dot(acc2, x_ptr, r + 32, stride_x, M, k0, j, v)
-                acc3 = _chunk_dot(acc3, x_ptr, r + 48, stride_x, M, k0, j, v)
+                acc2 = _chunk_dot(acc2, x_ptr, r + 32, stride_x, M, k0, j, v, IEEE)
+                acc3 = _chunk_dot(acc3, x_ptr, r + 48, stride_x, M, k0, j, v, IEEE)
     out = out_ptr + pid_s * M * N + cols[None, :]
     tl.store(out + r[:, None] * N, acc0.to(out_ptr.dtype.element_ty), mask=(r[:, None] < M) & col_ok[None, :])
     if CHUNKS > 1:
@@ -163,15 +146,14 @@ def chunks(m: int) -> int:
 
 def config(n: int, k: int) -> tuple[int, int, int, int]:
     """(BN, warps, pipeline stages, splits of K) for an [n, k] weight: the weight's shape alone decides, so every
-    row of a batch is computed the same way whatever the batch. Splits bring the grid to about PROGRAMS."""
+    row of a batch is computed the same way whatever the batch."""
     block_n = 64
     n_tiles = k // 256
-    split = max(1, min(n_tiles, PROGRAMS // triton.cdiv(n, block_n), 16))
+    split = max(1, min(n_tiles, PROGRAMS // triton.cdiv(n, block_n), MAX_SPLIT))
     return block_n, 4, 3, split
 
 
-def columns_mm(x: torch.Tensor, cols: Q4KColumns, cfg: tuple[int, int, int, int] | None = None,
-               bits: bool = False, wide: bool = False) -> torch.Tensor:
+def columns_mm(x: torch.Tensor, cols: Q4KColumns, cfg: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """x [M, K] (M <= 64) times the laid-out weight [N, K] transposed -> [M, N] in x's dtype, fp32 sums."""
     m, k = x.shape
     n, kw = cols.shape
@@ -186,5 +168,6 @@ def columns_mm(x: torch.Tensor, cols: Q4KColumns, cfg: tuple[int, int, int, int]
     out = torch.empty((split, m, n), dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
     grid = (triton.cdiv(m, 16 * c), triton.cdiv(n, block_n), split)
     _q4k_columns_kernel[grid](x, cols.codes, cols.scales, cols.d, cols.dmin, out, m, n, x.stride(0), per_split,
-                              n_tiles, BN=block_n, CHUNKS=c, BITS=bits, WIDE=wide, num_warps=warps, num_stages=stages)
+                              n_tiles, BN=block_n, CHUNKS=c, IEEE=x.dtype == torch.float32, num_warps=warps,
+                              num_stages=stages)
     return out[0] if split == 1 else out.sum(0).to(x.dtype)
