@@ -307,7 +307,7 @@ def kept_columns(linears):
 
 
 # Products of more rows than the int8 mat-vec takes, up to this many, read a Q4_K projection's column layout where
-# one is kept (`keep_columns`). On an H100 a 9B token's Q4_K projections took 2.88 ms at 16 rows on the column
+# one is kept (`keep_columns`). On an H100 a 9B token's Q4_K projections took 2.85 ms at 16 rows on the column
 # kernel against 4.06 ms on cuBLAS over the dense copies, and 5.32 against 4.04 at 64 rows (BENCHMARKS.md): more
 # rows multiply the copies.
 COLUMNS_ROWS = 16
