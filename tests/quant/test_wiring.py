@@ -265,3 +265,30 @@ def test_model_with_dense_copies_gives_the_logits_of_its_blocks(gguf_dense_q8_0,
         assert rel(kept.logits(prompt), want) <= 1e-5  # the per-module exact path too
         assert rows == []  # no product read the blocks
         monkeypatch.undo()
+
+
+def test_model_lays_out_every_q4_k_projection_by_column(gguf_dense_q4_k_m):
+    """`keep_column_weights` (hf2q serve --batched-weights columns) lays out every Q4_K projection once (a pack's
+    Q4_K part together, the others alone; this tiny file's Q4_K projections are its MLPs' down projections, outside
+    packs: a pack's layout is tested in tests/quant/test_kernels.py), none of another type; each layout holds
+    exactly the blocks' values."""
+    from hf2q.kernels.linear.ops import kept_columns
+    from hf2q.kernels.quant.q4k_columns import dequantize
+
+    net = load(gguf_dense_q4_k_m, True)
+    kept = net.keep_column_weights()
+    covered = {}
+    for layer in net.layers:
+        for group in layer.mixer.packs + layer.ffn.packs:
+            part = [lin for lin in group if lin.qtype == "Q4_K"]
+            if part:
+                covered.update({id(lin): (part, kept_columns(part)) for lin in part})
+    for module in net.modules():
+        if isinstance(module, Linear) and module.qtype == "Q4_K" and id(module) not in covered:
+            covered[id(module)] = ([module], kept_columns([module]))
+    layouts = {id(cols): (part, cols) for part, cols in covered.values()}
+    assert covered and all(cols is not None for _, cols in covered.values())
+    assert kept == sum(cols.nbytes for _, cols in layouts.values())
+    for part, cols in layouts.values():
+        want = torch.cat([dequantize_ref(lin.qweight, "Q4_K", (lin.out_features, lin.in_features)) for lin in part])
+        assert torch.equal(dequantize(cols), want)
