@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks behind BENCHMARKS.md, in stages that each fit a few minutes:
-#   tools/gpu_check.sh tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu|ncu-mm|mm|serve|serve-ab|peer|ttft|kv|mtp|spec-serve|verify|matvec|prefix|trace|served-profile|warmup|soak|soak-start|soak-finish|prime [OUT_DIR]
+#   tools/gpu_check.sh tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu|ncu-mm|mm|columns|serve|serve-ab|peer|ttft|kv|mtp|spec-serve|verify|matvec|prefix|trace|served-profile|warmup|soak|soak-start|soak-finish|prime [OUT_DIR]
 # tests: every GPU-marked test (the quantized greedy-token test first) and the Triton kernel tests on the device;
 # quant: 9B Q4_K_M end to end and per projection; bf16: 9B and 2B; moe: 35B-A3B bf16 and Q4_K_M;
 # decode (bf16: 35B-A3B, 2B, 9B), decode-q (9B Q4_K_M) and decode-q-moe (35B-A3B Q4_K_M): batch-1
@@ -14,7 +14,8 @@
 # configuration; ncu-mm: the same view of the batched-decode tile kernel (attn.o and gate+up at 16 and 64 rows);
 # mm: the batched-decode kernels' tests on the device, the tile kernel against the int8
 # tensor-core kernel (HF2Q_QUANT_MM=mmq) and dequantize + cuBLAS (tools/quant_mm_sweep.py; SWEEP_FLAGS adds
-# flags, e.g. SWEEP_FLAGS=--gemlite for GemLite's kernels, carried as a wheel); serve: a random GGUF (SHAPE, 9b; MIX=q4_k_m or bf16,
+# flags, e.g. SWEEP_FLAGS=--gemlite for GemLite's kernels, carried as a wheel); columns: the Q4_K column kernel's tests
+# on the device and its sweep against cuBLAS on the dense copies at 8-64 rows (tools/q4k_columns_sweep.py); serve: a random GGUF (SHAPE, 9b; MIX=q4_k_m or bf16,
 # tools/random_gguf.py) served by hf2q serve and measured by hf2q bench serve at 1, 4, 16 and 64 clients (64-token
 # prompts, 256 new tokens), then 16 clients with 2048-token prompts, then a second start (warm caches) and 1 client
 # (HF2Q_QUANT_MM=mmq in the environment serves 5-64 rows on the int8 tensor-core kernel; SERVE_FLAGS adds
@@ -47,7 +48,7 @@
 # once ready; `prime` again in the next call waits for the same start. Figures also go to OUT_DIR/*.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?stage: tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu|mm|serve|serve-ab|peer|ttft|kv|mtp|spec-serve|verify|matvec|prefix|trace|served-profile|warmup|soak|soak-start|soak-finish|prime}
+stage=${1:?stage: tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu|mm|columns|serve|serve-ab|peer|ttft|kv|mtp|spec-serve|verify|matvec|prefix|trace|served-profile|warmup|soak|soak-start|soak-finish|prime}
 out=${2:-.}
 mkdir -p "$out"
 # healthy PID PORT LOG: wait until the server on PORT answers /health with 200; if PID ends first, LOG's tail, exit 1
@@ -196,6 +197,8 @@ torch.cuda.synchronize()" | tee "$out/ncu_mm.txt" ;;
            -k "quant_mm or quant_linear or mmq"
          timeout 400 python tools/quant_mm_sweep.py --rows 16 32 64 --configs 64,4 --split-factors 1 ${SWEEP_FLAGS:-} \
            | tee "$out/quant_mm_sweep.txt" ;;
+  columns) python -m pytest -q -p no:cacheprovider tests/quant/test_kernels.py -k "q4k_columns or kept_columns"
+         timeout 300 python tools/q4k_columns_sweep.py --rows 8 16 32 64 | tee "$out/q4k_columns_sweep.txt" ;;
   serve) mix=${MIX:-q4_k_m}; mtp=${MTP:+-mtp}; shape=${SHAPE:-9b}; model=${MODEL_DIR:-/tmp}/hf2q-$shape-$mix$mtp.gguf; port=8090
          [ -f "$model" ] || python tools/random_gguf.py --shape "$shape" --mix "$mix" ${MTP:+--mtp} -o "$model"
          start "$out/serve_$mix.log" ${SERVE_FLAGS:-}
