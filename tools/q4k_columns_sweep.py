@@ -1,5 +1,5 @@
 """The Q4_K column kernel (kernels/quant/q4k_columns.py) against cuBLAS on the bf16 dequantized copy, per 9B Q4_K
-projection shape and row count (CUDA only): the kernel's configurations swept (column block, parts of K), the one
+projection shape and row count (CUDA only): the kernel's configurations swept (column blocks of 32, 64 and 128, parts of K), the one
 `config()` picks, and cuBLAS; the last lines sum a 9B token's Q4_K projections (hf2q.bench.quant.LAYER_SET).
 
     python tools/q4k_columns_sweep.py [--rows 8 16 32 64]
@@ -47,7 +47,7 @@ def main() -> None:
             err = float((qc.columns_mm(x, cols).float() - ref).norm() / ref.norm())
             t_default = graph_time_us(lambda c: qc.columns_mm(x, c), layouts)
             swept = sorted((graph_time_us(lambda c: qc.columns_mm(x, c, (bn, 4, 3, s)), layouts), bn, s)
-                           for bn in (64, 128) for s in args.splits if s <= k // 256)
+                           for bn in (32, 64, 128) for s in args.splits if s <= k // 256)
             totals[(m, "cuBLAS")] = totals.get((m, "cuBLAS"), 0.0) + t_dense * times
             totals[(m, "columns")] = totals.get((m, "columns"), 0.0) + t_default * times
             print(f"{name} {n}x{k}, {m} rows: cuBLAS {t_dense:.1f} us, columns {t_default:.1f} us at "
