@@ -1,6 +1,7 @@
 """The Q4_K column kernel (kernels/quant/q4k_columns.py) against cuBLAS on the bf16 dequantized copy, per 9B Q4_K
-projection shape and row count (CUDA only): the kernel's configurations swept (column blocks of 32, 64 and 128, parts of K), the one
-`config()` picks, and cuBLAS; the last lines sum a 9B token's Q4_K projections (hf2q.bench.quant.LAYER_SET).
+projection shape and row count (CUDA only): the kernel's configurations swept (column blocks of 32, 64 and 128,
+parts of K), the one `config()` picks, and cuBLAS; the last lines sum a 9B token's Q4_K projections
+(hf2q.bench.quant.LAYER_SET).
 
     python tools/q4k_columns_sweep.py [--rows 8 16 32 64]
 
