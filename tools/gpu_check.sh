@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks behind BENCHMARKS.md, in stages that each fit a few minutes:
-#   tools/gpu_check.sh tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu|ncu-mm|mm|columns|serve|serve-ab|peer|ttft|kv|mtp|spec-serve|verify|matvec|prefix|trace|served-profile|warmup|soak|soak-start|soak-finish|prime [OUT_DIR]
+#   tools/gpu_check.sh tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu|ncu-mm|ncu-columns|mm|columns|serve|serve-ab|peer|ttft|kv|mtp|spec-serve|verify|matvec|prefix|trace|served-profile|warmup|soak|soak-start|soak-finish|prime [OUT_DIR]
 # tests: every GPU-marked test (the quantized greedy-token test first) and the Triton kernel tests on the device;
 # quant: 9B Q4_K_M end to end and per projection; bf16: 9B and 2B; moe: 35B-A3B bf16 and Q4_K_M;
 # decode (bf16: 35B-A3B, 2B, 9B), decode-q (9B Q4_K_M) and decode-q-moe (35B-A3B Q4_K_M): batch-1
@@ -12,6 +12,7 @@
 # step's other kernels at batch 1 (paged attention, the DeltaNet step, the MoE expert kernels); ncu: Nsight Compute's view (bandwidth,
 # occupancy, stall reasons) of the int8 mat-vec on a small and a large 9B projection, at the default
 # configuration; ncu-mm: the same view of the batched-decode tile kernel (attn.o and gate+up at 16 and 64 rows);
+# ncu-columns: the same of the Q4_K column kernel;
 # mm: the batched-decode kernels' tests on the device, the tile kernel against the int8
 # tensor-core kernel (HF2Q_QUANT_MM=mmq) and dequantize + cuBLAS (tools/quant_mm_sweep.py; SWEEP_FLAGS adds
 # flags, e.g. SWEEP_FLAGS=--gemlite for GemLite's kernels, carried as a wheel); columns: the Q4_K column kernel's tests
@@ -48,7 +49,7 @@
 # once ready; `prime` again in the next call waits for the same start. Figures also go to OUT_DIR/*.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?stage: tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu|mm|columns|serve|serve-ab|peer|ttft|kv|mtp|spec-serve|verify|matvec|prefix|trace|served-profile|warmup|soak|soak-start|soak-finish|prime}
+stage=${1:?stage: tests|quant|bf16|moe|decode|decode-q|decode-q-moe|pdl|gemv|sweeps|ncu|ncu-columns|mm|columns|serve|serve-ab|peer|ttft|kv|mtp|spec-serve|verify|matvec|prefix|trace|served-profile|warmup|soak|soak-start|soak-finish|prime}
 out=${2:-.}
 mkdir -p "$out"
 # healthy PID PORT LOG: wait until the server on PORT answers /health with 200; if PID ends first, LOG's tail, exit 1
@@ -197,6 +198,19 @@ torch.cuda.synchronize()" | tee "$out/ncu_mm.txt" ;;
            -k "quant_mm or quant_linear or mmq"
          timeout 400 python tools/quant_mm_sweep.py --rows 16 32 64 --configs 64,4 --split-factors 1 ${SWEEP_FLAGS:-} \
            | tee "$out/quant_mm_sweep.txt" ;;
+  ncu-columns) # the same view of the Q4_K column kernel (kernels/quant/q4k_columns.py) on the same shapes and rows
+         ncu --clock-control none --kernel-name regex:_q4k_columns_kernel --launch-skip 4 --launch-count 4 \
+           --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \
+           --section MemoryWorkloadAnalysis --section LaunchStats python -c "
+import torch
+from hf2q.kernels.quant.q4k_columns import columns_mm, from_blocks
+from hf2q.quant import random_blocks
+weights = [from_blocks(random_blocks('Q4_K', n, 4096, std=0.02, seed=n).to('cuda'), n) for n in (4096, 24576)]
+for _ in range(2):
+    for cols in weights:
+        for m in (16, 64):
+            columns_mm(torch.randn(m, 4096, device='cuda', dtype=torch.bfloat16), cols)
+torch.cuda.synchronize()" | tee "$out/ncu_columns.txt" ;;
   columns) python -m pytest -q -p no:cacheprovider tests/quant/test_kernels.py -k "q4k_columns or kept_columns"
          timeout 300 python tools/q4k_columns_sweep.py --rows 8 16 32 64 | tee "$out/q4k_columns_sweep.txt" ;;
   serve) mix=${MIX:-q4_k_m}; mtp=${MTP:+-mtp}; shape=${SHAPE:-9b}; model=${MODEL_DIR:-/tmp}/hf2q-$shape-$mix$mtp.gguf; port=8090
