@@ -161,15 +161,12 @@ def _views_of(packed: torch.Tensor, parts) -> bool:
 
 
 def _packed_by_type(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
-    columns = kept_columns(linears)
-    if columns_serve(x, columns):
-        return torch.split(columns_linear(x, columns), [lin.out_features for lin in linears], dim=-1)
+    groups = _type_groups(linears)
+    if len(groups) == 1:  # one quantized type: its column layout, dense copy or blocks
+        return _packed_quant_linear(x, linears)
     whole = _dense_copy(linears, sum(lin.out_features for lin in linears))
     if dense_serves(x, whole):  # one copy of the whole pack, whatever its types: one GEMM, as a dense file's pack
         return torch.split(linear(x, whole), [lin.out_features for lin in linears], dim=-1)
-    groups = _type_groups(linears)
-    if len(groups) == 1:
-        return _packed_quant_linear(x, linears)
     out: list = [None] * len(linears)
     quant = [(qtype, idx) for qtype, idx in groups.items() if qtype is not None]
     if len(quant) == 2:  # two types (a DeltaNet's Q5_K qkv and Q4_K z/a/b): one launch where the mat-vec serves
@@ -316,12 +313,12 @@ COLUMNS_ROWS = 16
 def columns_serve(x: torch.Tensor, columns) -> bool:
     """Whether x multiplies the column layout `columns` (None: none kept): more rows than the int8 mat-vec
     takes, up to COLUMNS_ROWS, where Triton runs."""
+    if columns is None:  # every quantized product asks: no import until a layout is kept
+        return False
     from hf2q.kernels.choose import triton_runs
     from hf2q.kernels.quant.ops import MATVEC_ROWS
 
-    if columns is None or not triton_runs(x):
-        return False
-    return MATVEC_ROWS < x.numel() // x.shape[-1] <= COLUMNS_ROWS
+    return triton_runs(x) and MATVEC_ROWS < x.numel() // x.shape[-1] <= COLUMNS_ROWS
 
 
 def columns_linear(x: torch.Tensor, columns) -> torch.Tensor:
