@@ -83,8 +83,7 @@ def _fill(model: Qwen35Model, gguf: GGUFFile, cfg: ModelConfig, device, dtype, w
                         + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
     # Buffers were made on the meta device: build the rotary tables for real and share them.
     model.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, cfg.rope_sections).to(device)
-    layers = list(model.layers) + ([model.mtp.layer] if model.mtp is not None else [])
-    for layer in layers:
+    for layer in model.blocks():
         if layer.is_full_attention:
             layer.mixer.rotary = model.rotary
 

@@ -100,10 +100,14 @@ class Qwen35Model(nn.Module):
         self.lm_head = None if tie_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
         self.mtp = None  # set by the loader when the file carries an MTP layer
 
+    def blocks(self) -> list:
+        """Every decoder block, the MTP block's too."""
+        return list(self.layers) + ([self.mtp.layer] if self.mtp is not None else [])
+
     def pack_weights(self) -> "Qwen35Model":
         """Pack every block's projections (DecoderLayer.pack_weights), the MTP block's too: call once the
         weights are loaded on their final device."""
-        for layer in list(self.layers) + ([self.mtp.layer] if self.mtp is not None else []):
+        for layer in self.blocks():
             layer.pack_weights()
         return self
 
@@ -112,7 +116,7 @@ class Qwen35Model(nn.Module):
         (linear_ops.keep_dense), for products of many rows; MoE experts stay blocks only. Returns the bytes
         kept; call after pack_weights."""
         kept = 0
-        for layer in list(self.layers) + ([self.mtp.layer] if self.mtp is not None else []):
+        for layer in self.blocks():
             for group in layer.mixer.packs + layer.ffn.packs:
                 kept += linear_ops.keep_dense(group, dtype)
         for module in self.modules():  # the projections outside packs (the LM head, output projections)
@@ -125,7 +129,7 @@ class Qwen35Model(nn.Module):
         for products of 5-16 rows; MoE experts stay blocks only. Returns the bytes kept; call after
         pack_weights."""
         kept, packed = 0, set()
-        for layer in list(self.layers) + ([self.mtp.layer] if self.mtp is not None else []):
+        for layer in self.blocks():
             for group in layer.mixer.packs + layer.ffn.packs:
                 kept += linear_ops.keep_columns(group)
                 packed.update(id(lin) for lin in group)
